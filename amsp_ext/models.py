@@ -1,0 +1,52 @@
+"""Built-in Llama configurations (transformers ``LlamaForCausalLM`` from a config; never
+downloaded weights). ``tiny-llama`` is the default for the main job and the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from amsp_ext.data import VOCAB_SIZE
+
+__all__ = ["MODEL_CONFIGS", "build_llama", "causal_lm_loss", "llama_config_dict"]
+
+# Small enough for 8 gloo ranks on 2 CPU cores; GQA (2 kv heads) and SwiGLU like the real family.
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
+    "small-llama": dict(
+        vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def llama_config_dict(name: str) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` content of a built-in model (Llama architecture)."""
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"model must be one of {', '.join(MODEL_CONFIGS)}, got {name!r}")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "rms_norm_eps": 1e-5, "hidden_act": "silu", **MODEL_CONFIGS[name]}
+
+
+def build_llama(name: str = "tiny-llama", *, seed: int = 0, **overrides: Any):
+    """A freshly initialised ``LlamaForCausalLM`` (fp32, eager attention), same on every rank."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {**llama_config_dict(name), **overrides}
+    config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def causal_lm_loss(model, batch):
+    """Mean next-token cross-entropy of ``batch`` (``[B, seq_len + 1]`` tokens, see amsp_ext.data)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())

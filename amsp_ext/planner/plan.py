@@ -1,0 +1,283 @@
+"""The AMSP plan: six sharding factors, their rules, their text form and the named baselines.
+
+A plan gives each model-state component ``c`` in {p (parameters), g (gradients), os (optimizer
+states)} a 2-D device mesh ``s0_c x s1_c``: ``s0_c`` GPUs inside a node times ``s1_c`` nodes.
+In pure data parallelism ``s0_dp = R`` (GPUs per node) and ``s1_dp = N`` (nodes).
+
+[Note: which rules are structural and which are search heuristics]
+The paper's pre-filter applies five rules. Three are *structural*: without them the
+per-component groups cannot be built (positive factors, the dependency rule Eq. 3-4, and
+divisibility Eq. 5-6, which we read as "each factor divides the next one up", so that a
+parameter-shard group nests inside a gradient group, which nests inside an optimizer-state
+group, which tiles the node/cluster). Two are *search heuristics* that prune plans the paper
+argues are never better: the cross-node rule (Eq. 7) and ``sg in {sp, sos}``. The engine can
+execute any structurally valid plan; the planner only proposes plans that pass all five.
+
+This module is pure Python: the planner never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = [
+    "COMPONENTS",
+    "NAMED_PLANS",
+    "Plan",
+    "PlanError",
+    "RULES",
+    "Violation",
+    "check_plan",
+    "named_plan",
+    "parse_plan",
+    "resolve_plan",
+]
+
+COMPONENTS = ("p", "g", "os")
+RULES = ("positive", "dependency", "divisibility", "cross_node", "sg_choice")
+STRUCTURAL_RULES = ("positive", "dependency", "divisibility")
+NAMED_PLANS = ("ddp", "zero1", "zero2", "zero3", "mics:K")
+
+
+class PlanError(ValueError):
+    """A plan that cannot run on the given world. The message is one line naming the field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Violation:
+    rule: str  # one of RULES
+    message: str  # one line, names the factor(s) at fault
+
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.message}"
+
+
+@dataclass(frozen=True, kw_only=True, order=True)
+class Plan:
+    """Six sharding factors. ``order=True`` gives the deterministic tuple order used in ties."""
+
+    s0_p: int = 1
+    s1_p: int = 1
+    s0_g: int = 1
+    s1_g: int = 1
+    s0_os: int = 1
+    s1_os: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise PlanError(f"plan.{f.name} must be an integer >= 1, got {v!r}")
+            if v < 1:
+                raise PlanError(f"plan.{f.name} must be an integer >= 1, got {v}")
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def sp(self) -> int:
+        return self.s0_p * self.s1_p
+
+    @property
+    def sg(self) -> int:
+        return self.s0_g * self.s1_g
+
+    @property
+    def sos(self) -> int:
+        return self.s0_os * self.s1_os
+
+    def mesh(self, component: str) -> tuple[int, int]:
+        """``(s0, s1)`` of ``component`` in {"p", "g", "os"}."""
+        if component not in COMPONENTS:
+            raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")
+        return getattr(self, f"s0_{component}"), getattr(self, f"s1_{component}")
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def as_tuple(self) -> tuple[int, int, int, int, int, int]:
+        return (self.s0_p, self.s1_p, self.s0_g, self.s1_g, self.s0_os, self.s1_os)
+
+    # -- text form ---------------------------------------------------------------------------
+    def __str__(self) -> str:
+        return (
+            f"p={self.s0_p}x{self.s1_p},g={self.s0_g}x{self.s1_g},"
+            f"os={self.s0_os}x{self.s1_os}"
+        )
+
+    def fingerprint(self) -> str:
+        """Short stable hash: ranks compare it at init to catch mismatched plans."""
+        return hashlib.sha256(str(self).encode()).hexdigest()[:16]
+
+    # -- meshes the collectives run on (paper Sec. IV-C) --------------------------------------
+    def replica_mesh(self, gpus_per_node: int, num_nodes: int) -> tuple[int, int]:
+        """Mesh of the T0_os all-reduce: ranks holding the same parameter shard."""
+        return gpus_per_node // self.s0_p, num_nodes // self.s1_p
+
+    def grad_mesh(self) -> tuple[int, int]:
+        """Mesh of the Tg all-reduce (non-last micro-batches, when sg > sp)."""
+        return self.s0_g // self.s0_p, self.s1_g // self.s1_p
+
+    def bcast_mesh(self) -> tuple[int, int]:
+        """Mesh of the T1_os broadcasts of updated parameters."""
+        return self.s0_os // self.s0_p, self.s1_os // self.s1_p
+
+
+_PLAN_RE = re.compile(r"^\s*(p|g|os)\s*=\s*(\d+)\s*[x×*]\s*(\d+)\s*$")
+
+
+def parse_plan(text: str) -> Plan:
+    """Parse ``"p=2x1,g=2x1,os=2x2"`` (any order; a missing ``g`` defaults to ``p``)."""
+    if not isinstance(text, str) or not text.strip():
+        raise PlanError("plan must look like 'p=S0xS1,g=S0xS1,os=S0xS1', got an empty value")
+    seen: dict[str, tuple[int, int]] = {}
+    for part in text.split(","):
+        m = _PLAN_RE.match(part)
+        if not m:
+            raise PlanError(
+                f"plan: cannot read {part.strip()!r}; expected 'p=S0xS1,g=S0xS1,os=S0xS1' "
+                f"or one of {', '.join(NAMED_PLANS)}"
+            )
+        comp, s0, s1 = m.group(1), int(m.group(2)), int(m.group(3))
+        if comp in seen:
+            raise PlanError(f"plan: component {comp!r} given twice in {text!r}")
+        seen[comp] = (s0, s1)
+    if "p" not in seen or "os" not in seen:
+        raise PlanError(f"plan: both 'p=' and 'os=' are required, got {text!r}")
+    g = seen.get("g", seen["p"])
+    return Plan(
+        s0_p=seen["p"][0], s1_p=seen["p"][1],
+        s0_g=g[0], s1_g=g[1],
+        s0_os=seen["os"][0], s1_os=seen["os"][1],
+    )
+
+
+def _mesh_of_size(size: int, gpus_per_node: int, num_nodes: int, field: str) -> tuple[int, int]:
+    """Lay ``size`` GPUs out as a node-filling mesh (Eq. 7): inside one node when it fits."""
+    world = gpus_per_node * num_nodes
+    if size < 1 or size > world:
+        raise PlanError(f"{field}: group size must be in 1..{world} (world size), got {size}")
+    if size <= gpus_per_node:
+        if gpus_per_node % size:
+            raise PlanError(
+                f"{field}: group size {size} must divide gpus_per_node={gpus_per_node} "
+                f"or be a multiple of it"
+            )
+        return size, 1
+    if size % gpus_per_node or num_nodes % (size // gpus_per_node):
+        raise PlanError(
+            f"{field}: group size {size} must be a multiple of gpus_per_node={gpus_per_node} "
+            f"whose node count divides num_nodes={num_nodes}"
+        )
+    return gpus_per_node, size // gpus_per_node
+
+
+def named_plan(name: str, *, gpus_per_node: int, num_nodes: int) -> Plan:
+    """The classic systems as AMSP plans: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``mics:K``.
+
+    ZeRO++ is not an AMSP plan (it keeps a second, smaller parameter mesh for the backward
+    all-gather); the planner costs it as a baseline of its own.
+    """
+    R, N = gpus_per_node, num_nodes
+    key = name.strip().lower()
+    if key == "ddp":
+        return Plan()
+    if key == "zero1":
+        return Plan(s0_os=R, s1_os=N)
+    if key == "zero2":
+        return Plan(s0_g=R, s1_g=N, s0_os=R, s1_os=N)
+    if key == "zero3":
+        return Plan(s0_p=R, s1_p=N, s0_g=R, s1_g=N, s0_os=R, s1_os=N)
+    if key.startswith("mics"):
+        _, _, k = key.partition(":")
+        if not k.isdigit():
+            raise PlanError(f"plan: 'mics' needs a shard group size, e.g. 'mics:{R}', got {name!r}")
+        s0, s1 = _mesh_of_size(int(k), R, N, "plan mics:K")
+        return Plan(s0_p=s0, s1_p=s1, s0_g=s0, s1_g=s1, s0_os=s0, s1_os=s1)
+    raise PlanError(
+        f"plan: unknown name {name!r}; use one of {', '.join(NAMED_PLANS)}, 'auto', "
+        f"or factors like 'p=2x1,g=2x1,os=2x2'"
+    )
+
+
+def resolve_plan(spec: "Plan | str", *, gpus_per_node: int, num_nodes: int) -> Plan:
+    """A Plan, a factor string or a baseline name -> Plan. ``auto`` is the planner's job."""
+    if isinstance(spec, Plan):
+        return spec
+    if not isinstance(spec, str):
+        raise PlanError(f"plan must be a Plan or a string, got {type(spec).__name__}")
+    if spec.strip().lower() == "auto":
+        raise PlanError("plan 'auto' must be resolved by the planner (amsp_ext.planner.search)")
+    if "=" in spec:
+        return parse_plan(spec)
+    return named_plan(spec, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
+
+
+def _violations(plan: Plan, R: int, N: int) -> Iterator[Violation]:
+    chain0 = [("s0_p", plan.s0_p), ("s0_g", plan.s0_g), ("s0_os", plan.s0_os), ("R", R)]
+    chain1 = [("s1_p", plan.s1_p), ("s1_g", plan.s1_g), ("s1_os", plan.s1_os), ("N", N)]
+    for chain, eq in ((chain0, "Eq. 3"), (chain1, "Eq. 4")):
+        for (na, a), (nb, b) in zip(chain, chain[1:]):
+            if a > b:
+                yield Violation(
+                    rule="dependency",
+                    message=f"{na}={a} > {nb}={b}; needs s_p <= s_g <= s_os <= s_dp ({eq})",
+                )
+    for chain, eq in ((chain0, "Eq. 5"), (chain1, "Eq. 6")):
+        for (na, a), (nb, b) in zip(chain, chain[1:]):
+            if a <= b and b % a:
+                yield Violation(
+                    rule="divisibility",
+                    message=f"{na}={a} does not divide {nb}={b} ({eq}: groups must tile)",
+                )
+    for comp in COMPONENTS:
+        s0, s1 = plan.mesh(comp)
+        if s1 > 1 and s0 != R:
+            yield Violation(
+                rule="cross_node",
+                message=f"s1_{comp}={s1} > 1 needs s0_{comp}=R={R}, got {s0} (Eq. 7)",
+            )
+    if plan.mesh("g") not in (plan.mesh("p"), plan.mesh("os")):
+        yield Violation(
+            rule="sg_choice",
+            message=(
+                f"g={plan.s0_g}x{plan.s1_g} must equal p={plan.s0_p}x{plan.s1_p} "
+                f"or os={plan.s0_os}x{plan.s1_os}"
+            ),
+        )
+
+
+def check_plan(
+    plan: Plan, *, gpus_per_node: int, num_nodes: int, structural_only: bool = False
+) -> list[Violation]:
+    """Every rule ``plan`` breaks on a world of ``num_nodes`` x ``gpus_per_node``.
+
+    ``structural_only`` keeps the rules the engine needs and drops the search heuristics.
+    """
+    if gpus_per_node < 1:
+        raise PlanError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+    if num_nodes < 1:
+        raise PlanError(f"num_nodes must be >= 1, got {num_nodes}")
+    found = list(_violations(plan, gpus_per_node, num_nodes))
+    if structural_only:
+        found = [v for v in found if v.rule in STRUCTURAL_RULES]
+    return found
+
+
+def validate_plan(
+    plan: Plan, *, gpus_per_node: int, num_nodes: int, structural_only: bool = False
+) -> Plan:
+    """Raise PlanError (one line, first broken rule) or return ``plan``."""
+    bad = check_plan(
+        plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=structural_only
+    )
+    if bad:
+        raise PlanError(
+            f"plan {plan} does not fit {num_nodes} node(s) x {gpus_per_node} GPU(s): {bad[0]}"
+        )
+    return plan
+
+
+__all__.append("validate_plan")

@@ -1,0 +1,69 @@
+"""Build the plan's process groups once, with torch's DeviceMesh.
+
+The eight-axis mesh of :mod:`amsp_ext.topology.groups` becomes one ``DeviceMesh``; each group
+kind is a flattened sub-mesh over its axes. We cross-check every group against the pure-Python
+rank lists, so the tested layout is the one that runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from amsp_ext.planner.plan import Plan
+from amsp_ext.topology.groups import GROUP_AXES, GROUP_KINDS, MESH_AXES, World, axis_sizes, mesh_ranks, rank_groups
+
+__all__ = ["PlanMesh", "build_plan_mesh"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanMesh:
+    plan: Plan
+    world: World
+    device_mesh: DeviceMesh
+    submeshes: dict[str, DeviceMesh]  # kind -> 1-D mesh
+    groups: dict[str, dist.ProcessGroup]  # kind -> this rank's group
+    ranks: dict[str, list[int]]  # kind -> this rank's group, as global ranks
+
+    def group(self, kind: str) -> dist.ProcessGroup:
+        return self.groups[kind]
+
+    def size(self, kind: str) -> int:
+        return len(self.ranks[kind])
+
+    def name(self, kind: str) -> str:
+        """Label used in traces and timeout messages, e.g. ``param_replica[0,2]``."""
+        return f"{kind}[{','.join(map(str, self.ranks[kind]))}]"
+
+
+def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu") -> PlanMesh:
+    """Collective over the default group: every rank must call it with the same plan."""
+    if dist.get_world_size() != world.size:
+        raise ValueError(
+            f"world size {dist.get_world_size()} != num_nodes x gpus_per_node = "
+            f"{world.num_nodes} x {world.gpus_per_node}"
+        )
+    sizes = axis_sizes(plan, world)
+    layout = torch.empty([sizes[a] for a in MESH_AXES], dtype=torch.int)
+    for coord, rank in mesh_ranks(plan, world).items():
+        layout[coord] = rank
+    mesh = DeviceMesh(device_type, layout, mesh_dim_names=MESH_AXES)
+    expected = rank_groups(plan, world)
+    me = dist.get_rank()
+    submeshes: dict[str, DeviceMesh] = {}
+    groups: dict[str, dist.ProcessGroup] = {}
+    ranks: dict[str, list[int]] = {}
+    for kind in GROUP_KINDS:
+        axes = GROUP_AXES[kind]
+        sub = mesh[axes]._flatten(kind) if len(axes) > 1 else mesh[axes[0]]
+        pg = sub.get_group()
+        got = sorted(dist.get_process_group_ranks(pg))
+        want = next(g for g in expected[kind] if me in g)
+        if got != want:  # pragma: no cover - guards the layout against DeviceMesh changes
+            raise RuntimeError(f"{kind}: DeviceMesh group {got} != planned {want}")
+        submeshes[kind], groups[kind], ranks[kind] = sub, pg, want
+    return PlanMesh(plan=plan, world=world, device_mesh=mesh, submeshes=submeshes,
+                    groups=groups, ranks=ranks)

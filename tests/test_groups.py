@@ -1,0 +1,77 @@
+"""Plan -> rank groups: every rank in exactly one group of each kind, sizes and locality as planned."""
+
+import itertools
+
+import pytest
+
+from amsp_ext.planner.plan import Plan, check_plan, parse_plan
+from amsp_ext.topology.groups import GROUP_KINDS, World, group_of, rank_groups
+
+
+def legal_plans(R, N):
+    div0 = [d for d in range(1, R + 1) if R % d == 0]
+    div1 = [d for d in range(1, N + 1) if N % d == 0]
+    for f in itertools.product(div0, div1, div0, div1, div0, div1):
+        p = Plan(s0_p=f[0], s1_p=f[1], s0_g=f[2], s1_g=f[3], s0_os=f[4], s1_os=f[5])
+        if not check_plan(p, gpus_per_node=R, num_nodes=N):
+            yield p
+
+
+def expected_sizes(p, R, N):
+    return {
+        "param_shard": p.sp,
+        "param_replica": (R // p.s0_p) * (N // p.s1_p),
+        "grad": (p.s0_g // p.s0_p) * (p.s1_g // p.s1_p),
+        "optim": p.sos,
+        "optim_bcast": (p.s0_os // p.s0_p) * (p.s1_os // p.s1_p),
+    }
+
+
+@pytest.mark.parametrize("R,N", [(2, 2), (4, 2), (8, 4), (2, 8)])
+def test_partition_sizes_and_nesting(R, N):
+    world = World(num_nodes=N, gpus_per_node=R)
+    plans = list(legal_plans(R, N))
+    assert plans
+    for p in plans:
+        groups = rank_groups(p, world)
+        sizes = expected_sizes(p, R, N)
+        for kind in GROUP_KINDS:
+            flat = sorted(r for g in groups[kind] for r in g)
+            assert flat == list(range(R * N)), (p, kind)  # a partition: each rank exactly once
+            assert {len(g) for g in groups[kind]} == {sizes[kind]}, (p, kind)
+        for r in range(R * N):
+            shard = set(group_of(r, groups["param_shard"]))
+            optim = set(group_of(r, groups["optim"]))
+            replica = set(group_of(r, groups["param_replica"]))
+            bcast = set(group_of(r, groups["optim_bcast"]))
+            grad = set(group_of(r, groups["grad"]))
+            assert shard <= optim  # dependency: a parameter shard group nests in its os group
+            assert bcast <= optim and bcast <= replica and grad <= replica
+            assert len(shard & replica) == 1 and len(optim & replica) == sizes["optim_bcast"]
+            # locality: a group with s1 == 1 stays on one node, and its local ranks are contiguous
+            if p.s1_p == 1:
+                nodes = {x // R for x in shard}
+                assert len(nodes) == 1
+                locs = sorted(x % R for x in shard)
+                assert locs == list(range(locs[0], locs[0] + p.s0_p))
+
+
+def test_hand_worked_2x2():
+    # ranks 0,1 on node 0; 2,3 on node 1. p = 2 GPUs in a node, os = whole world.
+    g = rank_groups(parse_plan("p=2x1,g=2x1,os=2x2"), World(num_nodes=2, gpus_per_node=2))
+    assert g["param_shard"] == [[0, 1], [2, 3]]
+    assert g["param_replica"] == [[0, 2], [1, 3]]
+    assert g["grad"] == [[0], [1], [2], [3]]
+    assert g["optim"] == [[0, 1, 2, 3]]
+    assert g["optim_bcast"] == [[0, 2], [1, 3]]
+
+
+def test_leaf_aware_node_blocks():
+    # 4 nodes, leaf switch ids interleaved: nodes 0,2 on leaf 0 and 1,3 on leaf 1.
+    world = World(num_nodes=4, gpus_per_node=1, leaf_of_node=(0, 1, 0, 1))
+    g = rank_groups(parse_plan("p=1x2,g=1x2,os=1x2"), world)
+    assert g["param_shard"] == [[0, 2], [1, 3]]  # each cross-node shard group under one leaf
+    naive = rank_groups(parse_plan("p=1x2,g=1x2,os=1x2"), World(num_nodes=4, gpus_per_node=1))
+    assert naive["param_shard"] == [[0, 1], [2, 3]]
+    w2 = World.with_leaves(num_nodes=4, gpus_per_node=2, nodes_per_leaf=2)
+    assert w2.leaf_of_node == (0, 0, 1, 1)
