@@ -1,0 +1,161 @@
+"""``amsp compare``: run each system of a mode with the same RunSpec, then write the report.
+
+Modes:
+- ``baselines``: every system (DDP, ZeRO-1/2/3, ZeRO++ with and without quantisation, MiCS,
+  FSDP2, HSDP) and both AMSP rows - the paper's Figures 11-13 as far as one machine allows.
+- ``dissociation``: DeepSpeed-MiCS, AMSP with MiCS's configuration, AMSP with the planner's plan
+  - the paper's Figure 16 (engine vs sharding strategy).
+- ``ablation``: AMSP with the planner's plan under each overlap setting of the paper's Table V
+  (all on / no BC / no BC+AR / none).
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from amsp_ext.compare.config import OVERLAPS, RunSpec, SpecError
+from amsp_ext.compare.launch import LaunchConfig, run_system
+from amsp_ext.compare.summary import peak_flops, summarize
+from amsp_ext.compare.systems import SYSTEMS, runner
+
+__all__ = ["MODES", "RunItem", "plan_runs", "run_comparison"]
+
+MODES = ("baselines", "dissociation", "ablation")
+NOISE_NOTE = ("Measured on a shared 2-core CPU machine while other jobs ran: timings are noisy "
+              "and say little about GPUs; the numbers show the harness works and how the systems "
+              "compare here, not the paper's speed-ups.")
+PLANNER_PENDING = "planner not landed (amsp_ext.planner.search is not on main)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunItem:
+    key: str  # row key, unique in a comparison
+    system: str
+    label: str
+    spec: RunSpec
+
+
+def plan_runs(mode: str, spec: RunSpec, systems: list[str] | None = None) -> list[RunItem]:
+    if mode not in MODES:
+        raise SpecError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "ablation":
+        return [RunItem(key=f"amsp-plan[{o}]", system="amsp-plan",
+                        label=f"AMSP (plan), overlap {o}", spec=spec.replace(amsp_overlap=o))
+                for o in OVERLAPS]
+    names = systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"])
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad:
+        raise SpecError(f"systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
+    return [RunItem(key=n, system=n, label=SYSTEMS[n].label, spec=spec) for n in names]
+
+
+def _resolve_planned(spec: RunSpec) -> tuple[RunSpec | None, str | None]:
+    """The planner's plan as factors, or why the row is pending."""
+    if spec.amsp_plan.strip().lower() != "auto":
+        return spec, None
+    try:
+        from amsp_ext.planner import search  # noqa: F401
+    except ImportError:
+        return None, PLANNER_PENDING
+    return None, PLANNER_PENDING  # wired once the planner's API is on main
+
+
+def _hardware(launch: LaunchConfig, nodes: int, gpn: int) -> str:
+    return f"cpu-{nodes}x{gpn}" + ("-cluster" if launch.launcher == "cluster" else "")
+
+
+def _precision_note(precision: str) -> str:
+    if precision == "bf16":
+        return ("bf16 for every system, in each system's own mixed-precision form (DDP: autocast "
+                "over fp32 params; FSDP2: MixedPrecisionPolicy bf16/fp32-reduce; DeepSpeed: "
+                "`bf16.enabled`; AMSP: bf16 compute, fp32 masters): the paper trains in mixed "
+                "precision and it is what these systems' users run. fp32 runs too "
+                "(`--precision fp32`) - DeepSpeed 0.18.9 ZeRO-1/2 fail on gloo in *both* "
+                "precisions with LlamaForCausalLM unless patches/deepspeed_zero12_flat_buffer.py "
+                "is applied, and run in both with it.")
+    return ("fp32 for every system: numerics are comparable to a single-process reference; "
+            "DeepSpeed 0.18.9 ZeRO-1/2 need patches/deepspeed_zero12_flat_buffer.py on gloo.")
+
+
+def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: Path,
+                   command: str, systems: list[str] | None = None,
+                   progress: Callable[[str], None] = print) -> tuple[Path, list[dict[str, Any]]]:
+    from amsp_ext.compare.report import write_report
+
+    items = plan_runs(mode, spec, systems)
+    world = launch.nproc_per_node
+    gpn = spec.gpus_per_node or world
+    nodes = world // gpn if launch.launcher == "torchrun" else None
+    date = datetime.date.today().isoformat()
+    stem_hw = _hardware(launch, nodes or 0, gpn) if nodes else "cpu-cluster"
+    stem = f"{spec.model}_{stem_hw}_{date}" + ("" if mode == "baselines" else f"_{mode}")
+    runs_dir = out_dir / stem / "runs"
+
+    raw: list[dict[str, Any]] = []
+    for i, item in enumerate(items, 1):
+        head = f"[{i}/{len(items)}] {item.label}"
+        base = {"key": item.key, "system": item.system, "label": item.label}
+        item_spec = item.spec
+        why = None
+        if SYSTEMS[item.system].is_amsp:
+            why = runner(item.system).pending_reason()
+            if why is None and item.system == "amsp-plan":
+                resolved, why = _resolve_planned(item_spec)
+                item_spec = resolved or item_spec
+        if why:
+            raw.append({**base, "status": "pending", "reason": why})
+            progress(f"{head}: {why}")
+            continue
+        res = run_system(item.system, item_spec, runs_dir / item.key.replace("[", "_").replace("]", ""),
+                         launch, row_key=item.key)
+        res.update(base)
+        raw.append(res)
+        progress(f"{head}: {res['status']}" + (f" - {res['reason']}" if res.get("reason") else "")
+                 + f" ({res.get('wall_s', 0):.0f} s)")
+
+    peak = peak_flops(raw)
+    rows = [summarize(r, spec, peak) for r in raw]
+    meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
+                 hardware=stem_hw)
+    path = write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem)
+    return path, rows
+
+
+def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
+    import dataclasses
+
+    from amsp_ext.compare.flops import layer_shape, megatron_flops_per_token
+    from amsp_ext.models import build_llama, llama_config_dict
+
+    ok = [r for r in raw if r.get("status") == "ok"]
+    first = ok[0] if ok else {}
+    world = first.get("world_size") or launch.nproc_per_node
+    nodes, gpn = first.get("num_nodes"), first.get("gpus_per_node")
+    if launch.launcher == "torchrun":
+        topology = (f"1 machine, `torchrun --standalone`, {world} ranks"
+                    + (f" posing as {nodes} nodes x {gpn} (logical nodes: no slower link between them)"
+                       if nodes and nodes > 1 else ""))
+    else:
+        topology = f"`amsp cluster run` (lab `{launch.cluster_name}`): {nodes} nodes x {gpn} ranks"
+    link = first.get("cluster_link") or "none (one machine, loopback)"
+    ds = next((r for r in ok if r.get("patches")), None)
+    versions = first.get("versions") or {"python": platform.python_version()}
+    num_params = sum(p.numel() for p in build_llama(spec.model, seed=spec.seed).parameters())
+    return {
+        "mode": mode, "command": command, "date": date, "hardware": hardware,
+        "cpu": platform.processor() or platform.machine(),
+        "noise_note": NOISE_NOTE, "spec": dataclasses.asdict(spec),
+        "launch": dataclasses.asdict(launch), "topology": topology, "cluster_link": link,
+        "versions": versions, "patches": ds["patches"] if ds else "none (no DeepSpeed run succeeded)",
+        "peak_flops": peak, "compute_dtype": spec.precision,
+        "precision_note": _precision_note(spec.precision),
+        "num_params": num_params,
+        "flops_per_token": megatron_flops_per_token(layer_shape(llama_config_dict(spec.model)),
+                                                    seq_len=spec.seq_len),
+        "global_batch_sequences": spec.micro_batch_size * spec.num_micro_batches * world,
+        "global_batch_tokens": spec.tokens_per_rank_per_step * world,
+    }

@@ -1,0 +1,77 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): full shard, and HSDP on a 2-D mesh.
+
+As torchtitan applies it: one ``fully_shard`` per decoder layer, then the root;
+``reshard_after_forward=True``; bf16 is ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`` over fp32 sharded parameters. Gradient accumulation keeps the default
+reduce-scatter on every micro-batch (gradients stay sharded, the point of FSDP); HSDP skips the
+cross-replica all-reduce on all but the last micro-batch (``set_requires_all_reduce``, the
+documented HSDP accumulation idiom). Clipping is ``clip_grad_norm_`` on the DTensor gradients.
+
+- ``fsdp2``: 1-D mesh over the world (ZeRO-3-like).
+- ``hsdp``: mesh ``(replicate=num_nodes, shard=gpus_per_node)``: shard inside a node, replicate
+  across nodes (MiCS-like).
+
+[Note: gloo and sum-only reductions]
+FSDP2 folds the gradient averaging into the collective (``ReduceOp.AVG`` or ``PREMUL_SUM``),
+which gloo does not implement; ``set_force_sum_reduction_for_comms(True)`` makes it reduce with
+SUM and divide separately. We set it only when the backend is gloo; on NCCL the default stays.
+It is per module (not recursive), so it is set on every FSDP module.
+"""
+
+from __future__ import annotations
+
+from amsp_ext.compare.systems.base import Context, SystemRun
+from amsp_ext.models import causal_lm_loss
+
+__all__ = ["setup"]
+
+
+def setup(name: str, model, ctx: Context) -> SystemRun:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if name == "fsdp2":
+        mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("shard",))
+    elif name == "hsdp":
+        mesh = init_device_mesh("cpu", (ctx.num_nodes, ctx.gpus_per_node),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        raise ValueError(f"FSDP2 system must be one of fsdp2, hsdp, got {name!r}")
+    if ctx.spec.precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    force_sum = dist.get_backend() == "gloo"
+    if force_sum:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    optimizer = ctx.optimizer_factory(model.parameters())
+    M = ctx.spec.num_micro_batches
+
+    def train_step(step: int) -> float:
+        losses = []
+        for m, batch in enumerate(ctx.batches(step)):
+            if name == "hsdp":
+                model.set_requires_all_reduce(m == M - 1)
+            loss = causal_lm_loss(model, batch)
+            (loss / M).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), ctx.spec.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return sum(losses) / len(losses)
+
+    return SystemRun(train_step=train_step, settings={
+        "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
+        "wrap": "fully_shard per decoder layer + root, reshard_after_forward=True",
+        "mixed_precision": "param_dtype=bf16, reduce_dtype=fp32" if ctx.spec.precision == "bf16" else "fp32",
+        "force_sum_reduction_for_comms": force_sum,
+        "accumulation": "reduce-scatter every micro-batch" + (
+            "; replica all-reduce on the last only (set_requires_all_reduce)" if name == "hsdp" else ""),
+    })
