@@ -125,6 +125,20 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     return path, rows
 
 
+def _machine() -> str:
+    import os
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPU cores, no GPU"
+
+
 def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
     import dataclasses
 
@@ -143,14 +157,15 @@ def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak
         topology = f"`amsp cluster run` (lab `{launch.cluster_name}`): {nodes} nodes x {gpn} ranks"
     link = first.get("cluster_link") or "none (one machine, loopback)"
     ds = next((r for r in ok if r.get("patches")), None)
+    patches = ds["patches"] if ds else {"-": "none (no DeepSpeed run succeeded)"}
     versions = first.get("versions") or {"python": platform.python_version()}
     num_params = sum(p.numel() for p in build_llama(spec.model, seed=spec.seed).parameters())
     return {
         "mode": mode, "command": command, "date": date, "hardware": hardware,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _machine(),
         "noise_note": NOISE_NOTE, "spec": dataclasses.asdict(spec),
         "launch": dataclasses.asdict(launch), "topology": topology, "cluster_link": link,
-        "versions": versions, "patches": ds["patches"] if ds else "none (no DeepSpeed run succeeded)",
+        "versions": versions, "patches": patches,
         "peak_flops": peak, "compute_dtype": spec.precision,
         "precision_note": _precision_note(spec.precision),
         "num_params": num_params,

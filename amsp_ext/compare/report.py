@@ -109,18 +109,17 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[str]:
     plt.close(fig)
     files.append("throughput.png")
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok)), 4))
-    xs = range(len(ok))
-    width = 0.4
-    peak = [max(v for v in r["peak_rss_delta_bytes"] if v is not None) / MIB
-            if any(v is not None for v in r["peak_rss_delta_bytes"]) else 0 for r in ok]
+    peak = [max((v for v in r["peak_rss_delta_bytes"] if v is not None), default=0) / MIB for r in ok]
     live = [max(r["live_tensor_delta_bytes"]) / MIB for r in ok]
-    ax.bar([x - width / 2 for x in xs], peak, width, label="peak RSS delta")
-    ax.bar([x + width / 2 for x in xs], live, width, label="live tensors after step")
-    ax.set_xticks(list(xs), labels, rotation=35, ha="right")
-    ax.set_ylabel("MiB per rank (max over ranks)")
-    ax.set_title("Memory per rank")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 2 * len(ok)), 4.2))
+    for ax, vals, title in ((axes[0], peak, "peak RSS delta (all allocations)"),
+                            (axes[1], live, "live tensors after the last step")):
+        ax.bar(labels, vals, color="tab:orange" if ax is axes[1] else "tab:green")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("MiB per rank (max over ranks)")
+        ax.tick_params(axis="x", rotation=35)
+        plt.setp(ax.get_xticklabels(), ha="right", fontsize=8)
+    fig.suptitle("Memory per rank")
     fig.tight_layout()
     fig.savefig(folder / "memory.png", dpi=120)
     plt.close(fig)
@@ -168,6 +167,8 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
     lines = [
         f"# amsp compare: {spec['model']} on {meta['hardware']}, {meta['date']}",
         "",
+        f"Machine: {meta['cpu']}.",
+        "",
         f"Mode: **{meta['mode']}**. Command:",
         "",
         "```",
@@ -203,7 +204,8 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         f"- Topology: {meta['topology']}",
         f"- Cluster link: {meta['cluster_link']}",
         f"- Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
-        f"- DeepSpeed patches (applied only where a probe said so): {meta['patches']}",
+        "- DeepSpeed patches (applied only where a local probe said they are needed):",
+        *(f"  - `patches/{k}.py`: {v}" for k, v in meta["patches"].items()),
         "",
         "## How each figure is measured",
         "",

@@ -4,7 +4,7 @@
         --spec spec.json --system zero3 --out DIR
     amsp cluster run -- -m amsp_ext.compare.worker --spec spec.json --system zero3 --out DIR
 
-Every rank: init gloo (NCCL on GPUs), measure the matmul peak, build the same model, hand it to
+Every rank: init gloo (CPU), measure the matmul peak, build the same model, hand it to
 the system's runner, train ``num_steps`` steps timing each, profile one more step, measure
 memory, then all ranks' records are gathered and rank 0 writes ``DIR/result.json``. A rank that
 fails writes ``DIR/error-rank<r>.json`` (reason on one line, traceback) and exits 1, so the
@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
 
         spec = RunSpec.from_json(Path(args.spec).read_text())
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # [Note: CPU only] The runners place models on CPU (FSDP meshes, autocast, DeepSpeed's
+        # CPU accelerator); a GPU path needs per-rank devices and NCCL and is not built yet.
+        backend = "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.dist_timeout_s))
         result = run(args.system, spec, out)
         if dist.get_rank() == 0:
