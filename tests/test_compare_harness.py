@@ -104,16 +104,6 @@ def test_failed_run_becomes_a_one_line_reason(tmp_path):
     assert _failure(empty, 3, "a\nlast words\n", 60)["reason"] == "exited 3 before any rank reported: last words"
 
 
-def test_zero12_flat_buffer_probe():
-    pytest.importorskip("deepspeed")
-    from patches import deepspeed_zero12_flat_buffer as p
-
-    import deepspeed
-
-    if deepspeed.__version__ == "0.18.9":  # the version the patch was written for
-        assert p.needed() is not None
-
-
 # -- end to end ---------------------------------------------------------------------------------
 def _reference_losses(spec: RunSpec, world: int, steps: int) -> list[float]:
     """Single process, plain PyTorch: the same global batch, the same AdamW, fp32."""

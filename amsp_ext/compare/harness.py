@@ -88,6 +88,10 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
 
     items = plan_runs(mode, spec, systems)
     world = launch.nproc_per_node
+    if launch.launcher == "torchrun":  # refuse a topology that cannot tile before any launch
+        from amsp_ext.compare.config import resolve_topology
+
+        resolve_topology(spec, world_size=world, local_world_size=world)
     gpn = spec.gpus_per_node or world
     nodes = world // gpn if launch.launcher == "torchrun" else None
     date = datetime.date.today().isoformat()

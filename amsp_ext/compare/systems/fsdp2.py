@@ -12,10 +12,10 @@ documented HSDP accumulation idiom). Clipping is ``clip_grad_norm_`` on the DTen
   across nodes (MiCS-like).
 
 [Note: gloo and sum-only reductions]
-FSDP2 folds the gradient averaging into the collective (``ReduceOp.AVG`` or ``PREMUL_SUM``),
-which gloo does not implement; ``set_force_sum_reduction_for_comms(True)`` makes it reduce with
-SUM and divide separately. We set it only when the backend is gloo; on NCCL the default stays.
-It is per module (not recursive), so it is set on every FSDP module.
+FIELD_NOTES records that ``set_gradient_divide_factor`` on gloo fails (``PREMUL_SUM``) unless
+``set_force_sum_reduction_for_comms(True)``. We do not set a divide factor, and with FSDP2's
+defaults both meshes train on gloo (checked 2026-11-30, torch 2.13, 4 ranks, fsdp2 and hsdp
+2x2), so neither knob is touched: the rows run FSDP2 exactly as its users would.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ __all__ = ["setup"]
 
 def setup(name: str, model, ctx: Context) -> SystemRun:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if name == "fsdp2":
         mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("shard",))
@@ -46,11 +45,6 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    force_sum = dist.get_backend() == "gloo"
-    if force_sum:
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.set_force_sum_reduction_for_comms(True)
     optimizer = ctx.optimizer_factory(model.parameters())
     M = ctx.spec.num_micro_batches
 
@@ -71,7 +65,6 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
         "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         "wrap": "fully_shard per decoder layer + root, reshard_after_forward=True",
         "mixed_precision": "param_dtype=bf16, reduce_dtype=fp32" if ctx.spec.precision == "bf16" else "fp32",
-        "force_sum_reduction_for_comms": force_sum,
         "accumulation": "reduce-scatter every micro-batch" + (
             "; replica all-reduce on the last only (set_requires_all_reduce)" if name == "hsdp" else ""),
     })
