@@ -25,6 +25,7 @@ from amsp_ext.compare.systems import SYSTEMS, runner
 __all__ = ["MODES", "RunItem", "plan_runs", "run_comparison"]
 
 MODES = ("baselines", "dissociation", "ablation")
+OVERLAP_LABELS = {"all": "all on", "no_bc": "no BC", "no_bc_ar": "no BC+AR", "none": "none"}
 NOISE_NOTE = ("Measured on a shared 2-core CPU machine while other jobs ran: timings are noisy "
               "and say little about GPUs; the numbers show the harness works and how the systems "
               "compare here, not the paper's speed-ups.")
@@ -44,13 +45,21 @@ def plan_runs(mode: str, spec: RunSpec, systems: list[str] | None = None) -> lis
         raise SpecError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "ablation":
         return [RunItem(key=f"amsp-plan[{o}]", system="amsp-plan",
-                        label=f"AMSP (plan), overlap {o}", spec=spec.replace(amsp_overlap=o))
+                        label=f"{_amsp_plan_label(spec)}, overlap {OVERLAP_LABELS[o]}",
+                        spec=spec.replace(amsp_overlap=o))
                 for o in OVERLAPS]
     names = systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"])
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
         raise SpecError(f"systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
-    return [RunItem(key=n, system=n, label=SYSTEMS[n].label, spec=spec) for n in names]
+    return [RunItem(key=n, system=n, label=_amsp_plan_label(spec) if n == "amsp-plan" else SYSTEMS[n].label,
+                    spec=spec) for n in names]
+
+
+def _amsp_plan_label(spec: RunSpec) -> str:
+    if spec.amsp_plan.strip().lower() == "auto":
+        return SYSTEMS["amsp-plan"].label
+    return f"AMSP (plan {spec.amsp_plan})"
 
 
 def _resolve_planned(spec: RunSpec) -> tuple[RunSpec | None, str | None]:

@@ -77,7 +77,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[str]:
     if planned:
         for r in rows:
             if r.get("status") == "ok" and not r["system"].startswith("amsp"):
-                out.append(f"- AMSP (planner's plan) / {r['label']}: "
+                out.append(f"- {planned['label']} / {r['label']}: "
                            f"{planned['tokens_per_gpu_per_s'] / r['tokens_per_gpu_per_s']:.2f}x")
     amsp_mics, ds_mics = _row(rows, "amsp-mics"), _row(rows, "mics")
     if amsp_mics and ds_mics:

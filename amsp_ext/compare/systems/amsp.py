@@ -77,7 +77,7 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
         return sum(losses) / len(losses)
 
     return SystemRun(train_step=train_step, settings={
-        "plan": str(getattr(optimizer, "plan", plan)),
+        "plan": str(getattr(getattr(model, "amsp", None), "plan", plan)),
         "overlap": switches,
         "shard_config": repr(config),
     })
