@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpz-partition-size", type=int, help="default: one node")
     p.add_argument("--amsp-plan", default="auto",
                    help="plan of the 'AMSP (planner's plan)' row: auto | ddp | zero1 | mics:K | p=AxB,g=..,os=..")
+    p.add_argument("--ablation-micro-batches", help="ablation mode: comma-separated M values, "
+                   "e.g. 1,2,4,8 as in the paper's Table V (default: --micro-batches)")
     p.add_argument("--no-trace", action="store_true", help="skip the profiled step")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per system (default 600)")
     p.add_argument("--out", default="comparisons/results", help="report folder")
@@ -76,8 +78,16 @@ def run(args: argparse.Namespace) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
     command = "amsp compare " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "compare"
                                            else sys.argv[1:])
+    ablation_ms = None
+    if args.ablation_micro_batches:
+        try:
+            ablation_ms = [int(x) for x in args.ablation_micro_batches.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--ablation-micro-batches must be integers like 1,2,4,8, "
+                             f"got {args.ablation_micro_batches!r}") from None
     path, rows = run_comparison(mode=args.mode, spec=spec, launch=launch, out_dir=Path(args.out),
-                                command=command.strip(), systems=systems)
+                                command=command.strip(), systems=systems,
+                                ablation_micro_batches=ablation_ms)
     print()
     print(format_table(rows))
     for line in ratios(rows):

@@ -11,6 +11,7 @@ Modes:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 from dataclasses import dataclass
@@ -40,14 +41,20 @@ class RunItem:
     spec: RunSpec
 
 
-def plan_runs(mode: str, spec: RunSpec, systems: list[str] | None = None) -> list[RunItem]:
+def plan_runs(mode: str, spec: RunSpec, systems: list[str] | None = None,
+              ablation_micro_batches: list[int] | None = None) -> list[RunItem]:
+    """The rows of a mode. Ablation: one row per (M, overlap setting), M from
+    ``ablation_micro_batches`` (the paper's Table V uses 1, 2, 4, 8) or the spec's M."""
     if mode not in MODES:
         raise SpecError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "ablation":
-        return [RunItem(key=f"amsp-plan[{o}]", system="amsp-plan",
-                        label=f"{_amsp_plan_label(spec)}, overlap {OVERLAP_LABELS[o]}",
-                        spec=spec.replace(amsp_overlap=o))
-                for o in OVERLAPS]
+        ms = ablation_micro_batches or [spec.num_micro_batches]
+        if any(m < 1 for m in ms):
+            raise SpecError(f"ablation micro-batch counts must be >= 1, got {ms}")
+        return [RunItem(key=f"amsp-plan[M={m},{o}]", system="amsp-plan",
+                        label=f"{_amsp_plan_label(spec)}, M={m}, overlap {OVERLAP_LABELS[o]}",
+                        spec=spec.replace(amsp_overlap=o, num_micro_batches=m))
+                for m in ms for o in OVERLAPS]
     names = systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"])
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
@@ -92,10 +99,11 @@ def _precision_note(precision: str) -> str:
 
 def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: Path,
                    command: str, systems: list[str] | None = None,
+                   ablation_micro_batches: list[int] | None = None,
                    progress: Callable[[str], None] = print) -> tuple[Path, list[dict[str, Any]]]:
     from amsp_ext.compare.report import write_report
 
-    items = plan_runs(mode, spec, systems)
+    items = plan_runs(mode, spec, systems, ablation_micro_batches)
     world = launch.nproc_per_node
     if launch.launcher == "torchrun":  # refuse a topology that cannot tile before any launch
         from amsp_ext.compare.config import resolve_topology
@@ -111,7 +119,8 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     raw: list[dict[str, Any]] = []
     for i, item in enumerate(items, 1):
         head = f"[{i}/{len(items)}] {item.label}"
-        base = {"key": item.key, "system": item.system, "label": item.label}
+        base = {"key": item.key, "system": item.system, "label": item.label,
+                "spec": dataclasses.asdict(item.spec)}
         item_spec = item.spec
         why = None
         if SYSTEMS[item.system].is_amsp:
@@ -131,7 +140,7 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
                  + f" ({res.get('wall_s', 0):.0f} s)")
 
     peak = peak_flops(raw)
-    rows = [summarize(r, spec, peak) for r in raw]
+    rows = [summarize(r, RunSpec(**r["spec"]), peak) for r in raw]
     meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
                  hardware=stem_hw)
     path = write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem)
@@ -153,8 +162,6 @@ def _machine() -> str:
 
 
 def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
-    import dataclasses
-
     from amsp_ext.compare.flops import layer_shape, megatron_flops_per_token
     from amsp_ext.models import build_llama, llama_config_dict
 

@@ -82,7 +82,37 @@ def ratios(rows: list[dict[str, Any]]) -> list[str]:
     amsp_mics, ds_mics = _row(rows, "amsp-mics"), _row(rows, "mics")
     if amsp_mics and ds_mics:
         out.append(f"- AMSP (MiCS config) / DeepSpeed-MiCS: "
-                   f"{amsp_mics['tokens_per_gpu_per_s'] / ds_mics['tokens_per_gpu_per_s']:.2f}x")
+                   f"{amsp_mics['tokens_per_gpu_per_s'] / ds_mics['tokens_per_gpu_per_s']:.2f}x "
+                   "(engine only: same sharding, paper Fig. 16)")
+    if amsp_mics and planned:
+        out.append(f"- {planned['label']} / AMSP (MiCS config): "
+                   f"{planned['tokens_per_gpu_per_s'] / amsp_mics['tokens_per_gpu_per_s']:.2f}x "
+                   "(sharding strategy only: same engine)")
+    return out
+
+
+def ablation_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Table V's shape: per M, tokens/GPU/s of each overlap setting and the drop vs all on."""
+    ok = [r for r in rows if r["key"].startswith("amsp-plan[M=")]
+    if not ok:
+        return []
+    from amsp_ext.compare.harness import OVERLAP_LABELS
+
+    out = ["| M | " + " | ".join(OVERLAP_LABELS.values()) + " |", "|---|" + "---|" * len(OVERLAP_LABELS)]
+    for m in sorted({r["spec"]["num_micro_batches"] for r in ok}):
+        by = {r["spec"]["amsp_overlap"]: r for r in ok if r["spec"]["num_micro_batches"] == m}
+        base = by.get("all")
+        cells = []
+        for o in OVERLAP_LABELS:
+            r = by.get(o)
+            if not r or r.get("status") != "ok":
+                cells.append(r.get("status", "—") if r else "—")
+                continue
+            tgs = r["tokens_per_gpu_per_s"]
+            drop = ("" if o == "all" or not base or base.get("status") != "ok"
+                    else f" ({(tgs / base['tokens_per_gpu_per_s'] - 1) * 100:+.1f}%)")
+            cells.append(f"{tgs:.0f}{drop}")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -184,6 +214,9 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
     ]
     rat = ratios(rows)
     lines += ["### Ratios (tokens/GPU/s)", "", *(rat or ["- AMSP rows did not run (see their status)."]), ""]
+    abl = ablation_table(rows)
+    if abl:
+        lines += ["### Overlap ablation (paper Table V shape): tokens/GPU/s, change vs all on", "", *abl, ""]
     agree = _loss_agreement(rows)
     if agree:
         lines += ["### Loss agreement with DDP (same data, same initial weights)", "", *agree, ""]

@@ -34,7 +34,8 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict[str, Any]:
-    row = {k: result.get(k) for k in ("key", "system", "label", "status", "reason", "command", "wall_s")}
+    row = {k: result.get(k) for k in ("key", "system", "label", "status", "reason", "command", "wall_s",
+                                      "spec")}
     if result.get("status") != "ok":
         return row
     from amsp_ext.models import llama_config_dict
