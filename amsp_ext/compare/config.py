@@ -14,12 +14,13 @@ from typing import Any
 
 from amsp_ext.models import MODEL_CONFIGS
 
-__all__ = ["OVERLAPS", "PRECISIONS", "RunSpec", "SpecError"]
+__all__ = ["OVERLAPS", "OVERLAP_LABELS", "PRECISIONS", "RunSpec", "SpecError"]
 
 PRECISIONS = ("bf16", "fp32")
 # The paper's Table V, cumulative: all on, no Broadcast overlap, no Broadcast and no AllReduce
 # overlap, no overlap at all (AG/RS too).
 OVERLAPS = ("all", "no_bc", "no_bc_ar", "none")
+OVERLAP_LABELS = {"all": "all on", "no_bc": "no BC", "no_bc_ar": "no BC+AR", "none": "none"}
 
 
 class SpecError(ValueError):

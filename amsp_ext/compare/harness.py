@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from amsp_ext.compare.config import OVERLAPS, RunSpec, SpecError
+from amsp_ext.compare.config import OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
 from amsp_ext.compare.launch import LaunchConfig, run_system
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS, runner
@@ -26,7 +26,6 @@ from amsp_ext.compare.systems import SYSTEMS, runner
 __all__ = ["MODES", "RunItem", "plan_runs", "run_comparison"]
 
 MODES = ("baselines", "dissociation", "ablation")
-OVERLAP_LABELS = {"all": "all on", "no_bc": "no BC", "no_bc_ar": "no BC+AR", "none": "none"}
 NOISE_NOTE = ("Measured on a shared 2-core CPU machine while other jobs ran: timings are noisy "
               "and say little about GPUs; the numbers show the harness works and how the systems "
               "compare here, not the paper's speed-ups.")

@@ -96,7 +96,7 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[str]:
     ok = [r for r in rows if r["key"].startswith("amsp-plan[M=")]
     if not ok:
         return []
-    from amsp_ext.compare.harness import OVERLAP_LABELS
+    from amsp_ext.compare.config import OVERLAP_LABELS
 
     out = ["| M | " + " | ".join(OVERLAP_LABELS.values()) + " |", "|---|" + "---|" * len(OVERLAP_LABELS)]
     for m in sorted({r["spec"]["num_micro_batches"] for r in ok}):
