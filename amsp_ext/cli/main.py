@@ -11,7 +11,9 @@ import importlib
 import sys
 
 # name -> module under amsp_ext.cli
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "plan": "plan",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
