@@ -150,8 +150,10 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
         f"communication; MFU {st['mfu']:.1%}, {st['tokens_per_gpu_per_s']:.0f} tokens/GPU/s "
         f"(compute efficiency {st['efficiency']:.2f})",
     ]
-    if report["extrapolated"]:
-        lines.append(f"  extrapolated meshes (alpha-beta fit): {', '.join(report['extrapolated'])}")
+    ext = report["extrapolated"]
+    if ext:
+        shown = ", ".join(ext[:4]) + (f", ... ({len(ext)} in all; see --json)" if len(ext) > 4 else "")
+        lines.append(f"  extrapolated (alpha-beta fit, not in the profile): {shown}")
     if report.get("cross_leaf"):
         lines.append(f"  crosses leaf switches: {', '.join(report['cross_leaf'])}")
     pf = report["prefilter"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -171,6 +172,10 @@ class SearchResult:
     def best(self) -> Candidate:
         return self.ranked[0]
 
+    @cached_property
+    def _tied_plans(self) -> frozenset[Plan]:
+        return frozenset(c.plan for c in self.ranked[: self.num_tied])
+
     def objective(self, c: Candidate) -> float:
         return c.objective(self.problem.objective)
 
@@ -185,8 +190,7 @@ class SearchResult:
         if c.plan == best.plan:
             return ""
         delta = self.objective(c) - self.objective(best)
-        rank = self.ranked.index(c)
-        if rank < self.num_tied:
+        if c.plan in self._tied_plans:
             if c.growth_s != best.growth_s:
                 why = f"grows faster with M (+{c.growth_s - best.growth_s:.4f} s per micro-batch)"
             elif c.memory.total != best.memory.total:
@@ -200,7 +204,7 @@ class SearchResult:
 
     @property
     def extrapolated(self) -> list[str]:
-        return sorted(f"{op} {p0}x{p1}" for op, p0, p1 in self.problem.timer.extrapolated)
+        return [f"{op} {p0}x{p1}" for op, p0, p1 in sorted(self.problem.timer.extrapolated)]
 
 
 def search(problem: Problem) -> SearchResult:

@@ -39,6 +39,7 @@ Pure Python + NumPy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -119,12 +120,14 @@ def optimizer_step_time(spec: ModelSpec, plan: Plan, training: TrainingSpec,
     return traffic * spec.num_params / plan.sos / cluster.memory_bandwidth
 
 
-def _units(spec: ModelSpec, training: TrainingSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@lru_cache(maxsize=32)
+def _units(spec: ModelSpec, seq_len: int, granularity: str
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-unit (params, forward FLOPs/token, layer index or -1) in forward order."""
-    layer_flops, out_flops = _unit_flops(spec, training.seq_len)
-    if training.granularity == "layer":
+    layer_flops, out_flops = _unit_flops(spec, seq_len)
+    if granularity == "layer":
         layer_flops = [sum(layer_flops)]
-    layer_params = [n for _, n in spec.layer_units(training.granularity)]
+    layer_params = [n for _, n in spec.layer_units(granularity)]
     outside = spec.outside_params()
     L = spec.num_layers
     params = [outside[0][1]] + layer_params * L + [n for _, n in outside[1:]]
@@ -133,6 +136,48 @@ def _units(spec: ModelSpec, training: TrainingSpec) -> tuple[np.ndarray, np.ndar
         flops[-1] += 2.0 * spec.hidden_size * spec.vocab_size  # final norm unit does the matmul
     layer_of = [-1] + [li for li in range(L) for _ in layer_params] + [-1] * (len(outside) - 1)
     return np.asarray(params, float), np.asarray(flops, float), np.asarray(layer_of)
+
+
+@lru_cache(maxsize=32)
+def _backward_order(layer_of: tuple[int, ...], recompute: bool
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Backward tasks in execution order: (unit, is a backward task, needs a gather first).
+
+    With recomputation each layer runs a recompute forward of its units (gathered, and kept)
+    and then their backward in reverse; units outside the layers are not recomputed."""
+    n = len(layer_of)
+    if not recompute:
+        return np.arange(n)[::-1], np.ones(n, bool), np.ones(n, bool)
+    lo = np.asarray(layer_of)
+    order, is_bwd = [], []
+    for u in range(n - 1, 0, -1):  # lm_head, final norm
+        if lo[u] == -1:
+            order.append(u), is_bwd.append(True)
+    for li in range(int(lo.max()), -1, -1):
+        units = np.nonzero(lo == li)[0].tolist()
+        order += units + units[::-1]
+        is_bwd += [False] * len(units) + [True] * len(units)
+    order.append(0), is_bwd.append(True)
+    order_a, bwd_a = np.asarray(order), np.asarray(is_bwd)
+    need_gather = ~(bwd_a & (lo[order_a] >= 0))
+    return order_a, bwd_a, need_gather
+
+
+def _gated_forward(c: list[float], g: list[float], bc_end: list[float], *, sharded: bool,
+                   prefetch: bool) -> float:
+    """End of the first forward of a step: unit u (or, when sharded, its gather) waits for its
+    own broadcasts to end at ``bc_end[u]``; gathers are prefetched one unit ahead."""
+    start, ag_end, prev_c, s_prev = 0.0, 0.0, 0.0, None
+    for u in range(len(c)):
+        ready = 0.0 if s_prev is None else s_prev + prev_c
+        if sharded:
+            issue = bc_end[u] if s_prev is None else max(s_prev if prefetch else ready, bc_end[u])
+            ag_end = max(issue, ag_end) + g[u]
+            start = max(ready, ag_end)
+        else:
+            start = max(ready, bc_end[u])
+        s_prev, prev_c = start, c[u]
+    return start + prev_c
 
 
 def _chain(c: np.ndarray, g: np.ndarray, overlap: bool) -> np.ndarray:
@@ -178,7 +223,7 @@ def step_estimate(
     M, T = num_micro_batches, training.tokens_per_micro_batch
     R, N = cluster.gpus_per_node, cluster.num_nodes
     e = param_bytes(training.precision)
-    params, flops, layer_of = _units(spec, training)
+    params, flops, layer_of = _units(spec, training.seq_len, training.granularity)
     rate = cluster.peak_flops * efficiency
     c_f = T * flops / rate
     c_b = 2.0 * c_f
@@ -195,50 +240,24 @@ def step_estimate(
     phi = params.sum()
 
     # -- first forward of the step, gated by the broadcasts of updated parameters ------------
-    bc = comm.t1_os * params / phi
-    if overlap.bc:
-        bc_end = np.cumsum(bc)
-        start, ag_end, prev_c = 0.0, 0.0, 0.0
-        s_prev = None
-        for u in range(params.size):
-            ready = 0.0 if s_prev is None else s_prev + prev_c
-            if plan.sp > 1:
-                issue = bc_end[u] if s_prev is None else max(s_prev if overlap.ag_rs else ready,
-                                                             bc_end[u])
-                ag_end = max(issue, ag_end) + g[u]
-                start = max(ready, ag_end)
-            else:
-                start = max(ready, bc_end[u])
-            s_prev, prev_c = start, c_f[u]
-        first_fwd = start + prev_c
-    else:
-        s = _chain(c_f, g, overlap.ag_rs)
-        first_fwd = comm.t1_os + s[-1] + c_f[-1]
     s = _chain(c_f, g, overlap.ag_rs)
     fwd = s[-1] + c_f[-1]
+    if comm.t1_os <= 0:
+        first_fwd = fwd
+    elif overlap.bc:
+        bc_end = np.cumsum(comm.t1_os * params / phi)
+        if plan.sp > 1:
+            first_fwd = _gated_forward(c_f.tolist(), g.tolist(), bc_end.tolist(), sharded=True,
+                                       prefetch=overlap.ag_rs)
+        else:  # start_u = max(start_{u-1} + c_{u-1}, bc_end_u), solved in closed form
+            c_before = np.concatenate(([0.0], np.cumsum(c_f)[:-1]))
+            starts = c_before + np.maximum.accumulate(bc_end - c_before)
+            first_fwd = float(starts[-1] + c_f[-1])
+    else:
+        first_fwd = comm.t1_os + fwd
 
     # -- backward: tasks in execution order -------------------------------------------------
-    rev = np.arange(params.size)[::-1]
-    if training.recompute:
-        order, is_bwd = [], []
-        L = spec.num_layers
-        tail = [u for u in rev if layer_of[u] == -1 and u != 0]
-        for u in tail:
-            order.append(u), is_bwd.append(True)
-        for li in range(L - 1, -1, -1):
-            units = np.nonzero(layer_of == li)[0]
-            for u in units:
-                order.append(u), is_bwd.append(False)
-            for u in units[::-1]:
-                order.append(u), is_bwd.append(True)
-        order.append(0), is_bwd.append(True)
-        order, is_bwd = np.asarray(order), np.asarray(is_bwd)
-        # units of a layer were gathered for its recompute forward and are kept for backward
-        recomputed = (layer_of[order] >= 0)
-        need_gather = ~(is_bwd & recomputed)
-    else:
-        order, is_bwd = rev, np.ones(params.size, bool)
-        need_gather = np.ones(params.size, bool)
+    order, is_bwd, need_gather = _backward_order(tuple(layer_of.tolist()), training.recompute)
     tc = np.where(is_bwd, c_b[order], c_f[order])
     tg = np.where(need_gather, g_b[order], 0.0)
     if plan.sp > 1 and not overlap.ag_rs:
