@@ -13,7 +13,7 @@ GB = {"allgather": 1.0, "reducescatter": 2.0, "allreduce": 4.0, "broadcast": 8.0
 def problem():
     cl = ClusterSpec(num_nodes=2, gpus_per_node=4, gpu_memory_bytes=2**30)
     tr = TrainingSpec(seq_len=8, num_micro_batches=3, bucket_bytes=100)
-    return make_problem(TOY, cl, tr, constant_profile(4, 2, GB))
+    return make_problem(TOY, cl, tr, constant_profile(4, 2, GB), memory_reserve_bytes=0)
 
 
 def test_factor_tuples():

@@ -36,7 +36,7 @@ def test_json_contract(capsys):
     mem = d["memory_bytes"]
     assert {"params", "grads", "optim", "activations", "tmp", "total"} <= set(mem)
     assert mem["total"] == mem["params"] + mem["grads"] + mem["optim"] + mem["activations"] + mem["tmp"]
-    assert mem["total"] <= 80 * 2**30
+    assert mem["total"] <= mem["limit"] == 78 * 2**30 and mem["reserve"] == 2 * 2**30
     assert d["feasible"] is True
     assert d["num_micro_batches"] == 8  # 1024 sequences / 128 GPUs
     assert d["candidates"][0]["plan"] == d["plan_text"] and d["candidates"][0]["rank"] == 1
@@ -62,7 +62,7 @@ def test_model_config_path(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(llama_config_dict("tiny-llama")))
     argv = ["plan", "--model-config", str(cfg), "--nodes", "2", "--gpus-per-node", "2",
-            "--gpu-memory", "1GiB", "--seq-len", "64", "--global-batch-size", "8",
+            "--gpu-memory", "8GiB", "--seq-len", "64", "--global-batch-size", "8",
             "--profile", "paper-a800", "--missing-mesh", "fit", "--json"]
     rc, out, _ = run(capsys, argv)
     assert rc == 0 and json.loads(out)["inputs"]["model"]["num_params"] == 125248
@@ -100,7 +100,8 @@ def malformed_profile(tmp_path):
     ("memory_no_unit", "--gpu-memory needs a number and a unit"),
     ("negative_memory", "--gpu-memory must be positive"),
     ("bucket_no_unit", "--bucket-size needs a number and a unit"),
-    ("nothing_fits", "no plan fits in 4.0 GiB per GPU"),
+    ("reserve_too_big", "memory reserve must be >= 0 and below the GPU memory"),
+    ("nothing_fits", r"no plan fits in 2.0 GiB per GPU \(4.0 GiB less a 2.0 GiB reserve\)"),
     ("unknown_profile", "profile must be a bundled name"),
 ])
 def test_bad_input_one_line_error(case, match, capsys, tmp_path):
@@ -115,6 +116,7 @@ def test_bad_input_one_line_error(case, match, capsys, tmp_path):
         "negative_memory": lambda: [a for a in BASE if a not in ("--gpu-memory", "80GiB")]
         + ["--gpu-memory=-80GiB"],
         "bucket_no_unit": lambda: BASE + ["--bucket-size", "128"],
+        "reserve_too_big": lambda: BASE + ["--memory-reserve", "90GiB"],
         "nothing_fits": lambda: with_flag("--gpu-memory", "4GiB"),
         "unknown_profile": lambda: with_flag("--profile", "paper-h100"),
     }[case]()

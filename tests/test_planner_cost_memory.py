@@ -107,12 +107,21 @@ def test_tmp_buffers_by_hand():
     assert parts["gathered_params"] == 2 * (64 + 64) + 2 * 2 * 64
     assert parts["owned_fp32_grads"] == 4 * 436 // 8
     assert parts["broadcast_staging"] == 100  # sos > sp
-    assert m.tmp == 200 + 512 + 218 + 100
+    # backward phase (activations 3616 + 200 + 512) beats the step phase (218 + 100)
+    assert parts["peak_phase"] == "backward"
+    assert m.tmp == 200 + 512
     rec = TrainingSpec(seq_len=8, num_micro_batches=3, bucket_bytes=100, recompute=True)
     mr = memory_breakdown(TOY, PLAN, rec, gpus_per_node=4, num_nodes=2)
     assert mr.tmp_parts["gathered_params"] == 2 * (152 + 64) + 2 * 2 * 64  # a whole layer kept
     ddp = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), TRAIN, gpus_per_node=4,
                            num_nodes=2)
     assert ddp.tmp_parts == {"buckets": 200, "gathered_params": 0, "owned_fp32_grads": 4 * 436,
-                             "broadcast_staging": 0}
+                             "broadcast_staging": 0, "peak_phase": "backward"}
+    assert ddp.tmp == 200  # 3616 + 200 > 4 * 436
+    short = TrainingSpec(seq_len=1, num_micro_batches=3, bucket_bytes=100)  # activations 452
+    ddp1 = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), short, gpus_per_node=4,
+                            num_nodes=2)
+    assert ddp1.tmp_parts["peak_phase"] == "optimizer step"  # 4 * 436 > 452 + 200
+    assert ddp1.tmp == 4 * 436 - 452
+    assert ddp1.activations + ddp1.tmp == 4 * 436
     assert m.total == m.params + m.grads + m.optim + m.activations + m.tmp

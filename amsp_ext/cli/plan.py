@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus-per-node", type=int, required=True, help="R, GPUs per node")
     c.add_argument("--gpu-memory", required=True, metavar="SIZE",
                    help="memory per GPU with a unit, e.g. 80GiB or 40GB")
+    c.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
+                   help="memory the model cannot use: CUDA context, NCCL buffers, allocator "
+                        "slack (default 2GiB)")
     c.add_argument("--peak-tflops", type=float, default=312.0,
                    help="dense 16-bit peak per GPU (default 312, A100/A800)")
     c.add_argument("--nodes-per-leaf", type=int, default=None,
@@ -111,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
         tie_tolerance=args.tie_tolerance,
         overlap=OverlapRules(ag_rs="ag_rs" not in off, ar="ar" not in off, bc="bc" not in off),
+        memory_reserve_bytes=parse_size(args.memory_reserve, field="--memory-reserve",
+                                        allow_zero=True),
     )
     report = build_report(search(problem), with_pareto=args.pareto,
                           sensitivity_factor=args.sensitivity, mics_size=args.mics_size,

@@ -1,7 +1,8 @@
 """Per-GPU memory of a plan: model states, activations and temporary buffers (paper Sec. IV-D).
 
     D_total = D_modelstate + D_activation + D_tmp        (the paper's Eq. 2 compares it with
-                                                           the GPU's memory)
+                                                           the GPU's memory; D_tmp is what the
+                                                           peak adds to the activations)
 
 [Note: model states, generalised from the paper's Eq. D_modelstate]
 The paper writes D_modelstate = 2Phi/sp + 2Phi/sg + 12Phi/sos for mixed-precision AdamW. We keep
@@ -52,7 +53,7 @@ tokens (seq_len x micro_batch_size), with L layers:
 micro-batch's activations are alive at a time. Transient gradients of activations in backward
 are not counted (as in Korthikanti et al.).
 
-[Note: temporary buffers]
+[Note: temporary buffers and the peak]
 * Gradient buckets: two buckets of U bytes in flight (one filling, one all-reducing), whenever
   the plan all-reduces gradients (its replica or gradient group has more than one GPU).
 * Gathered parameters when sp > 1: the unit being computed and the one prefetched (two of the
@@ -62,8 +63,16 @@ are not counted (as in Korthikanti et al.).
 * Owned-tensor buffers: in mixed precision the owner steps its fp32 master copy with fp32
   gradients, 4 bytes per owned parameter (Phi/sos); when sos > sp, one bucket-sized staging
   buffer for the broadcast of updated parameters.
-All of them are added to the activations (an upper bound: the fp32 gradients may not coexist
-with the activation peak, but an engine that accumulates them during the last backward does).
+The first two live during backward, next to the activations; the owned-tensor buffers fill up
+as the last backward's buckets are reduced, i.e. while backward is freeing activations, and
+peak at the optimizer step. Memory in that window is about A*(1-f) + F*f for a fraction f of
+backward done, whose maximum is at an end, so the peak is
+
+    D_total = D_modelstate + max(activations + buckets + gathered, owned fp32 grads + staging)
+
+and ``tmp`` is reported as that maximum minus the activations (so the five parts add up to
+the total). Summing everything instead would charge 4*Phi/sos twice over (16 GB for LLaMA-30B
+at sos = 8) and push the search to shard more than it must.
 
 Pure Python.
 """
@@ -110,7 +119,7 @@ class MemoryBreakdown:
     optim: int
     activations: int
     tmp: int
-    tmp_parts: dict
+    tmp_parts: dict  # the buffers (bytes) and which phase sets the peak
 
     @property
     def total(self) -> int:
@@ -170,11 +179,15 @@ def memory_breakdown(
     e = param_bytes(training.precision)
     k = optimizer_bytes_per_param(training.optimizer, training.precision)
     parts = _tmp_parts(spec, plan, training, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
+    act = activation_bytes(spec, training)
+    backward = parts["buckets"] + parts["gathered_params"]
+    step = parts["owned_fp32_grads"] + parts["broadcast_staging"]
+    parts["peak_phase"] = "backward" if act + backward >= step else "optimizer step"
     return MemoryBreakdown(
         params=int(e * phi / plan.sp) + extra_param_bytes,
         grads=int(e * phi / plan.sg),
         optim=int(k * phi / plan.sos),
-        activations=activation_bytes(spec, training),
-        tmp=sum(parts.values()),
+        activations=act,
+        tmp=max(backward, step - act),
         tmp_parts=parts,
     )

@@ -69,7 +69,8 @@ def build_report(result: SearchResult, *, with_pareto: bool = False,
         "objective": prob.objective,
         "objective_s": result.objective(best),
         "t_comm_s": best.comm.as_dict(),
-        "memory_bytes": {**best.memory.as_dict(), "limit": prob.memory_limit},
+        "memory_bytes": {**best.memory.as_dict(), "limit": prob.memory_limit,
+                         "gpu": cl.gpu_memory_bytes, "reserve": prob.memory_reserve_bytes},
         "step": best.step.as_dict(),
         "num_micro_batches": prob.num_micro_batches,
         "inputs": {
@@ -145,7 +146,8 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
         f"+ T0_os {t['t0_os']:.3f} + T1_os {t['t1_os']:.3f}",
         f"  memory   {_gib(mem['total'])} GiB = params {_gib(mem['params'])} + grads "
         f"{_gib(mem['grads'])} + optim {_gib(mem['optim'])} + activations "
-        f"{_gib(mem['activations'])} + tmp {_gib(mem['tmp'])}  (of {_gib(mem['limit'])} GiB)",
+        f"{_gib(mem['activations'])} + tmp {_gib(mem['tmp'])}  (usable {_gib(mem['limit'])} of "
+        f"{_gib(mem['gpu'])} GiB)",
         f"  step     {st['step_s']:.3f} s, {st['exposed_comm_s']:.3f} s of it exposed "
         f"communication; MFU {st['mfu']:.1%}, {st['tokens_per_gpu_per_s']:.0f} tokens/GPU/s "
         f"(compute efficiency {st['efficiency']:.2f})",

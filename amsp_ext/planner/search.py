@@ -49,6 +49,11 @@ __all__ = [
 
 OBJECTIVES = ("comm", "step")
 GiB = 2**30
+# [Note: memory reserve]
+# Memory the model does not see: the CUDA context (about 0.5 GiB on A100-class GPUs), NCCL's
+# communicator buffers (NCCL_BUFFSIZE = 4 MiB per channel and peer, for up to five process
+# groups) and some caching-allocator slack. Plans must fit in the GPU's memory minus this.
+DEFAULT_RESERVE = 2 * GiB
 
 
 class NoFeasiblePlan(PlanError):
@@ -68,6 +73,7 @@ class Problem:
     efficiency: float = DEFAULT_EFFICIENCY
     overlap: OverlapRules = OverlapRules()
     tie_tolerance: float = 0.01
+    memory_reserve_bytes: int = DEFAULT_RESERVE
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,10 +83,15 @@ class Problem:
             raise ValueError(f"efficiency must be in (0, 1], got {self.efficiency!r}")
         if not 0 <= self.tie_tolerance < 1:
             raise ValueError(f"tie_tolerance must be in [0, 1), got {self.tie_tolerance!r}")
+        if not 0 <= self.memory_reserve_bytes < self.cluster.gpu_memory_bytes:
+            raise ValueError(
+                f"memory reserve must be >= 0 and below the GPU memory "
+                f"({self.cluster.gpu_memory_bytes} bytes), got {self.memory_reserve_bytes}")
 
     @property
     def memory_limit(self) -> int:
-        return self.cluster.gpu_memory_bytes
+        """What the plan may use: the GPU's memory minus the reserve (see the Note)."""
+        return self.cluster.gpu_memory_bytes - self.memory_reserve_bytes
 
     def with_timer(self, timer: CommTimer) -> "Problem":
         return replace(self, timer=timer, _cache={})
@@ -97,6 +108,7 @@ def make_problem(
     efficiency: float = DEFAULT_EFFICIENCY,
     tie_tolerance: float = 0.01,
     overlap: OverlapRules = OverlapRules(),
+    memory_reserve_bytes: int = DEFAULT_RESERVE,
 ) -> Problem:
     """Resolve the inputs: a ModelSpec, an HF config dict or a preset name; a profile or its
     name/path. Raises a one-line ValueError for bad input."""
@@ -111,7 +123,8 @@ def make_problem(
     M = training.micro_batches(cluster.world_size)
     return Problem(spec=spec, cluster=cluster, training=training, timer=timer,
                    num_micro_batches=M, objective=objective, efficiency=efficiency,
-                   tie_tolerance=tie_tolerance, overlap=overlap)
+                   tie_tolerance=tie_tolerance, overlap=overlap,
+                   memory_reserve_bytes=memory_reserve_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,7 +198,7 @@ class SearchResult:
         if not c.feasible:
             over = c.memory.total - limit
             return (f"out of memory by {over} bytes ({c.memory.total / GiB:.1f} GiB needed, "
-                    f"{limit / GiB:.1f} GiB available)")
+                    f"{limit / GiB:.1f} GiB usable)")
         best = self.best
         if c.plan == best.plan:
             return ""
@@ -231,9 +244,12 @@ def search(problem: Problem) -> SearchResult:
 def _nothing_fits(problem: Problem, cands: list[Candidate]) -> str:
     limit = problem.memory_limit
     least = min(cands, key=lambda c: (c.memory.total, c.plan.as_tuple()))
-    msg = (f"no plan fits in {limit / GiB:.1f} GiB per GPU on {problem.cluster.num_nodes} x "
+    reserve = problem.memory_reserve_bytes
+    msg = (f"no plan fits in {limit / GiB:.1f} GiB per GPU ({problem.cluster.gpu_memory_bytes / GiB:.1f}"
+           f" GiB less a {reserve / GiB:.1f} GiB reserve) on {problem.cluster.num_nodes} x "
            f"{problem.cluster.gpus_per_node} GPUs: the least memory any legal plan needs is "
-           f"{least.memory.total / GiB:.1f} GiB ({least.plan}); give at least that much per GPU")
+           f"{least.memory.total / GiB:.1f} GiB ({least.plan}), i.e. GPUs of at least "
+           f"{(least.memory.total + reserve) / GiB:.1f} GiB")
     nodes = _nodes_that_fit(problem)
     if nodes is not None:
         msg += f", or use at least {nodes} nodes"

@@ -36,7 +36,7 @@ class SpecError(ValueError):
     """Bad cluster or training input. One line, naming the field."""
 
 
-def parse_size(text: str | int | float, *, field: str = "size") -> int:
+def parse_size(text: str | int | float, *, field: str = "size", allow_zero: bool = False) -> int:
     """``"80GiB"``, ``"40GB"``, ``"81920MiB"`` -> bytes. A number without a unit is refused:
     ``80`` could mean GB or GiB (a 7% difference, enough to flip a plan)."""
     allowed = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
@@ -48,8 +48,8 @@ def parse_size(text: str | int | float, *, field: str = "size") -> int:
     value, unit = float(m.group(1)), m.group(2).lower()
     if unit not in _UNITS:
         raise SpecError(f"{field}: unknown unit {m.group(2)!r}; allowed: {allowed}")
-    if value <= 0:
-        raise SpecError(f"{field} must be positive, got {text!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise SpecError(f"{field} must be {'>= 0' if allow_zero else 'positive'}, got {text!r}")
     return int(round(value * _UNITS[unit]))
 
 
