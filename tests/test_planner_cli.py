@@ -124,3 +124,16 @@ def test_bad_input_one_line_error(case, match, capsys, tmp_path):
     assert rc != 0 and out == ""
     assert err.count("\n") == 1 and err.startswith("amsp plan: error: "), err
     assert __import__("re").search(match, err), err
+
+
+def test_planner_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from amsp_ext.cli.main import main; "
+            "import amsp_ext.planner.report, amsp_ext.planner.profiles.build_paper_a800; "
+            "rc = main(['plan', '--model', 'llama-7b', '--nodes', '2', '--gpus-per-node', '8', "
+            "'--gpu-memory', '80GiB', '--seq-len', '4096', '--global-batch-size', '16']); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
