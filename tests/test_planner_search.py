@@ -1,13 +1,10 @@
 """Pre-filter, brute-force search, ranking, reasons, errors, pareto, sensitivity, plan_for."""
 
-import itertools
-import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan, check_plan, parse_plan
 from amsp_ext.planner.prefilter import legal_plans, prefilter
 from amsp_ext.planner.search import (

@@ -99,3 +99,22 @@ def test_optimizer_time_shrinks_with_sos():
     t1 = optimizer_step_time(spec, parse_plan("p=1x1,os=1x1"), tr, cl)
     t8 = optimizer_step_time(spec, parse_plan("p=1x1,os=8x1"), tr, cl)
     assert t1 == pytest.approx(8 * t8)
+
+
+def test_timeline_helpers_by_hand():
+    import numpy as np
+
+    from amsp_ext.planner.step import _bucket_ready, _chain, _stream_end
+
+    c = np.array([2.0, 1.0, 3.0])
+    g = np.array([1.0, 4.0, 1.0])
+    # prefetch: start0 = g0 = 1; start1 = 1 + max(c0, g1) = 5; start2 = 5 + max(c1, g2) = 6
+    assert _chain(c, g, True).tolist() == [1.0, 5.0, 6.0]
+    # no overlap: gather after the previous compute: 1, 1 + 2 + 4 = 7, 7 + 1 + 1 = 9
+    assert _chain(c, g, False).tolist() == [1.0, 7.0, 9.0]
+    # FIFO stream: ready 0, 1, 10 with durations 3, 3, 1 -> ends 3, 6, 11
+    assert _stream_end(np.array([0.0, 1.0, 10.0]), np.array([3.0, 3.0, 1.0])) == 11.0
+    # buckets of 10 bytes over grads of 4, 8, 3 bytes ready at 1, 2, 3:
+    # bucket 1 closes inside the 2nd unit (ready 2), bucket 2 = the remaining 5 bytes (ready 3)
+    ready, sizes = _bucket_ready(np.array([4.0, 8.0, 3.0]), np.array([1.0, 2.0, 3.0]), 10.0)
+    assert ready.tolist() == [2.0, 3.0] and sizes.tolist() == [10.0, 5.0]

@@ -199,7 +199,8 @@ def _stream_end(ready: np.ndarray, dur: np.ndarray) -> float:
     return float(end[-1])
 
 
-def _bucket_ready(grad_bytes: np.ndarray, ready: np.ndarray, bucket: float) -> tuple[np.ndarray, np.ndarray]:
+def _bucket_ready(grad_bytes: np.ndarray, ready: np.ndarray, bucket: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Buckets of ``bucket`` bytes filled in order: (ready time, bytes) of each bucket."""
     cum = np.cumsum(grad_bytes)
     total = cum[-1]
@@ -221,7 +222,6 @@ def step_estimate(
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     M, T = num_micro_batches, training.tokens_per_micro_batch
-    R, N = cluster.gpus_per_node, cluster.num_nodes
     e = param_bytes(training.precision)
     params, flops, layer_of = _units(spec, training.seq_len, training.granularity)
     rate = cluster.peak_flops * efficiency
@@ -266,12 +266,10 @@ def step_estimate(
     bwd = bs[-1] + tc[-1]
     done = (bs + tc)[is_bwd]  # gradient of each unit computed (backward order)
     units_bwd = order[is_bwd]
-    if plan.sp > 1 and overlap.ag_rs:
+    if plan.sp > 1 and overlap.ag_rs:  # a bucket waits for its units' reduce-scatters
         d_cum = np.cumsum(r[units_bwd])
-        rs_end = np.maximum.accumulate(done - (d_cum - r[units_bwd])) + d_cum
-        grad_ready = rs_end
+        grad_ready = np.maximum.accumulate(done - (d_cum - r[units_bwd])) + d_cum
     else:
-        rs_end = done
         grad_ready = done
 
     # -- all-reduce buckets -----------------------------------------------------------------
@@ -320,6 +318,7 @@ def step_estimate(
         compute += M * c_f[layer_of >= 0].sum()
     tokens = M * T
     useful = model_flops_per_token(spec, training.seq_len) * tokens
+    step, compute = float(step), float(compute)
     return StepEstimate(
         step_s=step,
         compute_s=compute,
