@@ -70,24 +70,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _collective(case: Case, numel: int, group, group_name: str, dtype, device, timeout: float
+def _collective(case: Case, numel: int, group, name: str, src: int, dtype, device, timeout: float
                 ) -> Callable[[], None]:
     """A closure running ``case.op`` once on preallocated buffers of ``numel`` elements (v)."""
     n = case.size
+    kw = dict(name=name, async_op=False, timeout=timeout)
     if case.op == "allreduce":
         buf = torch.zeros(numel, dtype=dtype, device=device)
-        return lambda: C.all_reduce(buf, group, group_name=group_name, timeout=timeout)
+        return lambda: C.all_reduce(buf, group, **kw)
     if case.op == "broadcast":
         buf = torch.zeros(numel, dtype=dtype, device=device)
-        return lambda: C.broadcast(buf, group, group_src=0, group_name=group_name, timeout=timeout)
+        return lambda: C.broadcast(buf, src, group, **kw)
     if case.op == "allgather":
         out = torch.empty(numel, dtype=dtype, device=device)
         shard = torch.zeros(numel // n, dtype=dtype, device=device)
-        return lambda: C.all_gather(out, shard, group, group_name=group_name, timeout=timeout)
+        return lambda: C.all_gather_into_tensor(out, shard, group, **kw)
     if case.op == "reducescatter":
         inp = torch.zeros(numel, dtype=dtype, device=device)
         out = torch.empty(numel // n, dtype=dtype, device=device)
-        return lambda: C.reduce_scatter(out, inp, group, group_name=group_name, timeout=timeout)
+        return lambda: C.reduce_scatter_tensor(out, inp, group, **kw)
     raise ProfileError(f"op must be one of allreduce, allgather, reducescatter, broadcast, got {case.op!r}")
 
 
@@ -109,7 +110,7 @@ def measure(config: ProfileConfig, world: World, device: torch.device, *,
     flag = torch.zeros(1, device=device)
 
     def barrier() -> None:
-        C.all_reduce(flag, None, group_name="world", timeout=config.timeout_s)
+        C.all_reduce(flag, None, name="world", async_op=False, timeout=config.timeout_s)
         _sync(device)
 
     bar = None
@@ -123,11 +124,11 @@ def measure(config: ProfileConfig, world: World, device: torch.device, *,
         for case in todo:
             group = groups.get(case.groups)
             mine = group_of(rank, case.groups)
-            group_name = f"profile_{case.kind}[{','.join(map(str, mine))}]"
+            name = f"profile_{case.kind}[{','.join(map(str, mine))}]"
             m = Measurement(op=case.op, p0=case.p0, p1=case.p1)
             for nbytes in sizes:
                 numel, moved = buffer_numel(case.op, nbytes, case.size, config.element_size)
-                run_once = _collective(case, numel, group, group_name, dtype, device, config.timeout_s)
+                run_once = _collective(case, numel, group, name, mine[0], dtype, device, config.timeout_s)
                 times = []
                 for rep in range(config.num_warmup + config.num_reps):
                     barrier()
@@ -137,7 +138,8 @@ def measure(config: ProfileConfig, world: World, device: torch.device, *,
                     if rep >= config.num_warmup:
                         times.append(time.perf_counter() - t0)
                 slowest = torch.tensor(times, dtype=torch.float64, device=device)
-                C.all_reduce(slowest, None, op=dist.ReduceOp.MAX, group_name="world", timeout=config.timeout_s)
+                C.all_reduce(slowest, None, name="world", op=dist.ReduceOp.MAX, async_op=False,
+                             timeout=config.timeout_s)
                 m.points.append((moved, statistics.median(slowest.cpu().tolist())))
                 del run_once
                 if bar is not None:
