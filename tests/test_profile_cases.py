@@ -125,7 +125,7 @@ def test_profile_document_schema():
         "world": {"nodes": 2, "gpus_per_node": 2}, "link": {"intra": "a", "inter": "b"},
         "concurrency": "all_groups"}
     assert doc["entries"] == [{"op": "allgather", "p0": 2, "p1": 1, "points": [
-        {"bytes": MiB, "GBps": 1.048576}, {"bytes": 4 * MiB, "GBps": 2.097152}]}]
+        {"bytes": MiB, "GBps": 1.04858}, {"bytes": 4 * MiB, "GBps": 2.09715}]}]
     json.dumps(doc)
 
 

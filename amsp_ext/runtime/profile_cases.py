@@ -240,7 +240,7 @@ def profile_document(measurements: list[Measurement], *, name: str, backend: str
         pts = sorted(m.points)
         entries.append({
             "op": m.op, "p0": m.p0, "p1": m.p1,
-            "points": [{"bytes": int(v), "GBps": round(v / t / 1e9, 6)} for v, t in pts],
+            "points": [{"bytes": int(v), "GBps": float(f"{v / t / 1e9:.6g}")} for v, t in pts],
         })
     how = (
         f"amsp profile: {config.dtype}, sizes {config.min_bytes}..{config.max_bytes} B (x{config.size_factor}), "
