@@ -142,13 +142,18 @@ def test_quick_profile_on_the_lab(lab, tmp_path):
 
 
 def check_with_planner_loader(path: Path) -> None:
-    """The planner's own loader must accept the profile (skipped until the planner has landed)."""
+    """The planner's loader accepts the profile and `amsp plan` uses it (once the planner landed)."""
     try:
         from amsp_ext.planner.profile import load_profile
     except ImportError:
         return
-    prof = load_profile(path)
-    assert prof.concurrency == "all_groups"
+    assert load_profile(path).concurrency == "all_groups"
+    from test_profile_to_plan import PLAN_ARGS, assert_shards_stay_inside_a_node
+
+    proc = subprocess.run([sys.executable, "-m", "amsp_ext.cli", *PLAN_ARGS, "--gpu-memory", "40GiB",
+                           "--profile", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert_shards_stay_inside_a_node(json.loads(proc.stdout))
 
 
 def test_down_clears_a_crashed_lab(lab_env):
