@@ -241,4 +241,8 @@ def down(name: str = "amsp", *, runner: Runner = run_command,
     if state_path(name).exists():
         state_path(name).unlink()
         removed.append(f"state {state_path(name)}")
+        try:
+            state_dir().rmdir()  # only if no other lab is recorded there
+        except OSError:
+            pass
     return removed
