@@ -11,7 +11,10 @@ import importlib
 import sys
 
 # name -> module under amsp_ext.cli
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "cluster": "cluster",
+    "profile": "profile",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
