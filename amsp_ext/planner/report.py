@@ -162,22 +162,22 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
     feas = [c for c in report["candidates"] if c["feasible"]]
     lines += ["", f"candidates: {pf['considered']} considered, {pf['accepted']} pass the "
               f"pre-filter, {len(feas)} fit in memory (best {min(top, len(feas))} shown)",
-              f"  {'#':>3}  {'plan':<26}{'objective':>10}{'Tp':>8}{'Tg':>8}{'T0_os':>8}"
-              f"{'T1_os':>8}{'mem GiB':>9}  note"]
+              f"  {'#':>3}  {'plan':<26}{'objective':>10} {'Tp':>8} {'Tg':>8} {'T0_os':>8} "
+              f"{'T1_os':>8} {'mem GiB':>8}  note"]
     for c in feas[:top]:
         tc = c["t_comm_s"]
         lines.append(
-            f"  {c['rank']:>3}  {c['plan']:<26}{c['objective_s']:>10.3f}{tc['t_p']:>8.3f}"
-            f"{tc['t_g']:>8.3f}{tc['t0_os']:>8.3f}{tc['t1_os']:>8.3f}"
-            f"{_gib(c['memory_bytes']):>9}  {c['reason'] or 'chosen'}")
+            f"  {c['rank']:>3}  {c['plan']:<26}{c['objective_s']:>10.3f} {tc['t_p']:>8.3f} "
+            f"{tc['t_g']:>8.3f} {tc['t0_os']:>8.3f} {tc['t1_os']:>8.3f} "
+            f"{_gib(c['memory_bytes']):>8}  {c['reason'] or 'chosen'}")
     lines += ["", "baselines (same formulas):",
-              f"  {'name':<17}{'plan':<28}{'comm s':>8}{'mem GiB':>9}{'fits':>6}{'MFU':>7}  "
+              f"  {'name':<16} {'plan':<29}{'comm s':>9} {'mem GiB':>8} {'fits':>4} {'MFU':>6}  "
               f"vs the chosen plan"]
     for b in report["baselines"]:
         lines.append(
-            f"  {b['label']:<17}{b['plan']:<28}{b['t_comm_s']['total']:>8.3f}"
-            f"{_gib(b['memory_bytes']['total']):>9}{'yes' if b['feasible'] else 'no':>6}"
-            f"{b['step']['mfu']:>7.1%}  {b['comparison'].split(': ', 1)[1]}")
+            f"  {b['label']:<16} {b['plan']:<29}{b['t_comm_s']['total']:>9.3f} "
+            f"{_gib(b['memory_bytes']['total']):>8} {'yes' if b['feasible'] else 'no':>4} "
+            f"{b['step']['mfu']:>6.1%}  {b['comparison'].split(': ', 1)[1]}")
     if "pareto" in report:
         lines += ["", "memory/time frontier (less memory first):"]
         lines += [f"  {_gib(p['memory_bytes']):>7} GiB  {p['objective_s']:.3f} s  {p['plan']}"
