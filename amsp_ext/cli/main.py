@@ -12,6 +12,7 @@ import sys
 
 # name -> module under amsp_ext.cli
 SUBCOMMANDS: dict[str, str] = {
+    "plan": "plan",
     "cluster": "cluster",
     "profile": "profile",
 }
