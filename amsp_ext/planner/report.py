@@ -172,7 +172,7 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
             f"{_gib(c['memory_bytes']):>8}  {c['reason'] or 'chosen'}")
     lines += ["", "baselines (same formulas):",
               f"  {'name':<16} {'plan':<29}{'comm s':>9} {'mem GiB':>8} {'fits':>4} {'MFU':>6}  "
-              f"vs the chosen plan"]
+              f"the chosen plan, against this baseline"]
     for b in report["baselines"]:
         lines.append(
             f"  {b['label']:<16} {b['plan']:<29}{b['t_comm_s']['total']:>9.3f} "
