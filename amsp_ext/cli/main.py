@@ -12,6 +12,9 @@ import sys
 
 # name -> module under amsp_ext.cli
 SUBCOMMANDS: dict[str, str] = {
+    "plan": "plan",
+    "cluster": "cluster",
+    "profile": "profile",
     "compare": "compare",
 }
 
