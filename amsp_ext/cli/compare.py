@@ -45,6 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpz-partition-size", type=int, help="default: one node")
     p.add_argument("--amsp-plan", default="auto",
                    help="plan of the 'AMSP (planner's plan)' row: auto | ddp | zero1 | mics:K | p=AxB,g=..,os=..")
+    p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
+                   help="planner profile for --amsp-plan auto (bundled name or a JSON from `amsp profile`)")
+    p.add_argument("--gpu-memory", default="80GiB", metavar="SIZE",
+                   help="memory per GPU the planner plans for (--amsp-plan auto), e.g. 80GiB, 4MiB")
+    p.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
+                   help="memory per GPU the planner keeps free (default 2GiB, as `amsp plan`)")
+    p.add_argument("--missing-mesh", choices=("error", "fit"), default="fit",
+                   help="a mesh the profile lacks: estimate by alpha-beta fit (default) or refuse")
     p.add_argument("--ablation-micro-batches", help="ablation mode: comma-separated M values, "
                    "e.g. 1,2,4,8 as in the paper's Table V (default: --micro-batches)")
     p.add_argument("--no-trace", action="store_true", help="skip the profiled step")
@@ -56,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from amsp_ext.compare.config import RunSpec
-    from amsp_ext.compare.harness import run_comparison
+    from amsp_ext.compare.harness import PlannerInputs, run_comparison
+    from amsp_ext.planner.specs import parse_size
     from amsp_ext.compare.launch import LaunchConfig
     from amsp_ext.compare.report import format_table, ratios
 
@@ -78,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
     command = "amsp compare " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "compare"
                                            else sys.argv[1:])
+    planner = PlannerInputs(profile=args.profile, missing=args.missing_mesh,
+                            gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
+                            memory_reserve_bytes=parse_size(args.memory_reserve, field="--memory-reserve",
+                                                            allow_zero=True))
     ablation_ms = None
     if args.ablation_micro_batches:
         try:
@@ -87,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                              f"got {args.ablation_micro_batches!r}") from None
     path, rows = run_comparison(mode=args.mode, spec=spec, launch=launch, out_dir=Path(args.out),
                                 command=command.strip(), systems=systems,
-                                ablation_micro_batches=ablation_ms)
+                                ablation_micro_batches=ablation_ms, planner=planner)
     print()
     print(format_table(rows))
     for line in ratios(rows):

@@ -23,7 +23,7 @@ from amsp_ext.compare.launch import LaunchConfig, run_system
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS, runner
 
-__all__ = ["MODES", "RunItem", "plan_runs", "run_comparison"]
+__all__ = ["MODES", "PlannerInputs", "RunItem", "plan_runs", "resolve_world", "run_comparison"]
 
 MODES = ("baselines", "dissociation", "ablation")
 NOISE_NOTE = ("Measured on a shared 2-core CPU machine while other jobs ran: timings are noisy "
@@ -68,19 +68,67 @@ def _amsp_plan_label(spec: RunSpec) -> str:
     return f"AMSP (plan {spec.amsp_plan})"
 
 
-def _resolve_planned(spec: RunSpec) -> tuple[RunSpec | None, str | None]:
-    """The planner's plan as factors, or why the row is pending."""
+@dataclass(frozen=True, kw_only=True)
+class PlannerInputs:
+    """What ``amsp-plan`` with ``amsp_plan="auto"`` hands the planner (as ``amsp plan`` takes it)."""
+
+    profile: str = "paper-a800"  # bundled name or a JSON path (e.g. from `amsp profile` on the lab)
+    gpu_memory_bytes: int = 80 * 2**30
+    memory_reserve_bytes: int = 2 * 2**30
+    missing: str = "fit"  # a mesh the profile lacks: alpha-beta fit ("fit") or refuse ("error")
+
+    def describe(self) -> str:
+        return (f"profile {self.profile}, {self.gpu_memory_bytes / 2**30:g} GiB per GPU less "
+                f"{self.memory_reserve_bytes / 2**30:g} GiB reserve, missing meshes: {self.missing}")
+
+
+def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
+                     planner: PlannerInputs) -> tuple[RunSpec | None, str | None, str]:
+    """``(spec with explicit factors, why not, where the plan came from)``."""
     if spec.amsp_plan.strip().lower() != "auto":
-        return spec, None
+        return spec, None, f"given: {spec.amsp_plan}"
     try:
-        from amsp_ext.planner import search  # noqa: F401
+        from amsp_ext.planner.search import plan_for
+        from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
     except ImportError:
-        return None, PLANNER_PENDING
-    return None, PLANNER_PENDING  # wired once the planner's API is on main
+        return None, PLANNER_PENDING, ""
+    from amsp_ext.models import llama_config_dict
+
+    try:
+        plan = plan_for(
+            llama_config_dict(spec.model),
+            ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                        gpu_memory_bytes=planner.gpu_memory_bytes),
+            TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
+                         num_micro_batches=spec.num_micro_batches, precision=spec.precision),
+            planner.profile, missing=planner.missing,
+            memory_reserve_bytes=planner.memory_reserve_bytes)
+    except ValueError as e:
+        return None, f"planner: {e}", ""
+    return spec.replace(amsp_plan=str(plan)), None, f"planner ({planner.describe()}): {plan}"
+
+
+def resolve_world(spec: RunSpec, launch: LaunchConfig) -> tuple[int, int]:
+    """``(num_nodes, gpus_per_node)`` of the comparison, refused before any launch if it cannot
+    tile. torchrun: the ranks of this machine; cluster: the lab's shape from its state file."""
+    from amsp_ext.compare.config import resolve_topology
+
+    if launch.launcher == "torchrun":
+        world = local = launch.nproc_per_node
+    else:
+        from amsp_ext.cluster import netns
+
+        state = netns.load_state(launch.cluster_name)
+        if state is None or state.get("status") != "up":
+            raise SpecError(f"cluster lab {launch.cluster_name!r} is not up; run `amsp cluster up "
+                            f"--name {launch.cluster_name} --nodes 2 --gpus-per-node 2 ...` first")
+        local = int(state["spec"]["gpus_per_node"])
+        world = int(state["spec"]["num_nodes"]) * local
+    return resolve_topology(spec, world_size=world, local_world_size=local)
 
 
 def _hardware(launch: LaunchConfig, nodes: int, gpn: int) -> str:
-    return f"cpu-{nodes}x{gpn}" + ("-cluster" if launch.launcher == "cluster" else "")
+    return f"cpu-{nodes}x{gpn}" + ("-lab" if launch.launcher == "cluster" else "")
 
 
 def _precision_note(precision: str) -> str:
@@ -99,21 +147,17 @@ def _precision_note(precision: str) -> str:
 def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: Path,
                    command: str, systems: list[str] | None = None,
                    ablation_micro_batches: list[int] | None = None,
+                   planner: PlannerInputs | None = None,
                    progress: Callable[[str], None] = print) -> tuple[Path, list[dict[str, Any]]]:
     from amsp_ext.compare.report import write_report
 
     items = plan_runs(mode, spec, systems, ablation_micro_batches)
-    world = launch.nproc_per_node
-    if launch.launcher == "torchrun":  # refuse a topology that cannot tile before any launch
-        from amsp_ext.compare.config import resolve_topology
-
-        resolve_topology(spec, world_size=world, local_world_size=world)
-    gpn = spec.gpus_per_node or world
-    nodes = world // gpn if launch.launcher == "torchrun" else None
+    nodes, gpn = resolve_world(spec, launch)
     date = datetime.date.today().isoformat()
-    stem_hw = _hardware(launch, nodes or 0, gpn) if nodes else "cpu-cluster"
+    stem_hw = _hardware(launch, nodes, gpn)
     stem = f"{spec.model}_{stem_hw}_{date}" + ("" if mode == "baselines" else f"_{mode}")
     runs_dir = out_dir / stem / "runs"
+    planner = planner or PlannerInputs()
 
     raw: list[dict[str, Any]] = []
     for i, item in enumerate(items, 1):
@@ -125,11 +169,16 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
         if SYSTEMS[item.system].is_amsp:
             why = runner(item.system).pending_reason()
             if why is None and item.system == "amsp-plan":
-                resolved, why = _resolve_planned(item_spec)
+                resolved, why, source = _resolve_planned(item_spec, num_nodes=nodes,
+                                                         gpus_per_node=gpn, planner=planner)
                 item_spec = resolved or item_spec
+                base["plan_source"] = source
+                if resolved is not None and spec.amsp_plan.strip().lower() == "auto":
+                    base["label"] = item.label.replace("planner's plan", f"planner's plan {resolved.amsp_plan}")
         if why:
-            raw.append({**base, "status": "pending", "reason": why})
-            progress(f"{head}: {why}")
+            status = "failed" if why.startswith("planner:") else "pending"
+            raw.append({**base, "status": status, "reason": why})
+            progress(f"{head}: {status}: {why}")
             continue
         res = run_system(item.system, item_spec, runs_dir / item.key.replace("[", "_").replace("]", ""),
                          launch, row_key=item.key)
@@ -142,6 +191,7 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     rows = [summarize(r, RunSpec(**r["spec"]), peak) for r in raw]
     meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
                  hardware=stem_hw)
+    meta["planner"] = planner.describe()
     path = write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem)
     return path, rows
 

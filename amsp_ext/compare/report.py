@@ -236,6 +236,7 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         f"- Precision: **{spec['precision']}**. {meta['precision_note']}",
         f"- Topology: {meta['topology']}",
         f"- Cluster link: {meta['cluster_link']}",
+        f"- Planner inputs for an `auto` AMSP plan: {meta.get('planner', 'n/a')}",
         f"- Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
         "- DeepSpeed patches (applied only where a local probe said they are needed):",
         *(f"  - `patches/{k}.py`: {v}" for k, v in meta["patches"].items()),
@@ -249,8 +250,9 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
     ]
     for r in rows:
         settings = r.get("settings")
-        lines.append(f"- **{r['label']}**: `{json.dumps(settings, sort_keys=True)}`" if settings
-                     else f"- **{r['label']}**: {r.get('status')}")
+        source = f" Plan from {r['plan_source']}." if r.get("plan_source") else ""
+        lines.append(f"- **{r['label']}**:{source} `{json.dumps(settings, sort_keys=True)}`" if settings
+                     else f"- **{r['label']}**:{source} {r.get('status')}")
     lines += ["", "Each row's own command is in `results.json` (`rows[].command`)."]
     path = out_dir / f"{stem}.md"
     path.write_text("\n".join(lines) + "\n")

@@ -35,7 +35,7 @@ def _median(values: list[float | None]) -> float | None:
 
 def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict[str, Any]:
     row = {k: result.get(k) for k in ("key", "system", "label", "status", "reason", "command", "wall_s",
-                                      "spec")}
+                                      "spec", "plan_source")}
     if result.get("status") != "ok":
         return row
     from amsp_ext.models import llama_config_dict
