@@ -32,6 +32,22 @@ METHOD = """\
   same initial weights for every system)."""
 
 
+CAVEATS = """\
+- **DeepSpeed's `overlap_comm` cannot overlap on CPU.** It overlaps by running reductions on a
+  separate accelerator stream; DeepSpeed's CPU accelerator is a "synchronized device"
+  (`is_synchronized_device() == True`, so ZeRO-1/2 and ZeRO-3 create no reduction stream) and
+  every DeepSpeed collective runs on the training thread. Exposed = total communication for the
+  DeepSpeed rows here is a property of this machine, not of DeepSpeed on GPUs.
+- **Tiny models, big constants.** With `tiny-llama` the model states are ~2 MB per rank, so peak
+  RSS deltas are dominated by per-process constants (kernels, thread pools, allocator arenas)
+  and only the *live tensors* column separates the systems' sharding.
+- **Time-sharing.** With more ranks than cores, a rank waiting for a descheduled peer shows up as
+  communication time; comm/exposed figures include that wait.
+- **Logical nodes.** Under plain torchrun the node boundary is logical (`--gpus-per-node`): it
+  decides the groups of hpZ, MiCS, HSDP and AMSP, but no slower link separates the "nodes".
+  `--launcher cluster` runs on the network-namespace lab, where it does."""
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
@@ -240,6 +256,10 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         f"- Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
         "- DeepSpeed patches (applied only where a local probe said they are needed):",
         *(f"  - `patches/{k}.py`: {v}" for k, v in meta["patches"].items()),
+        "",
+        "## Reading these numbers",
+        "",
+        CAVEATS,
         "",
         "## How each figure is measured",
         "",
