@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "plan",
     "cluster": "cluster",
     "profile": "profile",
+    "compare": "compare",
 }
 
 

@@ -1,0 +1,245 @@
+"""``amsp compare``: run each system of a mode with the same RunSpec, then write the report.
+
+Modes:
+- ``baselines``: every system (DDP, ZeRO-1/2/3, ZeRO++ with and without quantisation, MiCS,
+  FSDP2, HSDP) and both AMSP rows - the paper's Figures 11-13 as far as one machine allows.
+- ``dissociation``: DeepSpeed-MiCS, AMSP with MiCS's configuration, AMSP with the planner's plan
+  - the paper's Figure 16 (engine vs sharding strategy).
+- ``ablation``: AMSP with the planner's plan under each overlap setting of the paper's Table V
+  (all on / no BC / no BC+AR / none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from amsp_ext.compare.config import OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
+from amsp_ext.compare.launch import LaunchConfig, run_system
+from amsp_ext.compare.summary import peak_flops, summarize
+from amsp_ext.compare.systems import SYSTEMS, runner
+
+__all__ = ["MODES", "PlannerInputs", "RunItem", "plan_runs", "resolve_world", "run_comparison"]
+
+MODES = ("baselines", "dissociation", "ablation")
+NOISE_NOTE = ("Measured on a shared 2-core CPU machine while other jobs ran: timings are noisy "
+              "and say little about GPUs; the numbers show the harness works and how the systems "
+              "compare here, not the paper's speed-ups.")
+PLANNER_PENDING = "planner not landed (amsp_ext.planner.search is not on main)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunItem:
+    key: str  # row key, unique in a comparison
+    system: str
+    label: str
+    spec: RunSpec
+
+
+def plan_runs(mode: str, spec: RunSpec, systems: list[str] | None = None,
+              ablation_micro_batches: list[int] | None = None) -> list[RunItem]:
+    """The rows of a mode. Ablation: one row per (M, overlap setting), M from
+    ``ablation_micro_batches`` (the paper's Table V uses 1, 2, 4, 8) or the spec's M."""
+    if mode not in MODES:
+        raise SpecError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "ablation":
+        ms = ablation_micro_batches or [spec.num_micro_batches]
+        if any(m < 1 for m in ms):
+            raise SpecError(f"ablation micro-batch counts must be >= 1, got {ms}")
+        return [RunItem(key=f"amsp-plan[M={m},{o}]", system="amsp-plan",
+                        label=f"{_amsp_plan_label(spec)}, M={m}, overlap {OVERLAP_LABELS[o]}",
+                        spec=spec.replace(amsp_overlap=o, num_micro_batches=m))
+                for m in ms for o in OVERLAPS]
+    names = systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"])
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad:
+        raise SpecError(f"systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
+    return [RunItem(key=n, system=n, label=_amsp_plan_label(spec) if n == "amsp-plan" else SYSTEMS[n].label,
+                    spec=spec) for n in names]
+
+
+def _amsp_plan_label(spec: RunSpec) -> str:
+    if spec.amsp_plan.strip().lower() == "auto":
+        return SYSTEMS["amsp-plan"].label
+    return f"AMSP (plan {spec.amsp_plan})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerInputs:
+    """What ``amsp-plan`` with ``amsp_plan="auto"`` hands the planner (as ``amsp plan`` takes it)."""
+
+    profile: str = "paper-a800"  # bundled name or a JSON path (e.g. from `amsp profile` on the lab)
+    gpu_memory_bytes: int = 80 * 2**30
+    memory_reserve_bytes: int = 2 * 2**30
+    missing: str = "fit"  # a mesh the profile lacks: alpha-beta fit ("fit") or refuse ("error")
+
+    def describe(self) -> str:
+        return (f"profile {self.profile}, {self.gpu_memory_bytes / 2**30:g} GiB per GPU less "
+                f"{self.memory_reserve_bytes / 2**30:g} GiB reserve, missing meshes: {self.missing}")
+
+
+def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
+                     planner: PlannerInputs) -> tuple[RunSpec | None, str | None, str]:
+    """``(spec with explicit factors, why not, where the plan came from)``."""
+    if spec.amsp_plan.strip().lower() != "auto":
+        return spec, None, f"given: {spec.amsp_plan}"
+    try:
+        from amsp_ext.planner.search import plan_for
+        from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+    except ImportError:
+        return None, PLANNER_PENDING, ""
+    from amsp_ext.models import llama_config_dict
+
+    try:
+        plan = plan_for(
+            llama_config_dict(spec.model),
+            ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                        gpu_memory_bytes=planner.gpu_memory_bytes),
+            TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
+                         num_micro_batches=spec.num_micro_batches, precision=spec.precision),
+            planner.profile, missing=planner.missing,
+            memory_reserve_bytes=planner.memory_reserve_bytes)
+    except ValueError as e:
+        return None, f"planner: {e}", ""
+    return spec.replace(amsp_plan=str(plan)), None, f"planner ({planner.describe()}): {plan}"
+
+
+def resolve_world(spec: RunSpec, launch: LaunchConfig) -> tuple[int, int]:
+    """``(num_nodes, gpus_per_node)`` of the comparison, refused before any launch if it cannot
+    tile. torchrun: the ranks of this machine; cluster: the lab's shape from its state file."""
+    from amsp_ext.compare.config import resolve_topology
+
+    if launch.launcher == "torchrun":
+        world = local = launch.nproc_per_node
+    else:
+        from amsp_ext.cluster import netns
+
+        state = netns.load_state(launch.cluster_name)
+        if state is None or state.get("status") != "up":
+            raise SpecError(f"cluster lab {launch.cluster_name!r} is not up; run `amsp cluster up "
+                            f"--name {launch.cluster_name} --nodes 2 --gpus-per-node 2 ...` first")
+        local = int(state["spec"]["gpus_per_node"])
+        world = int(state["spec"]["num_nodes"]) * local
+    return resolve_topology(spec, world_size=world, local_world_size=local)
+
+
+def _hardware(launch: LaunchConfig, nodes: int, gpn: int) -> str:
+    return f"cpu-{nodes}x{gpn}" + ("-lab" if launch.launcher == "cluster" else "")
+
+
+def _precision_note(precision: str) -> str:
+    if precision == "bf16":
+        return ("bf16 for every system, in each system's own mixed-precision form (DDP: autocast "
+                "over fp32 params; FSDP2: MixedPrecisionPolicy bf16/fp32-reduce; DeepSpeed: "
+                "`bf16.enabled`; AMSP: bf16 compute, fp32 masters): the paper trains in mixed "
+                "precision and it is what these systems' users run. fp32 runs too "
+                "(`--precision fp32`) - DeepSpeed 0.18.9 ZeRO-1/2 fail on gloo in *both* "
+                "precisions with LlamaForCausalLM unless patches/deepspeed_zero12_flat_buffer.py "
+                "is applied, and run in both with it.")
+    return ("fp32 for every system: numerics are comparable to a single-process reference; "
+            "DeepSpeed 0.18.9 ZeRO-1/2 need patches/deepspeed_zero12_flat_buffer.py on gloo.")
+
+
+def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: Path,
+                   command: str, systems: list[str] | None = None,
+                   ablation_micro_batches: list[int] | None = None,
+                   planner: PlannerInputs | None = None,
+                   progress: Callable[[str], None] = print) -> tuple[Path, list[dict[str, Any]]]:
+    from amsp_ext.compare.report import write_report
+
+    items = plan_runs(mode, spec, systems, ablation_micro_batches)
+    nodes, gpn = resolve_world(spec, launch)
+    date = datetime.date.today().isoformat()
+    stem_hw = _hardware(launch, nodes, gpn)
+    stem = f"{spec.model}_{stem_hw}_{date}" + ("" if mode == "baselines" else f"_{mode}")
+    runs_dir = out_dir / stem / "runs"
+    planner = planner or PlannerInputs()
+
+    raw: list[dict[str, Any]] = []
+    for i, item in enumerate(items, 1):
+        head = f"[{i}/{len(items)}] {item.label}"
+        base = {"key": item.key, "system": item.system, "label": item.label,
+                "spec": dataclasses.asdict(item.spec)}
+        item_spec = item.spec
+        why = None
+        if SYSTEMS[item.system].is_amsp:
+            why = runner(item.system).pending_reason()
+            if why is None and item.system == "amsp-plan":
+                resolved, why, source = _resolve_planned(item_spec, num_nodes=nodes,
+                                                         gpus_per_node=gpn, planner=planner)
+                item_spec = resolved or item_spec
+                base["plan_source"] = source
+                if resolved is not None and spec.amsp_plan.strip().lower() == "auto":
+                    base["label"] = item.label.replace("planner's plan", f"planner's plan {resolved.amsp_plan}")
+        if why:
+            status = "failed" if why.startswith("planner:") else "pending"
+            raw.append({**base, "status": status, "reason": why})
+            progress(f"{head}: {status}: {why}")
+            continue
+        res = run_system(item.system, item_spec, runs_dir / item.key.replace("[", "_").replace("]", ""),
+                         launch, row_key=item.key)
+        res.update(base)
+        raw.append(res)
+        progress(f"{head}: {res['status']}" + (f" - {res['reason']}" if res.get("reason") else "")
+                 + f" ({res.get('wall_s', 0):.0f} s)")
+
+    peak = peak_flops(raw)
+    rows = [summarize(r, RunSpec(**r["spec"]), peak) for r in raw]
+    meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
+                 hardware=stem_hw)
+    meta["planner"] = planner.describe()
+    path = write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem)
+    return path, rows
+
+
+def _machine() -> str:
+    import os
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPU cores, no GPU"
+
+
+def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
+    from amsp_ext.compare.flops import layer_shape, megatron_flops_per_token
+    from amsp_ext.models import build_llama, llama_config_dict
+
+    ok = [r for r in raw if r.get("status") == "ok"]
+    first = ok[0] if ok else {}
+    world = first.get("world_size") or launch.nproc_per_node
+    nodes, gpn = first.get("num_nodes"), first.get("gpus_per_node")
+    if launch.launcher == "torchrun":
+        topology = (f"1 machine, `torchrun --standalone`, {world} ranks"
+                    + (f" posing as {nodes} nodes x {gpn} (logical nodes: no slower link between them)"
+                       if nodes and nodes > 1 else ""))
+    else:
+        topology = f"`amsp cluster run` (lab `{launch.cluster_name}`): {nodes} nodes x {gpn} ranks"
+    link = first.get("cluster_link") or "none (one machine, loopback)"
+    ds = next((r for r in ok if r.get("patches")), None)
+    patches = ds["patches"] if ds else {"-": "none (no DeepSpeed run succeeded)"}
+    versions = first.get("versions") or {"python": platform.python_version()}
+    num_params = sum(p.numel() for p in build_llama(spec.model, seed=spec.seed).parameters())
+    return {
+        "mode": mode, "command": command, "date": date, "hardware": hardware,
+        "cpu": _machine(),
+        "noise_note": NOISE_NOTE, "spec": dataclasses.asdict(spec),
+        "launch": dataclasses.asdict(launch), "topology": topology, "cluster_link": link,
+        "versions": versions, "patches": patches,
+        "peak_flops": peak, "compute_dtype": spec.precision,
+        "precision_note": _precision_note(spec.precision),
+        "num_params": num_params,
+        "flops_per_token": megatron_flops_per_token(layer_shape(llama_config_dict(spec.model)),
+                                                    seq_len=spec.seq_len),
+        "global_batch_sequences": spec.micro_batch_size * spec.num_micro_batches * world,
+        "global_batch_tokens": spec.tokens_per_rank_per_step * world,
+    }

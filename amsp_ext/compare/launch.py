@@ -1,0 +1,122 @@
+"""Start one system's ranks - under plain torchrun or ``amsp cluster run`` - and collect its row.
+
+Each system runs in its own job (fresh processes), so one system's memory, threads or failure
+cannot leak into the next. The command is recorded with the result so every row can be
+reproduced on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from amsp_ext.compare.config import RunSpec
+
+__all__ = ["LAUNCHERS", "LaunchConfig", "run_system", "worker_command"]
+
+LAUNCHERS = ("torchrun", "cluster")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    launcher: str = "torchrun"
+    nproc_per_node: int = 4  # torchrun only; the cluster's size comes from `amsp cluster up`
+    cluster_name: str = "amsp"
+    timeout_s: float = 600.0  # per system
+    master_port: int = 29511
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if not 1 <= self.nproc_per_node <= 8:
+            raise ValueError(f"nproc_per_node must be in 1..8 on this machine, got {self.nproc_per_node}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig) -> list[str]:
+    worker = ["-m", "amsp_ext.compare.worker", "--spec", str(spec_path), "--system", system,
+              "--out", str(out)]
+    if launch.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={launch.nproc_per_node}", *worker]
+    return [sys.executable, "-m", "amsp_ext.cli", "cluster", "run", "--name", launch.cluster_name,
+            "--timeout", str(int(launch.timeout_s)), "--master-port", str(launch.master_port),
+            "--", *worker]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
+    return env
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop the launcher and every rank it started (they share the session we created)."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _failure(out: Path, proc_rc: int | None, log_tail: str, timeout_s: float) -> dict[str, Any]:
+    errors = []
+    for f in sorted(out.glob("error-rank*.json")):
+        try:
+            errors.append(json.loads(f.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if errors:
+        # The first rank to fail names the cause; later ones are usually its echo (timeouts).
+        first = min(errors, key=lambda e: e.get("time", 0.0))
+        return {"status": first["status"], "reason": first["reason"], "failed_rank": first["rank"]}
+    if proc_rc is None:
+        return {"status": "failed", "reason": f"timed out after {timeout_s:.0f} s (no rank reported an error)"}
+    last = next((line for line in reversed(log_tail.splitlines()) if line.strip()), "")
+    return {"status": "failed", "reason": f"exited {proc_rc} before any rank reported: {last[:300]}"}
+
+
+def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,
+               *, row_key: str | None = None) -> dict[str, Any]:
+    """Run ``system`` and return its raw result (status ok) or status + one-line reason."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("error-rank*.json"), out / "result.json"]:
+        stale.unlink(missing_ok=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(spec.to_json() + "\n")
+    cmd = worker_command(system, spec_path, out, launch)
+    base = {"system": system, "key": row_key or system, "command": shlex.join(cmd)}
+    t0 = time.perf_counter()
+    rc: int | None
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=launch.timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+            _stop_group(proc)
+    wall = time.perf_counter() - t0
+    base["wall_s"] = wall
+    result_file = out / "result.json"
+    if rc == 0 and result_file.exists():
+        return {**base, **json.loads(result_file.read_text())}
+    tail = (out / "log.txt").read_text(errors="replace")[-4000:]
+    return {**base, **_failure(out, rc, tail, launch.timeout_s)}

@@ -1,0 +1,286 @@
+"""Rows -> ``<stem>.md`` (the table and how it was measured), ``<stem>/results.json`` and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_table", "ratios", "write_plots", "write_report"]
+
+MIB = 2**20
+
+METHOD = """\
+- **tokens/GPU/s**: tokens one rank trains per optimizer step (micro-batch size x seq len x M)
+  divided by the step time; a step's time is its slowest rank's; the median over the steps after
+  the warm-up steps.
+- **MFU**: model FLOPs per token by the Megatron-LM formula (Narayanan et al. 2021), counting
+  Llama's real matmul weights (GQA, SwiGLU) in place of GPT's 24h^2; attention is **not** halved
+  for causal masking, as in the paper; no recomputation. The peak is **measured**: a dense
+  {n}x{n} matmul in the run's compute dtype on every rank at once, best of 5, median over all
+  ranks of all runs: **{peak}**. On a shared CPU each rank's peak is its share of the cores.
+- **Memory per rank** (CPU, no caching allocator): *peak RSS delta* = the kernel's resident
+  high-water mark (VmHWM, reset just before the model is built) minus RSS at that point - all
+  allocations incl. activations, buffers and allocator slack; *live tensors* = bytes of all live
+  tensors (deduplicated by storage) after the last step minus before the model is built - the
+  model states and persistent buffers a rank holds between steps. Max over ranks.
+- **Communication**: torch.profiler trace of one extra step after the timed ones. *comm* = wall
+  time with a collective in flight (gloo worker spans and c10d calls); *exposed* = the part of it
+  during which the training threads run no aten op (see amsp_ext/compare/trace.py). Median over
+  ranks.
+- **Loss**: mean over ranks and micro-batches = the global-batch loss of each step (same data,
+  same initial weights for every system)."""
+
+
+CAVEATS = """\
+- **DeepSpeed's `overlap_comm` cannot overlap on CPU.** It overlaps by running reductions on a
+  separate accelerator stream; DeepSpeed's CPU accelerator is a "synchronized device"
+  (`is_synchronized_device() == True`, so ZeRO-1/2 and ZeRO-3 create no reduction stream) and
+  every DeepSpeed collective runs on the training thread. Exposed = total communication for the
+  DeepSpeed rows here is a property of this machine, not of DeepSpeed on GPUs.
+- **Tiny models, big constants.** With `tiny-llama` the model states are ~2 MB per rank, so peak
+  RSS deltas are dominated by per-process constants (kernels, thread pools, allocator arenas)
+  and only the *live tensors* column separates the systems' sharding.
+- **Time-sharing.** With more ranks than cores, a rank waiting for a descheduled peer shows up as
+  communication time; comm/exposed figures include that wait.
+- **Logical nodes.** Under plain torchrun the node boundary is logical (`--gpus-per-node`): it
+  decides the groups of hpZ, MiCS, HSDP and AMSP, but no slower link separates the "nodes".
+  `--launcher cluster` runs on the network-namespace lab, where it does."""
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def _mib(values: list | None) -> str:
+    vals = [v for v in (values or []) if v is not None]
+    return f"{max(vals) / MIB:.1f}" if vals else "—"
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{v * 1e3:.1f}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| System | tokens/GPU/s | MFU | median step (s) | peak RSS Δ / rank (MiB) | "
+            "live tensors / rank (MiB) | comm / step (ms) | exposed comm / step (ms) | "
+            "loss step 0 → last | status |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        if r.get("status") == "ok":
+            loss = r["loss"]
+            lines.append(
+                f"| {r['label']} | {r['tokens_per_gpu_per_s']:.0f} | "
+                f"{_fmt(r['mfu'] and r['mfu'] * 100, '.2f')}% | {r['median_step_s']:.3f} | "
+                f"{_mib(r['peak_rss_delta_bytes'])} | {_mib(r['live_tensor_delta_bytes'])} | "
+                f"{_ms(r['comm_s'])} | {_ms(r['exposed_comm_s'])} | "
+                f"{loss[0]:.4f} → {loss[-1]:.4f} | ok |")
+        else:
+            reason = str(r.get("reason", "")).replace("|", "\\|")
+            lines.append(f"| {r['label']} | — | — | — | — | — | — | — | — | "
+                         f"{r.get('status')}: {reason} |")
+    return "\n".join(lines)
+
+
+def _row(rows, key):
+    return next((r for r in rows if r["key"] == key and r.get("status") == "ok"), None)
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """AMSP(planned) / each baseline and AMSP(MiCS config) / DeepSpeed-MiCS, in tokens/GPU/s."""
+    out = []
+    planned = _row(rows, "amsp-plan") or _row(rows, "amsp-plan[all]")
+    if planned:
+        for r in rows:
+            if r.get("status") == "ok" and not r["system"].startswith("amsp"):
+                out.append(f"- {planned['label']} / {r['label']}: "
+                           f"{planned['tokens_per_gpu_per_s'] / r['tokens_per_gpu_per_s']:.2f}x")
+    amsp_mics, ds_mics = _row(rows, "amsp-mics"), _row(rows, "mics")
+    if amsp_mics and ds_mics:
+        out.append(f"- AMSP (MiCS config) / DeepSpeed-MiCS: "
+                   f"{amsp_mics['tokens_per_gpu_per_s'] / ds_mics['tokens_per_gpu_per_s']:.2f}x "
+                   "(engine only: same sharding, paper Fig. 16)")
+    if amsp_mics and planned:
+        out.append(f"- {planned['label']} / AMSP (MiCS config): "
+                   f"{planned['tokens_per_gpu_per_s'] / amsp_mics['tokens_per_gpu_per_s']:.2f}x "
+                   "(sharding strategy only: same engine)")
+    return out
+
+
+def ablation_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Table V's shape: per M, tokens/GPU/s of each overlap setting and the drop vs all on."""
+    ok = [r for r in rows if r["key"].startswith("amsp-plan[M=")]
+    if not ok:
+        return []
+    from amsp_ext.compare.config import OVERLAP_LABELS
+
+    out = ["| M | " + " | ".join(OVERLAP_LABELS.values()) + " |", "|---|" + "---|" * len(OVERLAP_LABELS)]
+    for m in sorted({r["spec"]["num_micro_batches"] for r in ok}):
+        by = {r["spec"]["amsp_overlap"]: r for r in ok if r["spec"]["num_micro_batches"] == m}
+        base = by.get("all")
+        cells = []
+        for o in OVERLAP_LABELS:
+            r = by.get(o)
+            if not r or r.get("status") != "ok":
+                cells.append(r.get("status", "—") if r else "—")
+                continue
+            tgs = r["tokens_per_gpu_per_s"]
+            drop = ("" if o == "all" or not base or base.get("status") != "ok"
+                    else f" ({(tgs / base['tokens_per_gpu_per_s'] - 1) * 100:+.1f}%)")
+            cells.append(f"{tgs:.0f}{drop}")
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return out
+
+
+def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return []
+    labels = [r["label"] for r in ok]
+    files = []
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok)), 4))
+    ax.bar(labels, [r["tokens_per_gpu_per_s"] for r in ok], color="tab:blue")
+    ax.set_ylabel("tokens / GPU / s (median)")
+    ax.set_title("Throughput")
+    ax.tick_params(axis="x", rotation=35)
+    plt.setp(ax.get_xticklabels(), ha="right")
+    fig.tight_layout()
+    fig.savefig(folder / "throughput.png", dpi=120)
+    plt.close(fig)
+    files.append("throughput.png")
+
+    peak = [max((v for v in r["peak_rss_delta_bytes"] if v is not None), default=0) / MIB for r in ok]
+    live = [max(r["live_tensor_delta_bytes"]) / MIB for r in ok]
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 2 * len(ok)), 4.2))
+    for ax, vals, title in ((axes[0], peak, "peak RSS delta (all allocations)"),
+                            (axes[1], live, "live tensors after the last step")):
+        ax.bar(labels, vals, color="tab:orange" if ax is axes[1] else "tab:green")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("MiB per rank (max over ranks)")
+        ax.tick_params(axis="x", rotation=35)
+        plt.setp(ax.get_xticklabels(), ha="right", fontsize=8)
+    fig.suptitle("Memory per rank")
+    fig.tight_layout()
+    fig.savefig(folder / "memory.png", dpi=120)
+    plt.close(fig)
+    files.append("memory.png")
+
+    ref = next((r for r in ok if r["key"] == "ddp"), ok[0])
+    fig, (ax, dax) = plt.subplots(1, 2, figsize=(12, 4))
+    for r in ok:
+        steps = range(len(r["loss"]))
+        ax.plot(steps, r["loss"], marker=".", label=r["label"])
+        dax.plot(steps, [a - b for a, b in zip(r["loss"], ref["loss"])], marker=".", label=r["label"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (global batch)")
+    ax.set_title("Loss curves")
+    ax.legend(fontsize=7)
+    dax.set_xlabel("step")
+    dax.set_ylabel(f"loss - {ref['label']} loss")
+    dax.set_title(f"Difference from {ref['label']} (same data, same initial weights)")
+    dax.axhline(0.0, color="black", linewidth=0.5)
+    fig.tight_layout()
+    fig.savefig(folder / "loss.png", dpi=120)
+    plt.close(fig)
+    files.append("loss.png")
+    return files
+
+
+def _loss_agreement(rows: list[dict[str, Any]]) -> list[str]:
+    ref = _row(rows, "ddp")
+    if not ref:
+        return []
+    out = []
+    for r in rows:
+        if r.get("status") == "ok" and r is not ref:
+            d0 = abs(r["loss"][0] - ref["loss"][0])
+            dmax = max(abs(a - b) for a, b in zip(r["loss"], ref["loss"]))
+            out.append(f"| {r['label']} | {d0:.2e} | {dmax:.2e} |")
+    if not out:
+        return []
+    return ["| System | abs. loss diff vs DDP, step 0 | max over steps |", "|---|---|---|", *out]
+
+
+def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path,
+                 stem: str) -> Path:
+    folder = out_dir / stem
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=2, sort_keys=True, default=str) + "\n")
+    plots = write_plots(rows, folder)
+    peak = meta.get("peak_flops")
+    peak_text = f"{peak / 1e9:.1f} GFLOP/s per rank ({meta['compute_dtype']})" if peak else "n/a"
+    spec = meta["spec"]
+    lines = [
+        f"# amsp compare: {spec['model']} on {meta['hardware']}, {meta['date']}",
+        "",
+        f"Machine: {meta['cpu']}.",
+        "",
+        f"Mode: **{meta['mode']}**. Command:",
+        "",
+        "```",
+        meta["command"],
+        "```",
+        "",
+        f"> {meta['noise_note']}",
+        "",
+        "## Results",
+        "",
+        format_table(rows),
+        "",
+    ]
+    rat = ratios(rows)
+    lines += ["### Ratios (tokens/GPU/s)", "", *(rat or ["- AMSP rows did not run (see their status)."]), ""]
+    abl = ablation_table(rows)
+    if abl:
+        lines += ["### Overlap ablation (paper Table V shape): tokens/GPU/s, change vs all on", "", *abl, ""]
+    agree = _loss_agreement(rows)
+    if agree:
+        lines += ["### Loss agreement with DDP (same data, same initial weights)", "", *agree, ""]
+    lines += [f"![{p}]({stem}/{p})" for p in plots] + [""]
+    lines += [
+        "## Setup held fixed across systems",
+        "",
+        f"- Model: `{spec['model']}` (transformers LlamaForCausalLM from a config, seed {spec['seed']}); "
+        f"{meta['num_params']:,} parameters; FLOPs/token (Megatron, see below) {meta['flops_per_token']:,.0f}.",
+        f"- Data: byte tokens of the Python reference manual (`amsp_ext.data`), seq len {spec['seq_len']}, "
+        f"micro-batch {spec['micro_batch_size']} per rank, M = {spec['num_micro_batches']} micro-batches, "
+        f"global batch {meta['global_batch_sequences']} sequences ({meta['global_batch_tokens']:,} tokens).",
+        f"- Steps: {spec['num_steps']} timed ({spec['num_warmup_steps']} warm-up excluded from the median)"
+        + (" + 1 profiled" if spec["trace"] else "") + ".",
+        f"- Optimizer: AdamW lr {spec['lr']}, betas (0.9, 0.95), weight decay {spec['weight_decay']}; "
+        f"global grad-norm clipping {spec['grad_clip']}.",
+        f"- Precision: **{spec['precision']}**. {meta['precision_note']}",
+        f"- Topology: {meta['topology']}",
+        f"- Cluster link: {meta['cluster_link']}",
+        f"- Planner inputs for an `auto` AMSP plan: {meta.get('planner', 'n/a')}",
+        f"- Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
+        "- DeepSpeed patches (applied only where a local probe said they are needed):",
+        *(f"  - `patches/{k}.py`: {v}" for k, v in meta["patches"].items()),
+        "",
+        "## Reading these numbers",
+        "",
+        CAVEATS,
+        "",
+        "## How each figure is measured",
+        "",
+        METHOD.format(n=1024, peak=peak_text),
+        "",
+        "## Per-system configuration",
+        "",
+    ]
+    for r in rows:
+        settings = r.get("settings")
+        source = f" Plan from {r['plan_source']}." if r.get("plan_source") else ""
+        lines.append(f"- **{r['label']}**:{source} `{json.dumps(settings, sort_keys=True)}`" if settings
+                     else f"- **{r['label']}**:{source} {r.get('status')}")
+    lines += ["", "Each row's own command is in `results.json` (`rows[].command`)."]
+    path = out_dir / f"{stem}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

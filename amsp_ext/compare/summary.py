@@ -1,0 +1,68 @@
+"""Raw per-rank records -> one row per system (the numbers the table and plots show)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from amsp_ext.compare.config import RunSpec
+from amsp_ext.compare.flops import layer_shape, megatron_flops_per_token, mfu
+
+__all__ = ["global_losses", "peak_flops", "summarize", "step_times"]
+
+
+def step_times(ranks: list[dict]) -> list[float]:
+    """Per step, the slowest rank's time: a synchronous step is over when its last rank is."""
+    return [max(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
+
+
+def global_losses(ranks: list[dict]) -> list[float]:
+    """Per step, the mean over ranks of their mean micro-batch loss = the global-batch loss
+    (every rank and micro-batch has the same number of tokens)."""
+    return [statistics.fmean(r["loss"][i] for r in ranks) for i in range(len(ranks[0]["loss"]))]
+
+
+def peak_flops(results: list[dict]) -> float | None:
+    """The matmul peak used for every row's MFU: median over all ranks of all successful runs."""
+    vals = [r["peak_flops"] for res in results if res.get("status") == "ok" for r in res["ranks"]]
+    return statistics.median(vals) if vals else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict[str, Any]:
+    row = {k: result.get(k) for k in ("key", "system", "label", "status", "reason", "command", "wall_s",
+                                      "spec", "plan_source")}
+    if result.get("status") != "ok":
+        return row
+    from amsp_ext.models import llama_config_dict
+
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
+    times = step_times(ranks)
+    timed = times[spec.num_warmup_steps:]
+    median_step = statistics.median(timed)
+    tgs = spec.tokens_per_rank_per_step / median_step
+    fpt = megatron_flops_per_token(layer_shape(llama_config_dict(spec.model)), seq_len=spec.seq_len)
+    comm = [r["comm"] for r in ranks if r.get("comm")]
+    row.update({
+        "step_s": times,
+        "median_step_s": median_step,
+        "tokens_per_gpu_per_s": tgs,
+        "flops_per_token": fpt,
+        "mfu": mfu(flops_per_token=fpt, tokens_per_gpu_per_s=tgs, peak_flops=peak) if peak else None,
+        "loss": global_losses(ranks),
+        "peak_rss_delta_bytes": [r["peak_rss_delta_bytes"] for r in ranks],
+        "live_tensor_delta_bytes": [r["live_tensor_delta_bytes"] for r in ranks],
+        "comm_s": _median([c["comm_s"] for c in comm]) if comm else None,
+        "exposed_comm_s": _median([c["exposed_comm_s"] for c in comm]) if comm else None,
+        "setup_s": max(r["setup_s"] for r in ranks),
+        "settings": result.get("settings"),
+        "patches": result.get("patches"),
+        "world_size": result.get("world_size"),
+        "num_nodes": result.get("num_nodes"),
+        "gpus_per_node": result.get("gpus_per_node"),
+    })
+    return row

@@ -1,0 +1,80 @@
+"""The system-runner interface: what every system (baseline or AMSP) gives the harness.
+
+A runner module exposes ``setup(name, model, ctx) -> SystemRun``. It wraps the freshly built
+model the way that system's users would and returns ``train_step(step) -> loss``, which runs one
+optimizer step over the rank's ``M`` micro-batches and returns this rank's mean micro-batch loss
+(unscaled). The harness owns everything else - timing, memory, the trace, gathering results - so
+the systems differ only in what they should differ in.
+
+A runner raises :class:`SystemUnavailable` (before any collective) when the system cannot run
+here for a known reason; any other exception is recorded as the row's failure reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from amsp_ext.compare.config import RunSpec
+
+__all__ = ["Context", "SystemRun", "SystemUnavailable"]
+
+
+class SystemUnavailable(Exception):
+    """The system cannot run in this setting; ``status`` is "skipped" or "pending"."""
+
+    def __init__(self, reason: str, *, status: str = "skipped") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass(frozen=True, kw_only=True)
+class Context:
+    spec: RunSpec
+    rank: int
+    world_size: int
+    num_nodes: int
+    gpus_per_node: int
+
+    def batches(self, step: int) -> list:
+        """This rank's ``M`` micro-batches of optimizer step ``step`` (the same for every system)."""
+        from amsp_ext.data import micro_batch
+
+        s = self.spec
+        return [
+            micro_batch(step, m, self.rank, world_size=self.world_size,
+                        num_micro_batches=s.num_micro_batches,
+                        micro_batch_size=s.micro_batch_size, seq_len=s.seq_len)
+            for m in range(s.num_micro_batches)
+        ]
+
+    def optimizer_factory(self, params) -> Any:
+        """The one optimizer every system uses: AdamW with the spec's settings."""
+        import torch
+
+        s = self.spec
+        return torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), eps=1e-8,
+                                 weight_decay=s.weight_decay)
+
+    def autocast(self):
+        """bf16 autocast for systems whose mixed precision is autocast (DDP); else a no-op."""
+        import torch
+
+        if self.spec.precision == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def param_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.spec.precision == "bf16" else torch.float32
+
+
+@dataclass(kw_only=True)
+class SystemRun:
+    train_step: Callable[[int], float]
+    # How the system was configured (e.g. the DeepSpeed config), for the report.
+    settings: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,192 @@
+"""One system, one run: the torchrun-able worker of ``amsp compare``.
+
+    python -m torch.distributed.run --nproc-per-node 4 -m amsp_ext.compare.worker \
+        --spec spec.json --system zero3 --out DIR
+    amsp cluster run -- -m amsp_ext.compare.worker --spec spec.json --system zero3 --out DIR
+
+Every rank: init gloo (CPU), measure the matmul peak, build the same model, hand it to
+the system's runner, train ``num_steps`` steps timing each, profile one more step, measure
+memory, then all ranks' records are gathered and rank 0 writes ``DIR/result.json``. A rank that
+fails writes ``DIR/error-rank<r>.json`` (reason on one line, traceback) and exits 1, so the
+launcher can put the reason in the row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _versions() -> dict[str, str]:
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("deepspeed", "transformers", "accelerate"):
+        try:  # metadata, not import: importing DeepSpeed takes seconds
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:  # pragma: no cover - optional
+            out[name] = "not installed"
+    return out
+
+
+def _warm_process(ctx) -> None:
+    """One forward/backward of a throwaway model, before the memory baseline.
+
+    Process-wide lazy state (autograd worker threads, oneDNN kernels and their caches, allocator
+    arenas) is created on first use and never freed; without this it would land in the first
+    system-specific figure and swamp a tiny model's footprint.
+    """
+    from amsp_ext.models import build_llama, causal_lm_loss
+
+    model = build_llama(ctx.spec.model, seed=ctx.spec.seed + 1)
+    with ctx.autocast():
+        loss = causal_lm_loss(model, ctx.batches(0)[0])
+    loss.backward()
+    del model, loss
+
+
+def run(system: str, spec, out: Path) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from amsp_ext.compare import memory, peak, trace
+    from amsp_ext.compare.config import resolve_topology
+    from amsp_ext.compare.systems import SYSTEMS, runner
+    from amsp_ext.compare.systems.base import Context
+    from amsp_ext.models import build_llama
+
+    info = SYSTEMS[system]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    num_nodes, gpus_per_node = resolve_topology(spec, world_size=world, local_world_size=local_world)
+    ctx = Context(spec=spec, rank=rank, world_size=world, num_nodes=num_nodes,
+                  gpus_per_node=gpus_per_node)
+    patches_applied: dict[str, str] = {}
+    if info.uses_deepspeed:
+        import patches
+
+        patches_applied = patches.apply_needed()
+
+    dist.barrier()
+    peak_flops = peak.matmul_flops(ctx.param_dtype)
+    dist.barrier()
+
+    _warm_process(ctx)
+    live0 = memory.live_tensor_bytes()
+    rss0 = memory.rss_bytes()
+    hwm_reset = memory.reset_peak_rss()
+    model = build_llama(spec.model, seed=spec.seed)
+    t_setup = time.perf_counter()
+    sysrun = runner(system).setup(system, model, ctx)
+    setup_s = time.perf_counter() - t_setup
+
+    losses, step_s = [], []
+    for step in range(spec.num_steps):
+        t = time.perf_counter()
+        losses.append(sysrun.train_step(step))
+        step_s.append(time.perf_counter() - t)
+
+    comm = None
+    if spec.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sysrun.train_step(spec.num_steps)
+        comm = trace.comm_breakdown(prof.events())
+        if rank == 0:
+            prof.export_chrome_trace(str(out / "trace-rank0.json"))
+
+    record = {
+        "rank": rank,
+        "loss": losses,
+        "step_s": step_s,
+        "setup_s": setup_s,
+        "peak_flops": peak_flops,
+        "peak_rss_delta_bytes": (memory.peak_rss_bytes() - rss0) if hwm_reset and rss0 else None,
+        "live_tensor_delta_bytes": memory.live_tensor_bytes() - live0,
+        "comm": comm,
+    }
+    records: list = [None] * world
+    dist.all_gather_object(records, record)
+    return {
+        "system": system,
+        "label": info.label,
+        "status": "ok",
+        "world_size": world,
+        "num_nodes": num_nodes,
+        "gpus_per_node": gpus_per_node,
+        "settings": sysrun.settings,
+        "patches": patches_applied,
+        "ranks": records,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m amsp_ext.compare.worker")
+    p.add_argument("--spec", required=True, help="RunSpec JSON file")
+    p.add_argument("--system", required=True)
+    p.add_argument("--out", required=True, help="directory for result.json / error-rank*.json")
+    args = p.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from amsp_ext.compare.config import RunSpec
+
+        spec = RunSpec.from_json(Path(args.spec).read_text())
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        # [Note: CPU only] The runners place models on CPU (FSDP meshes, autocast, DeepSpeed's
+        # CPU accelerator); a GPU path needs per-rank devices and NCCL and is not built yet.
+        backend = "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.dist_timeout_s))
+        result = run(args.system, spec, out)
+        if dist.get_rank() == 0:
+            result["backend"] = backend
+            result["versions"] = _versions()
+            result["cluster_link"] = json.loads(os.environ.get("AMSP_CLUSTER_LINK", "null"))
+            _write_json(out / "result.json", result)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the row
+        from amsp_ext.compare.systems.base import SystemUnavailable
+
+        status = e.status if isinstance(e, SystemUnavailable) else "failed"
+        reason = e.reason if isinstance(e, SystemUnavailable) else _first_line(e)
+        _write_json(out / f"error-rank{rank}.json", {
+            "rank": rank, "status": status, "reason": reason, "time": time.time(),
+            "traceback": traceback.format_exc(),
+        })
+        print(f"[rank {rank}] {status}: {reason}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # peers may sit in a collective; torchrun stops them
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""`amsp compare`: the measurement formulas (against hand-computed values) and the harness end to
+end on the smallest setting (2 ranks, 2 steps), checked against a single-process reference."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from amsp_ext.compare import flops, trace
+from amsp_ext.compare.config import RunSpec, SpecError
+from amsp_ext.compare.report import format_table, ratios
+from amsp_ext.models import llama_config_dict
+
+
+# -- formulas -----------------------------------------------------------------------------------
+def test_flops_reduce_to_megatron_closed_form_for_a_gpt_layer():
+    # GPT layer: QKV + output projection (4h^2) and a 4h MLP (8h^2) = 12h^2 weights.
+    h, l, V, s, B = 512, 6, 5000, 1024, 8
+    shape = flops.LayerShape(num_layers=l, hidden_size=h, vocab_size=V, dense_weights_per_layer=12 * h * h)
+    for recompute in (False, True):
+        ours = B * s * flops.megatron_flops_per_token(shape, seq_len=s, recompute=recompute)
+        ref = flops.gpt_megatron_flops_per_iteration(batch=B, seq_len=s, num_layers=l, hidden=h,
+                                                     vocab=V, recompute=recompute)
+        assert ours == pytest.approx(ref, rel=1e-12)
+
+
+def test_flops_of_tiny_llama_by_hand():
+    # h=64, 4 heads of 16, 2 kv heads, f=176, l=2, V=256, s=128.
+    # per layer: q 64*64 + k,v 2*64*32 + o 64*64 + gate/up/down 3*64*176 = 46080 weights
+    # forward/token: 2*(2*46080 + 4*128*64) + 2*64*256 = 282624; training x3 = 847872
+    shape = flops.layer_shape(llama_config_dict("tiny-llama"))
+    assert shape.dense_weights_per_layer == 46080
+    assert flops.megatron_flops_per_token(shape, seq_len=128) == 847872
+    assert flops.mfu(flops_per_token=1e6, tokens_per_gpu_per_s=50.0, peak_flops=1e9) == pytest.approx(0.05)
+
+
+def _ev(name, thread, start, end):
+    return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_exposed_comm_by_hand():
+    events = [
+        _ev("aten::mm", 1, 0, 100),            # compute 0-100
+        _ev("c10d::allreduce_", 1, 100, 105),   # async launch (comm, not compute)
+        _ev("gloo:all_reduce", 2, 100, 160),    # in flight 100-160
+        _ev("aten::mm", 1, 105, 130),          # overlaps 105-130
+        _ev("c10d::allgather_", 1, 200, 240),  # blocking call 200-240 ...
+        _ev("aten::empty", 1, 210, 211),       # ... whose inner aten op is not compute
+        _ev("gloo:allgather", 3, 201, 239),
+    ]
+    got = trace.comm_breakdown(events)
+    # comm = 100-160 and 200-240 -> 100 us; exposed = 100-105, 130-160, 200-240 -> 75 us
+    assert got["comm_s"] == pytest.approx(100e-6)
+    assert got["exposed_comm_s"] == pytest.approx(75e-6)
+    assert got["compute_s"] == pytest.approx(125e-6)
+
+
+def test_spec_errors_are_one_line_and_name_the_field():
+    for kwargs, field in [(dict(model="gpt9"), "model"), (dict(precision="fp8"), "precision"),
+                          (dict(num_steps=2, num_warmup_steps=2), "num_warmup_steps"),
+                          (dict(amsp_overlap="some"), "amsp_overlap"), (dict(seq_len=4096), "seq_len")]:
+        with pytest.raises(SpecError) as e:
+            RunSpec(**kwargs)
+        assert field in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SpecError, match="unknown RunSpec field"):
+        RunSpec.from_json(json.dumps({"modle": "tiny-llama"}))
+
+
+def test_table_shows_reason_and_ratios():
+    rows = [
+        {"key": "amsp-plan", "system": "amsp-plan", "label": "AMSP (plan)", "status": "ok",
+         "tokens_per_gpu_per_s": 300.0, "mfu": 0.3, "median_step_s": 1.0, "peak_rss_delta_bytes": [2**20],
+         "live_tensor_delta_bytes": [2**20], "comm_s": None, "exposed_comm_s": None, "loss": [5.0, 4.0]},
+        {"key": "zero3", "system": "zero3", "label": "ZeRO-3", "status": "ok",
+         "tokens_per_gpu_per_s": 100.0, "mfu": 0.1, "median_step_s": 3.0, "peak_rss_delta_bytes": [None],
+         "live_tensor_delta_bytes": [0], "comm_s": 0.5, "exposed_comm_s": 0.25, "loss": [5.0, 4.1]},
+        {"key": "zeropp-q", "system": "zeropp-q", "label": "ZeRO++ q", "status": "skipped",
+         "reason": "CUDA only: not implemented | on CPU"},
+    ]
+    table = format_table(rows)
+    assert "skipped: CUDA only: not implemented \\| on CPU" in table
+    assert "| ZeRO-3 | 100 | 10.00% | 3.000 | — | 0.0 | 500.0 | 250.0 | 5.0000 → 4.1000 | ok |" in table
+    assert ratios(rows) == ["- AMSP (plan) / ZeRO-3: 3.00x"]
+
+
+def test_failed_run_becomes_a_one_line_reason(tmp_path):
+    from amsp_ext.compare.launch import _failure
+    from amsp_ext.compare.systems.deepspeed_zero import _cpu_only
+
+    assert _cpu_only(RuntimeError("This op had not been implemented on CPU backend.\nmore")) == \
+        "CUDA only: This op had not been implemented on CPU backend."
+    assert _cpu_only(RuntimeError("something else")) is None
+    # The earliest rank error names the cause; later ones (timeouts in peers) are echoes.
+    (tmp_path / "error-rank1.json").write_text(json.dumps(
+        {"rank": 1, "status": "failed", "reason": "timeout in allgather", "time": 20.0}))
+    (tmp_path / "error-rank0.json").write_text(json.dumps(
+        {"rank": 0, "status": "skipped", "reason": "CUDA only: x", "time": 10.0}))
+    assert _failure(tmp_path, 1, "", 60) == {"status": "skipped", "reason": "CUDA only: x", "failed_rank": 0}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _failure(empty, None, "", 60)["reason"].startswith("timed out after 60 s")
+    assert _failure(empty, 3, "a\nlast words\n", 60)["reason"] == "exited 3 before any rank reported: last words"
+
+
+# -- end to end ---------------------------------------------------------------------------------
+def _reference_losses(spec: RunSpec, world: int, steps: int) -> list[float]:
+    """Single process, plain PyTorch: the same global batch, the same AdamW, fp32."""
+    import torch
+
+    from amsp_ext.data import micro_batch
+    from amsp_ext.models import build_llama, causal_lm_loss
+
+    model = build_llama(spec.model, seed=spec.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=spec.weight_decay)
+    n = spec.num_micro_batches * world
+    out = []
+    for step in range(steps):
+        losses = []
+        for m in range(spec.num_micro_batches):
+            for r in range(world):
+                b = micro_batch(step, m, r, world_size=world, num_micro_batches=spec.num_micro_batches,
+                                micro_batch_size=spec.micro_batch_size, seq_len=spec.seq_len)
+                loss = causal_lm_loss(model, b)
+                (loss / n).backward()
+                losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        out.append(sum(losses) / len(losses))
+    return out
+
+
+@pytest.mark.distributed
+def test_harness_end_to_end_two_ranks(tmp_path):
+    from amsp_ext.compare.harness import run_comparison
+    from amsp_ext.compare.launch import LaunchConfig
+
+    spec = RunSpec(model="tiny-llama", seq_len=32, micro_batch_size=1, num_micro_batches=2,
+                   num_steps=2, num_warmup_steps=1, precision="fp32", amsp_plan="zero1",
+                   dist_timeout_s=120)
+    launch = LaunchConfig(nproc_per_node=2, timeout_s=240)
+    path, rows = run_comparison(mode="baselines", spec=spec, launch=launch, out_dir=tmp_path,
+                                command="pytest", systems=["ddp", "zero1", "amsp-plan"],
+                                progress=lambda s: None)
+    by = {r["key"]: r for r in rows}
+    for key in ("ddp", "zero1"):
+        assert by[key]["status"] == "ok", by[key]
+        assert len(by[key]["loss"]) == 2 and by[key]["tokens_per_gpu_per_s"] > 0
+        assert by[key]["mfu"] > 0 and max(by[key]["live_tensor_delta_bytes"]) > 0
+    ref = _reference_losses(spec, world=2, steps=1)
+    # Step 0 is a forward pass of the same initial weights on the same tokens.
+    assert by["ddp"]["loss"][0] == pytest.approx(ref[0], rel=1e-5)
+    assert by["zero1"]["loss"][0] == pytest.approx(ref[0], rel=1e-5)
+    # AMSP: runs once the engine is on main; until then the row says so.
+    amsp = by["amsp-plan"]
+    if amsp["status"] == "pending":
+        assert "engine not landed" in amsp["reason"]
+    else:
+        assert amsp["status"] == "ok", amsp
+        assert amsp["loss"][0] == pytest.approx(ref[0], rel=1e-5)
+    text = path.read_text()
+    assert "| DDP |" in text and "Megatron" in text
+    folder = path.with_suffix("")
+    for f in ("results.json", "throughput.png", "memory.png", "loss.png"):
+        assert (folder / f).exists(), f
+
+
+def test_auto_plan_comes_from_the_planner_or_says_why():
+    from amsp_ext.compare.harness import PlannerInputs, _resolve_planned
+    from amsp_ext.planner.plan import parse_plan, validate_plan
+
+    spec = RunSpec(amsp_plan="auto")
+    resolved, why, source = _resolve_planned(spec, num_nodes=2, gpus_per_node=2,
+                                             planner=PlannerInputs(gpu_memory_bytes=4 * 2**20,
+                                                                   memory_reserve_bytes=0))
+    assert why is None and source.startswith("planner (profile paper-a800")
+    validate_plan(parse_plan(resolved.amsp_plan), gpus_per_node=2, num_nodes=2)
+    _, why, _ = _resolve_planned(spec, num_nodes=2, gpus_per_node=2,
+                                 planner=PlannerInputs(gpu_memory_bytes=2**10, memory_reserve_bytes=0))
+    assert why.startswith("planner: no plan fits")
+    given, why, source = _resolve_planned(spec.replace(amsp_plan="zero1"), num_nodes=2,
+                                          gpus_per_node=2, planner=PlannerInputs())
+    assert why is None and given.amsp_plan == "zero1" and source == "given: zero1"
