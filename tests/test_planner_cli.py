@@ -53,7 +53,7 @@ def test_json_contract(capsys):
 def test_text_output(capsys):
     rc, out, _ = run(capsys, BASE + ["--objective", "step"])
     assert rc == 0
-    assert "plan     p=" in out and "baselines" in out and "vs the chosen plan" in out
+    assert "plan     p=" in out and "baselines" in out and "the chosen plan, against this baseline" in out
 
 
 def test_model_config_path(tmp_path, capsys):
