@@ -168,12 +168,16 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
             work.wait()  # stream-ordered; see [Note: timeouts that name their group]
         else:
             td = _as_timedelta(timeout)
+            t0 = time.perf_counter()
             try:
                 work.wait(timeout=td)
             except RuntimeError as e:
+                waited = time.perf_counter() - t0
+                what = (f"did not complete within {td.total_seconds():g}s"
+                        if waited >= 0.9 * td.total_seconds() else f"failed after {waited:.1f}s")
                 raise CollectiveTimeout(
-                    f"amsp: {pending.op} on {label} did not complete within "
-                    f"{td.total_seconds():g}s (a rank of {label} died, hangs, or skipped it): {e}"
+                    f"amsp: {pending.op} on {label} {what} (a rank of {label} died, hangs, or "
+                    f"skipped it): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 ) from e
         pending.work = None
         if observer is not None:
