@@ -12,10 +12,9 @@ import functools
 
 import torch
 
+from amsp_ext.models import VOCAB_SIZE
+
 __all__ = ["VOCAB_SIZE", "corpus_tokens", "global_batch", "micro_batch"]
-
-VOCAB_SIZE = 256
-
 
 @functools.lru_cache(maxsize=1)
 def corpus_tokens() -> torch.Tensor:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from amsp_ext.data import VOCAB_SIZE
+# Byte-level tokens (amsp_ext.data): 256 symbols.
+VOCAB_SIZE = 256
 
-__all__ = ["MODEL_CONFIGS", "build_llama", "causal_lm_loss", "llama_config_dict"]
+__all__ = ["VOCAB_SIZE", "MODEL_CONFIGS", "build_llama", "causal_lm_loss", "llama_config_dict"]
 
 # Small enough for 8 gloo ranks on 2 CPU cores; GQA (2 kv heads) and SwiGLU like the real family.
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
