@@ -410,7 +410,23 @@ def suite_trace(world, R):
         print("RESULT " + json.dumps({"case": "trace", **out}), flush=True)
 
 
-SUITES = {"parity": suite_parity, "extras": suite_extras, "guards": suite_guards,
+def suite_memory(world, R):
+    """Measured model-state bytes per rank vs 2Phi/sp + 2Phi/sg + 12Phi/sos (bf16, AdamW)."""
+    phi = sum(p.numel() for p in build_llama("tiny-llama").parameters())
+    for p in prefiltered_plans(R, world // R):
+        model, opt, losses, _ = train(p, ShardConfig(gpus_per_node=R, precision="bf16"), world=world)
+        b = model.model_state_bytes()
+        pred = {"params": 2 * phi / p.sp, "grads": 2 * phi / p.sg, "optim": 12 * phi / p.sos}
+        rows = [None] * world
+        dist.all_gather_object(rows, b)
+        if dist.get_rank() == 0:
+            tot = [r["total"] for r in rows]
+            print("RESULT " + json.dumps({"case": str(p), "predicted": pred,
+                  "predicted_total": sum(pred.values()), "measured": rows,
+                  "worst_rel_err": max(abs(t / sum(pred.values()) - 1) for t in tot)}), flush=True)
+
+
+SUITES = {"memory": suite_memory, "parity": suite_parity, "extras": suite_extras, "guards": suite_guards,
           "trace": suite_trace}
 
 

@@ -28,7 +28,7 @@ from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.grad_sync import GradSync
 from amsp_ext.runtime.layout import LocalTensor, build_layout
 from amsp_ext.runtime.optimizer import AMSPOptimizer
-from amsp_ext.runtime.param_shard import apply_fsdp, prefetch_targets
+from amsp_ext.runtime.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.param_sync import ParamSync
 from amsp_ext.runtime.units import Unit, decoder_layers, list_units, refresh_params
 from amsp_ext.topology.groups import World
@@ -259,6 +259,8 @@ def shard(model: nn.Module, plan: "Plan | str",
         tensors, units, group=mesh.group("optim_bcast"), name=mesh.name("optim_bcast"),
         size=mesh.size("optim_bcast"), rank=rank, prefetch=fwd_prefetch,
         overlap=config.overlap.broadcast, timeout=config.timeout)
+    if plan.sp > 1 and device.type != "cpu":
+        engine.param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
     engine.optimizer = AMSPOptimizer(engine, masters, optimizer_factory)
     engine.grad_sync.install()
     engine.param_sync.install()

@@ -19,6 +19,13 @@
   work returned, which FSDP2 then waits for in ``wait_for_unshard``: a prefetched gather really
   runs while the current unit computes. On GPU we keep FSDP2's own stream design (the
   ``async_op`` it asks for).
+- Limits on CPU (gloo has no streams): FSDP2 asks for a synchronous reduce-scatter and reads
+  its output right away, so on CPU the RS blocks the backward thread; only on GPU does it run
+  on FSDP2's reduce-scatter stream, decoupled from the backward compute. The all-gather is
+  truly async on CPU (above).
+- Ablation ``overlap.allgather=False``: no explicit prefetch, and every AG/RS is waited for
+  where it is issued (on GPU: device-synchronized). FSDP2's implicit one-unit backward prefetch
+  stays (no public switch), but with blocking gathers it only reorders them.
 - Reduction: FSDP2 is told to SUM (``set_force_sum_reduction_for_comms`` plus a divide factor
   of 1; gloo has no PREMUL_SUM) and grad_sync.py divides by the data-parallel size once.
 - Mixed precision: the model is converted to the compute dtype after ``fully_shard`` (FSDP2's
@@ -37,7 +44,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.units import Unit
 
-__all__ = ["AMSPAllGather", "AMSPReduceScatter", "apply_fsdp", "prefetch_targets"]
+__all__ = ["AMSPAllGather", "AMSPReduceScatter", "apply_fsdp", "fsdp_streams_wait_current",
+           "prefetch_targets"]
 
 
 class AMSPAllGather(AllGather):
@@ -56,12 +64,30 @@ class AMSPAllGather(AllGather):
             # still applies there.
             return pending.work
         C.wait(pending, timeout=self.timeout)
+        _serialize_if_no_overlap(output_tensor, self.overlap)
         return None
 
 
+def _serialize_if_no_overlap(t: torch.Tensor, overlap: bool) -> None:
+    # Ablation "AG/RS overlap off" on an accelerator: FSDP2 would still run the collective on
+    # its own stream, concurrent with compute; block until it is done instead.
+    if not overlap and t.device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def fsdp_streams_wait_current(root: torch.nn.Module) -> None:
+    """Make FSDP2's all-gather streams wait for the current stream (see param_sync.py)."""
+    ctx = getattr(root._get_fsdp_state(), "_comm_ctx", None)  # type: ignore[operator]
+    if ctx is None or not hasattr(ctx, "all_gather_copy_in_stream"):
+        return
+    current = torch.accelerator.current_stream()
+    ctx.all_gather_copy_in_stream.wait_stream(current)
+    ctx.all_gather_stream.wait_stream(current)
+
+
 class AMSPReduceScatter(ReduceScatter):
-    def __init__(self, name: str, timeout: float) -> None:
-        self.name, self.timeout = name, timeout
+    def __init__(self, name: str, timeout: float, overlap: bool = True) -> None:
+        self.name, self.timeout, self.overlap = name, timeout, overlap
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -72,6 +98,7 @@ class AMSPReduceScatter(ReduceScatter):
         if async_op:
             return pending.work
         C.wait(pending, timeout=self.timeout)
+        _serialize_if_no_overlap(output_tensor, self.overlap)
         return None
 
 
@@ -114,7 +141,7 @@ def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, *, nam
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=False)
     modules: list[FSDPModule] = [u.module for u in units]  # type: ignore[misc]
     ag = AMSPAllGather(name, timeout, overlap_allgather)
-    rs = AMSPReduceScatter(name, timeout)
+    rs = AMSPReduceScatter(name, timeout, overlap_allgather)
     for m in modules:
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)

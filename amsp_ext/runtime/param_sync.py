@@ -9,12 +9,20 @@ So the pre-hook of unit i waits for the broadcasts of unit i *and* of the unit i
 and it is registered with ``prepend=True`` after ``fully_shard`` so it runs before FSDP2's
 pre-forward hook issues those gathers. With ``overlap.broadcast`` off, all broadcasts are
 waited for right after the step (the paper's Table V ablation).
+
+[Note: GPU streams (not exercised on this project's CPU machines)]
+On NCCL, waiting makes the *current* stream wait for the broadcast. FSDP2's all-gather
+copy-in stream synchronizes with the current stream only at the root's pre-forward, which
+runs before these waits, so after waiting we make FSDP2's all-gather streams wait on the
+current stream again (``after_wait``, set by the engine when sp > 1 on an accelerator);
+otherwise a gather could read a shard before its broadcast landed.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +45,8 @@ class ParamSync:
         self.pending: dict[int, list] = collections.defaultdict(list)  # unit -> work handles
         self._handles = []
         self.log: list[tuple[str, int]] | None = None  # ("issue"/"wait", unit) when enabled
+        self.after_wait: Callable[[], None] | None = None
+        self.wait_seconds = 0.0  # time spent blocked in broadcast waits (benchmarks)
 
     def install(self) -> None:
         if self.size == 1:
@@ -57,6 +67,8 @@ class ParamSync:
                     nxt = self.prefetch.get(unit)
                     if nxt is not None:
                         self.wait_unit(nxt)
+                    if self.after_wait is not None:
+                        self.after_wait()
         return hook
 
     def broadcast_all(self) -> None:
@@ -78,8 +90,10 @@ class ParamSync:
         works = self.pending.pop(unit, None)
         if not works:
             return
+        t0 = time.perf_counter()
         for p in works:
             C.wait(p, timeout=self.timeout)
+        self.wait_seconds += time.perf_counter() - t0
         if self.log is not None:
             self.log.append(("wait", unit))
 
