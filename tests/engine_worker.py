@@ -300,7 +300,9 @@ def compare_quiet(ref, model, losses):
 
 def _emit(obj):
     """Every rank prints its own line (guards run after collectives may have broken)."""
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), **obj}), flush=True)
+    # one write() per line: lines of several ranks sharing the pipe stay whole
+    sys.stdout.write("RESULT " + json.dumps({"rank": dist.get_rank(), **obj}) + "\n")
+    sys.stdout.flush()
 
 
 def suite_guards(world, R):
