@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 from typing import Callable
 
@@ -218,7 +219,8 @@ def shard(model: nn.Module, plan: "Plan | str",
     # -- first collective ------------------------------------------------------------------
     _check_same_everywhere(_fingerprint(plan, config, world, model), config.timeout)
     device = _device()
-    mesh = build_plan_mesh(plan, world, device_type=device.type)
+    mesh = build_plan_mesh(plan, world, device_type=device.type,
+                           timeout=datetime.timedelta(seconds=config.timeout))
     if device.type != "cpu":
         model.to(device)
     if config.recompute:
