@@ -196,12 +196,7 @@ def compare(name, ref, model, losses, norms=(), extra=None, opt=None):
 
 
 def release(model):
-    """Destroy the plan's process groups so a launch can loop over many plans."""
-    mesh = model.amsp.mesh
-    seen = set()
-    for pg in list(mesh.groups.values()):
-        if id(pg) not in seen and pg is not dist.group.WORLD:
-            seen.add(id(pg))
+    """Detach the engine's hooks so a launch can loop over many plans (groups stay cached)."""
     model.amsp.grad_sync.remove()
     model.amsp.param_sync.remove()
 

@@ -203,7 +203,8 @@ def shard(model: nn.Module, plan: "Plan | str",
 
     ``plan``: a Plan, a factor string ``"p=2x1,g=2x1,os=2x2"``, a name (``ddp``, ``zero1``,
     ``zero2``, ``zero3``, ``mics:K``) or ``"auto"``. ``optimizer_factory(masters)`` builds the
-    inner optimizer over the fp32 masters this rank owns.
+    inner optimizer over the fp32 masters this rank owns (a list, forward order; each master
+    has ``.amsp_name``, the model's parameter name, to build param groups from).
     """
     config = config or ShardConfig()
     if not isinstance(config, ShardConfig):
@@ -245,6 +246,8 @@ def shard(model: nn.Module, plan: "Plan | str",
                 masters[t.index] = nn.Parameter(local)  # same storage: see optimizer.py
             else:
                 masters[t.index] = nn.Parameter(local.detach().to(torch.float32, copy=True))
+            # lets an optimizer_factory build param groups by name (e.g. no decay on norms)
+            masters[t.index].amsp_name = t.name
         if dtype != torch.float32:
             _to_dtype_keep_buffers(model, dtype)
 

@@ -63,6 +63,8 @@ def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: 
     entries = []
     for ui, u in enumerate(units):
         for name, p in u.params:
+            if not p.requires_grad:  # frozen: no gradient, no optimizer state, never changes
+                continue
             local = p._local_tensor if isinstance(p, DTensor) else p
             entries.append((ui, name, p, tuple(p.shape), tuple(local.shape)))
     numels = [int(torch.Size(e[4]).numel()) for e in entries]
