@@ -53,10 +53,10 @@ def batches(step, world):
             for m in range(M)]
 
 
-def reference(world, *, precision="fp32", clip=None, skip=(), sched=False):
+def reference(world, *, precision="fp32", clip=None, skip=(), sched=False, tied=False):
     """Single process, whole global batch: fp32 AdamW; under bf16/fp16 the same mixed-precision
     recipe as the engine (compute-dtype params and grads, fp32 masters and states)."""
-    model = build_llama("tiny-llama", seed=0)
+    model = build_llama("tiny-llama", seed=0, **({"tie_word_embeddings": True} if tied else {}))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
     if dtype != torch.float32:
@@ -115,8 +115,9 @@ def full_params(model):
     return out
 
 
-def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None, sched=False):
-    model = build_llama("tiny-llama", seed=0)
+def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None, sched=False,
+          tied=False):
+    model = build_llama("tiny-llama", seed=0, **({"tie_word_embeddings": True} if tied else {}))
     model, opt = shard(model, plan, adamw, config=config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)) if sched else None
     rank = dist.get_rank()
@@ -275,6 +276,11 @@ def suite_extras(world, R):
     for name, p, ckw, tkw in cases:
         model, opt, losses, _ = train(p, cfg(**ckw), world=world, **tkw)
         compare(name, ref32, model, losses)
+    ref_tied = shared_reference(world, tied=True)
+    for p in ("p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2"):
+        model, opt, losses, _ = train(p, cfg(), world=world, tied=True)
+        compare(f"tied-embeddings:{p}", ref_tied, model, losses,
+                extra={"root_unit_params": len(model.amsp.units[0].params)})
     ref_sched = shared_reference(world, sched=True)
     model, opt, losses, _ = train("p=1x1,g=2x2,os=2x2", cfg(), world=world,
                                   boundary_api="set_boundary", sched=True)

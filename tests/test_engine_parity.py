@@ -107,9 +107,13 @@ def test_global_clipping_is_exact(extras):
     "blocks:p=1x1,g=2x2,os=2x2",
     "layer-granularity:p=2x1,g=2x1,os=2x2",
     "boundary-api+lr-schedule+state-dict:p=1x1,g=2x2,os=2x2",
+    "tied-embeddings:p=1x1,g=2x2,os=2x2",  # the shared weight goes to the root unit
+    "tied-embeddings:p=2x1,g=2x1,os=2x2",
 ])
 def test_variants_match_reference(extras, case):
     r = extras[case]
     assert r["loss_max_rel_diff"] <= 1e-5 and r["param_max_abs_diff"] <= 1e-5, r
     if "state-dict" in case:
         assert r["metadata_ok"] and r["num_owned"] > 0, r
+    if "tied" in case:
+        assert r["root_unit_params"] == 1, r

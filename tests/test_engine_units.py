@@ -29,6 +29,14 @@ def test_units_cover_every_param_once_in_forward_order():
     assert len(list_units(model, "layer")) == 1 + 1 + 2 + 2  # root, embed, 2 layers, norm, head
 
 
+def test_tied_weights_go_to_the_root_unit():
+    model = build_llama("tiny-llama", tie_word_embeddings=True)
+    units = list_units(model)
+    assert [n for n, _ in units[0].params] == ["model.embed_tokens.weight"]
+    assert "model.embed_tokens" not in [u.name for u in units]
+    assert sum(u.numel for u in units) == sum(p.numel() for p in model.parameters())
+
+
 def test_backward_prefetch_follows_reverse_post_forward_order():
     units = list_units(build_llama("tiny-llama"), "module")
     fwd, bwd = prefetch_targets(units)
