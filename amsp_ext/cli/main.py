@@ -11,7 +11,11 @@ import importlib
 import sys
 
 # name -> module under amsp_ext.cli
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "plan": "plan",
+    "cluster": "cluster",
+    "profile": "profile",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,127 @@
+"""``amsp plan``: choose the six sharding factors for a model on a cluster (torch-free).
+
+    amsp plan --model llama-7b --nodes 128 --gpus-per-node 8 --gpu-memory 80GiB \\
+              --profile paper-a800 --seq-len 4096 --micro-batch-size 1 \\
+              --global-batch-tokens 4194304 [--recompute] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from amsp_ext.planner.model_spec import GRANULARITIES, MODEL_PRESETS
+    from amsp_ext.planner.specs import OPTIMIZERS, PRECISIONS
+
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help=f"preset: {', '.join(MODEL_PRESETS)}")
+    model.add_argument("--model-config", metavar="PATH",
+                       help="a Hugging Face config.json of a Llama-style model")
+
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, required=True, help="N, number of nodes")
+    c.add_argument("--gpus-per-node", type=int, required=True, help="R, GPUs per node")
+    c.add_argument("--gpu-memory", required=True, metavar="SIZE",
+                   help="memory per GPU with a unit, e.g. 80GiB or 40GB")
+    c.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
+                   help="memory the model cannot use: CUDA context, NCCL buffers, allocator "
+                        "slack (default 2GiB)")
+    c.add_argument("--peak-tflops", type=float, default=312.0,
+                   help="dense 16-bit peak per GPU (default 312, A100/A800)")
+    c.add_argument("--nodes-per-leaf", type=int, default=None,
+                   help="nodes under one leaf switch (report which groups cross leaves)")
+    c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
+                   help="bandwidth profile: a bundled name or a JSON file (default paper-a800)")
+    c.add_argument("--missing-mesh", choices=("error", "fit"), default="error",
+                   help="a mesh the profile lacks: refuse (default) or estimate by alpha-beta fit")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--seq-len", type=int, required=True)
+    t.add_argument("--micro-batch-size", type=int, default=1)
+    batch = t.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--global-batch-tokens", type=int)
+    batch.add_argument("--global-batch-size", type=int, help="global batch in sequences")
+    batch.add_argument("--micro-batches", type=int, help="M per step, directly")
+    t.add_argument("--recompute", action="store_true", help="full per-layer recomputation")
+    t.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    t.add_argument("--bucket-size", default="128MiB", metavar="SIZE",
+                   help="gradient all-reduce bucket U, with a unit (default 128MiB)")
+    t.add_argument("--granularity", choices=GRANULARITIES, default="module",
+                   help="parameter sharding unit: one per Linear (default) or per layer")
+
+    s = p.add_argument_group("search")
+    s.add_argument("--objective", choices=("comm", "step"), default="comm",
+                   help="comm: the paper's Eq. 1; step: compute + unhidden communication")
+    s.add_argument("--efficiency", type=float, default=None,
+                   help="fraction of peak the compute reaches (step model; default 0.65)")
+    s.add_argument("--tie-tolerance", type=float, default=0.01,
+                   help="relative objective difference treated as a tie (default 0.01)")
+    s.add_argument("--no-overlap", action="append", choices=("ag_rs", "ar", "bc"), default=[],
+                   help="step model without one of the paper's overlaps (Table V ablation)")
+    s.add_argument("--mics-size", type=int, default=None, help="MiCS shard group (default R)")
+    s.add_argument("--hpz-size", type=int, default=None, help="ZeRO++ hpZ group (default R)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--pareto", action="store_true", help="print the memory/time frontier")
+    o.add_argument("--sensitivity", type=float, default=None, metavar="F",
+                   help="re-plan with intra- and cross-node bandwidths x (1 +- F)")
+    o.add_argument("--top", type=int, default=10, help="candidates shown in the table")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "global_batch_tokens",
+                 "global_batch_size", "micro_batches", "nodes_per_leaf", "mics_size",
+                 "hpz_size", "top"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
+    if args.peak_tflops <= 0:
+        raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from amsp_ext.planner.model_spec import load_model_spec
+    from amsp_ext.planner.report import build_report, format_text
+    from amsp_ext.planner.search import make_problem, search
+    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, parse_size
+    from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
+
+    _check_positive(args)
+    spec = load_model_spec(args.model, args.model_config)
+    cluster = ClusterSpec(
+        num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
+        peak_flops=args.peak_tflops * 1e12, nodes_per_leaf=args.nodes_per_leaf,
+    )
+    training = TrainingSpec(
+        seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+        global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
+        num_micro_batches=args.micro_batches, recompute=args.recompute,
+        precision=args.precision, optimizer=args.optimizer,
+        bucket_bytes=parse_size(args.bucket_size, field="--bucket-size"),
+        granularity=args.granularity,
+    )
+    off = set(args.no_overlap)
+    problem = make_problem(
+        spec, cluster, training, args.profile, objective=args.objective,
+        missing=args.missing_mesh,
+        efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
+        tie_tolerance=args.tie_tolerance,
+        overlap=OverlapRules(ag_rs="ag_rs" not in off, ar="ar" not in off, bc="bc" not in off),
+        memory_reserve_bytes=parse_size(args.memory_reserve, field="--memory-reserve",
+                                        allow_zero=True),
+    )
+    report = build_report(search(problem), with_pareto=args.pareto,
+                          sensitivity_factor=args.sensitivity, mics_size=args.mics_size,
+                          hpz_size=args.hpz_size)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_text(report, top=args.top))
+    return 0

@@ -1,0 +1,242 @@
+"""ModelSpec: exact per-module parameter counts of a Llama-style decoder.
+
+The planner costs parameter sharding module by module (the K modules per layer that Eq. Tp sums
+over), so it needs the exact size of every module, not ``12 L h^2``. The counts come from a
+Hugging Face ``config.json`` (Llama architecture: RMSNorm, GQA attention with rotary embeddings,
+SwiGLU MLP, tied or untied embeddings, optional biases) or from a preset of the original LLaMA
+family.
+
+[Note: sharding units]
+The engine shards (and all-gathers) parameters in *units*; the planner must cost the same units.
+With ``granularity="module"`` a decoder layer has eight units in forward order: the two RMSNorms
+together (``norms``: they are tiny and would only add launch latency as units of their own),
+then ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down`` (one per Linear, bias included). With
+``granularity="layer"`` the whole layer is one unit. Outside the layers there are always
+``embedding`` (first), ``final_norm`` and ``lm_head`` (last; absent when the embeddings are tied,
+since the tied weight lives in ``embedding``). Unit names are the Hugging Face module paths of
+``LlamaForCausalLM``, so the engine can map them onto ``named_modules()``.
+
+This module is pure Python: the planner never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "GRANULARITIES",
+    "MODEL_PRESETS",
+    "ModelSpec",
+    "ModelSpecError",
+    "Unit",
+    "load_model_spec",
+]
+
+GRANULARITIES = ("module", "layer")
+
+# The original LLaMA family (Touvron et al. 2023, Table 2): published sizes 6.7B/13.0B/32.5B/65.2B.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32),
+    "llama-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                      num_attention_heads=40),
+    "llama-30b": dict(hidden_size=6656, intermediate_size=17920, num_hidden_layers=60,
+                      num_attention_heads=52),
+    "llama-65b": dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=80,
+                      num_attention_heads=64),
+}
+_PRESET_COMMON = dict(vocab_size=32000, tie_word_embeddings=False, model_type="llama")
+
+# model_type -> (bias on q/k/v, bias on o) when the config has no ``attention_bias`` key.
+_ATTN_BIAS_DEFAULT = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False)}
+
+
+class ModelSpecError(ValueError):
+    """A model that cannot be read. One line, naming the field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """One sharding unit: a display ``name``, its ``kind``, the HF module paths it covers
+    (``modules``, as in ``LlamaForCausalLM.named_modules()``) and its parameter count."""
+
+    name: str
+    kind: str
+    modules: tuple[str, ...]
+    num_params: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "vocab_size"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelSpecError(f"model {self.name}: {f} must be an integer >= 1, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelSpecError(
+                f"model {self.name}: num_attention_heads={self.num_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    # -- per-module sizes -----------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_module_params(self) -> list[tuple[str, int]]:
+        """``(kind, params)`` of one decoder layer's units at module granularity, forward order."""
+        h, i = self.hidden_size, self.intermediate_size
+        qb, ob, mb = int(self.qkv_bias), int(self.o_bias), int(self.mlp_bias)
+        return [
+            ("norms", 2 * h),
+            ("q", h * self.q_dim + qb * self.q_dim),
+            ("k", h * self.kv_dim + qb * self.kv_dim),
+            ("v", h * self.kv_dim + qb * self.kv_dim),
+            ("o", self.q_dim * h + ob * h),
+            ("gate", h * i + mb * i),
+            ("up", h * i + mb * i),
+            ("down", i * h + mb * h),
+        ]
+
+    @property
+    def params_per_layer(self) -> int:
+        return sum(n for _, n in self.layer_module_params())
+
+    def outside_params(self) -> list[tuple[str, int]]:
+        """``(kind, params)`` of the units outside the decoder layers, forward order."""
+        emb = self.vocab_size * self.hidden_size
+        out = [("embedding", emb), ("final_norm", self.hidden_size)]
+        if not self.tie_word_embeddings:
+            out.append(("lm_head", emb))
+        return out
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.params_per_layer + sum(n for _, n in self.outside_params())
+
+    def layer_units(self, granularity: str = "module") -> list[tuple[str, int]]:
+        """One layer's ``(kind, params)`` template at ``granularity`` (every layer is the same)."""
+        _check_granularity(granularity)
+        if granularity == "layer":
+            return [("layer", self.params_per_layer)]
+        return self.layer_module_params()
+
+    def units(self, granularity: str = "module") -> list[Unit]:
+        """Every sharding unit of the model in forward order, named by HF module path."""
+        _check_granularity(granularity)
+        paths = {
+            "layer": ("",), "norms": ("input_layernorm", "post_attention_layernorm"),
+            "q": ("self_attn.q_proj",), "k": ("self_attn.k_proj",), "v": ("self_attn.v_proj",),
+            "o": ("self_attn.o_proj",), "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",),
+            "down": ("mlp.down_proj",),
+        }
+        outside = dict(self.outside_params())
+
+        def unit(kind: str, modules: tuple[str, ...], n: int) -> Unit:
+            return Unit(name="+".join(modules), kind=kind, modules=modules, num_params=n)
+
+        units = [unit("embedding", ("model.embed_tokens",), outside["embedding"])]
+        for li in range(self.num_layers):
+            prefix = f"model.layers.{li}"
+            for kind, n in self.layer_units(granularity):
+                mods = tuple(f"{prefix}.{m}" if m else prefix for m in paths[kind])
+                units.append(unit(kind, mods, n))
+        units.append(unit("final_norm", ("model.norm",), outside["final_norm"]))
+        if "lm_head" in outside:
+            units.append(unit("lm_head", ("lm_head",), outside["lm_head"]))
+        return units
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], *, name: str | None = None) -> "ModelSpec":
+        """Read a Hugging Face Llama-style ``config.json`` dict."""
+        if not isinstance(config, Mapping):
+            raise ModelSpecError(f"model config must be a JSON object, got {type(config).__name__}")
+        label = name or str(config.get("_name_or_path") or config.get("model_type") or "config")
+        model_type = str(config.get("model_type", "llama"))
+        if model_type not in _ATTN_BIAS_DEFAULT:
+            raise ModelSpecError(
+                f"model {label}: model_type {model_type!r} is not Llama-style; allowed: "
+                f"{', '.join(_ATTN_BIAS_DEFAULT)}"
+            )
+
+        def need(key: str) -> int:
+            if key not in config:
+                raise ModelSpecError(f"model {label}: config.json has no {key!r}")
+            return config[key]
+
+        h, heads = need("hidden_size"), need("num_attention_heads")
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or (h // heads if isinstance(h, int) and
+                                              isinstance(heads, int) and heads else 0)
+        qkv_b, o_b = _ATTN_BIAS_DEFAULT[model_type]
+        if "attention_bias" in config:
+            qkv_b = o_b = bool(config["attention_bias"])
+        return cls(
+            name=label,
+            hidden_size=h,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=need("vocab_size"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_b,
+            o_bias=o_b,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelSpec":
+        if name not in MODEL_PRESETS:
+            raise ModelSpecError(
+                f"model must be one of {', '.join(MODEL_PRESETS)} (or --model-config PATH), "
+                f"got {name!r}"
+            )
+        return cls.from_hf_config({**_PRESET_COMMON, **MODEL_PRESETS[name]}, name=name)
+
+
+def _check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ModelSpecError(
+            f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}"
+        )
+
+
+def load_model_spec(model: str | None = None, config_path: str | Path | None = None) -> ModelSpec:
+    """A preset name or a path to a Hugging Face ``config.json`` (exactly one of the two)."""
+    if (model is None) == (config_path is None):
+        raise ModelSpecError("give exactly one of model (a preset) or model config path")
+    if model is not None:
+        return ModelSpec.preset(model)
+    path = Path(config_path)
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:
+        raise ModelSpecError(f"model config {path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ModelSpecError(f"model config {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    return ModelSpec.from_hf_config(config, name=path.parent.name or path.name)

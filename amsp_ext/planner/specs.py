@@ -1,0 +1,165 @@
+"""ClusterSpec and TrainingSpec: the planner's inputs besides the model and the profile.
+
+kw-only dataclasses that validate themselves in ``__post_init__``; every error is one line that
+names the field and the allowed values. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from amsp_ext.planner.model_spec import GRANULARITIES
+
+__all__ = [
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "ClusterSpec",
+    "SpecError",
+    "TrainingSpec",
+    "parse_size",
+]
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit")
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+
+
+class SpecError(ValueError):
+    """Bad cluster or training input. One line, naming the field."""
+
+
+def parse_size(text: str | int | float, *, field: str = "size", allow_zero: bool = False) -> int:
+    """``"80GiB"``, ``"40GB"``, ``"81920MiB"`` -> bytes. A number without a unit is refused:
+    ``80`` could mean GB or GiB (a 7% difference, enough to flip a plan)."""
+    allowed = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+    if isinstance(text, bool) or not isinstance(text, str):
+        raise SpecError(f"{field} needs a unit ({allowed}), e.g. '80GiB'; got {text!r}")
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise SpecError(f"{field} needs a number and a unit ({allowed}), e.g. '80GiB'; got {text!r}")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if unit not in _UNITS:
+        raise SpecError(f"{field}: unknown unit {m.group(2)!r}; allowed: {allowed}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise SpecError(f"{field} must be {'>= 0' if allow_zero else 'positive'}, got {text!r}")
+    return int(round(value * _UNITS[unit]))
+
+
+def _positive_int(obj: object, name: str) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise SpecError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+def _positive_number(obj: object, name: str) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise SpecError(f"{name} must be a positive number, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """N nodes x R GPUs. Defaults describe the paper's A800-80GB nodes.
+
+    ``peak_flops`` (dense 16-bit FLOP/s per GPU) and ``memory_bandwidth`` (HBM bytes/s) only feed
+    the step-time objective and MFU; ``nodes_per_leaf`` lets the report say which groups cross
+    leaf switches (the adapter keeps a group under one leaf when it fits).
+    """
+
+    num_nodes: int
+    gpus_per_node: int
+    gpu_memory_bytes: int
+    peak_flops: float = 312e12  # A100/A800 dense BF16
+    memory_bandwidth: float = 2.039e12  # A800 80GB HBM2e
+    nodes_per_leaf: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "gpus_per_node", "gpu_memory_bytes"):
+            _positive_int(self, name)
+        for name in ("peak_flops", "memory_bandwidth"):
+            _positive_number(self, name)
+        if self.nodes_per_leaf is not None:
+            _positive_int(self, "nodes_per_leaf")
+            if self.num_nodes % self.nodes_per_leaf and self.nodes_per_leaf % self.num_nodes:
+                raise SpecError(
+                    f"nodes_per_leaf={self.nodes_per_leaf} must divide num_nodes={self.num_nodes}"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    """One training step: M micro-batches of ``micro_batch_size`` sequences of ``seq_len`` tokens.
+
+    Give exactly one of ``global_batch_tokens``, ``global_batch_size`` (sequences) or
+    ``num_micro_batches``; M then follows from the data-parallel world size and must be exact.
+    ``bucket_bytes`` is the gradient all-reduce bucket size U of Eq. Tg / T0_os.
+    """
+
+    seq_len: int
+    micro_batch_size: int = 1
+    global_batch_tokens: int | None = None
+    global_batch_size: int | None = None
+    num_micro_batches: int | None = None
+    recompute: bool = False
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    bucket_bytes: int = 128 * 2**20
+    granularity: str = "module"
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "bucket_bytes"):
+            _positive_int(self, name)
+        given = [n for n in ("global_batch_tokens", "global_batch_size", "num_micro_batches")
+                 if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise SpecError(
+                "give exactly one of global_batch_tokens, global_batch_size or num_micro_batches"
+                f", got {', '.join(given) or 'none'}"
+            )
+        _positive_int(self, given[0])
+        if self.global_batch_tokens is not None and self.global_batch_tokens % self.seq_len:
+            raise SpecError(
+                f"global_batch_tokens={self.global_batch_tokens} is not a multiple of "
+                f"seq_len={self.seq_len}"
+            )
+        if not isinstance(self.recompute, bool):
+            raise SpecError(f"recompute must be true or false, got {self.recompute!r}")
+        for name, allowed in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS),
+                              ("granularity", GRANULARITIES)):
+            if getattr(self, name) not in allowed:
+                raise SpecError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+    def micro_batches(self, world_size: int) -> int:
+        """M, the micro-batches per step on each of ``world_size`` data-parallel ranks."""
+        if self.num_micro_batches is not None:
+            return self.num_micro_batches
+        seqs = self.global_batch_size
+        if seqs is None:
+            seqs = self.global_batch_tokens // self.seq_len
+        per_step = self.micro_batch_size * world_size
+        if seqs % per_step:
+            what = (f"global_batch_size={seqs}" if self.global_batch_size is not None
+                    else f"global_batch_tokens={self.global_batch_tokens} ({seqs} sequences)")
+            raise SpecError(
+                f"{what} must be a multiple of micro_batch_size x world size = "
+                f"{self.micro_batch_size} x {world_size} = {per_step}"
+            )
+        return seqs // per_step

@@ -1,0 +1,52 @@
+"""Baselines as factor tuples and ZeRO++ (hpZ) costed by hand on the toy case."""
+
+import pytest
+
+from amsp_ext.planner.baselines import baselines, comparison
+from amsp_ext.planner.search import make_problem
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from planner_helpers import TOY, constant_profile
+
+GB = {"allgather": 1.0, "reducescatter": 2.0, "allreduce": 4.0, "broadcast": 8.0}
+
+
+def problem():
+    cl = ClusterSpec(num_nodes=2, gpus_per_node=4, gpu_memory_bytes=2**30)
+    tr = TrainingSpec(seq_len=8, num_micro_batches=3, bucket_bytes=100)
+    return make_problem(TOY, cl, tr, constant_profile(4, 2, GB), memory_reserve_bytes=0)
+
+
+def test_factor_tuples():
+    got = {b.key: b.plan.as_tuple() for b in baselines(problem())}
+    assert got == {
+        "ddp": (1, 1, 1, 1, 1, 1), "zero1": (1, 1, 1, 1, 4, 2), "zero2": (1, 1, 4, 2, 4, 2),
+        "zero3": (4, 2, 4, 2, 4, 2), "zero++": (4, 2, 4, 2, 4, 2), "mics": (4, 1, 4, 1, 4, 1),
+    }
+    mics2 = {b.key: b for b in baselines(problem(), mics_size=2)}["mics"]
+    assert mics2.plan.as_tuple() == (2, 1, 2, 1, 2, 1)
+
+
+def test_zeropp_by_hand():
+    b = {b.key: b for b in baselines(problem())}
+    zpp, z3 = b["zero++"].candidate, b["zero3"].candidate
+    # Tp = M * sum_i [AG(2Phi_i) on 4x2 + AG(2Phi_i) on the hpZ node 4x1 + RS(2Phi_i) on 4x2]
+    #    = 3 * (872/1e9 + 872/1e9 + 872/2e9) s = 6540 ns; no Tg / T0_os / T1_os
+    assert zpp.comm.t_p == pytest.approx(6540e-9)
+    assert zpp.comm.t_g == zpp.comm.t0_os == zpp.comm.t1_os == 0
+    # ZeRO-3 gathers twice over 4x2: 3 * (2 * 872/1e9 + 872/2e9) = 6540 ns as well
+    assert z3.comm.t_p == pytest.approx(6540e-9)
+    # secondary shard: 2 Phi / hpZ = 872 / 4 bytes on top of ZeRO-3's 2 Phi / 8
+    assert zpp.memory.params == 872 // 8 + 872 // 4
+    assert zpp.memory.total == z3.memory.total + 872 // 4
+
+
+def test_comparison_sentence():
+    bs = {b.key: b for b in baselines(problem())}
+    chosen = bs["mics"].candidate
+    z3 = bs["zero3"]
+    ratio = z3.candidate.comm.total / chosen.comm.total
+    dm = (chosen.memory.total - z3.candidate.memory.total) / 2**30
+    s = comparison(chosen, z3)
+    assert s == (f"vs ZeRO-3: {ratio:.2f}x {'less' if ratio >= 1 else 'more'} communication"
+                 .replace(f"{ratio:.2f}x more", f"{1 / ratio:.2f}x more")
+                 + f", {abs(dm):.1f} GiB {'more' if dm >= 0 else 'less'} memory per GPU")
