@@ -4,7 +4,7 @@
 The engine (and so torch) is imported lazily: ``amsp_ext.planner`` stays torch-free.
 """
 
-__all__ = ["ShardConfig", "OverlapConfig", "FP16Config", "shard"]
+__all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "shard"]
 
 
 def __getattr__(name):

@@ -338,8 +338,29 @@ def suite_guards(world, R):
         except MismatchError as e:
             err = str(e)
         _emit({"case": f"mismatch:{what}", "error": err})
+    # 3. plan "auto": the planner's choice, the same on every rank, and it trains
+    from amsp_ext.planner.search import plan_for
+    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+    from amsp_ext.runtime.config import AutoPlanConfig
+
+    auto = AutoPlanConfig(seq_len=SEQ, micro_batch_size=MBS, num_micro_batches=M,
+                          gpu_memory_bytes=4 * 2**30)
+    try:
+        shard(build_llama("tiny-llama"), "auto", adamw, config=ShardConfig(gpus_per_node=R))
+        missing_err = None
+    except PlanError as e:
+        missing_err = str(e)
+    model, opt, losses, _ = train("auto", ShardConfig(gpus_per_node=R, timeout=60, auto=auto),
+                                  world=world)
+    direct = plan_for(build_llama("tiny-llama").config.to_dict(),
+                      ClusterSpec(num_nodes=world // R, gpus_per_node=R, gpu_memory_bytes=4 * 2**30),
+                      TrainingSpec(seq_len=SEQ, micro_batch_size=MBS, num_micro_batches=M,
+                                   precision="fp32"), "paper-a800")
+    _emit({"case": "auto", "plan": str(model.amsp.plan), "planner_direct": str(direct),
+           "losses": losses, "missing_config_error": missing_err})
+    release(model)
     dist.barrier()
-    # 3. a rank that skips its broadcasts: the others time out with the group's name
+    # 4. a rank that skips its broadcasts: the others time out with the group's name
     model, opt = shard(build_llama("tiny-llama"), "p=1x1,g=1x1,os=2x1", adamw,
                        config=ShardConfig(gpus_per_node=R, timeout=3))
     b = micro_batch(0, 0, rank, world_size=world, num_micro_batches=1, micro_batch_size=MBS, seq_len=SEQ)

@@ -41,6 +41,14 @@ def test_mismatched_ranks_detected_at_init(guards):
     assert "p=1x1,g=1x1,os=2x2" in plan_err and "p=1x1,g=1x1,os=2x1" in plan_err
 
 
+def test_auto_plan_is_the_planners_choice(guards):
+    rows = [r for r in guards if r["case"] == "auto"]
+    assert len(rows) == 4
+    assert {r["plan"] for r in rows} == {rows[0]["planner_direct"]}
+    assert all(r["losses"][-1] < r["losses"][0] for r in rows)  # it trains
+    assert "config.auto=AutoPlanConfig" in rows[0]["missing_config_error"]
+
+
 def test_timeout_names_its_group(guards):
     r0 = next(r for r in guards if r["case"] == "timeout" and r["rank"] == 0)
     assert "optim_bcast[0,1]" in r0["error"] and "did not complete within 3s" in r0["error"], r0

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
+__all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRANULARITIES = ("module", "layer")
@@ -53,6 +53,31 @@ class FP16Config:
             raise ValueError(f"fp16.min_scale must be > 0, got {self.min_scale}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class AutoPlanConfig:
+    """What ``plan="auto"`` needs besides the model and the world: the step's batch shape and
+    the planner's inputs (see amsp_ext.planner.search.plan_for)."""
+
+    seq_len: int
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    profile: str = "paper-a800"  # bundled profile name or a path to an amsp-profile/1 JSON
+    objective: str = "comm"  # "comm" (Eq. 1) or "step"
+    missing: str = "error"  # profile meshes the table lacks: "error" or "fit"
+    optimizer: str = "adamw"
+    gpu_memory_bytes: int | None = None  # None: the device's (CPU: RAM / gpus_per_node)
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "num_micro_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"auto.{name} must be an integer >= 1, got {v!r}")
+        if self.gpu_memory_bytes is not None and (
+            not isinstance(self.gpu_memory_bytes, int) or self.gpu_memory_bytes < 1
+        ):
+            raise ValueError(f"auto.gpu_memory_bytes must be a positive integer or None, got {self.gpu_memory_bytes!r}")
+
+
 def _local_world_size() -> int | None:
     v = os.environ.get("LOCAL_WORLD_SIZE")
     return int(v) if v and v.isdigit() else None
@@ -72,6 +97,7 @@ class ShardConfig:
     ownership: str = "greedy"  # inter-tensor optimizer-state ownership policy
     timeout: float = 600.0  # seconds a wait may take before CollectiveTimeout
     fp16: FP16Config = field(default_factory=FP16Config)
+    auto: AutoPlanConfig | None = None  # needed by plan="auto"
 
     def __post_init__(self) -> None:
         if self.gpus_per_node is None:
@@ -99,6 +125,8 @@ class ShardConfig:
             raise ValueError(f"config.overlap must be an OverlapConfig, got {type(self.overlap).__name__}")
         if not isinstance(self.fp16, FP16Config):
             raise ValueError(f"config.fp16 must be an FP16Config, got {type(self.fp16).__name__}")
+        if self.auto is not None and not isinstance(self.auto, AutoPlanConfig):
+            raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"config.timeout must be a number of seconds > 0, got {self.timeout!r}")
 

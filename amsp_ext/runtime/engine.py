@@ -126,24 +126,43 @@ def _world(config: ShardConfig) -> World:
 
 def _resolve(plan, model: nn.Module, world: World, config: ShardConfig) -> Plan:
     if isinstance(plan, str) and plan.strip().lower() == "auto":
-        # [Note: plan "auto"] the planner (amsp_ext.planner.search) proposes the plan; every rank
-        # runs the same deterministic search, and the fingerprint check below verifies it.
-        try:
-            from amsp_ext.planner import search  # noqa: F401
-        except ImportError as e:
-            raise PlanError(
-                "plan 'auto' needs the planner (amsp_ext.planner.search), which this build lacks; "
-                "pass a plan such as 'p=1x1,g=1x1,os=2x1' or a name (ddp, zero1, zero2, zero3, mics:K)"
-            ) from e
-        return _auto_plan(search, model, world, config)
+        return _auto_plan(model, world, config)
     return resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
 
 
-def _auto_plan(search, model: nn.Module, world: World, config: ShardConfig) -> Plan:  # pragma: no cover
-    fn = getattr(search, "auto_plan", None)
-    if fn is None:
-        raise PlanError("plan 'auto': amsp_ext.planner.search has no auto_plan(); pass an explicit plan")
-    return fn(model=model, world=world, config=config)
+def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
+    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.search.plan_for) for this
+    model (its Hugging Face config), this world and ``config.auto``. Every rank runs the same
+    deterministic search; the fingerprint check that follows verifies they agree."""
+    a = config.auto
+    if a is None:
+        raise PlanError(
+            "plan 'auto' needs config.auto=AutoPlanConfig(seq_len=..., micro_batch_size=..., "
+            "num_micro_batches=...) to size the step for the planner"
+        )
+    hf = getattr(model, "config", None)
+    if hf is None or not hasattr(hf, "to_dict"):
+        raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
+    from amsp_ext.planner.search import plan_for
+    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+
+    memory = a.gpu_memory_bytes or _device_memory(world.gpus_per_node)
+    cluster = ClusterSpec(num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
+                          gpu_memory_bytes=memory, nodes_per_leaf=config.nodes_per_leaf)
+    training = TrainingSpec(seq_len=a.seq_len, micro_batch_size=a.micro_batch_size,
+                            num_micro_batches=a.num_micro_batches, recompute=config.recompute,
+                            precision=config.precision, optimizer=a.optimizer,
+                            bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity)
+    return plan_for(hf.to_dict(), cluster, training, a.profile, objective=a.objective,
+                    missing=a.missing)
+
+
+def _device_memory(gpus_per_node: int) -> int:
+    if dist.get_backend() == "nccl":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    import psutil
+
+    return psutil.virtual_memory().total // gpus_per_node
 
 
 def _fingerprint(plan: Plan, config: ShardConfig, world: World, model: nn.Module) -> bytes:
