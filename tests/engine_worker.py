@@ -440,19 +440,29 @@ def suite_trace(world, R):
 
 
 def suite_memory(world, R):
-    """Measured model-state bytes per rank vs 2Phi/sp + 2Phi/sg + 12Phi/sos (bf16, AdamW)."""
-    phi = sum(p.numel() for p in build_llama("tiny-llama").parameters())
-    for p in prefiltered_plans(R, world // R):
-        model, opt, losses, _ = train(p, ShardConfig(gpus_per_node=R, precision="bf16"), world=world)
-        b = model.model_state_bytes()
-        pred = {"params": 2 * phi / p.sp, "grads": 2 * phi / p.sg, "optim": 12 * phi / p.sos}
-        rows = [None] * world
-        dist.all_gather_object(rows, b)
-        if dist.get_rank() == 0:
-            tot = [r["total"] for r in rows]
-            print("RESULT " + json.dumps({"case": str(p), "predicted": pred,
-                  "predicted_total": sum(pred.values()), "measured": rows,
-                  "worst_rel_err": max(abs(t / sum(pred.values()) - 1) for t in tot)}), flush=True)
+    """Measured model-state bytes per rank vs the planner's memory model (amsp_ext.planner.memory)
+    for every pre-filtered plan, in bf16 (the paper's 2/2/12 bytes) and fp32 (4/4/8)."""
+    from amsp_ext.planner.memory import memory_breakdown
+    from amsp_ext.planner.model_spec import ModelSpec
+    from amsp_ext.planner.specs import TrainingSpec
+
+    spec = ModelSpec.from_hf_config(build_llama("tiny-llama").config.to_dict())
+    for precision in ("bf16", "fp32"):
+        training = TrainingSpec(seq_len=SEQ, micro_batch_size=MBS, num_micro_batches=M,
+                                precision=precision)
+        for p in prefiltered_plans(R, world // R):
+            model, opt, losses, _ = train(p, ShardConfig(gpus_per_node=R, precision=precision),
+                                          world=world)
+            b = model.model_state_bytes()
+            pred = memory_breakdown(spec, p, training, gpus_per_node=R, num_nodes=world // R)
+            rel = torch.tensor([abs(b["total"] / pred.model_states - 1)])
+            dist.all_reduce(rel, op=dist.ReduceOp.MAX)
+            if dist.get_rank() == 0:
+                print("RESULT " + json.dumps({
+                    "case": f"{precision}:{p}", "predicted": {"params": pred.params, "grads": pred.grads,
+                                                              "optim": pred.optim},
+                    "measured_rank0": b, "worst_rank_rel_err": float(rel)}), flush=True)
+            release(model)
 
 
 SUITES = {"memory": suite_memory, "parity": suite_parity, "extras": suite_extras, "guards": suite_guards,
