@@ -1,22 +1,31 @@
-"""Every collective amsp_ext issues, as small free functions taking their group as an argument.
+"""Every collective the AMSP engine issues, as small free functions.
 
-This is the ONLY module that calls ``torch.distributed`` collectives. Each function takes the
-group and a ``name`` (the group's label, e.g. ``param_replica[0,2]``), runs under
-``record_function("amsp::<op>::<group kind>")`` and returns a pending handle when ``async_op``.
-
-(Minimal version written for ``amsp profile``; its signatures are a subset of the engine's
-``collectives.py``, which supersedes it when both land.)
+This is the ONLY module of amsp_ext that calls ``torch.distributed`` collectives (FSDP2 issues
+its all-gathers and reduce-scatters through :mod:`amsp_ext.runtime.param_shard`'s comm objects,
+which call back into here). Each function takes its group as an argument plus a ``name`` (the
+group's label, e.g. ``param_replica[0,2]``, see ``PlanMesh.name``), runs under
+``record_function("amsp::<op>::<group kind>")`` and returns a work handle when ``async_op``.
 
 [Note: timeouts that name their group]
-A synchronous call is issued asynchronously and waited on with ``Work.wait(timeout)``; on gloo a
-missing peer then surfaces as :class:`CollectiveTimeout` naming the op and group instead of a
-silent hang. On accelerators ``Work.wait()`` only orders the current stream, and the process
-group's own timeout (the NCCL watchdog) applies.
+A collective that never completes (a rank died, or skipped a collective) must not hang silently.
+``wait`` passes a timeout to ``Work.wait``: on gloo that raises after the timeout, and we
+re-raise :class:`CollectiveTimeout` naming the op and the group, e.g. ``broadcast on
+optim_bcast[0,1] did not complete within 5.0s``. On NCCL, ``Work.wait(timeout)`` would block the
+CPU thread until the collective finishes, which would serialize the launch queue and defeat the
+overlap, so there we only make the current stream wait (``Work.wait()``) and rely on the
+process-group timeout (the NCCL watchdog), whose error carries the group description.
+
+[Note: counters]
+``stats`` counts the collectives issued per (op, group kind). The guard-rail tests use it to
+show that a bad plan is refused before any collective, and the benchmarks use it to report
+how many collectives a step issues.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -25,12 +34,20 @@ from torch.profiler import record_function
 
 __all__ = [
     "CollectiveTimeout",
+    "all_gather_bytes",
     "all_gather_into_tensor",
     "all_reduce",
     "broadcast",
     "reduce_scatter_tensor",
+    "stats",
     "wait",
 ]
+
+# (op, group kind) -> number of collectives issued by this process
+stats: collections.Counter = collections.Counter()
+# Optional observer ``fn(event, op, name, info)`` with event in {"issue", "wait_begin",
+# "wait_end"}; the profiler/benchmarks hook in here. Keep it cheap.
+observer = None
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -43,7 +60,13 @@ def _kind(name: str) -> str:
     return name.split("[", 1)[0] if name else "world"
 
 
-def _as_timedelta(timeout) -> datetime.timedelta:
+def _issue(op: str, name: str) -> None:
+    stats[(op, _kind(name))] += 1
+    if observer is not None:
+        observer("issue", op, name, None)
+
+
+def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
     if timeout is None:
         return _DEFAULT_TIMEOUT
     if isinstance(timeout, datetime.timedelta):
@@ -52,13 +75,21 @@ def _as_timedelta(timeout) -> datetime.timedelta:
 
 
 class _Pending:
-    __slots__ = ("work", "op", "name", "on_accelerator")
+    """A work handle plus what ``wait`` needs to name it in a timeout."""
+
+    __slots__ = ("work", "op", "name", "on_accelerator", "issued_at")
 
     def __init__(self, work: Any, op: str, name: str, on_accelerator: bool) -> None:
-        self.work, self.op, self.name, self.on_accelerator = work, op, name, on_accelerator
+        self.work, self.op, self.name = work, op, name
+        self.on_accelerator = on_accelerator
+        self.issued_at = time.perf_counter()
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
 
 
-def _finish(work: Any, op: str, name: str, tensor: torch.Tensor, async_op: bool, timeout):
+def _finish(work: Any, op: str, name: str, tensor: torch.Tensor, async_op: bool,
+            timeout) -> _Pending | None:
     pending = _Pending(work, op, name, tensor.device.type != "cpu")
     if async_op:
         return pending
@@ -66,52 +97,89 @@ def _finish(work: Any, op: str, name: str, tensor: torch.Tensor, async_op: bool,
     return None
 
 
-def all_reduce(tensor: torch.Tensor, group, *, name: str, op=dist.ReduceOp.SUM,
-               async_op: bool = True, timeout=None):
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, name: str,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = True,
+               timeout=None) -> _Pending | None:
     """Sum (or ``op``) ``tensor`` in place over ``group``."""
     with record_function(f"amsp::all_reduce::{_kind(name)}"):
+        _issue("all_reduce", name)
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return _finish(work, "all_reduce", name, tensor, async_op, timeout)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group, *, name: str, async_op: bool = True, timeout=None):
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, *, name: str,
+              async_op: bool = True, timeout=None) -> _Pending | None:
     """Broadcast ``tensor`` from global rank ``src`` to the other ranks of ``group``."""
     with record_function(f"amsp::broadcast::{_kind(name)}"):
+        _issue("broadcast", name)
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     return _finish(work, "broadcast", name, tensor, async_op, timeout)
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group, *, name: str,
-                           async_op: bool = True, timeout=None):
-    """Gather every rank's ``input`` into ``output`` (v = output bytes)."""
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                           *, name: str, async_op: bool = True, timeout=None) -> _Pending | None:
     with record_function(f"amsp::all_gather::{_kind(name)}"):
+        _issue("all_gather", name)
         work = dist.all_gather_into_tensor(output, input, group=group, async_op=True)
     return _finish(work, "all_gather", name, output, async_op, timeout)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group, *, name: str,
-                          op=dist.ReduceOp.SUM, async_op: bool = True, timeout=None):
-    """Reduce ``input`` (v = input bytes) over ``group``; this rank's slice lands in ``output``."""
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                          *, name: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                          async_op: bool = True, timeout=None) -> _Pending | None:
     with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
+        _issue("reduce_scatter", name)
         work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
     return _finish(work, "reduce_scatter", name, output, async_op, timeout)
 
 
-def wait(pending: "_Pending | None", *, name: str | None = None, timeout=None) -> None:
-    """Wait for ``pending``; raise CollectiveTimeout naming the group."""
+def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: str,
+                     width: int = 128, timeout=None) -> list[bytes]:
+    """Gather a short byte string (``<= width`` bytes) from every rank of ``group``, in rank order.
+
+    Used at init to compare plan/config fingerprints; a fixed-width uint8 all-gather (rather than
+    ``all_gather_object``) so it runs through ``wait`` and its timeout.
+    """
+    if len(payload) > width:
+        raise ValueError(f"all_gather_bytes: payload of {len(payload)} bytes exceeds width={width}")
+    size = dist.get_world_size(group)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = torch.zeros(width + 1, dtype=torch.uint8, device=device)
+    mine[0] = len(payload)
+    if payload:
+        mine[1 : 1 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    out = torch.empty(size * (width + 1), dtype=torch.uint8, device=device)
+    all_gather_into_tensor(out, mine, group, name=name, async_op=False, timeout=timeout)
+    rows = out.view(size, width + 1).cpu()
+    return [bytes(r[1 : 1 + int(r[0])].tolist()) for r in rows]
+
+
+def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> None:
+    """Wait for ``pending`` (from an ``async_op=True`` call); raise CollectiveTimeout naming the group."""
     if pending is None or pending.work is None:
         return
     label = name or pending.name
     with record_function(f"amsp::wait::{pending.op}::{_kind(label)}"):
+        if observer is not None:
+            observer("wait_begin", pending.op, label, pending.is_completed())
+        work = pending.work
         if pending.on_accelerator:
-            pending.work.wait()
+            work.wait()  # stream-ordered; see [Note: timeouts that name their group]
         else:
             td = _as_timedelta(timeout)
+            t0 = time.perf_counter()
             try:
-                pending.work.wait(timeout=td)
+                work.wait(timeout=td)
             except RuntimeError as e:
+                waited = time.perf_counter() - t0
+                what = (f"did not complete within {td.total_seconds():g}s"
+                        if waited >= 0.9 * td.total_seconds() else f"failed after {waited:.1f}s")
                 raise CollectiveTimeout(
-                    f"amsp: {pending.op} on {label} did not complete within "
-                    f"{td.total_seconds():g}s (a rank of {label} died, hangs, or skipped it): {e}"
+                    f"amsp: {pending.op} on {label} {what} (a rank of {label} died, hangs, or "
+                    f"skipped it): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 ) from e
         pending.work = None
+        if observer is not None:
+            observer("wait_end", pending.op, label, None)
+

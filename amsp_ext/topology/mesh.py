@@ -7,6 +7,7 @@ rank lists, so the tested layout is the one that runs.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,31 @@ class PlanMesh:
         return f"{kind}[{','.join(map(str, self.ranks[kind]))}]"
 
 
-def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu") -> PlanMesh:
-    """Collective over the default group: every rank must call it with the same plan."""
+def _backend_override(timeout: datetime.timedelta | None):
+    """Process-group options carrying ``timeout`` for the default backend (None: defaults).
+
+    The group timeout bounds every collective on the group, including the waits that
+    torch (FSDP2) does itself, and on NCCL it arms the watchdog that aborts a hung collective.
+    """
+    if timeout is None:
+        return None
+    backend = dist.get_backend()
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        opts = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    opts._timeout = timeout
+    return (backend, opts)
+
+
+def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
+                    timeout: datetime.timedelta | None = None) -> PlanMesh:
+    """Collective over the default group: every rank must call it with the same plan.
+
+    ``timeout``: the timeout of the per-kind process groups (default: the default group's).
+    """
     if dist.get_world_size() != world.size:
         raise ValueError(
             f"world size {dist.get_world_size()} != num_nodes x gpus_per_node = "
@@ -58,7 +82,8 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu") -> PlanM
     ranks: dict[str, list[int]] = {}
     for kind in GROUP_KINDS:
         axes = GROUP_AXES[kind]
-        sub = mesh[axes]._flatten(kind) if len(axes) > 1 else mesh[axes[0]]
+        sub = (mesh[axes]._flatten(kind, backend_override=_backend_override(timeout))
+               if len(axes) > 1 else mesh[axes[0]])
         pg = sub.get_group()
         got = sorted(dist.get_process_group_ranks(pg))
         want = next(g for g in expected[kind] if me in g)

@@ -1,0 +1,141 @@
+"""ShardConfig: how the engine runs a plan (kw-only, validated in ``__post_init__``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRANULARITIES = ("module", "layer")
+OWNERSHIPS = ("greedy", "blocks")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlapConfig:
+    """The paper's Table V switches. Off = the collective is waited for right where it is issued."""
+
+    allgather: bool = True  # AG/RS of sp > 1: prefetch one unit ahead, async gathers
+    allreduce: bool = True  # bucketed gradient AllReduce overlapped with backward
+    broadcast: bool = True  # parameter Broadcast overlapped with the next forward
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"overlap.{f.name} must be True or False, got {getattr(self, f.name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    """Dynamic loss scaling for ``precision="fp16"``."""
+
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.initial_scale > 0:
+            raise ValueError(f"fp16.initial_scale must be > 0, got {self.initial_scale}")
+        if not self.growth_factor > 1:
+            raise ValueError(f"fp16.growth_factor must be > 1, got {self.growth_factor}")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"fp16.backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        if self.growth_interval < 1:
+            raise ValueError(f"fp16.growth_interval must be >= 1, got {self.growth_interval}")
+        if not self.min_scale > 0:
+            raise ValueError(f"fp16.min_scale must be > 0, got {self.min_scale}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoPlanConfig:
+    """What ``plan="auto"`` needs besides the model and the world: the step's batch shape and
+    the planner's inputs (see amsp_ext.planner.search.plan_for)."""
+
+    seq_len: int
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    profile: str = "paper-a800"  # bundled profile name or a path to an amsp-profile/1 JSON
+    objective: str = "comm"  # "comm" (Eq. 1) or "step"
+    missing: str = "error"  # profile meshes the table lacks: "error" or "fit"
+    optimizer: str = "adamw"
+    gpu_memory_bytes: int | None = None  # None: the device's (CPU: RAM / gpus_per_node)
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "num_micro_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"auto.{name} must be an integer >= 1, got {v!r}")
+        if self.gpu_memory_bytes is not None and (
+            not isinstance(self.gpu_memory_bytes, int) or self.gpu_memory_bytes < 1
+        ):
+            raise ValueError(f"auto.gpu_memory_bytes must be a positive integer or None, got {self.gpu_memory_bytes!r}")
+
+
+def _local_world_size() -> int | None:
+    v = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(v) if v and v.isdigit() else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    """Everything but the plan. ``gpus_per_node`` None = the launcher's ``LOCAL_WORLD_SIZE``."""
+
+    gpus_per_node: int | None = None
+    nodes_per_leaf: int | None = None
+    precision: str = "fp32"  # compute dtype of params/grads; masters and states are fp32
+    grad_bucket_bytes: int = 25 * 2**20  # U in the paper (T0_os, Tg)
+    granularity: str = "module"  # FSDP unit = each Linear of a layer ("module") or the layer
+    recompute: bool = False  # activation checkpointing per decoder layer
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    ownership: str = "greedy"  # inter-tensor optimizer-state ownership policy
+    timeout: float = 600.0  # seconds a wait may take before CollectiveTimeout
+    fp16: FP16Config = field(default_factory=FP16Config)
+    auto: AutoPlanConfig | None = None  # needed by plan="auto"
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node is None:
+            object.__setattr__(self, "gpus_per_node", _local_world_size())
+        if self.gpus_per_node is not None and (
+            isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int)
+            or self.gpus_per_node < 1
+        ):
+            raise ValueError(f"config.gpus_per_node must be an integer >= 1, got {self.gpus_per_node!r}")
+        if self.nodes_per_leaf is not None and (
+            not isinstance(self.nodes_per_leaf, int) or self.nodes_per_leaf < 1
+        ):
+            raise ValueError(f"config.nodes_per_leaf must be an integer >= 1 or None, got {self.nodes_per_leaf!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"config.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
+            raise ValueError(f"config.grad_bucket_bytes must be an integer >= 1, got {self.grad_bucket_bytes!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"config.granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        if self.ownership not in OWNERSHIPS:
+            raise ValueError(f"config.ownership must be one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"config.recompute must be True or False, got {self.recompute!r}")
+        if not isinstance(self.overlap, OverlapConfig):
+            raise ValueError(f"config.overlap must be an OverlapConfig, got {type(self.overlap).__name__}")
+        if not isinstance(self.fp16, FP16Config):
+            raise ValueError(f"config.fp16 must be an FP16Config, got {type(self.fp16).__name__}")
+        if self.auto is not None and not isinstance(self.auto, AutoPlanConfig):
+            raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"config.timeout must be a number of seconds > 0, got {self.timeout!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def fingerprint(self) -> str:
+        """Hash of every field that must agree across ranks (all of them but the timeout)."""
+        d = dataclasses.asdict(self)
+        d.pop("timeout")
+        return hashlib.sha256(repr(sorted(d.items())).encode()).hexdigest()[:16]

@@ -1,0 +1,294 @@
+"""``shard(model, plan, optimizer_factory, config=...)``: the one entry point of the engine.
+
+[Note: order of construction]
+1. Resolve the plan and check it against the world (PlanError, before any collective).
+2. Compare plan/config/model fingerprints across ranks (one small all-gather).
+3. Build the plan's process groups once (topology.mesh.build_plan_mesh).
+4. List the units in forward order; with sp > 1 ``fully_shard`` each on ``param_shard``.
+5. Lay out the local tensors, assign owners, and make the owners' fp32 masters from the fp32
+   weights, *then* convert the parameters to the compute dtype (so masters never lose bits).
+6. Install the gradient hooks (grad_sync), the broadcast waits (param_sync), and return the
+   model (its class gains ``no_sync`` and friends, like FSDP2's ``FSDPModule``) and the
+   optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from amsp_ext.planner.plan import Plan, PlanError, resolve_plan, validate_plan
+from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.config import ShardConfig
+from amsp_ext.runtime.grad_sync import GradSync
+from amsp_ext.runtime.layout import LocalTensor, build_layout
+from amsp_ext.runtime.optimizer import AMSPOptimizer
+from amsp_ext.runtime.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
+from amsp_ext.runtime.param_sync import ParamSync
+from amsp_ext.runtime.units import Unit, decoder_layers, list_units, refresh_params
+from amsp_ext.topology.groups import World
+from amsp_ext.topology.mesh import PlanMesh, build_plan_mesh
+
+__all__ = ["AMSPModule", "Engine", "MismatchError", "shard"]
+
+
+class MismatchError(ValueError):
+    """Ranks were given different plans, configs or models."""
+
+
+class Engine:
+    """Everything the runtime holds for one sharded model (reachable as ``model.amsp``)."""
+
+    def __init__(self, *, plan: Plan, world: World, mesh: PlanMesh, config: ShardConfig,
+                 units: list[Unit], tensors: list[LocalTensor], device: torch.device) -> None:
+        self.plan, self.world, self.mesh, self.config = plan, world, mesh, config
+        self.units, self.tensors, self.device = units, tensors, device
+        self.rank = dist.get_rank()
+        self.grad_sync: GradSync
+        self.param_sync: ParamSync
+        self.optimizer: AMSPOptimizer
+
+    def group(self, kind: str) -> dist.ProcessGroup:
+        return self.mesh.group(kind)
+
+    def name(self, kind: str) -> str:
+        return self.mesh.name(kind)
+
+    def size(self, kind: str) -> int:
+        return self.mesh.size(kind)
+
+    def wait_params(self) -> None:
+        """Wait for every pending parameter broadcast (before reading parameters outside forward)."""
+        self.param_sync.wait_all()
+
+    def owned_indices(self) -> list[int]:
+        return [t.index for t in self.tensors if t.owner_rank == self.rank]
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """This rank's model-state bytes, to compare with the planner's memory model.
+
+        ``params``: the local parameter storage (2 Phi / sp in bf16/fp16). ``grads``: the largest
+        gradient storage held at the end of any backward pass since the last reset (2 Phi / sg
+        when M > 1; in-flight buckets are D_tmp, not counted). ``master`` + ``optim_states``:
+        fp32 masters (0 when aliased under fp32) and inner optimizer states of owned tensors
+        (12 Phi / sos together for Adam in mixed precision).
+        """
+        params = 0
+        for t in self.tensors:
+            loc = t.local()
+            params += t.numel * loc.element_size()
+        grads = max(self.grad_sync.peak_grad_bytes, self.grad_sync.grad_bytes())
+        master, states = self.optimizer.state_bytes()
+        return {"params": params, "grads": grads, "master": master, "optim_states": states,
+                "total": params + grads + master + states}
+
+
+class AMSPModule:
+    """Mixed into the sharded model's class (like FSDP2's FSDPModule)."""
+
+    amsp: Engine
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches inside are not the accumulation boundary (Tg still runs if sg > sp)."""
+        gs = self.amsp.grad_sync
+        prev = gs.is_boundary
+        gs.is_boundary = False
+        try:
+            yield
+        finally:
+            gs.is_boundary = prev
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed-style: the next backward passes are (not) the accumulation boundary."""
+        self.amsp.grad_sync.is_boundary = bool(is_boundary)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        return self.amsp.model_state_bytes()
+
+
+def _world(config: ShardConfig) -> World:
+    world_size = dist.get_world_size()
+    R = config.gpus_per_node or world_size
+    if world_size % R:
+        raise PlanError(
+            f"config.gpus_per_node={R} must divide the world size {world_size}"
+        )
+    return World.with_leaves(num_nodes=world_size // R, gpus_per_node=R,
+                             nodes_per_leaf=config.nodes_per_leaf)
+
+
+def _resolve(plan, model: nn.Module, world: World, config: ShardConfig) -> Plan:
+    if isinstance(plan, str) and plan.strip().lower() == "auto":
+        return _auto_plan(model, world, config)
+    return resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
+
+
+def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
+    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.search.plan_for) for this
+    model (its Hugging Face config), this world and ``config.auto``. Every rank runs the same
+    deterministic search; the fingerprint check that follows verifies they agree."""
+    a = config.auto
+    if a is None:
+        raise PlanError(
+            "plan 'auto' needs config.auto=AutoPlanConfig(seq_len=..., micro_batch_size=..., "
+            "num_micro_batches=...) to size the step for the planner"
+        )
+    hf = getattr(model, "config", None)
+    if hf is None or not hasattr(hf, "to_dict"):
+        raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
+    from amsp_ext.planner.search import plan_for
+    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+
+    memory = a.gpu_memory_bytes or _device_memory(world.gpus_per_node)
+    cluster = ClusterSpec(num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
+                          gpu_memory_bytes=memory, nodes_per_leaf=config.nodes_per_leaf)
+    training = TrainingSpec(seq_len=a.seq_len, micro_batch_size=a.micro_batch_size,
+                            num_micro_batches=a.num_micro_batches, recompute=config.recompute,
+                            precision=config.precision, optimizer=a.optimizer,
+                            bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity)
+    return plan_for(hf.to_dict(), cluster, training, a.profile, objective=a.objective,
+                    missing=a.missing)
+
+
+def _device_memory(gpus_per_node: int) -> int:
+    if dist.get_backend() == "nccl":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    import psutil
+
+    return psutil.virtual_memory().total // gpus_per_node
+
+
+def _fingerprint(plan: Plan, config: ShardConfig, world: World, model: nn.Module) -> bytes:
+    shapes = hashlib.sha256(
+        repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()
+    ).hexdigest()[:8]
+    return f"{plan.fingerprint()}:{config.fingerprint()}:{shapes}:{world.num_nodes}x{world.gpus_per_node}|{plan}".encode()
+
+
+def _check_same_everywhere(payload: bytes, timeout: float) -> None:
+    got = C.all_gather_bytes(payload, None, name="world", timeout=timeout)
+    if any(g != got[0] for g in got):
+        bad = next(r for r, g in enumerate(got) if g != got[0])
+        what = []
+        a, b = got[0].decode().split("|")[0].split(":"), got[bad].decode().split("|")[0].split(":")
+        for field, x, y in zip(("plan", "config", "model", "world"), a, b):
+            if x != y:
+                what.append(field)
+        raise MismatchError(
+            f"amsp: ranks disagree on the {', '.join(what) or 'setup'}: rank 0 has plan "
+            f"{got[0].decode().split('|')[1]}, rank {bad} has plan {got[bad].decode().split('|')[1]} "
+            f"(fingerprints {got[0].decode().split('|')[0]} vs {got[bad].decode().split('|')[0]})"
+        )
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _enable_recompute(model: nn.Module) -> None:
+    if hasattr(model, "gradient_checkpointing_enable"):
+        if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
+            model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in decoder_layers(model):
+        fwd = layer.forward
+        layer.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+
+
+def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters to the compute dtype; buffers (e.g. rotary inv_freq) keep their precision."""
+    saved = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    model.to(dtype)
+    for m, n, b in saved:
+        m._buffers[n] = b
+
+
+def shard(model: nn.Module, plan: "Plan | str",
+          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+          config: ShardConfig | None = None) -> tuple[nn.Module, AMSPOptimizer]:
+    """Shard ``model`` (fp32, identical on every rank) under ``plan``; return it and its optimizer.
+
+    ``plan``: a Plan, a factor string ``"p=2x1,g=2x1,os=2x2"``, a name (``ddp``, ``zero1``,
+    ``zero2``, ``zero3``, ``mics:K``) or ``"auto"``. ``optimizer_factory(masters)`` builds the
+    inner optimizer over the fp32 masters this rank owns (a list, forward order; each master
+    has ``.amsp_name``, the model's parameter name, to build param groups from).
+    """
+    config = config or ShardConfig()
+    if not isinstance(config, ShardConfig):
+        raise ValueError(f"config must be a ShardConfig, got {type(config).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("amsp_ext.shard needs torch.distributed initialized (torchrun + init_process_group)")
+    if getattr(model, "amsp", None) is not None:
+        raise ValueError("model is already sharded by amsp_ext.shard")
+    world = _world(config)
+    plan = _resolve(plan, model, world, config)
+    validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
+                  structural_only=True)
+    # -- first collective ------------------------------------------------------------------
+    _check_same_everywhere(_fingerprint(plan, config, world, model), config.timeout)
+    device = _device()
+    mesh = build_plan_mesh(plan, world, device_type=device.type,
+                           timeout=datetime.timedelta(seconds=config.timeout))
+    if device.type != "cpu":
+        model.to(device)
+    if config.recompute:
+        _enable_recompute(model)
+    units = list_units(model, config.granularity)
+    if plan.sp > 1:
+        apply_fsdp(model, units, mesh.submeshes["param_shard"], name=mesh.name("param_shard"),
+                   timeout=config.timeout, overlap_allgather=config.overlap.allgather)
+        refresh_params(units, model)
+    rank = dist.get_rank()
+    tensors = build_layout(units, plan=plan, world=world, rank=rank,
+                           bcast_ranks=mesh.ranks["optim_bcast"],
+                           shard_ranks=mesh.ranks["param_shard"], policy=config.ownership)
+    dtype = config.dtype
+    with torch.no_grad():
+        masters = {}
+        for t in tensors:
+            if t.owner_rank != rank:
+                continue
+            local = t.local()
+            if dtype == torch.float32:
+                masters[t.index] = nn.Parameter(local)  # same storage: see optimizer.py
+            else:
+                masters[t.index] = nn.Parameter(local.detach().to(torch.float32, copy=True))
+            # lets an optimizer_factory build param groups by name (e.g. no decay on norms)
+            masters[t.index].amsp_name = t.name
+        if dtype != torch.float32:
+            _to_dtype_keep_buffers(model, dtype)
+
+    engine = Engine(plan=plan, world=world, mesh=mesh, config=config, units=units,
+                    tensors=tensors, device=device)
+    engine.grad_sync = GradSync(
+        tensors, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
+        dp_size=world.size,
+        replica=(mesh.group("param_replica"), mesh.name("param_replica"), mesh.size("param_replica")),
+        grad=(mesh.group("grad"), mesh.name("grad"), mesh.size("grad")),
+        overlap=config.overlap.allreduce, timeout=config.timeout)
+    fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
+    engine.param_sync = ParamSync(
+        tensors, units, group=mesh.group("optim_bcast"), name=mesh.name("optim_bcast"),
+        size=mesh.size("optim_bcast"), rank=rank, prefetch=fwd_prefetch,
+        overlap=config.overlap.broadcast, timeout=config.timeout)
+    if plan.sp > 1 and device.type != "cpu":
+        engine.param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
+    engine.optimizer = AMSPOptimizer(engine, masters, optimizer_factory)
+    engine.grad_sync.install()
+    engine.param_sync.install()
+    cls = type(model)
+    model.__class__ = type(f"AMSP{cls.__name__}", (AMSPModule, cls), {})
+    model.amsp = engine
+    return model, engine.optimizer

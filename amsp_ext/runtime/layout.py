@@ -1,0 +1,90 @@
+"""The local tensors a rank holds, in forward order, with their owner and gradient keeper.
+
+A local tensor is what one rank stores of one parameter: the whole parameter when sp = 1, the
+rank's FSDP2 shard (the DTensor's local tensor) when sp > 1. It is the unit of inter-tensor
+optimizer-state ownership, of gradient bucketing and of the parameter broadcast. Each carries
+the metadata a checkpoint needs (name, global shape, local shape, shard index, owner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from amsp_ext.runtime.ownership import assign_owners
+from amsp_ext.runtime.units import Unit
+from amsp_ext.topology.groups import MESH_AXES, mesh_ranks
+
+__all__ = ["LocalTensor", "build_layout"]
+
+
+@dataclass(kw_only=True, eq=False)
+class LocalTensor:
+    index: int  # position in forward order
+    name: str  # parameter name in the model
+    param: nn.Parameter  # the model's parameter (a DTensor when sp > 1)
+    unit: int  # index of its unit
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    shard_index: int  # this rank's position in its param_shard group
+    owner_rank: int  # global rank that steps it and broadcasts it
+    keeper_rank: int  # global rank of my gradient group that keeps its Tg-reduced gradient
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.local_shape:
+            n *= d
+        return n
+
+    def local(self) -> torch.Tensor:
+        """The tensor this rank stores (re-read each time: FSDP2 may re-pad and swap it)."""
+        p = self.param
+        return p._local_tensor if isinstance(p, DTensor) else p.data
+
+    def local_grad(self) -> torch.Tensor | None:
+        g = self.param.grad
+        if g is None:
+            return None
+        return g._local_tensor if isinstance(g, DTensor) else g
+
+    def metadata(self) -> dict:
+        return {"name": self.name, "global_shape": list(self.global_shape),
+                "local_shape": list(self.local_shape), "shard_index": self.shard_index,
+                "owner": self.owner_rank}
+
+
+def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: Sequence[int],
+                 shard_ranks: Sequence[int], policy: str) -> list[LocalTensor]:
+    entries = []
+    for ui, u in enumerate(units):
+        for name, p in u.params:
+            if not p.requires_grad:  # frozen: no gradient, no optimizer state, never changes
+                continue
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            entries.append((ui, name, p, tuple(p.shape), tuple(local.shape)))
+    numels = [int(torch.Size(e[4]).numel()) for e in entries]
+    owners = assign_owners(numels, len(bcast_ranks), policy)
+    coords = {r: c for c, r in mesh_ranks(plan, world).items()}
+    mine = coords[rank]
+    grad_axes = [MESH_AXES.index("node_g"), MESH_AXES.index("local_g")]
+    by_coord = {c: r for r, c in coords.items()}
+
+    def keeper_of(owner_rank: int) -> int:
+        c = list(mine)
+        for a in grad_axes:
+            c[a] = coords[owner_rank][a]
+        return by_coord[tuple(c)]
+
+    shard_index = list(shard_ranks).index(rank)
+    out = []
+    for i, ((ui, name, p, gshape, lshape), k) in enumerate(zip(entries, owners)):
+        owner_rank = bcast_ranks[k]
+        out.append(LocalTensor(index=i, name=name, param=p, unit=ui, global_shape=gshape,
+                               local_shape=lshape, shard_index=shard_index,
+                               owner_rank=owner_rank, keeper_rank=keeper_of(owner_rank)))
+    return out

@@ -1,0 +1,76 @@
+"""Guard rails (bad plan before any collective, mismatched ranks, timeouts naming their group)
+and the trace (amsp:: labels; broadcasts of step k waited inside step k+1's forward)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dist_utils import run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+
+def _lines(proc):
+    return [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+
+
+@pytest.fixture(scope="module")
+def guards():
+    return _lines(run_torchrun(4, "tests.engine_worker", "guards", "2", timeout=180))
+
+
+def test_unfit_plan_refused_before_any_collective(guards):
+    unfit = [r for r in guards if r["case"].startswith("unfit:")]
+    assert len(unfit) == 16  # 4 cases x 4 ranks
+    for r in unfit:
+        assert r["error"] and "\n" not in r["error"], r
+        assert r["collectives_issued"] == 0 and r["groups_created"] == 0, r
+    msgs = {r["case"]: r["error"] for r in unfit if r["rank"] == 0}
+    assert "s0_os=4 > R=2" in msgs["unfit:p=4x1,g=4x1,os=4x1:{}"]
+    assert "gpus_per_node=3" in msgs["unfit:p=1x1,g=1x1,os=2x1:{'gpus_per_node': 3}"]
+
+
+def test_mismatched_ranks_detected_at_init(guards):
+    for what in ("plan", "config"):
+        rows = [r for r in guards if r["case"] == f"mismatch:{what}"]
+        assert len(rows) == 4 and all(r["error"] for r in rows), rows
+        assert f"disagree on the {what}" in rows[0]["error"]
+    plan_err = next(r for r in guards if r["case"] == "mismatch:plan")["error"]
+    assert "p=1x1,g=1x1,os=2x2" in plan_err and "p=1x1,g=1x1,os=2x1" in plan_err
+
+
+def test_auto_plan_is_the_planners_choice(guards):
+    rows = [r for r in guards if r["case"] == "auto"]
+    assert len(rows) == 4
+    assert {r["plan"] for r in rows} == {rows[0]["planner_direct"]}
+    assert all(r["losses"][-1] < r["losses"][0] for r in rows)  # it trains
+    assert "config.auto=AutoPlanConfig" in rows[0]["missing_config_error"]
+
+
+def test_timeout_names_its_group(guards):
+    r0 = next(r for r in guards if r["case"] == "timeout" and r["rank"] == 0)
+    assert "optim_bcast[0,1]" in r0["error"] and "did not complete within 3s" in r0["error"], r0
+    assert 2.5 <= r0["seconds"] <= 30, r0
+    others = [r for r in guards if r["case"] == "timeout" and r["rank"] in (2, 3)]
+    assert all(r["error"] is None for r in others)  # the healthy group is unaffected
+
+
+def test_trace_labels_and_broadcast_overlap():
+    proc = run_torchrun(4, "tests.engine_worker", "trace", "2", timeout=180)
+    (r,) = _lines(proc)
+    on, off = r["True"], r["False"]
+    for label in ("amsp::all_gather::param_shard", "amsp::reduce_scatter::param_shard",
+                  "amsp::all_reduce::grad", "amsp::all_reduce::param_replica",
+                  "amsp::broadcast::optim_bcast", "amsp::wait::broadcast::optim_bcast",
+                  "amsp::grad_hook::param_replica", "amsp::select_and_drop"):
+        assert label in on["labels"], label
+    # overlap on: all of step k's broadcasts are issued before any is waited for, and every
+    # wait happens inside a forward of step k+1 (module pre-hooks), none inside the step
+    assert on["issued_before_first_wait"] == 21
+    assert on["bcast_waits"]["forward"] == 2 * 21  # steps 1 and 2 wait for steps 0 and 1
+    assert on["bcast_waits"]["step"] == 0 and on["bcast_waits"]["other"] == 0
+    assert "amsp::pre_forward_wait::optim_bcast" in on["labels"]
+    # overlap off: the waits happen in the optimizer step
+    assert off["bcast_waits"]["forward"] == 0 and off["bcast_waits"]["step"] == 3 * 21
