@@ -6,8 +6,16 @@ The engine (and so torch) is imported lazily: ``amsp_ext.planner`` stays torch-f
 
 __all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "shard"]
 
+# DeepSpeed-compatible entry points (amsp_ext.integrations), also lazy
+_INTEGRATIONS = ("initialize", "patch_deepspeed")
+__all__ += list(_INTEGRATIONS)
+
 
 def __getattr__(name):
+    if name in _INTEGRATIONS:
+        from amsp_ext import integrations
+
+        return getattr(integrations, name)
     if name in __all__:
         from amsp_ext import runtime
 
