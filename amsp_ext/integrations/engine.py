@@ -262,6 +262,30 @@ class AMSPDeepSpeedEngine(nn.Module):
             torch.save(sd, os.path.join(save_dir, save_filename))
         return True
 
+    # -- checkpoints (DeepSpeed layout: <dir>/<tag>/ + <dir>/latest) ----------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Collective. ``tag`` defaults to ``global_step<N>`` (see integrations/checkpoint.py)."""
+        from amsp_ext.integrations.checkpoint import save_ds_checkpoint
+
+        del exclude_frozen_parameters  # frozen parameters are never in AMSP's optimizer state
+        save_ds_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Collective. Returns ``(load_path, client_state)``; ``(None, None)`` when ``tag`` is None
+        and there is no ``latest`` file (as DeepSpeed)."""
+        from amsp_ext.integrations.checkpoint import load_ds_checkpoint
+
+        if custom_load_fn is not None:
+            raise ValueError("load_checkpoint: custom_load_fn is not supported by AMSP")
+        del load_module_strict  # AMSP checks the model against the checkpoint strictly
+        return load_ds_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                  load_lr_scheduler_states=load_lr_scheduler_states,
+                                  load_module_only=load_module_only)
+
     def destroy(self) -> None:
         """DeepSpeed's engine teardown hook (Accelerate calls it); nothing to release early."""
 

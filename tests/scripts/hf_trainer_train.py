@@ -1,0 +1,72 @@
+"""A plain HF Trainer script (it never imports amsp_ext): tiny LlamaForCausalLM on real text with
+``TrainingArguments(deepspeed=<ds_config.json>)``. With the ds_config's ``amsp.enabled`` and the
+start-up hook active (``AMSP_PATCH_DEEPSPEED=1``), DeepSpeed is AMSP.
+
+    AMSP_PATCH_DEEPSPEED=1 torchrun --nproc-per-node 2 tests/scripts/hf_trainer_train.py \\
+        --deepspeed configs/hf_trainer/ds_config.json --output-dir /tmp/run [--resume]
+
+Prints ``LOG {json}`` for each logged step (rank 0) and ``DATA {json}`` with the sample indices
+each rank trained on.
+"""
+
+import argparse
+import json
+
+import pydoc_data.topics as topics
+import torch
+from torch.utils.data import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+
+class ByteText(Dataset):
+    def __init__(self, num_samples: int, seq_len: int) -> None:
+        text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics)).encode()
+        self.rows = [torch.tensor(list(text[i * seq_len:(i + 1) * seq_len])) for i in range(num_samples)]
+        self.seen: list[int] = []
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        self.seen.append(i)
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+class Print(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kw):
+        if state.is_world_process_zero and logs and "loss" in logs:
+            print("LOG " + json.dumps({"step": state.global_step, **logs}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--deepspeed", required=True)
+    ap.add_argument("--output-dir", required=True)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--save-steps", type=int, default=2)
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config)
+    targs = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+        max_steps=args.steps, learning_rate=1e-3, warmup_steps=1, weight_decay=0.1,
+        logging_steps=1, save_steps=args.save_steps, save_strategy="steps", report_to=[],
+        deepspeed=args.deepspeed, seed=0, data_seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, save_only_model=False)
+    data = ByteText(64, 32)
+    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Print()])
+    print("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size,
+                                 "engine": None}), flush=True)
+    trainer.train(resume_from_checkpoint=args.resume or None)
+    print("DATA " + json.dumps({"rank": targs.process_index, "engine": type(trainer.model_wrapped).__name__,
+                                "samples": data.seen}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
