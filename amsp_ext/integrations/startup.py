@@ -63,7 +63,15 @@ def _patch_accelerate(_module) -> None:
     accelerate_deepspeed_cpu_state.apply()
 
 
+_active: str | None = None
+
+
 def activate() -> bool:
+    """Install the post-import hooks if this process asked for AMSP. Idempotent: site processes a
+    venv's ``lib`` and its ``lib64`` symlink as two site directories, so .pth lines run twice."""
+    global _active
+    if _active is not None:
+        return True
     why = reason()
     verbose = os.environ.get("AMSP_STARTUP_VERBOSE") == "1"
     if why is None:
@@ -72,6 +80,7 @@ def activate() -> bool:
         return False
     from amsp_ext.integrations.import_hooks import when_imported
 
+    _active = why
     when_imported("deepspeed", _patch_deepspeed)
     when_imported("accelerate", _patch_accelerate)
     if verbose:
