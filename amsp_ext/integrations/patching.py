@@ -1,5 +1,6 @@
 """``amsp_ext.patch_deepspeed()``: route ``deepspeed.initialize`` to AMSP for configs whose
-``amsp.enabled`` is true, and make Accelerate's DeepSpeed mode see the real world on CPU.
+``amsp.enabled`` is true; with Accelerate installed, also make its DeepSpeed mode see the real
+world on CPU and leave the ``amsp`` block's values (``"plan": "auto"``) alone.
 
 The patches themselves live under ``patches/`` (each states the versions it was checked against).
 """
@@ -10,7 +11,7 @@ __all__ = ["patch_deepspeed", "unpatch_deepspeed"]
 
 
 def patch_deepspeed() -> dict[str, str]:
-    """Apply the routing (and, when Accelerate is installed, its CPU state fix); idempotent.
+    """Apply the routing (and, when Accelerate is installed, its two fixes); idempotent.
 
     Returns ``{patch name: what happened}``.
     """
@@ -21,9 +22,10 @@ def patch_deepspeed() -> dict[str, str]:
         import accelerate  # noqa: F401
     except ImportError:
         return done
-    from patches import accelerate_deepspeed_cpu_state
+    from patches import accelerate_amsp_block, accelerate_deepspeed_cpu_state
 
-    done[accelerate_deepspeed_cpu_state.NAME] = accelerate_deepspeed_cpu_state.apply()
+    for mod in (accelerate_deepspeed_cpu_state, accelerate_amsp_block):
+        done[mod.NAME] = mod.apply()
     return done
 
 

@@ -18,8 +18,8 @@ so a process whose environment has neither variable only pays two dictionary loo
 
 Activating installs post-import hooks (import_hooks.py): when the script imports ``deepspeed``,
 ``deepspeed.initialize`` is routed (patches/deepspeed_initialize.py); when it imports
-``accelerate``, the CPU state fix is applied (patches/accelerate_deepspeed_cpu_state.py). Nothing
-heavy is imported at start-up. ``AMSP_STARTUP_VERBOSE=1`` prints what was decided.
+``accelerate``, its CPU state fix and amsp-block fix are applied (patches/accelerate_*.py).
+Nothing heavy is imported at start-up. ``AMSP_STARTUP_VERBOSE=1`` prints what was decided.
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ def _patch_deepspeed(_module) -> None:
 
 
 def _patch_accelerate(_module) -> None:
-    from patches import accelerate_deepspeed_cpu_state
+    from patches import accelerate_amsp_block, accelerate_deepspeed_cpu_state
 
     accelerate_deepspeed_cpu_state.apply()
+    accelerate_amsp_block.apply()
 
 
 _active: str | None = None

@@ -1,4 +1,4 @@
-"""A plain Accelerate training script (it never imports amsp_ext): tiny Llama, real text, AdamW,
+"""A plain Accelerate training script (it never imports amsp_ext, except with --explicit-amsp): tiny Llama, real text, AdamW,
 gradient accumulation with ``accelerator.accumulate``, clipping, and a save_state/load_state
 round trip. Prints one ``RECORD {json}`` line per optimizer step and rank.
 
@@ -13,6 +13,10 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
+
+
+DS_KEYS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "train_batch_size": "auto", "zero_optimization": {"stage": 0}}
 
 
 class ByteText(Dataset):
@@ -37,9 +41,17 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--save-dir", default=None, help="save_state after --save-at steps, then reload")
     ap.add_argument("--save-at", type=int, default=2)
+    ap.add_argument("--explicit-amsp", metavar="JSON", default=None,
+                    help="the explicit route instead: amsp_ext.accelerate.Accelerator(amsp=JSON)")
     args = ap.parse_args()
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.gas)
+    if args.explicit_amsp:  # the only place this script may import amsp_ext
+        from amsp_ext.accelerate import Accelerator as AMSPAccelerator
+
+        accelerator = AMSPAccelerator(amsp=json.loads(args.explicit_amsp), gradient_accumulation_steps=args.gas,
+                                      deepspeed_config={**DS_KEYS, "gradient_clipping": 1.0})
+    else:
+        accelerator = Accelerator(gradient_accumulation_steps=args.gas)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
