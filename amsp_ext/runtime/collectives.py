@@ -120,7 +120,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dis
                            *, name: str, async_op: bool = True, timeout=None) -> _Pending | None:
     with record_function(f"amsp::all_gather::{_kind(name)}"):
         _issue("all_gather", name)
-        work = dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+        work = dist.all_gather_single(output, input, group=group, async_op=True)
     return _finish(work, "all_gather", name, output, async_op, timeout)
 
 
@@ -129,7 +129,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist
                           async_op: bool = True, timeout=None) -> _Pending | None:
     with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
         _issue("reduce_scatter", name)
-        work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
+        work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
     return _finish(work, "reduce_scatter", name, output, async_op, timeout)
 
 
