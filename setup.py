@@ -39,4 +39,5 @@ class build_py_with_pth(build_py):
         return outputs
 
 
-setup(cmdclass={"build_py": build_py_with_pth})
+if __name__ == "__main__":  # PEP 517 backends run this file as __main__; tests import the class
+    setup(cmdclass={"build_py": build_py_with_pth})

@@ -32,7 +32,7 @@ def _route(original):
     def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                    lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None,
                    collate_fn=None, config=None, mesh_param=None, config_params=None):
-        from amsp_ext.integrations.initialize import resolve_config
+        from amsp_ext.integrations.ds_initialize import resolve_config
         from amsp_ext.integrations.settings import amsp_enabled
 
         kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
@@ -56,7 +56,7 @@ def _route(original):
                                      dist_init_required=dist_init_required)
         elif tdist.is_initialized() and not ds_comm.is_initialized():
             ds_comm.init_distributed(dist_backend=tdist.get_backend(), dist_init_required=False)
-        from amsp_ext.integrations.initialize import initialize as amsp_initialize
+        from amsp_ext.integrations.ds_initialize import initialize as amsp_initialize
 
         kwargs.update(config=cfg, config_params=None)
         if args is not None and (getattr(args, "deepspeed_config", None) is not None

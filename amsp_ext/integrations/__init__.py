@@ -12,7 +12,7 @@ _WHERE = {
     "AMSPDeepSpeedEngine": "amsp_ext.integrations.engine",
     "AMSPSettings": "amsp_ext.integrations.settings",
     "ConfigError": "amsp_ext.integrations.settings",
-    "initialize": "amsp_ext.integrations.initialize",
+    "initialize": "amsp_ext.integrations.ds_initialize",
     "patch_deepspeed": "amsp_ext.integrations.patching",
     "unpatch_deepspeed": "amsp_ext.integrations.patching",
 }

@@ -156,10 +156,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     settings = AMSPSettings.from_dict(cfg.get("amsp"))
     prec = PrecisionSettings.from_ds(cfg)
     clip = gradient_clipping(cfg)
-    _init_distributed(dist_init_required)
-    batch = resolve_batch(cfg, dist.get_world_size())
     factory, opt_source = build_optimizer_factory(
         model, client_optimizer=optimizer, model_parameters=model_parameters, ds_config=cfg)
+    _init_distributed(dist_init_required)  # a rendezvous, not a collective
+    batch = resolve_batch(cfg, dist.get_world_size())
     shard_config = _shard_config(settings, cfg, prec, batch)
     _warn_unsupported(cfg)
     if prec.notes and dist.get_rank() == 0:
