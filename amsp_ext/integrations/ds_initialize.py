@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from typing import Any, Mapping
 
@@ -182,6 +183,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                f"{batch.micro_batch_size} x {batch.gradient_accumulation_steps} x {w.size} = "
                f"{batch.train_batch_size}; clipping {clip or 'off'}; optimizer {opt_source}; "
                f"scheduler {type(scheduler).__name__ if scheduler is not None else 'none'}")
-        print(msg, flush=True)
+        sys.stdout.write(msg + "\n")  # one write: other ranks may share this stdout
+        sys.stdout.flush()
         logger.info(msg)
     return engine, amsp_opt, loader, scheduler

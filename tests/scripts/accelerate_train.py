@@ -7,6 +7,7 @@ round trip. Prints one ``RECORD {json}`` line per optimizer step and rank.
 
 import argparse
 import json
+import sys
 
 import pydoc_data.topics as topics
 import torch
@@ -32,6 +33,11 @@ class ByteText(Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.rows[i], "index": i}
+
+
+def emit(line: str) -> None:
+    sys.stdout.write(line + "\n")  # one write: ranks share the launcher's stdout
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -63,9 +69,9 @@ def main() -> None:
     loader = DataLoader(ByteText(n, args.seq_len), batch_size=1, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if accelerator.is_main_process:
-        print("SETUP " + json.dumps({"distributed_type": str(accelerator.distributed_type),
+        emit("SETUP " + json.dumps({"distributed_type": str(accelerator.distributed_type),
                                      "num_processes": accelerator.num_processes,
-                                     "model_class": type(model).__name__}), flush=True)
+                                     "model_class": type(model).__name__}))
     model.train()
     step, losses, seen = 0, [], []
     for batch in loader:
@@ -80,8 +86,8 @@ def main() -> None:
         losses.append(loss.item())
         seen.extend(batch["index"].tolist())
         if accelerator.sync_gradients:
-            print("RECORD " + json.dumps({"rank": accelerator.process_index, "step": step,
-                                          "losses": losses, "samples": seen}), flush=True)
+            emit("RECORD " + json.dumps({"rank": accelerator.process_index, "step": step,
+                                          "losses": losses, "samples": seen}))
             step, losses, seen = step + 1, [], []
             if args.save_dir and step == args.save_at:
                 accelerator.save_state(args.save_dir)

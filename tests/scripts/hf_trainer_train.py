@@ -11,6 +11,7 @@ each rank trained on.
 
 import argparse
 import json
+import sys
 
 import pydoc_data.topics as topics
 import torch
@@ -35,7 +36,12 @@ class ByteText(Dataset):
 class Print(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if state.is_world_process_zero and logs and "loss" in logs:
-            print("LOG " + json.dumps({"step": state.global_step, **logs}), flush=True)
+            emit("LOG " + json.dumps({"step": state.global_step, **logs}))
+
+
+def emit(line: str) -> None:
+    sys.stdout.write(line + "\n")  # one write: ranks share the launcher's stdout
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -43,7 +49,7 @@ def main() -> None:
     ap.add_argument("--deepspeed", required=True)
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--save-steps", type=int, default=2)
+    ap.add_argument("--save-steps", type=int, default=2, help="0: do not save")
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
 
@@ -56,16 +62,17 @@ def main() -> None:
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2,
         max_steps=args.steps, learning_rate=1e-3, warmup_steps=1, weight_decay=0.1,
-        logging_steps=1, save_steps=args.save_steps, save_strategy="steps", report_to=[],
+        logging_steps=1, save_steps=args.save_steps or None,
+        save_strategy="steps" if args.save_steps else "no", report_to=[],
         deepspeed=args.deepspeed, seed=0, data_seed=0, dataloader_num_workers=0,
         disable_tqdm=True, save_only_model=False)
     data = ByteText(64, 32)
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Print()])
-    print("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size,
-                                 "engine": None}), flush=True)
+    emit("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size,
+                                 "engine": None}))
     trainer.train(resume_from_checkpoint=args.resume or None)
-    print("DATA " + json.dumps({"rank": targs.process_index, "engine": type(trainer.model_wrapped).__name__,
-                                "samples": data.seen}), flush=True)
+    emit("DATA " + json.dumps({"rank": targs.process_index, "engine": type(trainer.model_wrapped).__name__,
+                                "samples": data.seen}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""Unmodified framework scripts under AMSP, on 2 gloo ranks: an Accelerate script launched with
+``accelerate launch --config_file configs/accelerate/amsp.yaml`` (the config route), the same
+script with ``amsp_ext.accelerate.Accelerator`` (the explicit route), and an HF Trainer script
+with ``TrainingArguments(deepspeed=ds_config.json)``. The Accelerate runs are compared with the
+same script on Accelerate's DDP (MULTI_GPU + ACCELERATE_USE_CPU on CPU): per-rank losses and the
+samples each rank saw. The scripts live in tests/scripts/ and never import amsp_ext.
+
+[Note: the start-up hook in tests]
+The config route needs ``amsp_ext_startup.pth`` in site-packages (``pip install -e .`` puts it
+there; test_integrations_units checks the packaging). Where this interpreter has no such file
+(a dev checkout on PYTHONPATH), the launches get a ``sitecustomize`` that processes the repo's
+copy with ``site.addsitedir`` - the same line, run the same way site runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_utils import REPO
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = "tests/scripts/accelerate_train.py"
+
+
+def _pth_installed() -> bool:
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    return any((Path(d) / "amsp_ext_startup.pth").is_file() for d in dirs)
+
+
+@pytest.fixture(scope="module")
+def launch_env(tmp_path_factory):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for k in ("AMSP_PATCH_DEEPSPEED", "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(k, None)
+    paths = [str(REPO)]
+    if not _pth_installed():
+        d = tmp_path_factory.mktemp("site")
+        (d / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(REPO)!r})\n")
+        paths.insert(0, str(d))
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+    return env
+
+
+def _run(cmd, env, timeout=400):
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _records(proc):
+    setup, recs = None, {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("SETUP "):
+            setup = json.loads(line[6:])
+        elif line.startswith("RECORD "):
+            r = json.loads(line[7:])
+            recs[(r["rank"], r["step"])] = r
+    return setup, recs
+
+
+def _accelerate(config, env, *args):
+    return _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+                 "--main_process_port", "0", SCRIPT, *args], env)
+
+
+@pytest.fixture(scope="module")
+def ddp(launch_env):
+    env = {**launch_env, "ACCELERATE_USE_CPU": "true"}
+    return _records(_accelerate("tests/scripts/accelerate_ddp_cpu.yaml", env))
+
+
+@pytest.fixture(scope="module")
+def amsp_config_route(launch_env):
+    proc = _accelerate("configs/accelerate/amsp.yaml", launch_env)
+    return proc, _records(proc)
+
+
+def _same_training(got, ref):
+    assert sorted(got) == sorted(ref) and len(got) == 8  # 2 ranks x 4 steps
+    for key, r in got.items():
+        assert r["samples"] == ref[key]["samples"], key
+        for a, b in zip(r["losses"], ref[key]["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (key, r["losses"], ref[key]["losses"])
+
+
+def test_ddp_reference_is_really_distributed(ddp):
+    setup, recs = ddp
+    assert setup == {"distributed_type": "DistributedType.MULTI_CPU", "num_processes": 2,
+                     "model_class": "DistributedDataParallel"}
+
+
+def test_accelerate_config_route_runs_amsp(amsp_config_route, ddp):
+    proc, (setup, recs) = amsp_config_route
+    assert setup == {"distributed_type": "DistributedType.DEEPSPEED", "num_processes": 2,
+                     "model_class": "AMSPDeepSpeedEngine"}
+    plan_lines = [l for l in proc.stdout.splitlines() if l.startswith("[amsp] plan ")]
+    assert len(plan_lines) == 1 and "(planner)" in plan_lines[0], proc.stdout[-3000:]
+    # the data really is sharded: each rank its own half, together all 16 samples once
+    seen = {rank: sum((r["samples"] for (k, _), r in recs.items() if k == rank), []) for rank in (0, 1)}
+    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(16))
+    _same_training(recs, ddp[1])
+
+
+def test_accelerate_explicit_route(launch_env, ddp):
+    amsp = json.dumps({"plan": "p=1x1,g=1x1,os=2x1", "cluster": {"gpus_per_node": 2}})
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 SCRIPT, "--explicit-amsp", amsp], launch_env)
+    setup, recs = _records(proc)
+    assert setup["model_class"] == "AMSPDeepSpeedEngine" and setup["num_processes"] == 2
+    assert "[amsp] plan p=1x1,g=1x1,os=2x1" in proc.stdout
+    _same_training(recs, ddp[1])
+
+
+def _trainer(env, out, *extra):
+    env = {**env, "AMSP_PATCH_DEEPSPEED": "1"}
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 "tests/scripts/hf_trainer_train.py", "--deepspeed", "configs/hf_trainer/ds_config.json",
+                 "--output-dir", str(out), *extra], env)
+
+
+def _trainer_logs(proc):
+    logs = [json.loads(l[4:]) for l in proc.stdout.splitlines() if l.startswith("LOG ")]
+    data = [json.loads(l[5:]) for l in proc.stdout.splitlines() if l.startswith("DATA ")]
+    setup = [json.loads(l[6:]) for l in proc.stdout.splitlines() if l.startswith("SETUP ")]
+    return logs, data, setup
+
+
+def test_hf_trainer_with_deepspeed_config_runs_amsp(launch_env, tmp_path):
+    proc = _trainer(launch_env, tmp_path / "run", "--save-steps", "0")
+    logs, data, setup = _trainer_logs(proc)
+    assert {s["world_size"] for s in setup} == {2}  # the batch size is computed for world 2
+    assert "[amsp] plan p=1x1,g=1x1,os=2x1" in proc.stdout and "scheduler WarmupDecayLR" in proc.stdout
+    assert [l["step"] for l in logs] == [1, 2, 3, 4]
+    assert all(d["engine"] == "AMSPDeepSpeedEngine" for d in data)
+    seen = [set(d["samples"]) for d in data]
+    assert len(seen) == 2 and not seen[0] & seen[1]  # each rank its own samples
+    assert logs[-1]["loss"] < logs[0]["loss"]
