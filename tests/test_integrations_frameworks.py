@@ -120,10 +120,15 @@ def test_accelerate_explicit_route(launch_env, ddp):
     _same_training(recs, ddp[1])
 
 
-def _trainer(env, out, *extra):
+def _trainer(env, out, *extra, plan="p=1x1,g=1x1,os=2x1"):
+    """The example configs/hf_trainer/ds_config.json with the plan fixed to a sharded one."""
+    cfg = json.loads((REPO / "configs" / "hf_trainer" / "ds_config.json").read_text())
+    cfg["amsp"].update(plan=plan, cluster={"gpus_per_node": 2})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ds_config.json").write_text(json.dumps(cfg))
     env = {**env, "AMSP_PATCH_DEEPSPEED": "1"}
     return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 "tests/scripts/hf_trainer_train.py", "--deepspeed", "configs/hf_trainer/ds_config.json",
+                 "tests/scripts/hf_trainer_train.py", "--deepspeed", str(out / "ds_config.json"),
                  "--output-dir", str(out), *extra], env)
 
 
