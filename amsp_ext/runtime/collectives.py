@@ -37,7 +37,12 @@ __all__ = [
     "all_gather_bytes",
     "all_gather_into_tensor",
     "all_reduce",
+    "barrier",
     "broadcast",
+    "checkpoint_load",
+    "checkpoint_save",
+    "full_tensor",
+    "gather_objects",
     "reduce_scatter_tensor",
     "stats",
     "wait",
@@ -183,3 +188,60 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
         if observer is not None:
             observer("wait_end", pending.op, label, None)
 
+
+
+# -- checkpoint I/O ------------------------------------------------------------------------------
+# [Note: collectives of a checkpoint]
+# Checkpoints go through torch.distributed.checkpoint (DCP), which plans and coordinates over the
+# default group itself (gather of local plans, scatter of the global plan, a final all-reduce):
+# we wrap its two entry points here so that they, too, carry ``amsp::`` labels and are counted.
+# The other three serve the metadata table (a gather to rank 0), the "checkpoint complete"
+# barrier and the consolidated export (DTensor's own all-gather of a sharded tensor). All of
+# them run on the default group or a plan group, whose timeout bounds them.
+
+def checkpoint_save(state_dict: dict, path, *, name: str = "world") -> None:
+    """``torch.distributed.checkpoint.save`` of ``state_dict`` into the directory ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    with record_function(f"amsp::checkpoint_save::{_kind(name)}"):
+        _issue("checkpoint_save", name)
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)))
+
+
+def checkpoint_load(state_dict: dict, path, *, name: str = "world", no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` into ``state_dict`` (in place; objects replaced).
+
+    ``no_dist``: read in this process alone (offline export), no collective at all.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    with record_function(f"amsp::checkpoint_load::{_kind(name)}"):
+        if not no_dist:
+            _issue("checkpoint_load", name)
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, dst: int = 0) -> list | None:
+    """Pickle-gather one small object per rank to global rank ``dst`` (others get None)."""
+    with record_function(f"amsp::gather_object::{_kind(name)}"):
+        _issue("gather_object", name)
+        out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+        dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def barrier(group: dist.ProcessGroup | None, *, name: str) -> None:
+    with record_function(f"amsp::barrier::{_kind(name)}"):
+        _issue("barrier", name)
+        dist.barrier(group=group)
+
+
+def full_tensor(tensor: torch.Tensor, *, name: str) -> torch.Tensor:
+    """The whole tensor of a DTensor (its own all-gather over its mesh); a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with record_function(f"amsp::all_gather::{_kind(name)}"):
+        _issue("all_gather", name)
+        return tensor.full_tensor()
