@@ -141,7 +141,11 @@ def load_case(case, ckpt: Path, ref, w_ref, plan, R, *, rng_ref=None, after_load
     rng = torch.rand(3)
     rng_ok = None if rng_ref is None else bool(torch.equal(rng, rng_ref))
     w = weights(model)
-    state = {"num_steps": opt.num_steps, "lr": opt.param_groups[0]["lr"], "scale": opt.loss_scale,
+    compute = model.amsp.config.dtype
+    # every replica's compute-dtype parameters are its fp32 master rounded (owners and others)
+    p = consolidated_state_dict(model, dtype=compute, rank0_only=False)
+    replica_diff = max_diff(p, {k: v.to(compute) for k, v in w.items()})
+    state = {"params_vs_masters_max_abs_diff": replica_diff, "num_steps": opt.num_steps, "lr": opt.param_groups[0]["lr"], "scale": opt.loss_scale,
              "extra": extra, "weights_max_abs_diff": max_diff(w, w_ref)}
     after = train(model, opt, sched, AFTER)
     emit({"case": case, "plan": plan, "saved_plan": ref["plan"], "saved_world": ref["world"],
@@ -200,6 +204,9 @@ def suite_save4(root: Path, R):
               "p=1x1,g=1x1,os=2x2", R, after_load=lambda m, o, s: o.inner.state.clear())
     load_case("control-no-lr-schedule:p=1x1,g=1x1,os=2x2", root / "fp32-A", ref, w,
               "p=1x1,g=1x1,os=2x2", R, after_load=lambda m, o, s: [g.update(lr=LR) for g in o.param_groups])
+    # precision change: a bf16 run continues from the fp32 run (its masters are the fp32 weights)
+    load_case("fp32-to-bf16:p=2x1,g=2x2,os=2x2", root / "fp32-A", ref, w, "p=2x1,g=2x2,os=2x2", R,
+              precision="bf16")
     # mixed precision: masters and states travel in fp32, parameters in bf16
     X = "p=2x1,g=2x2,os=2x2"
     model, opt, sched, w, _, ref = save_reference("bf16-X", X, R, root, hf=True, hf_dtype=torch.bfloat16,
@@ -210,11 +217,15 @@ def suite_save4(root: Path, R):
               precision="bf16")
     # precision change: an fp32 run continues from the bf16 run's fp32 masters
     load_case("bf16-to-fp32:p=2x2,g=2x2,os=2x2", root / "bf16-X", ref, w, "p=2x2,g=2x2,os=2x2", R)
+    bf16_ref, bf16_w = ref, w
     # fp16: the dynamic loss scale (grown every step here) comes back too
     fp16 = {"precision": "fp16", "fp16": FP16Config(initial_scale=256.0, growth_interval=1)}
     model, opt, sched, w, _, ref = save_reference("fp16-X", X, R, root, **fp16)
     release(model)
     load_case(f"fp16-same-plan:{X}", root / "fp16-X", ref, w, X, R, **fp16)
+    # bf16 checkpoint into fp16: non-owners round the fp32 masters too (not the bf16 params)
+    load_case("bf16-to-fp16:p=1x1,g=1x1,os=2x2", root / "bf16-X", bf16_ref, bf16_w,
+              "p=1x1,g=1x1,os=2x2", R, **fp16)
     load_case("fp16-sp1:p=1x1,g=1x1,os=2x2", root / "fp16-X", ref, w, "p=1x1,g=1x1,os=2x2", R, **fp16)
     # tied embeddings + a frozen parameter, saved with two owner replicas per tensor (sos = 2
     # on 4 ranks): dedup must write each chunk once; loaded with sp = 2

@@ -236,9 +236,12 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def _hf_info(model: nn.Module) -> tuple[str, dict | None]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from amsp_ext.runtime.engine import AMSPModule
+
     # the user's class, under FSDP2's and our dynamic subclasses
-    cls = next((c for c in type(model).__mro__ if c.__module__.startswith("transformers.models")),
-               type(model).__mro__[-2])
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, (AMSPModule, FSDPModule)))
     cfg = getattr(model, "config", None)
     hf = json.loads(cfg.to_json_string(use_diff=False)) if hasattr(cfg, "to_json_string") else None
     if hf is not None:
@@ -392,8 +395,10 @@ def _param_targets(e: "Engine", current: dict, md: dict, sd: dict) -> list[int]:
         elif t.index in opt.masters:
             sd[src] = as_global(t, opt.masters[t.index])
             after.append(t.index)
+        elif md[MODEL + k].properties.dtype == v.dtype:
+            sd[MODEL + k] = v.detach()  # the owner's rounding of the same master
         else:
-            sd[MODEL + k] = v.detach()
+            sd[src] = v.detach()  # e.g. bf16 saved, fp16 here: round the master, like the owner
     return after
 
 
