@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 __all__ = [
+    "barrier",
     "CollectiveTimeout",
     "all_gather_bytes",
     "all_gather_into_tensor",
@@ -125,7 +126,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dis
                            *, name: str, async_op: bool = True, timeout=None) -> _Pending | None:
     with record_function(f"amsp::all_gather::{_kind(name)}"):
         _issue("all_gather", name)
-        work = dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+        work = dist.all_gather_single(output, input, group=group, async_op=True)
     return _finish(work, "all_gather", name, output, async_op, timeout)
 
 
@@ -134,7 +135,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist
                           async_op: bool = True, timeout=None) -> _Pending | None:
     with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
         _issue("reduce_scatter", name)
-        work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
+        work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
     return _finish(work, "reduce_scatter", name, output, async_op, timeout)
 
 
@@ -158,6 +159,14 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: s
     all_gather_into_tensor(out, mine, group, name=name, async_op=False, timeout=timeout)
     rows = out.view(size, width + 1).cpu()
     return [bytes(r[1 : 1 + int(r[0])].tolist()) for r in rows]
+
+
+def barrier(group: dist.ProcessGroup | None, *, name: str, timeout=None) -> None:
+    """Every rank of ``group`` reaches this point (a 1-element all-reduce, so it times out
+    with the group's name like every other collective)."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    all_reduce(torch.zeros(1, device=device), group, name=name, async_op=False, timeout=timeout)
 
 
 def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> None:
