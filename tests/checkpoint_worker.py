@@ -145,8 +145,9 @@ def load_case(case, ckpt: Path, ref, w_ref, plan, R, *, rng_ref=None, after_load
     # every replica's compute-dtype parameters are its fp32 master rounded (owners and others)
     p = consolidated_state_dict(model, dtype=compute, rank0_only=False)
     replica_diff = max_diff(p, {k: v.to(compute) for k, v in w.items()})
-    state = {"params_vs_masters_max_abs_diff": replica_diff, "num_steps": opt.num_steps, "lr": opt.param_groups[0]["lr"], "scale": opt.loss_scale,
-             "extra": extra, "weights_max_abs_diff": max_diff(w, w_ref)}
+    state = {"params_vs_masters_max_abs_diff": replica_diff, "num_steps": opt.num_steps,
+             "lr": opt.param_groups[0]["lr"], "scale": opt.loss_scale, "extra": extra,
+             "weights_max_abs_diff": max_diff(w, w_ref)}
     after = train(model, opt, sched, AFTER)
     emit({"case": case, "plan": plan, "saved_plan": ref["plan"], "saved_world": ref["world"],
           "losses": after, "ref_losses": ref["after"], "loss_rel_diff": rel(after, ref["after"]),

@@ -189,7 +189,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     C.checkpoint_save(sd, path)
     if e.rank == 0:
         _write_meta(path, _meta(model, e, table, rng))
-    C.barrier(None, name="world")  # amsp.json exists on return, on every rank
+    C.barrier(None, name="world", timeout=e.config.timeout)  # amsp.json exists on return, on every rank
 
 
 def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:

@@ -38,7 +38,6 @@ __all__ = [
     "all_gather_bytes",
     "all_gather_into_tensor",
     "all_reduce",
-    "barrier",
     "broadcast",
     "checkpoint_load",
     "checkpoint_save",
@@ -198,15 +197,16 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
             observer("wait_end", pending.op, label, None)
 
 
-
 # -- checkpoint I/O ------------------------------------------------------------------------------
 # [Note: collectives of a checkpoint]
 # Checkpoints go through torch.distributed.checkpoint (DCP), which plans and coordinates over the
 # default group itself (gather of local plans, scatter of the global plan, a final all-reduce):
 # we wrap its two entry points here so that they, too, carry ``amsp::`` labels and are counted.
-# The other three serve the metadata table (a gather to rank 0), the "checkpoint complete"
-# barrier and the consolidated export (DTensor's own all-gather of a sharded tensor). All of
-# them run on the default group or a plan group, whose timeout bounds them.
+# ``gather_objects`` collects the metadata table on rank 0, ``full_tensor`` is DTensor's own
+# all-gather of a sharded tensor (consolidated export), and ``barrier`` (above) marks a
+# checkpoint complete on every rank. All run on the default group or a plan group, whose
+# timeout bounds them.
+
 
 def checkpoint_save(state_dict: dict, path, *, name: str = "world") -> None:
     """``torch.distributed.checkpoint.save`` of ``state_dict`` into the directory ``path``."""
@@ -237,12 +237,6 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, dst:
         out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
         dist.gather_object(obj, out, dst=dst, group=group)
     return out
-
-
-def barrier(group: dist.ProcessGroup | None, *, name: str) -> None:
-    with record_function(f"amsp::barrier::{_kind(name)}"):
-        _issue("barrier", name)
-        dist.barrier(group=group)
 
 
 def full_tensor(tensor: torch.Tensor, *, name: str) -> torch.Tensor:

@@ -120,7 +120,7 @@ def save_pretrained(model: nn.Module, save_directory, *, dtype: torch.dtype | No
     state = consolidated_state_dict(model, dtype=dtype, rank0_only=True)
     if e.rank == 0:
         _write_pretrained(save_directory, state, _hf_info(model)[1], dtype)
-    C.barrier(None, name="world")
+    C.barrier(None, name="world", timeout=e.config.timeout)
 
 
 @torch.no_grad()
