@@ -129,12 +129,13 @@ def save_reference(name, plan, R, root: Path, *, hf=False, hf_dtype=None, **cfg)
     return model, opt, sched, w, rng_after, ref
 
 
-def load_case(case, ckpt: Path, ref, w_ref, plan, R, *, rng_ref=None, after_load=None, **cfg):
+def load_case(case, ckpt: Path, ref, w_ref, plan, R, *, rng_ref=None, after_load=None, load_kw=None,
+              **cfg):
     model, opt, sched = make(plan, R, seed=1, **cfg)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        extra = load_checkpoint(model, opt, ckpt, lr_scheduler=sched)
+        extra = load_checkpoint(model, opt, ckpt, lr_scheduler=sched, **(load_kw or {}))
     load_s = time.perf_counter() - t0
     if after_load is not None:  # negative controls: drop part of what was loaded
         after_load(model, opt, sched)
@@ -205,6 +206,9 @@ def suite_save4(root: Path, R):
               "p=1x1,g=1x1,os=2x2", R, after_load=lambda m, o, s: o.inner.state.clear())
     load_case("control-no-lr-schedule:p=1x1,g=1x1,os=2x2", root / "fp32-A", ref, w,
               "p=1x1,g=1x1,os=2x2", R, after_load=lambda m, o, s: [g.update(lr=LR) for g in o.param_groups])
+    # weights only, into another optimizer class (fine-tuning): the state starts fresh
+    load_case("weights-only-sgd:p=1x1,g=1x1,os=2x2", root / "fp32-A", ref, w, "p=1x1,g=1x1,os=2x2", R,
+              factory=sgd, load_kw={"optimizer_states": False})
     # precision change: a bf16 run continues from the fp32 run (its masters are the fp32 weights)
     load_case("fp32-to-bf16:p=2x1,g=2x2,os=2x2", root / "fp32-A", ref, w, "p=2x1,g=2x2,os=2x2", R,
               precision="bf16")

@@ -120,6 +120,13 @@ def test_negative_controls_fail_the_comparison(runs):
         assert r["loss_rel_diff"] > 10 * FP32_TOL, r  # ... but the step after is not the same
 
 
+def test_weights_only_load_into_another_optimizer(runs):
+    r = _case(runs, "weights-only-sgd:p=1x1,g=1x1,os=2x2")
+    assert r["weights_max_abs_diff"] == 0.0 and r["params_vs_masters_max_abs_diff"] == 0.0, r
+    assert r["num_steps"] == 0 and r["first_loss_rel_diff"] <= FP32_TOL, r  # same weights
+    assert r["loss_rel_diff"] > 10 * FP32_TOL, r  # then SGD, not the saved AdamW, steps
+
+
 def test_hf_export_gives_the_sharded_models_logits(runs):
     for c, dtype in (("hf:fp32-A", "torch.float32"), ("hf:bf16-X", "torch.bfloat16"),
                      ("hf:tied-frozen", "torch.float32")):
