@@ -60,9 +60,9 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
     use_masters = not e.optimizer._aliased and dtype != e.config.dtype
     by_id = trainable_by_id(e)
     out: dict[str, torch.Tensor] = {}
-    seen: dict[int, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor | None] = {}  # tied aliases: gathered (and broadcast) once
     for k, v in model.state_dict(keep_vars=True).items():
-        if id(v) in seen:  # tied alias
+        if id(v) in seen:
             if keep:
                 out[k] = seen[id(v)]
             continue
@@ -70,11 +70,8 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
         value = v.detach()
         if t is not None and use_masters:
             value = as_global(t, _master_shard(e, t))
-        if not gather:
-            seen[id(v)] = value  # only marks it done (an alias must not broadcast again)
-            continue
-        full = _cast(C.full_tensor(value, name=e.name("param_shard")), dtype)
-        seen[id(v)] = full
+        full = _cast(C.full_tensor(value, name=e.name("param_shard")), dtype) if gather else None
+        seen[id(v)] = full if keep else None  # gatherers other than rank 0 drop it right away
         if keep:
             out[k] = full
     return out
