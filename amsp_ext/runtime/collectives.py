@@ -39,6 +39,10 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "broadcast",
+    "checkpoint_load",
+    "checkpoint_save",
+    "full_tensor",
+    "gather_objects",
     "reduce_scatter_tensor",
     "stats",
     "wait",
@@ -192,3 +196,55 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
         if observer is not None:
             observer("wait_end", pending.op, label, None)
 
+
+# -- checkpoint I/O ------------------------------------------------------------------------------
+# [Note: collectives of a checkpoint]
+# Checkpoints go through torch.distributed.checkpoint (DCP), which plans and coordinates over the
+# default group itself (gather of local plans, scatter of the global plan, a final all-reduce):
+# we wrap its two entry points here so that they, too, carry ``amsp::`` labels and are counted.
+# ``gather_objects`` collects the metadata table on rank 0, ``full_tensor`` is DTensor's own
+# all-gather of a sharded tensor (consolidated export), and ``barrier`` (above) marks a
+# checkpoint complete on every rank. All run on the default group or a plan group, whose
+# timeout bounds them.
+
+
+def checkpoint_save(state_dict: dict, path, *, name: str = "world") -> None:
+    """``torch.distributed.checkpoint.save`` of ``state_dict`` into the directory ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    with record_function(f"amsp::checkpoint_save::{_kind(name)}"):
+        _issue("checkpoint_save", name)
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)))
+
+
+def checkpoint_load(state_dict: dict, path, *, name: str = "world", no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` into ``state_dict`` (in place; objects replaced).
+
+    ``no_dist``: read in this process alone (offline export), no collective at all.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    with record_function(f"amsp::checkpoint_load::{_kind(name)}"):
+        if not no_dist:
+            _issue("checkpoint_load", name)
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, dst: int = 0) -> list | None:
+    """Pickle-gather one small object per rank to global rank ``dst`` (others get None)."""
+    with record_function(f"amsp::gather_object::{_kind(name)}"):
+        _issue("gather_object", name)
+        out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+        dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def full_tensor(tensor: torch.Tensor, *, name: str) -> torch.Tensor:
+    """The whole tensor of a DTensor (its own all-gather over its mesh); a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with record_function(f"amsp::all_gather::{_kind(name)}"):
+        _issue("all_gather", name)
+        return tensor.full_tensor()
