@@ -10,7 +10,8 @@ and then calls ``engine.load_checkpoint(dir)``, which reads ``latest``; Accelera
 ``load_checkpoint(dir, "pytorch_model")``. The engine's counters (global steps and samples,
 skipped steps, micro steps) and ``client_state`` travel in the checkpoint's ``extra``; the LR
 scheduler's state in its own slot. Loading works under another plan or world size (AMSP
-reshards on load); the counters are restored as saved.
+reshards on load); the counters are restored as saved. ``load_optimizer_states=False`` restores
+the weights and counters only, ``load_module_only=True`` the weights only (as DeepSpeed).
 """
 
 from __future__ import annotations
@@ -89,16 +90,15 @@ def load_ds_checkpoint(engine: "AMSPDeepSpeedEngine", load_dir, tag=None, *,
                           stacklevel=3)
             return None, None
         tag = latest.read_text().strip()
-    if load_module_only or not load_optimizer_states:
-        raise ConfigError("load_checkpoint: load_module_only / load_optimizer_states=False are not "
-                          "supported; AMSP restores model and optimizer together (use "
-                          "amsp_ext.export_checkpoint for the weights alone)")
     path = load_dir / str(tag)
-    extra = ckpt.load_checkpoint(engine.module, engine.optimizer, path,
-                                 lr_scheduler=engine.lr_scheduler if load_lr_scheduler_states else None)
+    with_states = load_optimizer_states and not load_module_only
+    sched = engine.lr_scheduler if (load_lr_scheduler_states and not load_module_only) else None
+    extra = ckpt.load_checkpoint(engine.module, engine.optimizer, path, lr_scheduler=sched,
+                                 optimizer_states=with_states)
     if not isinstance(extra, dict) or extra.get("format") != FORMAT:
         raise ConfigError(f"{path} is an AMSP checkpoint but not one written by engine.save_checkpoint")
-    for k, v in extra["engine"].items():
-        setattr(engine, k, v)
+    if not load_module_only:  # as DeepSpeed: the counters come back unless only the module does
+        for k, v in extra["engine"].items():
+            setattr(engine, k, v)
     engine.optimizer.overflow = False
     return str(path), extra["client_state"]

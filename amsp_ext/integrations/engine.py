@@ -39,34 +39,12 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from amsp_ext.integrations.settings import AMSPSettings, BatchSettings
 
-__all__ = ["AMSPDeepSpeedEngine", "consolidated_state_dict"]
+__all__ = ["AMSPDeepSpeedEngine"]
 
 logger = logging.getLogger("amsp_ext")
-
-
-def consolidated_state_dict(module: nn.Module, *, dtype: torch.dtype | None = None,
-                            rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """Full (unsharded) state dict of an AMSP-sharded module, on CPU. Collective when sp > 1.
-
-    Interim implementation until ``amsp_ext.consolidated_state_dict`` (checkpoint module) lands;
-    parameters are read after every pending broadcast of updated values completed.
-    """
-    module.amsp.wait_params()
-    out: dict[str, torch.Tensor] = {}
-    for k, v in module.state_dict().items():
-        if isinstance(v, DTensor):
-            v = v.full_tensor()  # all-gather over the parameter-shard group, same order everywhere
-        v = v.detach()
-        if dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
-        out[k] = v.to("cpu", copy=True)
-    if rank0_only and dist.get_rank() != 0:
-        return {}
-    return out
 
 
 class AMSPDeepSpeedEngine(nn.Module):
@@ -232,23 +210,31 @@ class AMSPDeepSpeedEngine(nn.Module):
         return self.optimizer.loss_scale
 
     # -- state dicts -------------------------------------------------------------------------------
+    def _consolidated(self, rank0_only: bool) -> dict[str, torch.Tensor]:
+        from amsp_ext.runtime.export import consolidated_state_dict
+
+        # the compute dtype: what DeepSpeed's module state dict holds (bf16 params under bf16)
+        return consolidated_state_dict(self.module, dtype=self.module.amsp.config.dtype,
+                                       rank0_only=rank0_only)
+
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[override]
-        sd = consolidated_state_dict(self.module)
+        sd = self._consolidated(rank0_only=False)
         if destination is not None:
             destination.update({prefix + k: v for k, v in sd.items()})
             return destination
         return {prefix + k: v for k, v in sd.items()} if prefix else sd
 
-    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        sd = consolidated_state_dict(self.module)
+    def module_state_dict(self, exclude_frozen_parameters: bool = False,
+                          rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        sd = self._consolidated(rank0_only)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             sd = {k: v for k, v in sd.items() if k not in frozen}
         return sd
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        sd = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-        return sd if self.global_rank == 0 else {}
+        return self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters,
+                                      rank0_only=True)
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """DeepSpeed's name for the saveable model weights (rank 0; ``{}`` elsewhere)."""
