@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--gas", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--save-dir", default=None, help="save_state after --save-at steps, then reload")
+    ap.add_argument("--save-dir", default=None,
+                    help="save_state after --save-at steps, spoil the weights, load_state")
     ap.add_argument("--save-at", type=int, default=2)
     ap.add_argument("--explicit-amsp", metavar="JSON", default=None,
                     help="the explicit route instead: amsp_ext.accelerate.Accelerator(amsp=JSON)")
@@ -91,6 +92,10 @@ def main() -> None:
             step, losses, seen = step + 1, [], []
             if args.save_dir and step == args.save_at:
                 accelerator.save_state(args.save_dir)
+                accelerator.wait_for_everyone()  # DDP: rank 0 writes, every rank reads
+                with torch.no_grad():  # spoil the weights: only load_state can bring them back
+                    for p in model.parameters():
+                        p.add_(1.0)
                 accelerator.load_state(args.save_dir)
                 accelerator.wait_for_everyone()
 

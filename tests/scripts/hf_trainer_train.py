@@ -3,7 +3,7 @@
 start-up hook active (``AMSP_PATCH_DEEPSPEED=1``), DeepSpeed is AMSP.
 
     AMSP_PATCH_DEEPSPEED=1 torchrun --nproc-per-node 2 tests/scripts/hf_trainer_train.py \\
-        --deepspeed configs/hf_trainer/ds_config.json --output-dir /tmp/run [--resume]
+        --deepspeed configs/hf_trainer/ds_config.json --output-dir /tmp/run [--resume-from DIR]
 
 Prints ``LOG {json}`` for each logged step (rank 0) and ``DATA {json}`` with the sample indices
 each rank trained on.
@@ -46,11 +46,11 @@ def emit(line: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--deepspeed", required=True)
+    ap.add_argument("--deepspeed", default=None, help="ds_config.json (none: the Trainer's DDP)")
     ap.add_argument("--output-dir", required=True)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--save-steps", type=int, default=2, help="0: do not save")
-    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume-from", default=None, metavar="CHECKPOINT_DIR")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -70,7 +70,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Print()])
     emit("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size,
                                  "engine": None}))
-    trainer.train(resume_from_checkpoint=args.resume or None)
+    trainer.train(resume_from_checkpoint=args.resume_from)
     emit("DATA " + json.dumps({"rank": targs.process_index, "engine": type(trainer.model_wrapped).__name__,
                                 "samples": data.seen}))
 
