@@ -219,7 +219,31 @@ def suite_ds(_args):
          bf16_enabled=engine.bfloat16_enabled())
     release(engine)
 
-    # 5. the DeepSpeed dataloader from training_data: DistributedSampler, micro-batch size
+    # 5. fp16: the dynamic loss scale from the fp16 block; an overflowing step is skipped the
+    #    DeepSpeed way (optimizer.overflow, was_step_applied False, no scheduler step, counters)
+    cfg = base_config(plan="p=1x1,g=2x2,os=2x2")
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 1000}
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                       "warmup_num_steps": 4, "warmup_type": "linear"}}
+    engine, opt, _, sched = initialize(cfg)
+    trace = []
+    for step in range(3):
+        for m, b in enumerate(batches(step, 2)):
+            loss = causal_lm_loss(engine, b)
+            if step == 1 and m == 1 and dist.get_rank() == 3:
+                loss = loss * float("inf")  # one rank, one micro-batch: the whole step must skip
+            engine.backward(loss)
+            engine.step()
+        trace.append({"overflow": opt.overflow, "applied": engine.was_step_applied(),
+                      "lr": engine.get_lr()[0], "scale": engine.get_loss_scale(),
+                      "global_steps": engine.global_steps, "skipped": engine.skipped_steps})
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"case": "fp16-overflow", "trace": trace,
+                                      "param_dtype": str(next(engine.module.parameters()).dtype)}),
+              flush=True)
+    release(engine)
+
+    # 6. the DeepSpeed dataloader from training_data: DistributedSampler, micro-batch size
     data = [torch.tensor([i]) for i in range(16)]
     engine, _, loader, _ = initialize(base_config(plan="ddp"), training_data=data)
     seen = [int(x) for b in loader for x in b.flatten()]

@@ -95,6 +95,17 @@ def test_bf16_block(results):
     assert r["loss_max_rel_diff"] <= 2e-3, r
 
 
+def test_fp16_overflow_is_skipped_the_deepspeed_way(results):
+    r = results["fp16-overflow"]
+    assert r["param_dtype"] == "torch.float16"
+    t = r["trace"]
+    assert [x["overflow"] for x in t] == [False, True, False]
+    assert [x["applied"] for x in t] == [True, False, True]
+    assert [x["scale"] for x in t] == [1024.0, 512.0, 512.0]  # initial_scale_power 10, backoff 0.5
+    assert [x["global_steps"] for x in t] == [1, 2, 3] and t[-1]["skipped"] == 1
+    assert t[1]["lr"] == t[0]["lr"] < t[2]["lr"]  # WarmupLR does not step on the skipped step
+
+
 def test_training_data_becomes_a_sharded_loader(results):
     r = results["dataloader"]
     assert r["per_rank"] == [4, 4, 4, 4] and r["disjoint_cover"] and r["batch_size"] == 1

@@ -127,7 +127,7 @@ def test_accelerate_explicit_route(launch_env, ddp):
     _same_training(recs, ddp[1])
 
 
-def _trainer(env, out, *extra, plan="p=1x1,g=1x1,os=2x1", blocks=True):
+def _trainer(env, out, *extra, plan="p=2x1,g=2x1,os=2x1", blocks=True):
     """The example configs/hf_trainer/ds_config.json with the plan fixed to a sharded one;
     ``blocks=False`` drops its optimizer and scheduler blocks (the Trainer then builds its own)."""
     cfg = json.loads((REPO / "configs" / "hf_trainer" / "ds_config.json").read_text())
@@ -163,7 +163,7 @@ def test_hf_trainer_with_deepspeed_config_runs_amsp(trainer_runs):
     root, proc, _ = trainer_runs
     logs, data, setup = _trainer_logs(proc)
     assert {s["world_size"] for s in setup} == {2}  # the batch size is computed for world 2
-    assert "[amsp] plan p=1x1,g=1x1,os=2x1" in proc.stdout and "scheduler WarmupDecayLR" in proc.stdout
+    assert "[amsp] plan p=2x1,g=2x1,os=2x1" in proc.stdout and "scheduler WarmupDecayLR" in proc.stdout
     assert [l["step"] for l in logs] == [1, 2, 3, 4]
     assert all(d["engine"] == "AMSPDeepSpeedEngine" for d in data)
     seen = [set(d["samples"]) for d in data]
