@@ -163,6 +163,8 @@ def test_hf_trainer_with_deepspeed_config_runs_amsp(trainer_runs):
     root, proc, _ = trainer_runs
     logs, data, setup = _trainer_logs(proc)
     assert {s["world_size"] for s in setup} == {2}  # the batch size is computed for world 2
+    # the example config keeps ZeRO-3's keys (as migrate does): no deepspeed.zero.Init under AMSP
+    assert not any(s["zero3_enabled"] or s["ds_partitioned"] for s in setup), setup
     assert "[amsp] plan p=2x1,g=2x1,os=2x1" in proc.stdout and "scheduler WarmupDecayLR" in proc.stdout
     assert [l["step"] for l in logs] == [1, 2, 3, 4]
     assert all(d["engine"] == "AMSPDeepSpeedEngine" for d in data)

@@ -266,6 +266,26 @@ def test_accelerate_leaves_the_amsp_block_alone():
     assert plugin.deepspeed_config["amsp"]["plan"] == "auto"
 
 
+def test_zero3_keys_next_to_an_enabled_amsp_block_do_not_turn_on_zero_init():
+    """A migrated config keeps ``stage: 3``; with amsp.enabled transformers must not build the
+    model inside deepspeed.zero.Init (is_deepspeed_zero3_enabled), with enabled false it must."""
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    from patches import accelerate_amsp_block
+
+    accelerate_amsp_block.apply()
+    zero3 = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    on = HfDeepSpeedConfig({**zero3, "amsp": {"enabled": True, "plan": "ddp"}})
+    off = HfDeepSpeedConfig({**zero3, "amsp": {"enabled": False, "plan": "ddp"}})
+    assert (on.is_zero3(), on.is_offload()) == (False, False)
+    assert (off.is_zero3(), off.is_offload()) == (True, True)
+    assert on.config["zero_optimization"]["stage"] == 3  # the keys stay for DeepSpeed
+    unpatched = HfDeepSpeedConfig.set_stage_and_offload.__wrapped__
+    probe = HfDeepSpeedConfig({**zero3, "amsp": {"enabled": True}})
+    unpatched(probe)
+    assert probe.is_zero3()  # what the patch prevents
+
+
 # -- start-up hook -----------------------------------------------------------------------------------
 
 def test_startup_reason(monkeypatch, tmp_path):

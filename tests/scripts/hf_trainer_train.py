@@ -16,7 +16,8 @@ import sys
 import pydoc_data.topics as topics
 import torch
 from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import (AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback,
+                          TrainingArguments)
 
 
 class ByteText(Dataset):
@@ -53,12 +54,6 @@ def main() -> None:
     ap.add_argument("--resume-from", default=None, metavar="CHECKPOINT_DIR")
     args = ap.parse_args()
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config)
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2,
         max_steps=args.steps, learning_rate=1e-3, warmup_steps=1, weight_decay=0.1,
@@ -66,10 +61,20 @@ def main() -> None:
         save_strategy="steps" if args.save_steps else "no", report_to=[],
         deepspeed=args.deepspeed, seed=0, data_seed=0, dataloader_num_workers=0,
         disable_tqdm=True, save_only_model=False)
+    # the model after TrainingArguments, as the HF docs ask for ZeRO-3 (from_config would then
+    # build it inside deepspeed.zero.Init if ZeRO-3 were on)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    zero3 = {"zero3_enabled": is_deepspeed_zero3_enabled(),
+             "ds_partitioned": any(hasattr(p, "ds_id") for p in model.parameters())}
     data = ByteText(64, 32)
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Print()])
-    emit("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size,
-                                 "engine": None}))
+    emit("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size, **zero3}))
     trainer.train(resume_from_checkpoint=args.resume_from)
     emit("DATA " + json.dumps({"rank": targs.process_index, "engine": type(trainer.model_wrapped).__name__,
                                 "samples": data.seen}))
