@@ -174,7 +174,7 @@ def suite_ds(_args):
         "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 2, "total_num_steps": 5}}
     ref = ddp_reference(cfg, 5, scheduler=lambda o: WarmupDecayLR(
         o, total_num_steps=5, warmup_min_lr=0.0, warmup_max_lr=1e-3, warmup_num_steps=2))
-    engine, opt, _, sched = initialize(cfg)
+    engine, opt, _, sched = initialize(cfg, mpu=_DataParallelOnlyMPU())  # a Megatron-style call
     got = train_ds(engine, 5)
     emit("scheduler:WarmupDecayLR", got, ref, scheduler=type(sched).__name__, lrs=got["lrs"])
     release(engine)
@@ -255,6 +255,19 @@ def suite_ds(_args):
                                       "disjoint_cover": flat == list(range(16)),
                                       "batch_size": loader.batch_size}), flush=True)
     release(engine)
+
+
+class _DataParallelOnlyMPU:
+    """What Megatron-style scripts pass as ``mpu`` when tensor and pipeline parallelism are 1."""
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_world_size(self):
+        return dist.get_world_size()
 
 
 class _null:

@@ -95,6 +95,26 @@ def test_initialize_rejects_a_bad_config_before_any_collective():
     assert not dist.is_initialized()
 
 
+def test_megatron_style_mpu_must_be_data_parallel_only():
+    from amsp_ext.integrations.ds_initialize import _check_mpu
+
+    class MPU:
+        def __init__(self, tp, pp):
+            self.tp, self.pp = tp, pp
+
+        def get_tensor_model_parallel_world_size(self):
+            return self.tp
+
+        def get_pipeline_model_parallel_world_size(self):
+            return self.pp
+
+    _check_mpu(None)
+    _check_mpu(MPU(1, 1))
+    with pytest.raises(ValueError, match="mpu: AMSP runs data parallelism only; this job has "
+                                         "tensor_model_parallel size 2, pipeline_model_parallel size 4"):
+        _check_mpu(MPU(2, 4))
+
+
 # -- DeepSpeed's own keys ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cfg,world,expected", [

@@ -72,6 +72,27 @@ def _init_distributed(dist_init_required: bool | None) -> None:
         dist.init_process_group(backend="gloo")
 
 
+def _check_mpu(mpu: Any) -> None:
+    """Megatron-style scripts always pass their ``mpu``; AMSP accepts it when every model-parallel
+    dimension it reports is 1 (the data-parallel group is then the world)."""
+    if mpu is None:
+        return
+    sizes = {}
+    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
+                 "get_pipeline_model_parallel_world_size", "get_sequence_parallel_world_size"):
+        fn = getattr(mpu, name, None)
+        if callable(fn):
+            sizes[name.removeprefix("get_").removesuffix("_world_size")] = int(fn())
+    bad = {k: v for k, v in sizes.items() if v != 1}
+    if bad:
+        raise ConfigError(f"mpu: AMSP runs data parallelism only; this job has "
+                          f"{', '.join(f'{k} size {v}' for k, v in bad.items())}")
+    fn = getattr(mpu, "get_data_parallel_world_size", None)
+    if callable(fn) and int(fn()) != dist.get_world_size():
+        raise ConfigError(f"mpu: data-parallel size {fn()} differs from the world size "
+                          f"{dist.get_world_size()}; AMSP shards over the whole world")
+
+
 def _broadcast_model(model: nn.Module, timeout: float) -> None:
     from amsp_ext.runtime import collectives as C
 
@@ -149,9 +170,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     cfg = resolve_config(args, config, config_params)
     if model is None:
         raise ConfigError("initialize requires a model")
-    if mpu is not None or mesh_param is not None:
-        raise ConfigError("mpu / mesh_param: AMSP runs data parallelism only (no model, pipeline or "
-                          "sequence parallelism)")
+    if mesh_param is not None:
+        raise ConfigError("mesh_param: AMSP runs data parallelism only (no sequence parallelism)")
     if type(model).__name__ == "PipelineModule":
         raise ConfigError("model is a DeepSpeed PipelineModule: AMSP has no pipeline parallelism")
     settings = AMSPSettings.from_dict(cfg.get("amsp"))
@@ -160,6 +180,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     factory, opt_source = build_optimizer_factory(
         model, client_optimizer=optimizer, model_parameters=model_parameters, ds_config=cfg)
     _init_distributed(dist_init_required)  # a rendezvous, not a collective
+    _check_mpu(mpu)
     batch = resolve_batch(cfg, dist.get_world_size())
     shard_config = _shard_config(settings, cfg, prec, batch)
     _warn_unsupported(cfg)
@@ -177,8 +198,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                                  config=cfg, batch=batch, gradient_clipping=clip, settings=settings,
                                  training_dataloader=loader)
     if settings.log_plan and dist.get_rank() == 0:
-        w = sharded.amsp.world
-        msg = (f"[amsp] plan {sharded.amsp.plan} ({'planner' if settings.plan.lower() == 'auto' else settings.plan}) "
+        w, plan = sharded.amsp.world, sharded.amsp.plan
+        source = ("planner" if settings.plan.lower() == "auto"
+                  else "" if settings.plan == str(plan) else settings.plan)
+        msg = (f"[amsp] plan {plan}{f' ({source})' if source else ''} "
                f"on {w.num_nodes} node(s) x {w.gpus_per_node} GPU(s); {prec.precision}; batch "
                f"{batch.micro_batch_size} x {batch.gradient_accumulation_steps} x {w.size} = "
                f"{batch.train_batch_size}; clipping {clip or 'off'}; optimizer {opt_source}; "

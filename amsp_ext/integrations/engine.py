@@ -31,7 +31,6 @@ are sharded (sp > 1): every rank must call them.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 from typing import Any, Mapping
@@ -39,13 +38,11 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 
 from amsp_ext.integrations.settings import AMSPSettings, BatchSettings
 
 __all__ = ["AMSPDeepSpeedEngine"]
-
-logger = logging.getLogger("amsp_ext")
-
 
 class AMSPDeepSpeedEngine(nn.Module):
     """The object ``amsp_ext.initialize`` returns first (see the module docstring)."""
@@ -156,7 +153,8 @@ class AMSPDeepSpeedEngine(nn.Module):
         scaled = loss / gas if (scale_wrt_gas and gas > 1) else loss
         boundary = (not self.inside_no_sync_ctxt) and self.is_gradient_accumulation_boundary()
         self.module.set_gradient_accumulation_boundary(boundary)
-        self.optimizer.backward(scaled, retain_graph=retain_graph)
+        with record_function(f"amsp::ds_engine::backward::{'boundary' if boundary else 'accumulate'}"):
+            self.optimizer.backward(scaled, retain_graph=retain_graph)
         return scaled.detach()
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
@@ -164,7 +162,8 @@ class AMSPDeepSpeedEngine(nn.Module):
             raise RuntimeError("It is illegal to call engine.step() inside the no_sync context manager")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+            with record_function("amsp::ds_engine::step"):
+                self._take_model_step(lr_kwargs)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: Mapping[str, Any] | None) -> None:
