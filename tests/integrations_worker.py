@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import datetime
 import json
-import math
 import os
 import sys
 import tempfile

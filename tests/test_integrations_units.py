@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from amsp_ext.integrations.settings import (
-    AMSPSettings, ConfigError, PrecisionSettings, amsp_enabled, gradient_clipping, resolve_batch,
+    AMSPSettings, PrecisionSettings, amsp_enabled, gradient_clipping, resolve_batch,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -464,3 +464,13 @@ def test_migrate_text_and_errors(capsys, tmp_path):
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 1}}))
     code, _, err = migrate(capsys, cfg, *LAB)
     assert code == 2 and "give --micro-batch-size" in err
+
+
+def test_migrate_stays_torch_free(tmp_path):
+    code = ("import sys; from amsp_ext.cli.main import main; "
+            f"rc = main(['migrate', {str(BEFORE / 'zero3.json')!r}, '--model', 'llama-7b', "
+            f"'-o', {str(tmp_path / 'o.json')!r}]); "
+            "print('TORCH', 'torch' in sys.modules, rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
+    assert "TORCH False 0" in out.stdout

@@ -20,7 +20,7 @@ import hashlib
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from amsp_ext.integrations.settings import ConfigError
 

@@ -11,7 +11,11 @@ engine, running the AMSP engine underneath.
   DeepSpeed's ZeRO optimizers do), clipping at ``gradient_clipping`` when > 0, the optimizer
   step, zero_grad, the LR scheduler step unless the step overflowed (fp16), ``global_steps``
   and ``global_samples`` advance;
-- ``optimizer.overflow`` and ``was_step_applied()`` say whether the last step was skipped.
+- ``optimizer.overflow`` and ``was_step_applied()`` say whether the last step was skipped (the
+  engine sets ``overflow`` on the AMSPOptimizer after each step, from its skipped-step count;
+  Accelerate's ``optimizer_step_was_skipped`` reads it).
+- Attributes the engine lacks are looked up on the module, as DeepSpeedEngine does; like there,
+  ``engine.config`` is the ds_config (the model's own config is ``engine.module.config``).
 
 [Note: when AMSP learns the boundary]
 AMSP chooses the gradient path of a backward pass (replica AllReduce at the boundary, Tg or
@@ -43,6 +47,7 @@ from torch.profiler import record_function
 from amsp_ext.integrations.settings import AMSPSettings, BatchSettings
 
 __all__ = ["AMSPDeepSpeedEngine"]
+
 
 class AMSPDeepSpeedEngine(nn.Module):
     """The object ``amsp_ext.initialize`` returns first (see the module docstring)."""
