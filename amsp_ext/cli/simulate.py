@@ -80,10 +80,22 @@ def run(args: argparse.Namespace) -> int:
         write_plot(cells, out / plot, settings)
     (out / f"{stem}.md").write_text(format_markdown(cells, rows, settings, command=command,
                                                     plot=plot, versions=_versions()))
-    (out / f"{stem}.json").write_text(json.dumps(to_json(cells, rows, settings, command=command),
-                                                 indent=1) + "\n")
+    (out / f"{stem}.json").write_text(_dumps(to_json(cells, rows, settings, command=command)))
     print(f"\nreport: {out / (stem + '.md')}")
     return 0
+
+
+def _dumps(doc: dict) -> str:
+    """Indented JSON with one line per cell and per side-by-side row (small, diffable)."""
+    lines = ["{"]
+    for i, (k, v) in enumerate(doc.items()):
+        end = "," if i < len(doc) - 1 else ""
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            body = ",\n".join("  " + json.dumps(x) for x in v)
+            lines.append(f" {json.dumps(k)}: [\n{body}\n ]{end}")
+        else:
+            lines.append(f" {json.dumps(k)}: {json.dumps(v)}{end}")
+    return "\n".join(lines + ["}"]) + "\n"
 
 
 def _command(args: argparse.Namespace) -> str:
