@@ -133,6 +133,17 @@ def test_side_by_side_carries_the_papers_numbers(cells):
     assert all(r["verdict"] for r in rows)
 
 
+def test_fig16_ratios_paper_and_model(cells):
+    from amsp_ext.planner.simulate_report import dissociation
+
+    lines = dissociation(cells)
+    assert len(lines) == 2 + 3
+    # paper: engine only 42/35, strategy only 51/42 (7B); model: the cells' own MFU ratios
+    by = _by(cells)
+    eng = by[("llama-7b", 1024, "amsp-mics", "ideal")].mfu / by[("llama-7b", 1024, "mics", "deepspeed")].mfu
+    assert lines[2].startswith(f"| llama-7b | 1.20x | {eng:.2f}x | 1.21x |")
+
+
 def test_rs_rule_blocks_only_the_reduce_scatter():
     spec = ModelSpec.preset("llama-7b")
     cluster = ClusterSpec(num_nodes=2, gpus_per_node=8, gpu_memory_bytes=80 * GiB)
