@@ -1,10 +1,16 @@
 """amsp_ext: AMSP (arXiv 2311.00257) for PyTorch.
 
-``model, optimizer = amsp_ext.shard(model, plan, optimizer_factory, config=ShardConfig(...))``.
+``model, optimizer = amsp_ext.shard(model, plan, optimizer_factory, config=ShardConfig(...))``;
+``amsp_ext.save_checkpoint`` / ``load_checkpoint`` (any plan, any world size) and
+``consolidated_state_dict`` / ``save_pretrained`` / ``export_checkpoint`` (Hugging Face weights).
 The engine (and so torch) is imported lazily: ``amsp_ext.planner`` stays torch-free.
 """
 
-__all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "shard"]
+__all__ = [
+    "AutoPlanConfig", "CheckpointError", "FP16Config", "OverlapConfig", "ShardConfig",
+    "consolidated_state_dict", "export_checkpoint", "load_checkpoint", "save_checkpoint",
+    "save_pretrained", "shard",
+]
 
 
 def __getattr__(name):

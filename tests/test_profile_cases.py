@@ -16,7 +16,6 @@ from amsp_ext.runtime.profile_cases import (
     buffer_numel,
     cases,
     message_sizes,
-    parse_bytes,
     profile_document,
 )
 from amsp_ext.topology.groups import World
@@ -85,14 +84,6 @@ def test_buffer_sizes_follow_paper_convention_and_divide():
     assert buffer_numel("allgather", MiB, 3, 2) == (524286, 1048572)
     assert buffer_numel("reducescatter", MiB, 4, 4) == (262144, MiB)
     assert buffer_numel("allreduce", MiB, 3, 2) == (524288, MiB)
-
-
-def test_parse_bytes():
-    assert parse_bytes("64MiB", "--max-size") == 64 * MiB
-    assert parse_bytes("1MB", "--max-size") == 10**6
-    assert parse_bytes("4096", "--max-size") == 4096
-    with pytest.raises(ProfileError, match="--max-size"):
-        parse_bytes("lots", "--max-size")
 
 
 @pytest.mark.parametrize("kw,field", [

@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "profile": "profile",
     "compare": "compare",
     "simulate": "simulate",
+    "train": "train",
 }
 
 

@@ -39,13 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace):
-    from amsp_ext.runtime.profile_cases import OPS, ProfileConfig, parse_bytes
+    from amsp_ext.planner.specs import parse_size
+    from amsp_ext.runtime.profile_cases import OPS, ProfileConfig
 
     given = {}
     if args.min_size is not None:
-        given["min_bytes"] = parse_bytes(args.min_size, "--min-size")
+        given["min_bytes"] = parse_size(args.min_size, field="--min-size")
     if args.max_size is not None:
-        given["max_bytes"] = parse_bytes(args.max_size, "--max-size")
+        given["max_bytes"] = parse_size(args.max_size, field="--max-size")
     if args.size_factor is not None:
         given["size_factor"] = args.size_factor
     if args.warmup is not None:

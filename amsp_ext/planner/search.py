@@ -31,7 +31,7 @@ from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan, PlanError
 from amsp_ext.planner.prefilter import Prefiltered, legal_plans, prefilter
 from amsp_ext.planner.profile import BandwidthProfile, CommTimer, load_profile
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, format_size
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
 
 __all__ = [
@@ -245,18 +245,18 @@ def _nothing_fits(problem: Problem, cands: list[Candidate]) -> str:
     limit = problem.memory_limit
     least = min(cands, key=lambda c: (c.memory.total, c.plan.as_tuple()))
     reserve = problem.memory_reserve_bytes
-    msg = (f"no plan fits in {limit / GiB:.1f} GiB per GPU ({problem.cluster.gpu_memory_bytes / GiB:.1f}"
-           f" GiB less a {reserve / GiB:.1f} GiB reserve) on {problem.cluster.num_nodes} x "
+    msg = (f"no plan fits in {format_size(limit)} per GPU ({format_size(problem.cluster.gpu_memory_bytes)}"
+           f" less a {format_size(reserve)} reserve) on {problem.cluster.num_nodes} x "
            f"{problem.cluster.gpus_per_node} GPUs: the least memory any legal plan needs is "
-           f"{least.memory.total / GiB:.1f} GiB ({least.plan}), i.e. GPUs of at least "
-           f"{(least.memory.total + reserve) / GiB:.1f} GiB")
+           f"{format_size(least.memory.total)} ({least.plan}), i.e. GPUs of at least "
+           f"{format_size(least.memory.total + reserve)}")
     nodes = _nodes_that_fit(problem)
     if nodes is not None:
         msg += f", or use at least {nodes} nodes"
     elif problem.training.num_micro_batches is None:
         msg += "; no larger cluster that the global batch allows fits either"
     if not problem.training.recompute:
-        msg += f" (activations alone need {least.memory.activations / GiB:.1f} GiB; try --recompute)"
+        msg += f" (activations alone need {format_size(least.memory.activations)}; try --recompute)"
     return msg
 
 

@@ -53,6 +53,14 @@ def parse_size(text: str | int | float, *, field: str = "size", allow_zero: bool
     return int(round(value * _UNITS[unit]))
 
 
+def format_size(num_bytes: int | float) -> str:
+    """Bytes as the largest binary unit that keeps the number >= 1 (``parse_size`` reads it back)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
 def _positive_int(obj: object, name: str) -> None:
     v = getattr(obj, name)
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -33,11 +33,16 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 __all__ = [
+    "barrier",
     "CollectiveTimeout",
     "all_gather_bytes",
     "all_gather_into_tensor",
     "all_reduce",
     "broadcast",
+    "checkpoint_load",
+    "checkpoint_save",
+    "full_tensor",
+    "gather_objects",
     "reduce_scatter_tensor",
     "stats",
     "wait",
@@ -120,7 +125,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dis
                            *, name: str, async_op: bool = True, timeout=None) -> _Pending | None:
     with record_function(f"amsp::all_gather::{_kind(name)}"):
         _issue("all_gather", name)
-        work = dist.all_gather_into_tensor(output, input, group=group, async_op=True)
+        work = dist.all_gather_single(output, input, group=group, async_op=True)
     return _finish(work, "all_gather", name, output, async_op, timeout)
 
 
@@ -129,7 +134,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist
                           async_op: bool = True, timeout=None) -> _Pending | None:
     with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
         _issue("reduce_scatter", name)
-        work = dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
+        work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
     return _finish(work, "reduce_scatter", name, output, async_op, timeout)
 
 
@@ -153,6 +158,14 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: s
     all_gather_into_tensor(out, mine, group, name=name, async_op=False, timeout=timeout)
     rows = out.view(size, width + 1).cpu()
     return [bytes(r[1 : 1 + int(r[0])].tolist()) for r in rows]
+
+
+def barrier(group: dist.ProcessGroup | None, *, name: str, timeout=None) -> None:
+    """Every rank of ``group`` reaches this point (a 1-element all-reduce, so it times out
+    with the group's name like every other collective)."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    all_reduce(torch.zeros(1, device=device), group, name=name, async_op=False, timeout=timeout)
 
 
 def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> None:
@@ -183,3 +196,55 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
         if observer is not None:
             observer("wait_end", pending.op, label, None)
 
+
+# -- checkpoint I/O ------------------------------------------------------------------------------
+# [Note: collectives of a checkpoint]
+# Checkpoints go through torch.distributed.checkpoint (DCP), which plans and coordinates over the
+# default group itself (gather of local plans, scatter of the global plan, a final all-reduce):
+# we wrap its two entry points here so that they, too, carry ``amsp::`` labels and are counted.
+# ``gather_objects`` collects the metadata table on rank 0, ``full_tensor`` is DTensor's own
+# all-gather of a sharded tensor (consolidated export), and ``barrier`` (above) marks a
+# checkpoint complete on every rank. All run on the default group or a plan group, whose
+# timeout bounds them.
+
+
+def checkpoint_save(state_dict: dict, path, *, name: str = "world") -> None:
+    """``torch.distributed.checkpoint.save`` of ``state_dict`` into the directory ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    with record_function(f"amsp::checkpoint_save::{_kind(name)}"):
+        _issue("checkpoint_save", name)
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)))
+
+
+def checkpoint_load(state_dict: dict, path, *, name: str = "world", no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` into ``state_dict`` (in place; objects replaced).
+
+    ``no_dist``: read in this process alone (offline export), no collective at all.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    with record_function(f"amsp::checkpoint_load::{_kind(name)}"):
+        if not no_dist:
+            _issue("checkpoint_load", name)
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, dst: int = 0) -> list | None:
+    """Pickle-gather one small object per rank to global rank ``dst`` (others get None)."""
+    with record_function(f"amsp::gather_object::{_kind(name)}"):
+        _issue("gather_object", name)
+        out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+        dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def full_tensor(tensor: torch.Tensor, *, name: str) -> torch.Tensor:
+    """The whole tensor of a DTensor (its own all-gather over its mesh); a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with record_function(f"amsp::all_gather::{_kind(name)}"):
+        _issue("all_gather", name)
+        return tensor.full_tensor()

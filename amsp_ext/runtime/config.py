@@ -66,6 +66,7 @@ class AutoPlanConfig:
     missing: str = "error"  # profile meshes the table lacks: "error" or "fit"
     optimizer: str = "adamw"
     gpu_memory_bytes: int | None = None  # None: the device's (CPU: RAM / gpus_per_node)
+    memory_reserve_bytes: int | None = None  # None: the planner's default reserve
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "num_micro_batches"):
@@ -76,6 +77,10 @@ class AutoPlanConfig:
             not isinstance(self.gpu_memory_bytes, int) or self.gpu_memory_bytes < 1
         ):
             raise ValueError(f"auto.gpu_memory_bytes must be a positive integer or None, got {self.gpu_memory_bytes!r}")
+        if self.memory_reserve_bytes is not None and (
+            not isinstance(self.memory_reserve_bytes, int) or self.memory_reserve_bytes < 0
+        ):
+            raise ValueError(f"auto.memory_reserve_bytes must be an integer >= 0 or None, got {self.memory_reserve_bytes!r}")
 
 
 def _local_world_size() -> int | None:

@@ -153,8 +153,9 @@ def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
                             num_micro_batches=a.num_micro_batches, recompute=config.recompute,
                             precision=config.precision, optimizer=a.optimizer,
                             bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity)
+    reserve = {} if a.memory_reserve_bytes is None else {"memory_reserve_bytes": a.memory_reserve_bytes}
     return plan_for(hf.to_dict(), cluster, training, a.profile, objective=a.objective,
-                    missing=a.missing)
+                    missing=a.missing, **reserve)
 
 
 def _device_memory(gpus_per_node: int) -> int:

@@ -200,7 +200,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"optimizer state_dict was saved under plan {state_dict.get('plan')} on "
                 f"{state_dict.get('world')} and owns other tensors than this rank under plan "
-                f"{e.plan}; load it through the resharding checkpoint loader"
+                f"{e.plan}; use amsp_ext.save_checkpoint / load_checkpoint to change plans"
             )
         for i, m in self.masters.items():
             m.copy_(state_dict["masters"][e.tensors[i].name])

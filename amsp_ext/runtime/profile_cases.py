@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-import re
 from dataclasses import dataclass, field
 
 from amsp_ext.planner.plan import Plan
+from amsp_ext.planner.profile import OPS, SCHEMA
 from amsp_ext.topology.groups import World, rank_groups
 
 __all__ = [
@@ -53,31 +53,16 @@ __all__ = [
     "alpha_beta_fit",
     "cases",
     "message_sizes",
-    "parse_bytes",
     "profile_document",
 ]
 
-OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
 SHARD_OPS = ("allgather", "reducescatter")
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SCHEMA = "amsp-profile/1"
 MiB = 1 << 20
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|kib|mib|gib)?\s*$", re.I)
-_BYTES_UNITS = {None: 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
 class ProfileError(ValueError):
     """Bad profiler input (config, world shape); one line naming the field."""
-
-
-def parse_bytes(text: str | int, field_name: str) -> int:
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = _BYTES_RE.match(str(text))
-    if not m:
-        raise ProfileError(f"{field_name}: cannot read {text!r}; use bytes with a unit, e.g. 1MiB, 64MiB, 1GiB")
-    unit = m.group(2).lower() if m.group(2) else None
-    return int(float(m.group(1)) * _BYTES_UNITS[unit])
 
 
 @dataclass(frozen=True, kw_only=True)

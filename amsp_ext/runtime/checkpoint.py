@@ -1,0 +1,478 @@
+"""Sharded checkpoints of an AMSP model and optimizer, on torch.distributed.checkpoint (DCP).
+
+``save_checkpoint(model, optimizer, path, *, lr_scheduler=None, extra=None)`` and
+``load_checkpoint(model, optimizer, path, *, lr_scheduler=None) -> extra``; both are collective
+(every rank calls them, between optimizer steps). The plan and the world size may differ
+between save and load.
+
+[Note: why DCP]
+A checkpoint written under one plan must load under another: a different sp re-cuts every
+parameter, a different sos (or world) moves every optimizer state to another owner. DCP already
+solves "every rank writes the chunks it holds, every rank reads the chunks it needs": each
+value is a *global* tensor described by (global shape, chunk offsets); on save the planner
+keeps one writer per (key, offset) and records every chunk in ``.metadata``; on load each rank
+asks for the boxes of its own targets and DCP reads the overlapping parts of whichever chunks
+hold them, in any layout. So the engine's only job is to express each local tensor as a
+global tensor with the right offsets, and to choose which keys each rank presents.
+
+[Note: the layout as DCP chunks]
+- Parameters: ``model.state_dict()`` as is. For sp > 1 they are FSDP2's DTensors (Shard(0) on
+  the ``param_shard`` mesh), so DCP sees chunk offsets directly. The ``param_replica`` ranks
+  hold the same chunks; DCP's dedup keeps one writer per chunk (balancing bytes per rank).
+- fp32 masters and inner optimizer states exist only on the owner of each local tensor
+  (inter-tensor sharding: the whole local tensor on one rank of its ``optim_bcast`` group).
+  The owner presents each as a DTensor built on the parameter's own mesh and placements
+  (``DTensor.from_local(..., shape=, stride=)``, no communication), so a state chunk has
+  exactly its parameter chunk's offsets; other ranks simply do not present the key. Owner
+  replicas (dp / sos of them) are deduplicated like parameter replicas.
+- 0-d states (Adam's ``step``) are replicated scalars; any other shape is per-shard and can
+  only be reloaded under the same sp (checked before any collective).
+- Non-tensor values (param-group hyper-parameters per tensor, step counter, loss scaler,
+  LR scheduler, ``extra``, RNG per rank) are pickled bytes; ``amsp.state`` comes from rank 0.
+- ``amsp.json`` (rank 0, written after DCP finished: it marks the checkpoint complete) is the
+  human-readable table: plan, world, precision, every model tensor (name, shape, dtype), and
+  every optimizer chunk (name, global and local shape, shard index, offset, owner ranks).
+  Loading validates the model against it on every rank before any collective.
+
+[Note: precision]
+Under fp32 the master *is* the parameter (aliased), so only ``model.*`` is written and every
+rank loads its parameters from the best source (``optim.master.*`` if the checkpoint was
+mixed precision, else ``model.*``). Under bf16/fp16 the owners load their fp32 masters
+(``optim.master.*``, or an fp32 ``model.*``) and set their local parameter to the master
+rounded to the compute dtype, which is what the optimizer step does; the other ranks load the
+saved parameters when they have this compute dtype (they are that same rounding), else the
+master, rounded by DCP's copy into the parameter (a bf16 parameter widened to fp16 would not
+be). So every replica holds round(master) and no broadcast is needed.
+
+[Note: exactness]
+Same plan: every byte is restored, so training continues bit-for-bit. Another plan or world:
+parameters, masters and states are restored bit-for-bit, so the next forward on the same batch
+gives the same loss up to the order of the cross-rank loss reduction; the steps after differ
+only by the order in which gradients are summed across ranks (the plans reduce in different
+groups), the same ~1e-7 relative effect the parity suite measures between plans (on
+tiny-llama in fp32 it stays below the parameters' resolution: the tests observe bit-exact
+losses across plans and 4 <-> 8 ranks; bf16/fp16 across plans ~2e-6 relative).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from amsp_ext.runtime import collectives as C
+
+if TYPE_CHECKING:
+    from amsp_ext.runtime.engine import Engine
+    from amsp_ext.runtime.layout import LocalTensor
+
+__all__ = ["CheckpointError", "checkpoint_step", "load_checkpoint", "read_checkpoint_meta", "save_checkpoint"]
+
+FORMAT = "amsp-checkpoint/1"
+META_FILE = "amsp.json"
+MODEL = "model."  # + state_dict key
+MASTER = "optim.master."  # + tensor name (mixed precision only)
+STATE = "optim.state."  # + tensor name + "." + state key
+GROUP = "optim.param_groups."  # + tensor name: the hyper-parameters of its param group
+GLOBAL = "amsp.state"
+RNG = "amsp.rng."  # + rank
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or loaded here (missing, incomplete, or another model)."""
+
+
+# -- shared helpers (also used by export.py) -------------------------------------------------------
+def engine_of(model: nn.Module, optimizer=None) -> "Engine":
+    e = getattr(model, "amsp", None)
+    if e is None:
+        raise CheckpointError("amsp checkpoint: the model is not sharded by amsp_ext.shard")
+    if optimizer is not None and optimizer is not e.optimizer:
+        raise CheckpointError("amsp checkpoint: optimizer is not the one amsp_ext.shard returned for this model")
+    return e
+
+
+def as_global(t: "LocalTensor", local: torch.Tensor) -> torch.Tensor:
+    """``local`` (shaped like ``t``'s local shard) as a global tensor with ``t``'s chunk offsets."""
+    p = t.param
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local.detach(), p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    return local.detach()
+
+
+def _pack(obj: Any) -> bytes:
+    # pre-pickled so that DCP stores one opaque item (it would flatten a dict into many)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_checkpoint_meta(path) -> dict:
+    """The ``amsp.json`` table of a complete checkpoint (no collective)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"amsp checkpoint: {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"amsp checkpoint: {path} is not a directory")
+    meta_file = path / META_FILE
+    if not meta_file.is_file() or not (path / ".metadata").is_file():
+        raise CheckpointError(f"amsp checkpoint: {path} is not a complete amsp checkpoint "
+                              f"(no {META_FILE} or .metadata: another format, or the save did not finish)")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"amsp checkpoint: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def dcp_metadata(path) -> dict:
+    """DCP's key -> storage metadata (global size, dtype, chunks) of ``path`` (no collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def trainable_by_id(e: "Engine") -> dict[int, "LocalTensor"]:
+    return {id(t.param): t for t in e.tensors}
+
+
+# -- save ------------------------------------------------------------------------------------------
+@torch.no_grad()
+def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, extra: Any = None,
+                    rng: bool = True) -> None:
+    """Write a sharded checkpoint of ``model`` + ``optimizer`` into the directory ``path``.
+
+    Collective. ``extra``: any picklable object (rank 0's is saved), returned by
+    ``load_checkpoint``. ``rng``: also save each rank's RNG states (restored under the same
+    world size). Call between steps; pending parameter broadcasts are awaited first.
+    """
+    e = engine_of(model, optimizer)
+    opt = e.optimizer
+    path = Path(path)
+    if e.rank == 0 and (path / META_FILE).exists():
+        (path / META_FILE).unlink()  # a half-overwritten checkpoint must not look complete
+    e.wait_params()
+    sd: dict[str, Any] = {MODEL + k: v for k, v in model.state_dict().items()}
+    group_of = {id(p): g for g in opt.inner.param_groups for p in g["params"]}
+    rows = []
+    for idx, m in opt.masters.items():
+        t = e.tensors[idx]
+        if not opt._aliased:
+            sd[MASTER + t.name] = as_global(t, m)
+        kinds = {}
+        for k, v in opt.inner.state.get(m, {}).items():
+            kinds[k] = _state_item(sd, t, k, v, e.plan.sp)
+        sd[GROUP + t.name] = _pack({k: v for k, v in group_of[id(m)].items() if k != "params"})
+        rows.append({"name": t.name, "index": t.index, "shard_index": t.shard_index,
+                     "global_shape": list(t.global_shape), "local_shape": list(t.local_shape),
+                     "offset": _chunk_offset(t), "state": kinds})
+    if e.rank == 0:
+        sd[GLOBAL] = _pack({"num_steps": opt.num_steps,
+                            "scaler": opt.scaler.state_dict() if opt.scaler else None,
+                            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+                            "extra": extra})
+    if rng:
+        sd[RNG + str(e.rank)] = _pack(_rng_state(e.device))
+    table = C.gather_objects(rows, None, name="world")
+    C.checkpoint_save(sd, path)
+    if e.rank == 0:
+        _write_meta(path, _meta(model, e, table, rng))
+    C.barrier(None, name="world", timeout=e.config.timeout)  # amsp.json exists on return, on every rank
+
+
+def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:
+    key = f"{STATE}{t.name}.{k}"
+    if not torch.is_tensor(v):
+        sd[key] = _pack(v)
+        return "object"
+    if v.dim() == 0:
+        sd[key] = v.detach()
+        return "scalar"
+    if tuple(v.shape) == tuple(t.local_shape):
+        sd[key] = as_global(t, v)
+        return "param"
+    sd[f"{key}.shard{t.shard_index}of{sp}"] = v.detach()
+    return "shard"
+
+
+def _chunk_offset(t: "LocalTensor") -> list[int]:
+    p = t.param
+    if not isinstance(p, DTensor):
+        return [0] * len(t.global_shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return list(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
+
+
+def _rng_state(device: torch.device) -> dict:
+    import numpy as np
+
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _hf_info(model: nn.Module) -> tuple[str, dict | None]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from amsp_ext.runtime.engine import AMSPModule
+
+    # the user's class, under FSDP2's and our dynamic subclasses
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, (AMSPModule, FSDPModule)))
+    cfg = getattr(model, "config", None)
+    hf = json.loads(cfg.to_json_string(use_diff=False)) if hasattr(cfg, "to_json_string") else None
+    if hf is not None:
+        hf["architectures"] = [cls.__name__]
+    return cls.__name__, hf
+
+
+def _meta(model: nn.Module, e: "Engine", table: list, rng: bool) -> dict:
+    by_id = trainable_by_id(e)
+    model_rows = []
+    for k, v in model.state_dict(keep_vars=True).items():
+        t = by_id.get(id(v))
+        model_rows.append({"key": k, "shape": list(v.shape), "dtype": _dtype_name(v.dtype),
+                           "param": t.name if t is not None else None})
+    chunks: dict[tuple[str, int], dict] = {}
+    for rank, rows in enumerate(table):
+        for r in rows:
+            c = chunks.setdefault((r["name"], r["shard_index"]), {**r, "owners": []})
+            c["owners"].append(rank)
+    cls, hf = _hf_info(model)
+    return {
+        "format": FORMAT, "plan": str(e.plan), "sp": e.plan.sp,
+        "world": {"num_nodes": e.world.num_nodes, "gpus_per_node": e.world.gpus_per_node,
+                  "size": e.world.size},
+        "precision": e.config.precision, "ownership": e.config.ownership,
+        "step": e.optimizer.num_steps, "optimizer": type(e.optimizer.inner).__name__,
+        "masters": not e.optimizer._aliased, "rng": rng, "torch": torch.__version__,
+        "model_class": cls, "hf_config": hf, "model": model_rows,
+        "tensors": sorted(chunks.values(), key=lambda c: (c["index"], c["shard_index"])),
+    }
+
+
+def _write_meta(path: Path, meta: dict) -> None:
+    tmp = path / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, path / META_FILE)
+
+
+# -- load ------------------------------------------------------------------------------------------
+def _check_model(path: Path, meta: dict, current: dict[str, torch.Tensor]) -> None:
+    saved = {r["key"]: r for r in meta["model"]}
+    for k, v in current.items():
+        r = saved.get(k)
+        if r is None:
+            raise CheckpointError(f"amsp checkpoint {path}: tensor {k!r} of the model is not in the checkpoint")
+        if list(v.shape) != r["shape"]:
+            raise CheckpointError(f"amsp checkpoint {path}: tensor {k!r} has shape {list(v.shape)} in the "
+                                  f"model but {r['shape']} in the checkpoint")
+    for r in meta["model"]:
+        if r["key"] not in current:
+            raise CheckpointError(f"amsp checkpoint {path}: tensor {r['key']!r} of the checkpoint is not in the model")
+
+
+def _check_optimizer(path: Path, meta: dict, e: "Engine") -> None:
+    inner = type(e.optimizer.inner).__name__
+    if meta["optimizer"] != inner:
+        raise CheckpointError(f"amsp checkpoint {path}: optimizer states were saved from "
+                              f"{meta['optimizer']}, this optimizer is {inner}")
+    if meta["sp"] == e.plan.sp:
+        return
+    # decided from the checkpoint's table, not from what this rank owns: every rank must agree
+    for r in meta["tensors"]:
+        for k, kind in r["state"].items():
+            if kind == "shard":
+                raise CheckpointError(
+                    f"amsp checkpoint {path}: optimizer state {k!r} of {r['name']!r} is per-shard (not "
+                    f"shaped like the parameter) and was saved with sp={meta['sp']} (plan "
+                    f"{meta['plan']}); it can only be loaded with the same sp, not sp={e.plan.sp}")
+
+
+@torch.no_grad()
+def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng: bool = True,
+                    optimizer_states: bool = True) -> Any:
+    """Load a checkpoint written by ``save_checkpoint`` under any plan and world size.
+
+    Collective. Restores parameters, fp32 masters, inner optimizer states and param-group
+    hyper-parameters, the step counter, the fp16 loss scaler, ``lr_scheduler`` (if given and
+    saved) and, under the same world size, each rank's RNG states. Returns the saved ``extra``.
+    ``optimizer_states=False``: weights (parameters and masters) only; the optimizer keeps its
+    fresh state, step counter and loss scale, and may be of another class.
+    Raises CheckpointError (before any collective) for a missing or incomplete checkpoint, or
+    one of another model (first mismatched tensor named) or optimizer class.
+    """
+    path = Path(path)
+    meta = read_checkpoint_meta(path)
+    e = engine_of(model, optimizer)
+    opt = e.optimizer
+    md = dcp_metadata(path)
+    current = model.state_dict(keep_vars=True)
+    _check_model(path, meta, current)
+    if optimizer_states:
+        _check_optimizer(path, meta, e)
+    # -- no collective above this line ------------------------------------------------------
+    e.wait_params()  # no broadcast may land after the load
+    _reshard(model)
+    opt.zero_grad()
+    sd: dict[str, Any] = {}
+    masters_to_params = _param_targets(e, current, md, sd)
+    names = [t.name for t in e.tensors]
+    if optimizer_states:
+        states = _state_targets(e, meta, md, sd)
+        for idx in opt.masters:
+            sd[GROUP + e.tensors[idx].name] = b""
+        if not opt.masters and names:  # nothing owned: lr and friends still feed schedulers
+            sd[GROUP + names[0]] = b""
+    sd[GLOBAL] = b""
+    restore_rng = rng and meta.get("rng") and meta["world"]["size"] == e.world.size
+    if restore_rng:
+        sd[RNG + str(e.rank)] = b""
+    C.checkpoint_load(sd, path)
+
+    for idx in masters_to_params:
+        e.tensors[idx].local().copy_(opt.masters[idx])
+    glob = _unpack(sd[GLOBAL])
+    if optimizer_states:
+        _load_inner(e, sd, states, names)
+        opt.num_steps = int(glob["num_steps"])
+        if opt.scaler is not None and glob["scaler"]:
+            opt.scaler.load_state_dict(glob["scaler"])
+    if lr_scheduler is not None:
+        if glob["lr_scheduler"] is None:
+            warnings.warn(f"amsp checkpoint {path}: no LR scheduler state was saved; lr_scheduler left as is")
+        else:
+            lr_scheduler.load_state_dict(glob["lr_scheduler"])
+    if restore_rng:
+        _set_rng_state(_unpack(sd[RNG + str(e.rank)]), e.device)
+    elif rng and meta.get("rng") and e.rank == 0:
+        warnings.warn(f"amsp checkpoint {path}: saved on {meta['world']['size']} ranks, loaded on "
+                      f"{e.world.size}: RNG states not restored")
+    return glob["extra"]
+
+
+def _reshard(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()  # no-op when already sharded; never a collective
+
+
+def _param_targets(e: "Engine", current: dict, md: dict, sd: dict) -> list[int]:
+    """Fill ``sd`` with the parameter (and master) targets; return the owned tensor indices
+    whose local parameter must then be set from the loaded master."""
+    opt = e.optimizer
+    by_id = trainable_by_id(e)
+    after = []
+    for k, v in current.items():
+        t = by_id.get(id(v))
+        if t is None:  # frozen parameter or persistent buffer
+            sd[MODEL + k] = v.detach()
+            continue
+        if t.name != k:  # a tied alias: loaded through its first name
+            continue
+        src = MASTER + t.name if MASTER + t.name in md else MODEL + t.name
+        if opt._aliased:
+            sd[src] = v.detach()  # the parameter is the master
+        elif t.index in opt.masters:
+            sd[src] = as_global(t, opt.masters[t.index])
+            after.append(t.index)
+        elif md[MODEL + k].properties.dtype == v.dtype:
+            sd[MODEL + k] = v.detach()  # the owner's rounding of the same master
+        else:
+            sd[src] = v.detach()  # e.g. bf16 saved, fp16 here: round the master, like the owner
+    return after
+
+
+def _state_targets(e: "Engine", meta: dict, md: dict, sd: dict) -> dict[int, dict[str, Any]]:
+    """Allocate the owned optimizer states (shapes and dtypes from the checkpoint) in ``sd``."""
+    kinds = {r["name"]: r["state"] for r in meta["tensors"]}
+    out: dict[int, dict[str, Any]] = {}
+    for idx in e.optimizer.masters:
+        t = e.tensors[idx]
+        st: dict[str, Any] = {}
+        for k, kind in kinds.get(t.name, {}).items():
+            key = f"{STATE}{t.name}.{k}"
+            if kind == "object":
+                sd[key] = b""
+                st[k] = (key,)  # unpacked after the load
+                continue
+            if kind == "shard":
+                key = f"{key}.shard{t.shard_index}of{e.plan.sp}"
+            props = md[key]
+            if kind == "scalar":
+                local = torch.empty((), dtype=props.properties.dtype)
+                sd[key] = local
+            elif kind == "param":
+                local = torch.empty(t.local_shape, dtype=props.properties.dtype, device=e.device)
+                sd[key] = as_global(t, local)
+            else:
+                local = torch.empty(tuple(props.size), dtype=props.properties.dtype, device=e.device)
+                sd[key] = local
+            st[k] = local
+        out[idx] = st
+    return out
+
+
+def _load_inner(e: "Engine", sd: dict, states: dict[int, dict[str, Any]], names: list[str]) -> None:
+    """Hand the loaded states and hyper-parameters to the inner optimizer's own load_state_dict
+    (which casts ``step`` & co. the way that optimizer wants)."""
+    opt = e.optimizer
+    inner_sd = opt.inner.state_dict()
+    pos = {id(p): i for i, p in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
+    new_state = {}
+    for idx, st in states.items():
+        if st:
+            new_state[pos[id(opt.masters[idx])]] = {
+                k: _unpack(sd[v[0]]) if isinstance(v, tuple) else v for k, v in st.items()}
+    inner_sd["state"] = new_state
+    for g_sd, g in zip(inner_sd["param_groups"], opt.inner.param_groups):
+        gnames = [p.amsp_name for p in g["params"] if hasattr(p, "amsp_name")]
+        if not gnames and not opt.masters:
+            gnames = names[:1]  # the placeholder group of a rank that owns nothing
+        if not gnames:
+            continue  # a group with none of this rank's tensors keeps what the factory gave it
+        hps = [_unpack(sd[GROUP + n]) for n in gnames]
+        if any(_hp_key(h) != _hp_key(hps[0]) for h in hps[1:]):
+            warnings.warn(f"amsp checkpoint: a param group mixes tensors saved with different "
+                          f"hyper-parameters (e.g. {gnames[0]!r}); using those of {gnames[0]!r}")
+        g_sd.update(hps[0])
+    opt.inner.load_state_dict(inner_sd)
+
+
+def _hp_key(h: dict) -> str:
+    return repr(sorted((k, v.tolist() if torch.is_tensor(v) else v) for k, v in h.items()))
+
+
+def checkpoint_step(path) -> int:
+    """The optimizer step a checkpoint was saved at (no collective)."""
+    return int(read_checkpoint_meta(path)["step"])
+
