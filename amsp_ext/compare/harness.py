@@ -154,6 +154,7 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     items = plan_runs(mode, spec, systems, ablation_micro_batches)
     nodes, gpn = resolve_world(spec, launch)
     date = datetime.date.today().isoformat()
+    load_start = _load()
     stem_hw = _hardware(launch, nodes, gpn)
     stem = f"{spec.model}_{stem_hw}_{date}" + ("" if mode == "baselines" else f"_{mode}")
     runs_dir = out_dir / stem / "runs"
@@ -192,8 +193,19 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
                  hardware=stem_hw)
     meta["planner"] = planner.describe()
+    meta["load"] = {"start": load_start, "end": _load()}
     path = write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem)
     return path, rows
+
+
+def _load() -> list[float] | None:
+    """1/5/15-minute load averages: on a shared machine they say how noisy the timings are."""
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _machine() -> str:
