@@ -223,7 +223,7 @@ def _machine() -> str:
 
 
 def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
-    from amsp_ext.compare.flops import layer_shape, megatron_flops_per_token
+    from amsp_ext.metrics import flops_per_token
     from amsp_ext.models import build_llama, llama_config_dict
 
     ok = [r for r in raw if r.get("status") == "ok"]
@@ -250,8 +250,7 @@ def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak
         "peak_flops": peak, "compute_dtype": spec.precision,
         "precision_note": _precision_note(spec.precision),
         "num_params": num_params,
-        "flops_per_token": megatron_flops_per_token(layer_shape(llama_config_dict(spec.model)),
-                                                    seq_len=spec.seq_len),
+        "flops_per_token": flops_per_token(llama_config_dict(spec.model), spec.seq_len),
         "global_batch_sequences": spec.micro_batch_size * spec.num_micro_batches * world,
         "global_batch_tokens": spec.tokens_per_rank_per_step * world,
     }
