@@ -11,7 +11,6 @@ import pytest
 from amsp_ext.compare import trace
 from amsp_ext.compare.config import RunSpec, SpecError
 from amsp_ext.compare.report import format_table, ratios
-from amsp_ext.models import llama_config_dict
 
 
 def _ev(name, thread, start, end):
