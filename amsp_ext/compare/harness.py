@@ -22,6 +22,7 @@ from amsp_ext.compare.config import OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
 from amsp_ext.compare.launch import LaunchConfig, run_system
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS, runner
+from amsp_ext.planner.specs import format_size
 
 __all__ = ["MODES", "PlannerInputs", "RunItem", "plan_runs", "resolve_world", "run_comparison"]
 
@@ -78,8 +79,8 @@ class PlannerInputs:
     missing: str = "fit"  # a mesh the profile lacks: alpha-beta fit ("fit") or refuse ("error")
 
     def describe(self) -> str:
-        return (f"profile {self.profile}, {self.gpu_memory_bytes / 2**30:g} GiB per GPU less "
-                f"{self.memory_reserve_bytes / 2**30:g} GiB reserve, missing meshes: {self.missing}")
+        return (f"profile {self.profile}, {format_size(self.gpu_memory_bytes)} per GPU less "
+                f"{format_size(self.memory_reserve_bytes)} reserve, missing meshes: {self.missing}")
 
 
 def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
