@@ -15,7 +15,23 @@ import time
 
 import torch
 
-__all__ = ["matmul_peak_flops", "median_after_warmup", "peak_memory_bytes"]
+__all__ = ["flops_per_token", "matmul_peak_flops", "median_after_warmup", "mfu", "peak_memory_bytes"]
+
+
+def flops_per_token(hf_config: dict, seq_len: int) -> float:
+    """Model FLOPs per trained token by the Megatron-LM count the paper uses, for a Llama-style
+    Hugging Face config (the planner's count: real GQA/SwiGLU matrices, attention not halved for
+    causality, recomputation not counted)."""
+    from amsp_ext.planner.model_spec import ModelSpec
+    from amsp_ext.planner.step import model_flops_per_token
+
+    return model_flops_per_token(ModelSpec.from_hf_config(hf_config), seq_len)
+
+
+def mfu(*, flops_per_token: float, tokens_per_gpu_per_s: float, peak_flops: float) -> float:
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be > 0, got {peak_flops}")
+    return flops_per_token * tokens_per_gpu_per_s / peak_flops
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype, *, n: int = 1024,

@@ -26,7 +26,6 @@ from amsp_ext.models import build_llama, causal_lm_loss, llama_config_dict
 from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec, parse_size
-from amsp_ext.planner.step import model_flops_per_token
 from amsp_ext.runtime import collectives
 from amsp_ext.cli.train import add_train_arguments, check_args
 from amsp_ext.runtime.config import PRECISIONS, AutoPlanConfig, OverlapConfig, ShardConfig
@@ -81,8 +80,7 @@ def train(args: argparse.Namespace) -> dict | None:
     dtype = PRECISIONS[args.precision]
     collectives.barrier(dist.group.WORLD, name="world", timeout=args.timeout)
     peak_flops = metrics.matmul_peak_flops(device, dtype)
-    spec = ModelSpec.from_hf_config(llama_config_dict(args.model), name=args.model)
-    flops_per_token = model_flops_per_token(spec, args.seq_len)
+    flops_per_token = metrics.flops_per_token(llama_config_dict(args.model), args.seq_len)
 
     # -- 4. the loop -----------------------------------------------------------------------
     M = args.micro_batches
@@ -123,7 +121,7 @@ def train(args: argparse.Namespace) -> dict | None:
     result = None
     if rank == 0:
         predicted = memory_breakdown(
-            spec, plan, TrainingSpec(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+            ModelSpec.from_hf_config(llama_config_dict(args.model)), plan, TrainingSpec(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                                      num_micro_batches=M, precision=args.precision,
                                      bucket_bytes=config.grad_bucket_bytes,
                                      granularity=args.granularity, recompute=args.recompute),
@@ -135,7 +133,8 @@ def train(args: argparse.Namespace) -> dict | None:
             "steps": args.steps, "micro_batches": M, "micro_batch_size": args.micro_batch_size,
             "seq_len": args.seq_len, "precision": args.precision, "loss": losses,
             "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,
-            "mfu": flops_per_token * tokens_per_gpu_per_s / peak_flops,
+            "mfu": metrics.mfu(flops_per_token=flops_per_token,
+                               tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak_flops),
             "peak_flops_per_gpu": peak_flops,
             "peak_flops_source": f"measured: {args.precision} 1024x1024 matmul on {device.type}, all ranks at once",
             "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],

@@ -125,3 +125,13 @@ def test_tmp_buffers_by_hand():
     assert ddp1.tmp == 4 * 436 - 452
     assert ddp1.activations + ddp1.tmp == 4 * 436
     assert m.total == m.params + m.grads + m.optim + m.activations + m.tmp
+
+
+def test_buffers_never_exceed_the_ranks_gradients():
+    # TOY has 436 params: 872 bf16 gradient bytes per rank unsharded, 436 with sp = 2. A 128 MiB
+    # bucket can never be filled, so the buffers are capped at those bytes (small-model plans).
+    big = TrainingSpec(seq_len=8, num_micro_batches=3)  # default U = 128 MiB
+    ddp = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), big, gpus_per_node=4, num_nodes=2)
+    assert ddp.tmp_parts["buckets"] == 2 * 872
+    m = memory_breakdown(TOY, parse_plan("p=2x1,g=2x1,os=4x2"), big, gpus_per_node=4, num_nodes=2)
+    assert m.tmp_parts["buckets"] == 2 * 436 and m.tmp_parts["broadcast_staging"] == 436

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "cluster": "cluster",
     "profile": "profile",
     "compare": "compare",
+    "simulate": "simulate",
     "train": "train",
     "migrate": "migrate",
 }

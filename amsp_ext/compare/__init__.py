@@ -7,7 +7,8 @@ runtime (``amsp_ext.shard``) and the baselines' libraries; nothing below imports
 - ``systems/``: one small runner per system, ``setup(name, model, ctx) -> SystemRun``.
 - ``worker``: the torchrun-able module that runs one system on every rank.
 - ``launch``: torchrun or ``amsp cluster run``, one job per system; failures become reasons.
-- ``flops``, ``peak``, ``memory``, ``trace``: how each figure is measured.
+- ``memory``, ``trace``: how memory and exposed communication are measured (FLOPs and the
+  matmul peak come from :mod:`amsp_ext.metrics`, shared with `amsp train`).
 - ``summary``, ``report``: rows, the markdown table, JSON and plots.
 - ``harness``: modes (baselines, dissociation, ablation) and the run.
 """

@@ -22,6 +22,7 @@ from amsp_ext.compare.config import OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
 from amsp_ext.compare.launch import LaunchConfig, run_system
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS, runner
+from amsp_ext.planner.specs import format_size
 
 __all__ = ["MODES", "PlannerInputs", "RunItem", "plan_runs", "resolve_world", "run_comparison"]
 
@@ -78,8 +79,8 @@ class PlannerInputs:
     missing: str = "fit"  # a mesh the profile lacks: alpha-beta fit ("fit") or refuse ("error")
 
     def describe(self) -> str:
-        return (f"profile {self.profile}, {self.gpu_memory_bytes / 2**30:g} GiB per GPU less "
-                f"{self.memory_reserve_bytes / 2**30:g} GiB reserve, missing meshes: {self.missing}")
+        return (f"profile {self.profile}, {format_size(self.gpu_memory_bytes)} per GPU less "
+                f"{format_size(self.memory_reserve_bytes)} reserve, missing meshes: {self.missing}")
 
 
 def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
@@ -154,6 +155,7 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     items = plan_runs(mode, spec, systems, ablation_micro_batches)
     nodes, gpn = resolve_world(spec, launch)
     date = datetime.date.today().isoformat()
+    load_start = _load()
     stem_hw = _hardware(launch, nodes, gpn)
     stem = f"{spec.model}_{stem_hw}_{date}" + ("" if mode == "baselines" else f"_{mode}")
     runs_dir = out_dir / stem / "runs"
@@ -192,8 +194,19 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
                  hardware=stem_hw)
     meta["planner"] = planner.describe()
+    meta["load"] = {"start": load_start, "end": _load()}
     path = write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem)
     return path, rows
+
+
+def _load() -> list[float] | None:
+    """1/5/15-minute load averages: on a shared machine they say how noisy the timings are."""
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _machine() -> str:
@@ -211,7 +224,7 @@ def _machine() -> str:
 
 
 def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
-    from amsp_ext.compare.flops import layer_shape, megatron_flops_per_token
+    from amsp_ext.metrics import flops_per_token
     from amsp_ext.models import build_llama, llama_config_dict
 
     ok = [r for r in raw if r.get("status") == "ok"]
@@ -238,8 +251,7 @@ def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak
         "peak_flops": peak, "compute_dtype": spec.precision,
         "precision_note": _precision_note(spec.precision),
         "num_params": num_params,
-        "flops_per_token": megatron_flops_per_token(layer_shape(llama_config_dict(spec.model)),
-                                                    seq_len=spec.seq_len),
+        "flops_per_token": flops_per_token(llama_config_dict(spec.model), spec.seq_len),
         "global_batch_sequences": spec.micro_batch_size * spec.num_micro_batches * world,
         "global_batch_tokens": spec.tokens_per_rank_per_step * world,
     }

@@ -48,6 +48,14 @@ CAVEATS = """\
   `--launcher cluster` runs on the network-namespace lab, where it does."""
 
 
+def _load_text(load: dict | None) -> str:
+    if not load or not load.get("start"):
+        return ""
+    fmt = lambda v: "/".join(f"{x:.1f}" for x in v) if v else "n/a"  # noqa: E731
+    return (f" Load average (1/5/15 min) at the start: {fmt(load['start'])}, at the end: "
+            f"{fmt(load.get('end'))}.")
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
@@ -220,7 +228,7 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
     lines = [
         f"# amsp compare: {spec['model']} on {meta['hardware']}, {meta['date']}",
         "",
-        f"Machine: {meta['cpu']}.",
+        f"Machine: {meta['cpu']}." + _load_text(meta.get("load")),
         "",
         f"Mode: **{meta['mode']}**. Command:",
         "",

@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from amsp_ext.compare.config import RunSpec
-from amsp_ext.compare.flops import layer_shape, megatron_flops_per_token, mfu
+from amsp_ext.metrics import flops_per_token, mfu
 
 __all__ = ["global_losses", "peak_flops", "summarize", "step_times"]
 
@@ -45,7 +45,7 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
     timed = times[spec.num_warmup_steps:]
     median_step = statistics.median(timed)
     tgs = spec.tokens_per_rank_per_step / median_step
-    fpt = megatron_flops_per_token(layer_shape(llama_config_dict(spec.model)), seq_len=spec.seq_len)
+    fpt = flops_per_token(llama_config_dict(spec.model), spec.seq_len)
     comm = [r["comm"] for r in ranks if r.get("comm")]
     row.update({
         "step_s": times,

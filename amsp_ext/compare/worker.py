@@ -71,7 +71,9 @@ def run(system: str, spec, out: Path) -> dict:
     import torch
     import torch.distributed as dist
 
-    from amsp_ext.compare import memory, peak, trace
+    from amsp_ext.compare import memory, trace
+    from amsp_ext.metrics import matmul_peak_flops
+    from amsp_ext.runtime import collectives as C
     from amsp_ext.compare.config import resolve_topology
     from amsp_ext.compare.systems import SYSTEMS, runner
     from amsp_ext.compare.systems.base import Context
@@ -89,9 +91,9 @@ def run(system: str, spec, out: Path) -> dict:
 
         patches_applied = patches.apply_needed()
 
-    dist.barrier()
-    peak_flops = peak.matmul_flops(ctx.param_dtype)
-    dist.barrier()
+    C.barrier(dist.group.WORLD, name="world")
+    peak_flops = matmul_peak_flops(torch.device("cpu"), ctx.param_dtype)
+    C.barrier(dist.group.WORLD, name="world")
 
     _warm_process(ctx)
     live0 = memory.live_tensor_bytes()
@@ -128,8 +130,7 @@ def run(system: str, spec, out: Path) -> dict:
         "live_tensor_delta_bytes": memory.live_tensor_bytes() - live0,
         "comm": comm,
     }
-    records: list = [None] * world
-    dist.all_gather_object(records, record)
+    records = C.gather_objects(record, dist.group.WORLD, name="world")  # rank 0 writes the row
     return {
         "system": system,
         "label": info.label,
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         from amsp_ext.compare.config import RunSpec
+        from amsp_ext.runtime import collectives as C
 
         spec = RunSpec.from_json(Path(args.spec).read_text())
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             result["versions"] = _versions()
             result["cluster_link"] = json.loads(os.environ.get("AMSP_CLUSTER_LINK", "null"))
             _write_json(out / "result.json", result)
-        dist.barrier()
+        C.barrier(dist.group.WORLD, name="world")
         dist.destroy_process_group()
         return 0
     except BaseException as e:  # noqa: BLE001 - every failure must reach the row

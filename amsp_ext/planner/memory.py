@@ -55,7 +55,9 @@ are not counted (as in Korthikanti et al.).
 
 [Note: temporary buffers and the peak]
 * Gradient buckets: two buckets of U bytes in flight (one filling, one all-reducing), whenever
-  the plan all-reduces gradients (its replica or gradient group has more than one GPU).
+  the plan all-reduces gradients (its replica or gradient group has more than one GPU). A bucket
+  never holds more than the rank's gradients, e*Phi/sp bytes (the engine sizes its buckets to the
+  tensors they hold), so U is capped there; this only matters for models smaller than ~U.
 * Gathered parameters when sp > 1: the unit being computed and the one prefetched (two of the
   largest unit), plus the full-size gradients of two units waiting for their reduce-scatter.
   With recomputation the whole layer gathered for the recompute forward is kept for its
@@ -151,7 +153,7 @@ def activation_bytes(spec: ModelSpec, training: TrainingSpec) -> int:
 def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
                gpus_per_node: int, num_nodes: int) -> dict[str, int]:
     e = param_bytes(training.precision)
-    U = training.bucket_bytes
+    U = min(training.bucket_bytes, e * spec.num_params // plan.sp)
     replica = (gpus_per_node // plan.s0_p) * (num_nodes // plan.s1_p)
     grad_group = plan.sg // plan.sp
     parts = {"buckets": 2 * U if (replica > 1 or grad_group > 1) else 0}

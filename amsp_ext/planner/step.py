@@ -70,11 +70,23 @@ _OPT_TRAFFIC = {
 
 @dataclass(frozen=True, kw_only=True)
 class OverlapRules:
-    """Which of the paper's overlaps the engine performs (all on by default; Table V ablation)."""
+    """Which of the paper's overlaps the engine performs (all on by default; Table V ablation).
+
+    ``ag_rs=False`` makes all-gathers and reduce-scatters blocking (Table V's rows).
+    ``rs=False`` keeps the all-gather prefetch but makes each unit's reduce-scatter blocking,
+    right after its backward: what the paper's Fig. 14 traces show DeepSpeed's stage-3 engines
+    (ZeRO-3, ZeRO++, MiCS) do even with ``overlap_comm`` on. ``amsp simulate`` uses it to model
+    those baselines; it is never the default.
+    """
 
     ag_rs: bool = True
     ar: bool = True
     bc: bool = True
+    rs: bool = True
+
+    @property
+    def rs_async(self) -> bool:
+        return self.ag_rs and self.rs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,13 +272,13 @@ def step_estimate(
     order, is_bwd, need_gather = _backward_order(tuple(layer_of.tolist()), training.recompute)
     tc = np.where(is_bwd, c_b[order], c_f[order])
     tg = np.where(need_gather, g_b[order], 0.0)
-    if plan.sp > 1 and not overlap.ag_rs:
+    if plan.sp > 1 and not overlap.rs_async:
         tc = tc + np.where(is_bwd, r[order], 0.0)  # blocking reduce-scatter
     bs = _chain(tc, tg, overlap.ag_rs)
     bwd = bs[-1] + tc[-1]
     done = (bs + tc)[is_bwd]  # gradient of each unit computed (backward order)
     units_bwd = order[is_bwd]
-    if plan.sp > 1 and overlap.ag_rs:  # a bucket waits for its units' reduce-scatters
+    if plan.sp > 1 and overlap.rs_async:  # a bucket waits for its units' reduce-scatters
         d_cum = np.cumsum(r[units_bwd])
         grad_ready = np.maximum.accumulate(done - (d_cum - r[units_bwd])) + d_cum
     else:
@@ -287,7 +299,7 @@ def step_estimate(
 
     bwd_starts = offsets + fwd  # offsets[0] + fwd == first_fwd
     rs_tail = 0.0
-    if plan.sp > 1 and overlap.ag_rs:
+    if plan.sp > 1 and overlap.rs_async:
         rs_ready = (bwd_starts[:, None] + done[None, :]).ravel()
         rs_tail = _stream_end(rs_ready, np.tile(r[units_bwd], M))
 
