@@ -12,8 +12,16 @@ __all__ = [
     "save_pretrained", "shard",
 ]
 
+# DeepSpeed-compatible entry points (amsp_ext.integrations), also lazy
+_INTEGRATIONS = ("initialize", "patch_deepspeed")
+__all__ += list(_INTEGRATIONS)
+
 
 def __getattr__(name):
+    if name in _INTEGRATIONS:
+        from amsp_ext import integrations
+
+        return getattr(integrations, name)
     if name in __all__:
         from amsp_ext import runtime
 

@@ -4,6 +4,10 @@ Each module states the DeepSpeed versions it was checked against, detects whethe
 versions need it (a local probe, never an assumption from the backend's name alone) and changes
 nothing otherwise. ``apply_needed()`` applies every patch that is needed and returns what it did,
 so a benchmark report can list exactly which fixes were active.
+
+The integration patches (``deepspeed_initialize``: route ``deepspeed.initialize`` to AMSP;
+``accelerate_deepspeed_cpu_state``, ``accelerate_amsp_block``: Accelerate's DeepSpeed mode under
+AMSP) are not in ``apply_needed``: ``amsp_ext.patch_deepspeed()`` and the start-up hook apply them.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "compare": "compare",
     "simulate": "simulate",
     "train": "train",
+    "migrate": "migrate",
 }
 
 

@@ -1,0 +1,317 @@
+"""``amsp migrate``: turn a DeepSpeed ``ds_config.json`` into one that runs AMSP (torch-free).
+
+    amsp migrate ds_config.json --model llama-7b [--nodes N --gpus-per-node R --gpu-memory M]
+                 [--seq-len L] [--plan PLAN|auto] [-o out.json] [--json]
+
+Reads the ZeRO stage, hpZ size (``zero_hpz_partition_size``), MiCS shard size, bucket size,
+bf16/fp16, gradient accumulation and clipping; writes the same config plus an ``"amsp"`` block
+(``enabled: true`` and the planned factors; DeepSpeed's own keys are kept, so ``"enabled":
+false`` runs DeepSpeed again); prints the old layout as factors next to the planned one, with
+the planner's predicted communication (Tp, Tg, T0_os, T1_os) and memory for both. Every key it
+does not map is reported on stderr, one line each, with what AMSP does instead.
+
+[Note: the two bucket sizes]
+DeepSpeed's ``reduce_bucket_size`` counts elements (default 5e8). The old layout is costed with
+that bucket; the AMSP plan with the config's explicit ``reduce_bucket_size`` (converted to
+bytes and written as ``amsp.bucket_size``), or else the engine's default (25 MiB) - DeepSpeed's
+default would make one bucket of a 1B-element model and defeat overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
+
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default
+ENGINE_BUCKET_BYTES = 25 * 2**20  # amsp_ext.runtime.config.ShardConfig.grad_bucket_bytes default
+_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd-momentum", "lion": "lion"}
+_STATUS_WORDS = {"superseded": "replaced by AMSP", "ignored": "no effect under AMSP",
+                 "unsupported": "NOT honoured by AMSP"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", metavar="DS_CONFIG", help="the DeepSpeed config JSON to migrate")
+    p.add_argument("-o", "--output", metavar="PATH",
+                   help="where to write the migrated config (default: <DS_CONFIG stem>.amsp.json)")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a preset (llama-7b ... llama-65b) or a built-in model "
+                                       "(tiny-llama, small-llama)")
+    model.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json")
+    c = p.add_argument_group("target cluster")
+    c.add_argument("--nodes", type=int, default=1, help="N (default 1)")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="R (default 8)")
+    c.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="per GPU (default 80GiB)")
+    c.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
+                   help="memory the model cannot use (default 2GiB)")
+    c.add_argument("--nodes-per-leaf", type=int, default=None)
+    c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
+                   help="bandwidth profile (default paper-a800)")
+    c.add_argument("--missing-mesh", choices=("error", "fit"), default="error")
+    t = p.add_argument_group("training (what the ds_config does not say)")
+    t.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    t.add_argument("--micro-batch-size", type=int, default=None,
+                   help="needed when train_micro_batch_size_per_gpu is 'auto'")
+    t.add_argument("--micro-batches", type=int, default=None,
+                   help="needed when gradient_accumulation_steps is 'auto'")
+    t.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="needed when bf16/fp16.enabled is 'auto'")
+    t.add_argument("--recompute", action="store_true", help="the job recomputes activations")
+    p.add_argument("--plan", default=None,
+                   help="write this plan instead of the planner's choice (factors, a baseline "
+                        "name, or 'auto' to plan again at start-up on the real cluster)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _err(msg: str) -> None:
+    print(f"amsp migrate: warning: {msg}", file=sys.stderr)
+
+
+def _model_spec(args):
+    from amsp_ext.models import MODEL_CONFIGS, llama_config_dict
+    from amsp_ext.planner.model_spec import ModelSpec, load_model_spec
+
+    if args.model in MODEL_CONFIGS:
+        return ModelSpec.from_hf_config(llama_config_dict(args.model), name=args.model)
+    return load_model_spec(args.model, args.model_config)
+
+
+def _auto_value(cfg: dict, key: str, flag_value, flag: str) -> Any:
+    v = cfg.get(key)
+    if v == "auto":
+        if flag_value is None:
+            raise ValueError(f"{key} is 'auto' (the launcher fills it): give {flag}")
+        return flag_value
+    return flag_value if (v is None and flag_value is not None) else v
+
+
+def old_layout(cfg: dict[str, Any]) -> tuple[str, int | None, int | None, str]:
+    """``(baseline key, mics size, hpz size, label)`` of the config's ZeRO setting."""
+    zero = cfg.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    mics = zero.get("mics_shard_size", -1)
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    for name, v in (("mics_shard_size", mics), ("zero_hpz_partition_size", hpz)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"zero_optimization.{name} must be an integer, got {v!r}")
+    if stage == 3 and mics > 0:
+        return "mics", mics, None, f"MiCS (shard group {mics})"
+    if stage == 3 and hpz > 1:
+        return "zero++", None, hpz, f"ZeRO++ (hpZ {hpz})"
+    if (mics > 0 or hpz > 1) and stage != 3:
+        _err(f"zero_optimization: mics_shard_size / zero_hpz_partition_size need stage 3; read as "
+             f"ZeRO-{stage}")
+    return ("ddp" if stage == 0 else f"zero{stage}"), None, None, (
+        "DDP (ZeRO stage 0)" if stage == 0 else f"ZeRO-{stage}")
+
+
+def _training(args, cfg: dict[str, Any], world: int, precision: str, bucket_bytes: int):
+    from amsp_ext.integrations.settings import resolve_batch
+    from amsp_ext.planner.specs import TrainingSpec
+
+    batch_cfg = dict(cfg)
+    batch_cfg["train_micro_batch_size_per_gpu"] = _auto_value(
+        cfg, "train_micro_batch_size_per_gpu", args.micro_batch_size, "--micro-batch-size")
+    batch_cfg["gradient_accumulation_steps"] = _auto_value(
+        cfg, "gradient_accumulation_steps", args.micro_batches, "--micro-batches")
+    if batch_cfg.get("train_batch_size") == "auto":
+        batch_cfg.pop("train_batch_size")
+    batch = resolve_batch(batch_cfg, world)
+    opt_type = str((cfg.get("optimizer") or {}).get("type", "adamw")).lower()
+    optimizer = _OPTIMIZERS.get(opt_type)
+    if optimizer is None:
+        _err(f"optimizer.type {opt_type!r}: memory is estimated as for AdamW")
+        optimizer = "adamw"
+    return batch, TrainingSpec(
+        seq_len=args.seq_len, micro_batch_size=batch.micro_batch_size,
+        num_micro_batches=batch.gradient_accumulation_steps, recompute=args.recompute,
+        precision=precision, optimizer=optimizer, bucket_bytes=bucket_bytes)
+
+
+def _precision(args, cfg: dict[str, Any]) -> str:
+    from amsp_ext.integrations.settings import PrecisionSettings
+
+    fixed = json.loads(json.dumps(cfg))
+    for block in ("bf16", "fp16"):
+        b = fixed.get(block)
+        if isinstance(b, dict) and b.get("enabled") == "auto":
+            if args.precision is None:
+                _err(f"{block}.enabled is 'auto': planned as bf16 (give --precision to choose)")
+            b["enabled"] = (args.precision or "bf16") == block
+    prec = PrecisionSettings.from_ds(fixed).precision
+    return args.precision or prec
+
+
+def _column(c, plan_text: str, note: str = "") -> dict[str, Any]:
+    m = c.memory
+    return {"factors": plan_text, "note": note, "t_comm_s": c.comm.as_dict(),
+            "memory_bytes": {"params": m.params, "grads": m.grads, "optim": m.optim,
+                             "model_states": m.model_states, "activations": m.activations,
+                             "tmp": m.tmp, "total": m.total},
+            "fits": c.feasible}
+
+
+def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(migrated ds_config, report)``."""
+    from amsp_ext.integrations import ds_keys
+    from amsp_ext.integrations.settings import AMSPSettings, load_ds_config
+    from amsp_ext.planner.baselines import baselines
+    from amsp_ext.planner.plan import resolve_plan, validate_plan
+    from amsp_ext.planner.search import evaluate, make_problem, search
+    from amsp_ext.planner.specs import ClusterSpec, parse_size
+
+    for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
+                 "nodes_per_leaf"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
+    cfg = load_ds_config(args.config)
+    spec = _model_spec(args)
+    R, N = args.gpus_per_node, args.nodes
+    cluster = ClusterSpec(num_nodes=N, gpus_per_node=R,
+                          gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
+                          nodes_per_leaf=args.nodes_per_leaf)
+    reserve = parse_size(args.memory_reserve, field="--memory-reserve", allow_zero=True)
+    precision = _precision(args, cfg)
+    elem = 4 if precision == "fp32" else 2
+    zero = cfg.get("zero_optimization") or {}
+    rbs = zero.get("reduce_bucket_size")
+    explicit = isinstance(rbs, (int, float)) and not isinstance(rbs, bool) and rbs >= 1
+    old_bucket = int(rbs if explicit else DEEPSPEED_BUCKET_ELEMENTS) * elem
+    new_bucket = int(rbs) * elem if explicit else ENGINE_BUCKET_BYTES
+    key, mics, hpz, label = old_layout(cfg)
+    batch, tr_new = _training(args, cfg, N * R, precision, new_bucket)
+    _, tr_old = _training(args, cfg, N * R, precision, old_bucket)
+    common = dict(missing=args.missing_mesh, memory_reserve_bytes=reserve)
+    prob_new = make_problem(spec, cluster, tr_new, args.profile, **common)
+    prob_old = make_problem(spec, cluster, tr_old, args.profile, **common)
+    old = next(b for b in baselines(prob_old, mics_size=mics, hpz_size=hpz) if b.key == key)
+    old_text = str(old.plan) + (f" + hpZ {hpz}" if key == "zero++" else "")
+
+    write_plan = args.plan
+    if args.plan is None or args.plan.strip().lower() == "auto":
+        chosen = search(prob_new).best
+        new_note = "the planner's choice"
+        if write_plan is None:
+            write_plan = str(chosen.plan)
+    else:
+        plan = validate_plan(resolve_plan(args.plan, gpus_per_node=R, num_nodes=N),
+                             gpus_per_node=R, num_nodes=N, structural_only=True)
+        chosen = evaluate(prob_new, plan)
+        new_note = f"--plan {args.plan}"
+
+    overlap = zero.get("overlap_comm")
+    block: dict[str, Any] = {
+        "enabled": True, "plan": write_plan, "seq_len": args.seq_len,
+        "cluster": {"gpus_per_node": R, "nodes_per_leaf": args.nodes_per_leaf,
+                    "gpu_memory": args.gpu_memory},
+        "profile": args.profile, "missing_mesh": args.missing_mesh,
+        "recompute": bool(args.recompute),
+    }
+    if isinstance(overlap, bool):
+        block["overlap"] = {"allreduce": overlap}
+    if explicit:
+        block["bucket_size"] = new_bucket
+    AMSPSettings.from_dict(block)  # what we write must load
+    if "amsp" in cfg:
+        _err("the config already has an 'amsp' block; it is replaced")
+    out = {k: v for k, v in cfg.items() if k != "amsp"}
+    out["amsp"] = block
+
+    unmapped = [{"key": k, "status": s, "note": n}
+                for k, s, n in ds_keys.walk(cfg) if s != "mapped" and k != "amsp"]
+    report = {
+        "input": str(args.config),
+        "model": {"name": spec.name, "num_params": spec.num_params},
+        "cluster": {"nodes": N, "gpus_per_node": R, "gpu_memory_bytes": cluster.gpu_memory_bytes,
+                    "memory_limit_bytes": prob_new.memory_limit},
+        "training": {"seq_len": args.seq_len, "micro_batch_size": batch.micro_batch_size,
+                     "gradient_accumulation_steps": batch.gradient_accumulation_steps,
+                     "train_batch_size": batch.train_batch_size, "precision": precision,
+                     "gradient_clipping": cfg.get("gradient_clipping", 0.0),
+                     "optimizer": tr_new.optimizer},
+        "profile": args.profile,
+        "old": {"layout": label, **_column(old.candidate, old_text, old.note),
+                "bucket_bytes": old_bucket},
+        "new": {"layout": "AMSP", **_column(chosen, str(chosen.plan), new_note),
+                "bucket_bytes": new_bucket, "written_plan": write_plan},
+        "unmapped": unmapped,
+    }
+    a, b = report["old"]["t_comm_s"]["total"], report["new"]["t_comm_s"]["total"]
+    report["comm_ratio"] = (a / b) if b > 0 else None
+    return out, report
+
+
+def _gib(b: float) -> str:
+    if b < 2**30:
+        return f"{b / 2**20:.2f} MiB"
+    return f"{b / 2**30:.2f} GiB" if b < 10 * 2**30 else f"{b / 2**30:.1f} GiB"
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def format_report(r: dict[str, Any], output: str) -> str:
+    o, n, tr, cl = r["old"], r["new"], r["training"], r["cluster"]
+    lines = [
+        f"amsp migrate {r['input']} -> {output}",
+        f"  model {r['model']['name']} ({r['model']['num_params'] / 1e6:.1f}M parameters); "
+        f"{cl['nodes']} node(s) x {cl['gpus_per_node']} GPUs, {_gib(cl['gpu_memory_bytes'])} each "
+        f"({_gib(cl['memory_limit_bytes'])} usable); profile {r['profile']}",
+        f"  seq {tr['seq_len']}, micro-batch {tr['micro_batch_size']} x "
+        f"{tr['gradient_accumulation_steps']} accumulation step(s) x {cl['nodes'] * cl['gpus_per_node']} "
+        f"ranks = {tr['train_batch_size']} sequences, {tr['precision']}, {tr['optimizer']}, "
+        f"clipping {tr['gradient_clipping'] or 'off'}",
+        "",
+    ]
+    w = 32
+    rows = [
+        ("", f"DeepSpeed now: {o['layout']}", f"AMSP: {n['note']}"),
+        ("factors", o["factors"], n["factors"]),
+        ("gradient bucket", _gib(o["bucket_bytes"]), _gib(n["bucket_bytes"])),
+        ("Tp  (AllGather/ReduceScatter)", _secs(o["t_comm_s"]["t_p"]), _secs(n["t_comm_s"]["t_p"])),
+        ("Tg  (AllReduce, micro-batches)", _secs(o["t_comm_s"]["t_g"]), _secs(n["t_comm_s"]["t_g"])),
+        ("T0_os (AllReduce, last)", _secs(o["t_comm_s"]["t0_os"]), _secs(n["t_comm_s"]["t0_os"])),
+        ("T1_os (Broadcast)", _secs(o["t_comm_s"]["t1_os"]), _secs(n["t_comm_s"]["t1_os"])),
+        ("Tcomm per step", _secs(o["t_comm_s"]["total"]), _secs(n["t_comm_s"]["total"])),
+        ("model states / GPU", _gib(o["memory_bytes"]["model_states"]), _gib(n["memory_bytes"]["model_states"])),
+        ("activations / GPU", _gib(o["memory_bytes"]["activations"]), _gib(n["memory_bytes"]["activations"])),
+        ("buffers / GPU", _gib(o["memory_bytes"]["tmp"]), _gib(n["memory_bytes"]["tmp"])),
+        ("total / GPU", _gib(o["memory_bytes"]["total"]), _gib(n["memory_bytes"]["total"])),
+        ("fits", "yes" if o["fits"] else "NO", "yes" if n["fits"] else "NO"),
+    ]
+    c1 = max(len(x[1]) for x in rows) + 2
+    for name, a, b in rows:
+        lines.append(f"  {name:<{w}}{a:<{c1}}{b}")
+    if r["comm_ratio"] is not None:
+        ratio = r["comm_ratio"]
+        lines.append(f"  predicted communication: {ratio:.2f}x less with AMSP" if ratio >= 1
+                     else f"  predicted communication: {1 / ratio:.2f}x more with AMSP")
+    if o["note"]:
+        lines.append(f"  ({o['layout']}: {o['note']})")
+    lines.append(f"  written: amsp.plan = {n['written_plan']!r}, amsp.enabled = true; DeepSpeed's keys "
+                 f"are kept (set \"enabled\": false to run DeepSpeed)")
+    if r["unmapped"]:
+        lines.append(f"  {len(r['unmapped'])} key(s) not mapped: see the warnings above")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    out, report = build(args)
+    for row in report["unmapped"]:
+        _err(f"{row['key']}: {_STATUS_WORDS[row['status']]} - {row['note']}")
+    path = Path(args.output) if args.output else Path(args.config).with_suffix(".amsp.json")
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    report["output"] = str(path)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_report(report, str(path)))
+    return 0

@@ -1,0 +1,104 @@
+"""DeepSpeed's checkpoint layout on top of AMSP's sharded checkpoints.
+
+    save_dir/
+      latest            <- the tag of the newest checkpoint (text), as DeepSpeed writes it
+      global_step42/    <- one AMSP checkpoint (amsp_ext.save_checkpoint: DCP shards + amsp.json)
+
+The HF Trainer resumes from a ``checkpoint-N`` directory when it finds ``global_step*`` in it
+and then calls ``engine.load_checkpoint(dir)``, which reads ``latest``; Accelerate's
+``save_state``/``load_state`` call ``save_checkpoint(dir, "pytorch_model")`` and
+``load_checkpoint(dir, "pytorch_model")``. The engine's counters (global steps and samples,
+skipped steps, micro steps) and ``client_state`` travel in the checkpoint's ``extra``; the LR
+scheduler's state in its own slot. Loading works under another plan or world size (AMSP
+reshards on load); the counters are restored as saved. ``load_optimizer_states=False`` restores
+the weights and counters only, ``load_module_only=True`` the weights only (as DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from amsp_ext.integrations.settings import ConfigError
+
+if TYPE_CHECKING:
+    from amsp_ext.integrations.engine import AMSPDeepSpeedEngine
+
+__all__ = ["load_ds_checkpoint", "save_ds_checkpoint"]
+
+FORMAT = "amsp-deepspeed/1"
+LATEST = "latest"
+
+
+def _runtime_checkpoint():
+    try:
+        from amsp_ext.runtime import checkpoint
+    except ImportError:
+        raise ConfigError("engine.save_checkpoint/load_checkpoint need amsp_ext's checkpoint module "
+                          "(amsp_ext.runtime.checkpoint), which this installation lacks") from None
+    return checkpoint
+
+
+def _check_same_tag(tag: str, timeout: float) -> None:
+    """DeepSpeed's tag validation: every rank must save under the same tag."""
+    from amsp_ext.runtime import collectives as C
+
+    digest = hashlib.sha1(tag.encode()).digest()[:16]
+    got = C.all_gather_bytes(digest, None, name="world", timeout=timeout)
+    if any(g != digest for g in got):
+        bad = next(r for r, g in enumerate(got) if g != digest)
+        raise ConfigError(f"checkpoint tag {tag!r} differs between ranks (rank {bad} has another); "
+                          f"the tag must be the same on every rank")
+
+
+def save_ds_checkpoint(engine: "AMSPDeepSpeedEngine", save_dir, tag=None, client_state=None,
+                       save_latest: bool = True) -> str:
+    ckpt = _runtime_checkpoint()
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    _check_same_tag(tag, engine.amsp_settings.timeout)
+    save_dir = Path(save_dir)
+    path = save_dir / tag
+    if engine.global_rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    extra = {"format": FORMAT, "client_state": dict(client_state or {}),
+             "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                        "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps}}
+    ckpt.save_checkpoint(engine.module, engine.optimizer, path, lr_scheduler=engine.lr_scheduler,
+                         extra=extra)
+    if save_latest and engine.global_rank == 0:
+        tmp = save_dir / f".{LATEST}.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, save_dir / LATEST)
+    from amsp_ext.runtime import collectives as C
+
+    C.barrier(None, name="world")  # every rank sees ``latest`` on return
+    return str(path)
+
+
+def load_ds_checkpoint(engine: "AMSPDeepSpeedEngine", load_dir, tag=None, *,
+                       load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                       load_module_only: bool = False) -> tuple[str | None, dict | None]:
+    ckpt = _runtime_checkpoint()
+    load_dir = Path(load_dir)
+    if tag is None:
+        latest = load_dir / LATEST
+        if not latest.is_file():
+            warnings.warn(f"amsp: no {LATEST!r} file in {load_dir}; pass a tag to load a checkpoint",
+                          stacklevel=3)
+            return None, None
+        tag = latest.read_text().strip()
+    path = load_dir / str(tag)
+    with_states = load_optimizer_states and not load_module_only
+    sched = engine.lr_scheduler if (load_lr_scheduler_states and not load_module_only) else None
+    extra = ckpt.load_checkpoint(engine.module, engine.optimizer, path, lr_scheduler=sched,
+                                 optimizer_states=with_states)
+    if not isinstance(extra, dict) or extra.get("format") != FORMAT:
+        raise ConfigError(f"{path} is an AMSP checkpoint but not one written by engine.save_checkpoint")
+    if not load_module_only:  # as DeepSpeed: the counters come back unless only the module does
+        for k, v in extra["engine"].items():
+            setattr(engine, k, v)
+    engine.optimizer.overflow = False
+    return str(path), extra["client_state"]

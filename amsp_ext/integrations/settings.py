@@ -1,0 +1,402 @@
+"""The ``"amsp"`` block of a ``ds_config.json``, and the DeepSpeed keys AMSP honours.
+
+One config file serves both systems: DeepSpeed ignores unknown *top-level* keys (its
+``zero_optimization`` block forbids extra keys, so the block cannot live there), and AMSP reads
+DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
+
+    "amsp": {
+      "enabled": true,
+      "plan": "auto",                       # "auto" | "zero3" | "mics:8" | "p=8x1,g=8x1,os=8x4"
+                                            #   | {"p": [8, 1], "g": [8, 1], "os": [8, 4]}
+      "seq_len": 4096,                      # the planner's sequence length (plan "auto" needs it)
+      "cluster": {"gpus_per_node": 8, "nodes_per_leaf": null, "gpu_memory": "80GiB"},
+      "profile": "paper-a800",              # bundled bandwidth profile name or a JSON path
+      "missing_mesh": "error",              # a mesh the profile lacks: "error" or "fit"
+      "objective": "comm",                  # "comm" (paper Eq. 1) or "step"
+      "overlap": {"allgather": true, "allreduce": true, "broadcast": true},
+      "bucket_size": "25MiB",               # gradient bucket U; null: DeepSpeed's reduce_bucket_size
+      "granularity": "module", "recompute": false, "ownership": "greedy", "timeout": 600,
+      "log_plan": true
+    }
+
+Every key is optional but ``enabled``. Errors are one line naming the field (``amsp.<key>``).
+
+[Note: what `enabled` means]
+``enabled`` is the routing switch: ``patch_deepspeed()`` (and the Accelerate start-up hook) send
+``deepspeed.initialize`` to AMSP only when it is true; with false the same file runs DeepSpeed
+unchanged. ``amsp_ext.initialize`` itself always runs AMSP.
+
+This module is pure Python (no torch): ``amsp migrate`` uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = [
+    "AMSPSettings",
+    "BatchSettings",
+    "ClusterSettings",
+    "ConfigError",
+    "OverlapSettings",
+    "PrecisionSettings",
+    "amsp_enabled",
+    "load_ds_config",
+    "resolve_batch",
+]
+
+OBJECTIVES = ("comm", "step")
+MISSING = ("error", "fit")
+GRANULARITIES = ("module", "layer")
+OWNERSHIPS = ("greedy", "blocks")
+
+
+class ConfigError(ValueError):
+    """A ds_config / amsp block that cannot run. One line, naming the field."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_keys(d: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for k in d:
+        if k not in allowed:
+            raise ConfigError(f"{where}.{k}: unknown key; allowed: {', '.join(allowed)}")
+
+
+def _positive_int_or_none(v: Any, name: str) -> None:
+    if v is not None and (not _is_int(v) or v < 1):
+        raise ConfigError(f"{name} must be an integer >= 1 or null, got {v!r}")
+
+
+def _bool(v: Any, name: str) -> None:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name} must be true or false, got {v!r}")
+
+
+def _size(v: Any, name: str) -> int | None:
+    """Bytes from ``"25MiB"`` or an integer; None stays None."""
+    if v is None:
+        return None
+    if _is_int(v):
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1 byte, got {v}")
+        return v
+    if isinstance(v, str):
+        from amsp_ext.planner.specs import parse_size
+
+        return parse_size(v, field=name)
+    raise ConfigError(f"{name} must be a size like '25MiB' or a number of bytes, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSettings:
+    """``gpus_per_node`` None: the launcher's LOCAL_WORLD_SIZE. ``gpu_memory`` None: the device's."""
+
+    gpus_per_node: int | None = None
+    nodes_per_leaf: int | None = None
+    gpu_memory: str | int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int_or_none(self.gpus_per_node, "amsp.cluster.gpus_per_node")
+        _positive_int_or_none(self.nodes_per_leaf, "amsp.cluster.nodes_per_leaf")
+        _size(self.gpu_memory, "amsp.cluster.gpu_memory")
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        return _size(self.gpu_memory, "amsp.cluster.gpu_memory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlapSettings:
+    """The paper's Table V switches (see amsp_ext.runtime.config.OverlapConfig)."""
+
+    allgather: bool = True
+    allreduce: bool = True
+    broadcast: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _bool(getattr(self, f.name), f"amsp.overlap.{f.name}")
+
+
+def _plan_text(v: Any) -> str:
+    """The ``plan`` value as the engine's text form (factor dicts become ``p=..,g=..,os=..``)."""
+    if isinstance(v, str):
+        if not v.strip():
+            raise ConfigError("amsp.plan must be 'auto', a baseline name or factors, got ''")
+        return v.strip()
+    if isinstance(v, Mapping):
+        _check_keys(v, ("p", "g", "os"), "amsp.plan")
+        parts = []
+        for comp in ("p", "g", "os"):
+            if comp not in v:
+                if comp == "g":
+                    continue
+                raise ConfigError(f"amsp.plan.{comp} is required in a factor plan, e.g. [8, 1]")
+            mesh = v[comp]
+            if (not isinstance(mesh, (list, tuple)) or len(mesh) != 2
+                    or not all(_is_int(x) and x >= 1 for x in mesh)):
+                raise ConfigError(f"amsp.plan.{comp} must be [s0, s1] (two integers >= 1), got {mesh!r}")
+            parts.append(f"{comp}={mesh[0]}x{mesh[1]}")
+        return ",".join(parts)
+    raise ConfigError(
+        f"amsp.plan must be 'auto', a baseline name (ddp, zero1, zero2, zero3, mics:K), factors "
+        f"'p=S0xS1,g=S0xS1,os=S0xS1' or {{\"p\": [s0, s1], ...}}, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AMSPSettings:
+    """The ``"amsp"`` block. Build it with ``AMSPSettings.from_dict``."""
+
+    enabled: bool = False
+    plan: str = "auto"
+    seq_len: int | None = None
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    profile: str = "paper-a800"
+    missing_mesh: str = "error"
+    objective: str = "comm"
+    overlap: OverlapSettings = field(default_factory=OverlapSettings)
+    bucket_size: str | int | None = None
+    granularity: str = "module"
+    recompute: bool = False
+    ownership: str = "greedy"
+    timeout: float = 600.0
+    log_plan: bool = True
+
+    def __post_init__(self) -> None:
+        _bool(self.enabled, "amsp.enabled")
+        object.__setattr__(self, "plan", _plan_text(self.plan))
+        self._check_plan_text()
+        _positive_int_or_none(self.seq_len, "amsp.seq_len")
+        if not isinstance(self.cluster, ClusterSettings):
+            raise ConfigError(f"amsp.cluster must be an object, got {type(self.cluster).__name__}")
+        if not isinstance(self.overlap, OverlapSettings):
+            raise ConfigError(f"amsp.overlap must be an object, got {type(self.overlap).__name__}")
+        if not isinstance(self.profile, str) or not self.profile:
+            raise ConfigError(f"amsp.profile must be a bundled profile name or a JSON path, got {self.profile!r}")
+        for name, allowed in (("missing_mesh", MISSING), ("objective", OBJECTIVES),
+                              ("granularity", GRANULARITIES), ("ownership", OWNERSHIPS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"amsp.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        _size(self.bucket_size, "amsp.bucket_size")
+        _bool(self.recompute, "amsp.recompute")
+        _bool(self.log_plan, "amsp.log_plan")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+            raise ConfigError(f"amsp.timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if self.plan.lower() == "auto" and self.enabled and self.seq_len is None:
+            raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner sizes "
+                              "activations by it); or give amsp.plan as factors or a baseline name")
+
+    def _check_plan_text(self) -> None:
+        """Catch a misspelt plan now (one line), not after the ranks started."""
+        from amsp_ext.planner.plan import PlanError, parse_plan
+
+        text = self.plan
+        low = text.lower()
+        if low in ("auto", "ddp", "zero1", "zero2", "zero3"):
+            return
+        if low.startswith("mics"):
+            _, _, k = low.partition(":")
+            if not k.isdigit() or int(k) < 1:
+                raise ConfigError(f"amsp.plan: 'mics' needs a shard group size, e.g. 'mics:8', got {text!r}")
+            return
+        if "=" not in text:
+            raise ConfigError(
+                f"amsp.plan must be 'auto', a baseline name (ddp, zero1, zero2, zero3, mics:K) or "
+                f"factors 'p=S0xS1,g=S0xS1,os=S0xS1', got {text!r}")
+        try:
+            parse_plan(text)
+        except PlanError as e:
+            raise ConfigError(f"amsp.{e}") from None
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        return _size(self.bucket_size, "amsp.bucket_size")
+
+    @classmethod
+    def from_dict(cls, block: Any) -> "AMSPSettings":
+        if block is None:
+            return cls()
+        if not isinstance(block, Mapping):
+            raise ConfigError(f"amsp must be an object, got {type(block).__name__}")
+        allowed = tuple(f.name for f in fields(cls))
+        _check_keys(block, allowed, "amsp")
+        kw = dict(block)
+        if "enabled" not in kw:
+            raise ConfigError("amsp.enabled is required (true routes deepspeed.initialize to AMSP)")
+        sub = {"cluster": (ClusterSettings, "amsp.cluster"), "overlap": (OverlapSettings, "amsp.overlap")}
+        for key, (klass, where) in sub.items():
+            if key in kw:
+                v = kw[key]
+                if v is None:
+                    kw.pop(key)
+                    continue
+                if not isinstance(v, Mapping):
+                    raise ConfigError(f"{where} must be an object, got {v!r}")
+                _check_keys(v, tuple(f.name for f in fields(klass)), where)
+                kw[key] = klass(**v)
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (what ``amsp migrate`` writes)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (ClusterSettings, OverlapSettings)):
+                v = {g.name: getattr(v, g.name) for g in fields(v)}
+            out[f.name] = v
+        return out
+
+
+# -- DeepSpeed's own keys ------------------------------------------------------------------------
+
+def load_ds_config(config: Any) -> dict[str, Any]:
+    """A ds_config given as a dict, a path, or a JSON string (as ``deepspeed.initialize`` takes)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"ds_config {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        text = str(config).strip()
+        if text.startswith("{"):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"ds_config: not valid JSON ({e.msg})") from None
+        raise ConfigError(f"ds_config: no such file {str(config)!r}")
+    raise ConfigError(f"ds_config must be a dict, a path or a JSON string, got {type(config).__name__}")
+
+
+def amsp_enabled(config: Mapping[str, Any]) -> bool:
+    """True when the config's ``amsp.enabled`` is true (no validation: the routing question)."""
+    block = config.get("amsp") if isinstance(config, Mapping) else None
+    return isinstance(block, Mapping) and block.get("enabled") is True
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSettings:
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+def _batch_value(cfg: Mapping[str, Any], key: str) -> int | None:
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if v == "auto":
+        raise ConfigError(f"{key} is 'auto': the launcher (HF Trainer / Accelerate) fills it; "
+                          f"called directly, give a number")
+    if not _is_int(v) or v < 1:
+        raise ConfigError(f"{key} must be an integer >= 1, got {v!r}")
+    return v
+
+
+def resolve_batch(cfg: Mapping[str, Any], world_size: int) -> BatchSettings:
+    """DeepSpeed's rules (``DeepSpeedConfig._set_batch_related_parameters``): any two of
+    train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps give the
+    third; train_batch_size alone means GAS = 1; the three must agree with the world size."""
+    tbs = _batch_value(cfg, "train_batch_size")
+    mbs = _batch_value(cfg, "train_micro_batch_size_per_gpu")
+    gas = _batch_value(cfg, "gradient_accumulation_steps")
+    if tbs is not None and mbs is not None and gas is not None:
+        pass
+    elif tbs is not None and mbs is not None:
+        gas = tbs // mbs // world_size
+    elif tbs is not None and gas is not None:
+        mbs = tbs // world_size // gas
+    elif mbs is not None and gas is not None:
+        tbs = mbs * gas * world_size
+    elif tbs is not None:
+        gas, mbs = 1, tbs // world_size
+    elif mbs is not None:
+        gas, tbs = 1, mbs * world_size
+    else:
+        raise ConfigError("train_batch_size or train_micro_batch_size_per_gpu must be given "
+                          "(the DeepSpeed batch keys)")
+    if not (mbs and gas) or tbs != mbs * gas * world_size:
+        raise ConfigError(
+            f"train_batch_size={tbs} must equal train_micro_batch_size_per_gpu={mbs} x "
+            f"gradient_accumulation_steps={gas} x world size {world_size}")
+    return BatchSettings(train_batch_size=tbs, micro_batch_size=mbs, gradient_accumulation_steps=gas)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionSettings:
+    """``bf16`` / ``fp16`` blocks. Dynamic loss scaling follows DeepSpeed's keys."""
+
+    precision: str = "fp32"
+    initial_scale: float = 2.0**16
+    growth_interval: int = 1000
+    min_scale: float = 1.0
+    notes: tuple[str, ...] = ()  # keys honoured only approximately (reported, never silent)
+
+    @classmethod
+    def from_ds(cls, cfg: Mapping[str, Any]) -> "PrecisionSettings":
+        def enabled(block: str) -> bool:
+            b = cfg.get(block)
+            if b is None:
+                return False
+            if not isinstance(b, Mapping):
+                raise ConfigError(f"{block} must be an object like {{\"enabled\": true}}, got {b!r}")
+            v = b.get("enabled", False)
+            if v == "auto":
+                raise ConfigError(f"{block}.enabled is 'auto': the launcher fills it; called directly, "
+                                  f"give true or false")
+            _bool(v, f"{block}.enabled")
+            return v
+
+        bf16 = enabled("bf16") or enabled("bfloat16")
+        fp16 = enabled("fp16")
+        amp = cfg.get("amp")
+        if isinstance(amp, Mapping) and amp.get("enabled") is True:
+            raise ConfigError("amp.enabled: NVIDIA Apex AMP is not supported by AMSP; use bf16 or fp16")
+        if bf16 and fp16:
+            raise ConfigError("bf16.enabled and fp16.enabled are both true; enable one")
+        if bf16:
+            return cls(precision="bf16")
+        if not fp16:
+            return cls()
+        f = cfg["fp16"]
+        notes = []
+        static = f.get("loss_scale", 0)
+        power = f.get("initial_scale_power", 16)
+        if not _is_int(power) or not 0 <= power < 64:
+            raise ConfigError(f"fp16.initial_scale_power must be an integer in 0..63, got {power!r}")
+        initial = 2.0**power
+        if static not in (0, 0.0):
+            if not isinstance(static, (int, float)) or static <= 0:
+                raise ConfigError(f"fp16.loss_scale must be 0 (dynamic) or a positive number, got {static!r}")
+            notes.append(f"fp16.loss_scale={static}: static scaling is run as dynamic scaling "
+                         f"starting at {static}")
+            initial = float(static)
+        window = f.get("loss_scale_window", 1000)
+        if not _is_int(window) or window < 1:
+            raise ConfigError(f"fp16.loss_scale_window must be an integer >= 1, got {window!r}")
+        min_scale = f.get("min_loss_scale", 1)
+        if not isinstance(min_scale, (int, float)) or isinstance(min_scale, bool) or min_scale <= 0:
+            raise ConfigError(f"fp16.min_loss_scale must be a number > 0, got {min_scale!r}")
+        if f.get("hysteresis", 2) not in (1,):
+            notes.append(f"fp16.hysteresis={f.get('hysteresis', 2)}: AMSP backs off on every "
+                         f"overflow (hysteresis 1)")
+        return cls(precision="fp16", initial_scale=initial, growth_interval=window,
+                   min_scale=float(min_scale), notes=tuple(notes))
+
+
+def gradient_clipping(cfg: Mapping[str, Any]) -> float:
+    v = cfg.get("gradient_clipping", 0.0)
+    if v == "auto":
+        raise ConfigError("gradient_clipping is 'auto': the launcher fills it; called directly, give a number")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise ConfigError(f"gradient_clipping must be a number >= 0 (0: off), got {v!r}")
+    return float(v)
