@@ -1,6 +1,6 @@
 """Everything is in pyproject.toml; this file only installs the start-up hook.
 
-``amsp_ext_startup.pth`` must land at the root of site-packages, for a normal install (wheel)
+``amsp_ext/integrations/amsp_ext_startup.pth`` must land at the root of site-packages, for a normal install (wheel)
 and an editable one (``pip install -e .``, PEP 660). setuptools has no declarative way to ship a
 top-level ``.pth``, so ``build_py`` copies it:
 
@@ -19,18 +19,18 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH = "amsp_ext_startup.pth"
+SOURCE = Path(__file__).resolve().parent / "amsp_ext" / "integrations" / PTH
 
 
 class build_py_with_pth(build_py):
     def run(self):
         super().run()
-        src = Path(__file__).resolve().parent / PTH
         if getattr(self, "editable_mode", False):
             target = Path(self.get_finalized_command("install").install_lib)
         else:
             target = Path(self.build_lib)
         target.mkdir(parents=True, exist_ok=True)
-        self.copy_file(str(src), str(target / PTH), preserve_mode=False)
+        self.copy_file(str(SOURCE), str(target / PTH), preserve_mode=False)
 
     def get_outputs(self, include_bytecode=True):
         outputs = super().get_outputs(include_bytecode)

@@ -8,8 +8,8 @@ samples each rank saw. The scripts live in tests/scripts/ and never import amsp_
 [Note: the start-up hook in tests]
 The config route needs ``amsp_ext_startup.pth`` in site-packages (``pip install -e .`` puts it
 there; test_integrations_units checks the packaging). Where this interpreter has no such file
-(a dev checkout on PYTHONPATH), the launches get a ``sitecustomize`` that processes the repo's
-copy with ``site.addsitedir`` - the same line, run the same way site runs it.
+(a dev checkout on PYTHONPATH), the launches get a ``sitecustomize`` that runs the repo's copy
+of its import line - what site.py does with an installed .pth.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def launch_env(tmp_path_factory):
     paths = [str(REPO)]
     if not _pth_installed():
         d = tmp_path_factory.mktemp("site")
-        (d / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(REPO)!r})\n")
+        # what site.py does with the installed .pth: run its import line at start-up
+        pth = REPO / "amsp_ext" / "integrations" / "amsp_ext_startup.pth"
+        (d / "sitecustomize.py").write_text(f"exec(open({str(pth)!r}).read())\n")
         paths.insert(0, str(d))
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     return env

@@ -352,7 +352,7 @@ def _run_pth_line(env_extra: dict) -> dict:
             "s = sys.modules.get('amsp_ext.integrations.startup'); "
             "print(json.dumps({'imported_amsp': 'amsp_ext' in sys.modules, "
             "'active': getattr(s, '_active', None), 'torch': 'torch' in sys.modules}))")
-    out = subprocess.run([sys.executable, "-S", "-c", code, str(REPO / "amsp_ext_startup.pth")],
+    out = subprocess.run([sys.executable, "-S", "-c", code, str(REPO / "amsp_ext" / "integrations" / "amsp_ext_startup.pth")],
                          env=env, capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -380,7 +380,7 @@ def test_setup_installs_the_startup_pth(tmp_path):
         cmd.ensure_finalized()
         cmd.run()
         where = tmp_path / ("unpacked" if editable else "lib") / "amsp_ext_startup.pth"
-        assert where.read_text() == (REPO / "amsp_ext_startup.pth").read_text()
+        assert where.read_text() == (REPO / "amsp_ext" / "integrations" / "amsp_ext_startup.pth").read_text()
         if not editable:
             assert str(where) in cmd.get_outputs()
     assert "amsp_ext_startup.pth" in (REPO / "MANIFEST.in").read_text()  # the sdist carries it

@@ -290,6 +290,9 @@ def shard(model: nn.Module, plan: "Plan | str",
     engine.grad_sync.install()
     engine.param_sync.install()
     cls = type(model)
-    model.__class__ = type(f"AMSP{cls.__name__}", (AMSPModule, cls), {})
+    # Same class name as the original: transformers writes ``type(model).__name__`` into
+    # config.json's "architectures" on save_pretrained (it strips only FSDP's prefix), and
+    # tools pick the class from there. ``isinstance(model, AMSPModule)`` tells them apart.
+    model.__class__ = type(cls.__name__, (AMSPModule, cls), {"__qualname__": cls.__qualname__})
     model.amsp = engine
     return model, engine.optimizer
