@@ -124,7 +124,7 @@ def test_harness_end_to_end_two_ranks(tmp_path):
                                 progress=lambda s: None)
     by = {r["key"]: r for r in rows}
     for key in ("ddp", "zero1"):
-        assert by[key]["status"] == "ok", by[key]
+        assert by[key]["status"] == "ok", (by[key]["status"], by[key].get("reason"))
         assert len(by[key]["loss"]) == 2 and by[key]["tokens_per_gpu_per_s"] > 0
         assert by[key]["mfu"] > 0 and max(by[key]["live_tensor_delta_bytes"]) > 0
     ref = _reference_losses(spec, world=2, steps=1)
