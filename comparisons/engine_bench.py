@@ -224,12 +224,16 @@ def worker_ownership(a):
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = f"p=1x1,g=1x1,os={world}x1"
     out = {}
+    # broadcast_bucket_bytes 0 = one broadcast per tensor (no packing), None = packed runs
+    variants = {"greedy": ("greedy", None), "blocks": ("blocks", None),
+                "greedy/per-tensor": ("greedy", 0), "blocks/per-tensor": ("blocks", 0)}
     for rep in range(a.repeats):
-        for policy in ("greedy", "blocks"):
+        for key, (policy, bcast_bucket) in variants.items():
             model, opt = shard(build_llama(a.model, seed=0), plan,
                                lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                config=ShardConfig(gpus_per_node=world, ownership=policy,
-                                                  precision=a.precision))
+                                                  precision=a.precision,
+                                                  broadcast_bucket_bytes=bcast_bucket))
             e = model.amsp
             run = _engine_loop(model, opt, rank, world, a.micro_batches, a.mbs, a.seq)
             e.param_sync.wait_seconds = 0.0
@@ -240,14 +244,16 @@ def worker_ownership(a):
             load = load_per_owner(numels, owners, world)
             w = torch.tensor([e.param_sync.wait_seconds / (a.steps + a.warmup)])
             dist.all_reduce(w, op=dist.ReduceOp.MAX)
-            o = out.setdefault(policy, {"times": [], "bcast_wait_s_per_step_max_rank": []})
+            o = out.setdefault(key, {"times": [], "bcast_wait_s_per_step_max_rank": []})
             o["times"] += times
             o["bcast_wait_s_per_step_max_rank"].append(float(w))
             o["max_over_mean_owned"] = max(load) / (sum(load) / world)
+            o["num_broadcasts_per_step"] = len(e.param_sync.items)
     if rank == 0:
         res = {k: {**_summary(v["times"]), "bcast_wait_s_per_step_max_rank":
                    statistics.median(v["bcast_wait_s_per_step_max_rank"]),
-                   "max_over_mean_owned": v["max_over_mean_owned"]} for k, v in out.items()}
+                   "max_over_mean_owned": v["max_over_mean_owned"],
+                   "num_broadcasts_per_step": v["num_broadcasts_per_step"]} for k, v in out.items()}
         print("BENCH " + json.dumps({"bench": "ownership", "model": a.model, "plan": plan,
                                      "precision": a.precision, "results": res}), flush=True)
 

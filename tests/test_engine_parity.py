@@ -109,6 +109,7 @@ def test_global_clipping_is_exact(extras):
     "boundary-api+lr-schedule+state-dict:p=1x1,g=2x2,os=2x2",
     "tied-embeddings:p=1x1,g=2x2,os=2x2",  # the shared weight goes to the root unit
     "tied-embeddings:p=2x1,g=2x1,os=2x2",
+    "coalesced-broadcasts:p=2x1,g=2x1,os=2x2",
 ])
 def test_variants_match_reference(extras, case):
     r = extras[case]
@@ -117,6 +118,10 @@ def test_variants_match_reference(extras, case):
         assert r["metadata_ok"] and r["num_owned"] > 0, r
     if "tied" in case:
         assert r["root_unit_params"] == 1, r
+    if "coalesced" in case:  # runs of one owner's small tensors went out as one broadcast each,
+        # and the packed bytes in flight stayed within the staging limit though issuing paused
+        assert 0 < r["num_packed"] and r["num_items"] < r["num_tensors"], r
+        assert r["num_paused"] > 0 and 0 < r["peak_staging"] <= r["staging_limit"], r
 
 
 def test_model_state_bytes_match_the_planners_memory_model():

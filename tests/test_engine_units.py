@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from amsp_ext.models import build_llama
 from amsp_ext.runtime.config import OverlapConfig, ShardConfig
@@ -66,11 +67,34 @@ def test_ownership_policies():
     assert assign_greedy([5, 4, 3, 3], 2) == [0, 1, 1, 0]  # hand-computed LPT
 
 
+def test_blocks_is_the_best_contiguous_partition_and_auto_falls_back_to_greedy():
+    import itertools
+    import random
+
+    from amsp_ext.runtime.ownership import assign_owners
+
+    rng = random.Random(0)
+    for _ in range(300):
+        numels = [rng.choice([1, 2, 3, 8, 40, 100]) for _ in range(rng.randint(1, 8))]
+        b = rng.randint(1, 4)
+        # brute force over every way of cutting the list into at most b contiguous blocks
+        best = min(max(sum(numels[i:j]) for i, j in zip((0,) + cuts, cuts + (len(numels),)))
+                   for k in range(min(b, len(numels)))
+                   for cuts in itertools.combinations(range(1, len(numels)), k))
+        assert max(load_per_owner(numels, assign_blocks(numels, b), b)) == best, (numels, b)
+    # auto: blocks when the largest block is within 5% of the mean; [2, 6, 2, 1, 1] on 2 owners
+    # is at best 8 | 4 contiguous (mean 6), so greedy's 6 | 6 is taken
+    assert assign_owners([10, 10], 2, "auto") == [0, 1]
+    assert assign_owners([5, 1, 1, 4, 3], 2, "auto") == [0, 0, 0, 1, 1]  # 7 | 7
+    assert assign_owners([2, 6, 2, 1, 1], 2, "auto") == assign_greedy([2, 6, 2, 1, 1], 2)  # 8 | 4
+
+
 @pytest.mark.parametrize("kw,field", [
     ({"precision": "fp8"}, "config.precision"),
     ({"granularity": "block"}, "config.granularity"),
     ({"ownership": "random"}, "config.ownership"),
     ({"grad_bucket_bytes": 0}, "config.grad_bucket_bytes"),
+    ({"broadcast_bucket_bytes": -1}, "config.broadcast_bucket_bytes"),
     ({"gpus_per_node": 0}, "config.gpus_per_node"),
     ({"timeout": -1}, "config.timeout"),
 ])
@@ -86,3 +110,30 @@ def test_config_fingerprint_and_defaults(monkeypatch):
     assert ShardConfig(precision="bf16").fingerprint() != ShardConfig().fingerprint()
     with pytest.raises(ValueError, match="overlap.broadcast"):
         OverlapConfig(broadcast=1)
+
+
+def _local_tensors(numels, owners):
+    import torch.nn as nn
+
+    from amsp_ext.runtime.layout import LocalTensor
+    return [LocalTensor(index=i, name=f"t{i}", param=nn.Parameter(torch.zeros(n)), unit=i,
+                        global_shape=(n,), local_shape=(n,), shard_index=0, owner_rank=o,
+                        keeper_rank=o) for i, (n, o) in enumerate(zip(numels, owners))]
+
+
+def test_broadcast_items_pack_runs_of_one_owner_within_half_a_bucket():
+    from amsp_ext.runtime.param_sync import broadcast_items
+
+    # fp32, bucket 64 B -> packs of at most 32 B (8 floats); a 400 B tensor goes in place;
+    # an empty local shard is skipped; a run of one is not packed
+    ts = _local_tensors([4, 4, 4, 100, 4, 0, 4], [0, 0, 1, 1, 1, 0, 0])
+    items = broadcast_items(ts, 64)
+    assert [[t.index for t in it.tensors] for it in items] == [[0, 1], [2], [3], [4], [6]]
+    assert [it.packed for it in items] == [True, False, False, False, False]
+    assert [it.owner_rank for it in items] == [0, 1, 1, 1, 0]
+    assert [it.nbytes for it in items] == [32, 16, 400, 16, 16]
+    # one owner: cut when the pack would pass 32 B
+    items = broadcast_items(_local_tensors([4, 4, 4], [0, 0, 0]), 64)
+    assert [[t.index for t in it.tensors] for it in items] == [[0, 1], [2]]
+    # 0 = one broadcast per tensor
+    assert len(broadcast_items(_local_tensors([4, 4, 4], [0, 0, 0]), 0)) == 3

@@ -13,7 +13,7 @@ __all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PREC
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRANULARITIES = ("module", "layer")
-OWNERSHIPS = ("greedy", "blocks")
+OWNERSHIPS = ("auto", "greedy", "blocks")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,10 +96,12 @@ class ShardConfig:
     nodes_per_leaf: int | None = None
     precision: str = "fp32"  # compute dtype of params/grads; masters and states are fp32
     grad_bucket_bytes: int = 25 * 2**20  # U in the paper (T0_os, Tg)
+    # packed parameter broadcasts in flight (see param_sync.py); None = U, 0 = one per tensor
+    broadcast_bucket_bytes: int | None = None
     granularity: str = "module"  # FSDP unit = each Linear of a layer ("module") or the layer
     recompute: bool = False  # activation checkpointing per decoder layer
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
-    ownership: str = "greedy"  # inter-tensor optimizer-state ownership policy
+    ownership: str = "auto"  # inter-tensor optimizer-state ownership (see ownership.py)
     timeout: float = 600.0  # seconds a wait may take before CollectiveTimeout
     fp16: FP16Config = field(default_factory=FP16Config)
     auto: AutoPlanConfig | None = None  # needed by plan="auto"
@@ -120,6 +122,11 @@ class ShardConfig:
             raise ValueError(f"config.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"config.grad_bucket_bytes must be an integer >= 1, got {self.grad_bucket_bytes!r}")
+        if self.broadcast_bucket_bytes is not None and (
+            isinstance(self.broadcast_bucket_bytes, bool)
+            or not isinstance(self.broadcast_bucket_bytes, int) or self.broadcast_bucket_bytes < 0
+        ):
+            raise ValueError(f"config.broadcast_bucket_bytes must be an integer >= 0 or None, got {self.broadcast_bucket_bytes!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"config.granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
         if self.ownership not in OWNERSHIPS:
@@ -134,6 +141,10 @@ class ShardConfig:
             raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
         if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"config.timeout must be a number of seconds > 0, got {self.timeout!r}")
+
+    @property
+    def broadcast_staging_bytes(self) -> int:
+        return self.grad_bucket_bytes if self.broadcast_bucket_bytes is None else self.broadcast_bucket_bytes
 
     @property
     def dtype(self) -> torch.dtype:

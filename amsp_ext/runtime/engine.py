@@ -283,7 +283,8 @@ def shard(model: nn.Module, plan: "Plan | str",
     engine.param_sync = ParamSync(
         tensors, units, group=mesh.group("optim_bcast"), name=mesh.name("optim_bcast"),
         size=mesh.size("optim_bcast"), rank=rank, prefetch=fwd_prefetch,
-        overlap=config.overlap.broadcast, timeout=config.timeout)
+        overlap=config.overlap.broadcast, timeout=config.timeout,
+        bucket_bytes=config.broadcast_staging_bytes)
     if plan.sp > 1 and device.type != "cpu":
         engine.param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
     engine.optimizer = AMSPOptimizer(engine, masters, optimizer_factory)
