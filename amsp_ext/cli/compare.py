@@ -6,6 +6,9 @@ HSDP and AMSP on the same model, data, batch and steps.
     amsp compare --mode dissociation                       # Fig. 16: DeepSpeed-MiCS vs AMSP-MiCS
     amsp compare --mode ablation --amsp-plan p=1x1,os=2x2  # Table V overlap switches
     amsp compare --launcher cluster                        # on the `amsp cluster up` lab
+    amsp compare --quick --mode dissociation --repeats 5 --no-trace
+                                                           # 5 rounds, alternating order: medians
+                                                           # and per-round ratios
 """
 
 from __future__ import annotations
@@ -56,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablation-micro-batches", help="ablation mode: comma-separated M values, "
                    "e.g. 1,2,4,8 as in the paper's Table V (default: --micro-batches)")
     p.add_argument("--no-trace", action="store_true", help="skip the profiled step")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every system N times, in rounds of alternating order; report the "
+                   "median tokens/GPU/s, its range and ratios as the median of per-round ratios "
+                   "(default 1; prefer an even N)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per system (default 600)")
     p.add_argument("--out", default="comparisons/results", help="report folder")
 
@@ -68,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.specs import parse_size
     from amsp_ext.compare.launch import LaunchConfig
     from amsp_ext.compare.report import format_table, ratios
+    from amsp_ext.compare.rounds import validate_repeats
 
+    validate_repeats(args.repeats)
     d = QUICK if args.quick else FULL
     pick = lambda v, k: d[k] if v is None else v  # noqa: E731
     spec = RunSpec(
@@ -100,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
                              f"got {args.ablation_micro_batches!r}") from None
     path, rows = run_comparison(mode=args.mode, spec=spec, launch=launch, out_dir=Path(args.out),
                                 command=command.strip(), systems=systems,
-                                ablation_micro_batches=ablation_ms, planner=planner)
+                                ablation_micro_batches=ablation_ms, planner=planner,
+                                repeats=args.repeats)
     print()
     print(format_table(rows))
     for line in ratios(rows):

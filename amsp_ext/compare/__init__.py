@@ -11,4 +11,5 @@ runtime (``amsp_ext.shard``) and the baselines' libraries; nothing below imports
   matmul peak come from :mod:`amsp_ext.metrics`, shared with `amsp train`).
 - ``summary``, ``report``: rows, the markdown table, JSON and plots.
 - ``harness``: modes (baselines, dissociation, ablation) and the run.
+- ``rounds``: ``--repeats N``: the order of each round, medians and per-round ratios.
 """

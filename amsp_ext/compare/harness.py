@@ -7,6 +7,9 @@ Modes:
   - the paper's Figure 16 (engine vs sharding strategy).
 - ``ablation``: AMSP with the planner's plan under each overlap setting of the paper's Table V
   (all on / no BC / no BC+AR / none).
+
+``repeats`` > 1 runs every row of a mode that many times, in rounds of alternating order, and
+reports medians and per-round ratios (see ``amsp_ext.compare.rounds``).
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from amsp_ext.compare.config import OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
 from amsp_ext.compare.launch import LaunchConfig, run_system
+from amsp_ext.compare.rounds import combine_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS, runner
+from amsp_ext.metrics import mfu
 from amsp_ext.planner.specs import format_size
 
 __all__ = ["MODES", "PlannerInputs", "RunItem", "plan_runs", "resolve_world", "run_comparison"]
@@ -145,58 +151,128 @@ def _precision_note(precision: str) -> str:
             "DeepSpeed 0.18.9 ZeRO-1/2 need patches/deepspeed_zero12_flat_buffer.py on gloo.")
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Prepared:
+    """One row before any round: its spec with the plan resolved, or why it cannot run."""
+
+    index: int  # 1-based position in plan_runs' order (progress lines)
+    item: RunItem
+    spec: RunSpec
+    base: dict[str, Any]  # fields every round's record of this row shares
+    why: str | None
+
+
+def _prepare(index: int, item: RunItem, spec: RunSpec, *, nodes: int, gpn: int,
+             planner: PlannerInputs) -> _Prepared:
+    base = {"key": item.key, "system": item.system, "label": item.label,
+            "spec": dataclasses.asdict(item.spec)}
+    item_spec = item.spec
+    why = None
+    if SYSTEMS[item.system].is_amsp:
+        why = runner(item.system).pending_reason()
+        if why is None and item.system == "amsp-plan":
+            resolved, why, source = _resolve_planned(item_spec, num_nodes=nodes,
+                                                     gpus_per_node=gpn, planner=planner)
+            item_spec = resolved or item_spec
+            base["plan_source"] = source
+            if resolved is not None and spec.amsp_plan.strip().lower() == "auto":
+                base["label"] = item.label.replace("planner's plan", f"planner's plan {resolved.amsp_plan}")
+    return _Prepared(index=index, item=item, spec=item_spec, base=base, why=why)
+
+
 def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: Path,
                    command: str, systems: list[str] | None = None,
                    ablation_micro_batches: list[int] | None = None,
-                   planner: PlannerInputs | None = None,
+                   planner: PlannerInputs | None = None, repeats: int = 1,
                    progress: Callable[[str], None] = print) -> tuple[Path, list[dict[str, Any]]]:
+    """Run every row ``repeats`` times, in rounds whose order alternates (amsp_ext.compare.rounds),
+    and write the report. Rows come back in plan_runs' order."""
     from amsp_ext.compare.report import write_report
 
+    repeats = validate_repeats(repeats)
     items = plan_runs(mode, spec, systems, ablation_micro_batches)
     nodes, gpn = resolve_world(spec, launch)
     date = datetime.date.today().isoformat()
     load_start = _load()
     stem_hw = _hardware(launch, nodes, gpn)
-    stem = f"{spec.model}_{stem_hw}_{date}" + ("" if mode == "baselines" else f"_{mode}")
+    stem = (f"{spec.model}_{stem_hw}_{date}" + ("" if mode == "baselines" else f"_{mode}")
+            + ("" if repeats == 1 else f"_repeats{repeats}"))
     runs_dir = out_dir / stem / "runs"
     planner = planner or PlannerInputs()
 
-    raw: list[dict[str, Any]] = []
-    for i, item in enumerate(items, 1):
-        head = f"[{i}/{len(items)}] {item.label}"
-        base = {"key": item.key, "system": item.system, "label": item.label,
-                "spec": dataclasses.asdict(item.spec)}
-        item_spec = item.spec
-        why = None
-        if SYSTEMS[item.system].is_amsp:
-            why = runner(item.system).pending_reason()
-            if why is None and item.system == "amsp-plan":
-                resolved, why, source = _resolve_planned(item_spec, num_nodes=nodes,
-                                                         gpus_per_node=gpn, planner=planner)
-                item_spec = resolved or item_spec
-                base["plan_source"] = source
-                if resolved is not None and spec.amsp_plan.strip().lower() == "auto":
-                    base["label"] = item.label.replace("planner's plan", f"planner's plan {resolved.amsp_plan}")
-        if why:
-            status = "failed" if why.startswith("planner:") else "pending"
-            raw.append({**base, "status": status, "reason": why})
-            progress(f"{head}: {status}: {why}")
-            continue
-        res = run_system(item.system, item_spec, runs_dir / item.key.replace("[", "_").replace("]", ""),
-                         launch, row_key=item.key)
-        res.update(base)
-        raw.append(res)
-        progress(f"{head}: {res['status']}" + (f" - {res['reason']}" if res.get("reason") else "")
-                 + f" ({res.get('wall_s', 0):.0f} s)")
+    prepared = [_prepare(i, item, spec, nodes=nodes, gpn=gpn, planner=planner)
+                for i, item in enumerate(items, 1)]
+    raw_by_key: dict[str, list[dict[str, Any]]] = {}
+    for p in prepared:
+        if p.why:
+            status = "failed" if p.why.startswith("planner:") else "pending"
+            raw_by_key[p.item.key] = [{**p.base, "status": status, "reason": p.why}]
+            progress(f"[{p.index}/{len(items)}] {p.item.label}: {status}: {p.why}")
+    runnable = [p for p in prepared if not p.why]
+    orders: list[list[str]] = []
+    round_loads: list[list[float] | None] = []
+    for r in range(repeats):
+        order = round_order(runnable, r)
+        orders.append([p.item.key for p in order])
+        round_loads.append(_load())
+        folder = runs_dir if repeats == 1 else runs_dir / f"round{r + 1}"
+        for position, p in enumerate(order, 1):
+            # The profiled step runs in round 1 only: it comes after the timed steps, so it does
+            # not change them, and one trace per system answers the exposed-communication
+            # question; repeating it would only add profiler time to every round.
+            run_spec = p.spec if r == 0 else p.spec.replace(trace=False)
+            started_at = time.time()
+            res = run_system(p.item.system, run_spec,
+                             folder / p.item.key.replace("[", "_").replace("]", ""),
+                             launch, row_key=p.item.key)
+            res.update(p.base)
+            res.update(round=r + 1, position=position, started_at=started_at)
+            if r > 0:
+                res["spec"] = dataclasses.asdict(run_spec)
+            raw_by_key.setdefault(p.item.key, []).append(res)
+            head = (f"[{p.index}/{len(items)}]" if repeats == 1
+                    else f"[round {r + 1}/{repeats}, {position}/{len(order)}]")
+            progress(f"{head} {p.item.label}: {res['status']}"
+                     + (f" - {res['reason']}" if res.get("reason") else "")
+                     + f" ({res.get('wall_s', 0):.0f} s)")
 
+    raw = [res for p in prepared for res in raw_by_key[p.item.key]]
     peak = peak_flops(raw)
-    rows = [summarize(r, RunSpec(**r["spec"]), peak) for r in raw]
+    rows = [_row(raw_by_key[p.item.key], peak, repeats) for p in prepared]
     meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
                  hardware=stem_hw)
     meta["planner"] = planner.describe()
     meta["load"] = {"start": load_start, "end": _load()}
+    meta["repeats"] = repeats
+    meta["round_orders"] = orders
+    if repeats > 1:
+        meta["round_loads"] = round_loads
+        meta["order_scheme"] = ORDER_SCHEME
     path = write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem)
     return path, rows
+
+
+ORDER_SCHEME = ("round r (1-based) runs the systems in the base order rotated left by "
+                "(r-1)//2 positions, reversed when r is even: each pair of rounds is one order "
+                "and its reverse; over 2 x (number of systems) rounds every system takes every "
+                "position twice")
+
+
+def _row(records: list[dict[str, Any]], peak: float | None, repeats: int) -> dict[str, Any]:
+    """One report row. N = 1: exactly the single run's summary; N > 1: its rounds combined."""
+    if repeats == 1 or "round" not in records[0]:
+        return summarize(records[0], RunSpec(**records[0]["spec"]), peak)
+    rounds = []
+    for res in records:
+        row = summarize(res, RunSpec(**res["spec"]), peak)
+        row.update(round=res["round"], position=res["position"], started_at=res["started_at"])
+        rounds.append(row)
+
+    def mfu_of(row: dict[str, Any], tgs: float) -> float | None:
+        return mfu(flops_per_token=row["flops_per_token"], tokens_per_gpu_per_s=tgs,
+                   peak_flops=peak) if peak else None
+
+    return combine_rounds(rounds, mfu_of=mfu_of)
 
 
 def _load() -> list[float] | None:

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_table", "ratios", "write_plots", "write_report"]
+from amsp_ext.compare.rounds import paired_ratio
+
+__all__ = ["format_table", "ratio_records", "ratios", "write_plots", "write_report"]
 
 MIB = 2**20
 
@@ -69,20 +71,36 @@ def _ms(v: float | None) -> str:
     return "—" if v is None else f"{v * 1e3:.1f}"
 
 
+def _repeated(rows: list[dict[str, Any]]) -> int:
+    """Rounds of the comparison (1 unless run with ``--repeats``)."""
+    return max((r.get("num_rounds", 1) for r in rows), default=1)
+
+
+def _tgs_cell(r: dict[str, Any]) -> str:
+    rng = r.get("tokens_per_gpu_per_s_range")
+    if r.get("num_rounds", 1) > 1 and rng:
+        return f"{r['tokens_per_gpu_per_s']:.0f} ({rng[0]:.0f}–{rng[1]:.0f})"
+    return f"{r['tokens_per_gpu_per_s']:.0f}"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ("| System | tokens/GPU/s | MFU | median step (s) | peak RSS Δ / rank (MiB) | "
+    num_rounds = _repeated(rows)
+    tgs_head = "tokens/GPU/s" if num_rounds == 1 else f"tokens/GPU/s, median of {num_rounds} rounds (min–max)"
+    head = (f"| System | {tgs_head} | MFU | median step (s) | peak RSS Δ / rank (MiB) | "
             "live tensors / rank (MiB) | comm / step (ms) | exposed comm / step (ms) | "
             "loss step 0 → last | status |")
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         if r.get("status") == "ok":
             loss = r["loss"]
+            # A row with failed rounds is still ok (its other rounds ran); the status names them.
+            status = "ok" if not r.get("failed_rounds") else f"ok; {r['reason']}".replace("|", "\\|")
             lines.append(
-                f"| {r['label']} | {r['tokens_per_gpu_per_s']:.0f} | "
+                f"| {r['label']} | {_tgs_cell(r)} | "
                 f"{_fmt(r['mfu'] and r['mfu'] * 100, '.2f')}% | {r['median_step_s']:.3f} | "
                 f"{_mib(r['peak_rss_delta_bytes'])} | {_mib(r['live_tensor_delta_bytes'])} | "
                 f"{_ms(r['comm_s'])} | {_ms(r['exposed_comm_s'])} | "
-                f"{loss[0]:.4f} → {loss[-1]:.4f} | ok |")
+                f"{loss[0]:.4f} → {loss[-1]:.4f} | {status} |")
         else:
             reason = str(r.get("reason", "")).replace("|", "\\|")
             lines.append(f"| {r['label']} | — | — | — | — | — | — | — | — | "
@@ -94,25 +112,48 @@ def _row(rows, key):
     return next((r for r in rows if r["key"] == key and r.get("status") == "ok"), None)
 
 
-def ratios(rows: list[dict[str, Any]]) -> list[str]:
-    """AMSP(planned) / each baseline and AMSP(MiCS config) / DeepSpeed-MiCS, in tokens/GPU/s."""
+def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """AMSP(planned) / each baseline, AMSP(MiCS config) / DeepSpeed-MiCS and AMSP(planned) /
+    AMSP(MiCS config), in tokens/GPU/s: per round where both rows ran, then median and range
+    (``rounds.paired_ratio``; one round without ``--repeats``)."""
     out = []
+
+    def add(num: dict[str, Any], den: dict[str, Any], text: str, note: str = "") -> None:
+        rec = paired_ratio(num, den)
+        if rec:
+            out.append({"numerator": num["key"], "denominator": den["key"], "text": text,
+                        "note": note, **rec})
+
     planned = _row(rows, "amsp-plan") or _row(rows, "amsp-plan[all]")
     if planned:
         for r in rows:
             if r.get("status") == "ok" and not r["system"].startswith("amsp"):
-                out.append(f"- {planned['label']} / {r['label']}: "
-                           f"{planned['tokens_per_gpu_per_s'] / r['tokens_per_gpu_per_s']:.2f}x")
+                add(planned, r, f"{planned['label']} / {r['label']}")
     amsp_mics, ds_mics = _row(rows, "amsp-mics"), _row(rows, "mics")
     if amsp_mics and ds_mics:
-        out.append(f"- AMSP (MiCS config) / DeepSpeed-MiCS: "
-                   f"{amsp_mics['tokens_per_gpu_per_s'] / ds_mics['tokens_per_gpu_per_s']:.2f}x "
-                   "(engine only: same sharding, paper Fig. 16)")
+        add(amsp_mics, ds_mics, "AMSP (MiCS config) / DeepSpeed-MiCS",
+            "engine only: same sharding, paper Fig. 16")
     if amsp_mics and planned:
-        out.append(f"- {planned['label']} / AMSP (MiCS config): "
-                   f"{planned['tokens_per_gpu_per_s'] / amsp_mics['tokens_per_gpu_per_s']:.2f}x "
-                   "(sharding strategy only: same engine)")
+        add(planned, amsp_mics, f"{planned['label']} / AMSP (MiCS config)",
+            "sharding strategy only: same engine")
     return out
+
+
+def _ratio_line(rec: dict[str, Any]) -> str:
+    notes = []
+    if rec["num_rounds"] > 1:
+        paired = rec["num_paired_rounds"]
+        notes.append(f"median of {paired} per-round ratios" + ("" if paired == rec["num_rounds"]
+                                                                else f" ({rec['num_rounds']} rounds)")
+                     + f", range {rec['min']:.2f}–{rec['max']:.2f}x")
+    if rec["note"]:
+        notes.append(rec["note"])
+    return f"- {rec['text']}: {rec['median']:.2f}x" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """The ratio lines of the report (see ``ratio_records``)."""
+    return [_ratio_line(rec) for rec in ratio_records(rows)]
 
 
 def ablation_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -133,8 +174,10 @@ def ablation_table(rows: list[dict[str, Any]]) -> list[str]:
                 cells.append(r.get("status", "—") if r else "—")
                 continue
             tgs = r["tokens_per_gpu_per_s"]
-            drop = ("" if o == "all" or not base or base.get("status") != "ok"
-                    else f" ({(tgs / base['tokens_per_gpu_per_s'] - 1) * 100:+.1f}%)")
+            # With --repeats: the median of per-round changes (same round = same load).
+            rel = (None if o == "all" or not base or base.get("status") != "ok"
+                   else paired_ratio(r, base))
+            drop = f" ({(rel['median'] - 1) * 100:+.1f}%)" if rel else ""
             cells.append(f"{tgs:.0f}{drop}")
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return out
@@ -153,9 +196,14 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[str]:
     files = []
 
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok)), 4))
-    ax.bar(labels, [r["tokens_per_gpu_per_s"] for r in ok], color="tab:blue")
-    ax.set_ylabel("tokens / GPU / s (median)")
-    ax.set_title("Throughput")
+    tgs = [r["tokens_per_gpu_per_s"] for r in ok]
+    # With --repeats: the median over rounds, whiskers at the rounds' min and max.
+    ranges = [r.get("tokens_per_gpu_per_s_range") or [t, t] for r, t in zip(ok, tgs)]
+    yerr = None if _repeated(ok) == 1 else [[t - lo for t, (lo, _) in zip(tgs, ranges)],
+                                            [hi - t for t, (_, hi) in zip(tgs, ranges)]]
+    ax.bar(labels, tgs, color="tab:blue", yerr=yerr, capsize=4 if yerr else 0)
+    ax.set_ylabel("tokens / GPU / s (median)" if yerr is None else "tokens / GPU / s (median, min-max)")
+    ax.set_title("Throughput" if yerr is None else f"Throughput, {_repeated(ok)} rounds")
     ax.tick_params(axis="x", rotation=35)
     plt.setp(ax.get_xticklabels(), ha="right")
     fig.tight_layout()
@@ -215,12 +263,50 @@ def _loss_agreement(rows: list[dict[str, Any]]) -> list[str]:
     return ["| System | abs. loss diff vs DDP, step 0 | max over steps |", "|---|---|---|", *out]
 
 
+def rounds_section(rows: list[dict[str, Any]], ratio_recs: list[dict[str, Any]],
+                   meta: dict[str, Any]) -> list[str]:
+    """With ``--repeats``: the order and load of each round, each system's tokens/GPU/s per
+    round and each ratio per round (what the medians above are taken over)."""
+    num_rounds = meta.get("repeats", 1)
+    if num_rounds == 1:
+        return []
+    loads = meta.get("round_loads") or [None] * num_rounds
+    cols = " | ".join(f"round {i}" for i in range(1, num_rounds + 1))
+    sep = "|---|" + "---:|" * num_rounds
+    out = [f"### Rounds ({num_rounds})", "",
+           f"Order: {meta['order_scheme']}. Ratios are taken within each round (both systems ran "
+           "minutes apart, under about the same load) and the medians above are over rounds. "
+           "The profiled step (comm columns) and the loss and memory figures are from each "
+           "system's first successful round.", "",
+           "| round | order (first → last, row keys) | load at start (1 min) |", "|---|---|---:|"]
+    for i, order in enumerate(meta["round_orders"], 1):
+        load = loads[i - 1]
+        out.append(f"| {i} | {' → '.join(order)} | "
+                   f"{'n/a' if not load else f'{load[0]:.1f}'} |")
+    out += ["", f"| tokens/GPU/s (position in round) | {cols} |", sep]
+    for r in rows:
+        cells = []
+        for rd in r.get("rounds") or []:
+            cells.append(f"{rd['tokens_per_gpu_per_s']:.0f} (#{rd['position']})" if rd.get("status") == "ok"
+                         else f"{rd.get('status')} (#{rd['position']})")
+        if cells:
+            out.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    if ratio_recs:
+        out += ["", f"| ratio | {cols} |", sep]
+        for rec in ratio_recs:
+            out.append(f"| {rec['text']} | "
+                       + " | ".join("—" if v is None else f"{v:.2f}x" for v in rec["per_round"]) + " |")
+    return out + [""]
+
+
 def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path,
                  stem: str) -> Path:
     folder = out_dir / stem
     folder.mkdir(parents=True, exist_ok=True)
+    ratio_recs = ratio_records(rows)
     (folder / "results.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=2, sort_keys=True, default=str) + "\n")
+        json.dumps({"meta": meta, "rows": rows, "ratios": ratio_recs}, indent=2, sort_keys=True,
+                   default=str) + "\n")
     plots = write_plots(rows, folder)
     peak = meta.get("peak_flops")
     peak_text = f"{peak / 1e9:.1f} GFLOP/s per rank ({meta['compute_dtype']})" if peak else "n/a"
@@ -243,11 +329,16 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         format_table(rows),
         "",
     ]
-    rat = ratios(rows)
+    rat = [_ratio_line(rec) for rec in ratio_recs]
     lines += ["### Ratios (tokens/GPU/s)", "", *(rat or ["- AMSP rows did not run (see their status)."]), ""]
+    lines += rounds_section(rows, ratio_recs, meta)
     abl = ablation_table(rows)
     if abl:
-        lines += ["### Overlap ablation (paper Table V shape): tokens/GPU/s, change vs all on", "", *abl, ""]
+        lines += ["### Overlap ablation (paper Table V shape): tokens/GPU/s, change vs all on", "",
+                  *([] if meta.get("repeats", 1) == 1 else
+                    [f"Median of {meta['repeats']} rounds; the change is the median of the per-round "
+                     "changes (each against all on of the same round).", ""]),
+                  *abl, ""]
     agree = _loss_agreement(rows)
     if agree:
         lines += ["### Loss agreement with DDP (same data, same initial weights)", "", *agree, ""]
@@ -261,7 +352,9 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         f"micro-batch {spec['micro_batch_size']} per rank, M = {spec['num_micro_batches']} micro-batches, "
         f"global batch {meta['global_batch_sequences']} sequences ({meta['global_batch_tokens']:,} tokens).",
         f"- Steps: {spec['num_steps']} timed ({spec['num_warmup_steps']} warm-up excluded from the median)"
-        + (" + 1 profiled" if spec["trace"] else "") + ".",
+        + (" + 1 profiled" if spec["trace"] else "")
+        + (f" (round 1 only), in each of {meta['repeats']} rounds" if meta.get("repeats", 1) > 1 else "")
+        + ".",
         f"- Optimizer: AdamW lr {spec['lr']}, betas (0.9, 0.95), weight decay {spec['weight_decay']}; "
         f"global grad-norm clipping {spec['grad_clip']}.",
         f"- Precision: **{spec['precision']}**. {meta['precision_note']}",

@@ -1,0 +1,116 @@
+"""Repeat-and-alternate (``amsp compare --repeats N``): the run order of each round, one row per
+system from its rounds, and ratios as the median of per-round ratios.
+
+[Note: why rounds, and why ratios are taken per round]
+One comparison runs its systems one after another on a shared machine. Load from other jobs
+that changes between two systems lands in their throughput ratio (0.69-2.20x for the same
+engine-only pair over four runs on the 2x2 lab, comparisons/results/
+tiny-llama_cpu-2x2-lab_2026-11-30_engine-only-repeats.md). With ``--repeats N`` the harness runs
+every system N times, in N rounds. Two systems of one round run minutes apart, two rounds
+further apart still, so the ratio of two systems is taken *within* each round (they saw about
+the same load) and the report gives the median of those per-round ratios and their range - not
+the ratio of two medians, which pairs numbers measured under different loads. Each system's own
+figure is the median of its per-round tokens/GPU/s, with the min-max range beside it.
+
+[Note: the order of round r]
+Round r (0-based) runs the systems in the base order rotated left by ``r // 2`` positions, and
+reversed when r is odd:
+    r=0: a b c    r=1: c b a    r=2: b c a    r=3: a c b    r=4: c a b    r=5: b a c
+Each pair of rounds (2k, 2k+1) is one order and its reverse, so whoever ran first in one ran
+last in the other and a steady drift in load (the machine getting busier over minutes) moves a
+system's two positions in opposite directions. Over 2 x (number of systems) rounds every system
+takes every position exactly twice. With 2 systems the rounds go  a b | b a | b a | a b | ...
+(ABBA: any even N puts each system first in half the rounds; the measured lab pairs had the
+system run first faster in 5 of 6 pairs). Odd N leaves one round's order unpaired - prefer even
+N.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Sequence
+
+from amsp_ext.compare.config import SpecError
+
+__all__ = ["combine_rounds", "paired_ratio", "round_order", "validate_repeats"]
+
+
+def validate_repeats(num_repeats: Any) -> int:
+    if isinstance(num_repeats, bool) or not isinstance(num_repeats, int) or num_repeats < 1:
+        raise SpecError(f"--repeats must be an integer >= 1, got {num_repeats!r}")
+    return num_repeats
+
+
+def round_order(items: Sequence, round_index: int) -> list:
+    """The order of round ``round_index`` (0-based); see [Note: the order of round r]."""
+    n = len(items)
+    if n == 0:
+        return []
+    k = (round_index // 2) % n
+    order = list(items[k:]) + list(items[:k])
+    return order[::-1] if round_index % 2 else order
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _round_list(numbers: list[int]) -> str:
+    return ("round " if len(numbers) == 1 else "rounds ") + ",".join(str(n) for n in numbers)
+
+
+def _failure_text(failed: list[dict[str, Any]]) -> str:
+    """'round 2 failed: why' / 'rounds 1,3 failed: why' (same reason) / '...; round 4 failed: ...'."""
+    by_reason: dict[str, list[int]] = {}
+    for f in failed:
+        by_reason.setdefault(f"{f['status']}: {f['reason']}", []).append(f["round"])
+    return "; ".join(f"{_round_list(rs)} {why}" for why, rs in by_reason.items())
+
+
+def combine_rounds(rounds: list[dict[str, Any]], *, mfu_of=None) -> dict[str, Any]:
+    """One row from a system's per-round rows (each from ``summary.summarize`` plus ``round``,
+    1-based, and ``position`` in that round's order).
+
+    Throughput: median and min-max of the ok rounds' tokens/GPU/s (MFU from the median, via
+    ``mfu_of(row, tokens_per_gpu_per_s)``). Loss, memory and communication: the first ok round's
+    (the only one with a profiled step). A failed round is kept in ``rounds`` and named, with its
+    reason, in ``failed_rounds`` and the row's ``reason``.
+    """
+    ok = [r for r in rounds if r.get("status") == "ok"]
+    failed = [{"round": r["round"], "status": r.get("status"), "reason": r.get("reason")}
+              for r in rounds if r.get("status") != "ok"]
+    base = dict(ok[0] if ok else rounds[0])
+    base.pop("round", None)
+    base.pop("position", None)
+    row: dict[str, Any] = {**base, "num_rounds": len(rounds), "num_ok_rounds": len(ok),
+                           "failed_rounds": failed, "rounds": rounds,
+                           "tokens_per_gpu_per_s_rounds":
+                               [r.get("tokens_per_gpu_per_s") if r.get("status") == "ok" else None
+                                for r in rounds]}
+    if not ok:
+        same = {(f["status"], f["reason"]) for f in failed}
+        row["reason"] = (f"{failed[0]['reason']} (all {len(failed)} rounds)" if len(same) == 1
+                         else _failure_text(failed))
+        return row
+    tgs = _spread([r["tokens_per_gpu_per_s"] for r in ok])
+    row.update(tokens_per_gpu_per_s=tgs["median"],
+               tokens_per_gpu_per_s_range=[tgs["min"], tgs["max"]],
+               median_step_s=statistics.median(r["median_step_s"] for r in ok),
+               reason=_failure_text(failed) if failed else None)
+    if mfu_of is not None:
+        row["mfu"] = mfu_of(row, tgs["median"])
+    return row
+
+
+def paired_ratio(num: dict[str, Any], den: dict[str, Any]) -> dict[str, Any] | None:
+    """tokens/GPU/s of ``num`` over ``den``: per round where both ran ok, then median and range.
+
+    Rows without rounds (N = 1, or a row that never ran) count as one round."""
+    a = num.get("tokens_per_gpu_per_s_rounds") or [num.get("tokens_per_gpu_per_s")]
+    b = den.get("tokens_per_gpu_per_s_rounds") or [den.get("tokens_per_gpu_per_s")]
+    per_round = [x / y if x is not None and y else None for x, y in zip(a, b)]
+    vals = [v for v in per_round if v is not None]
+    if not vals:
+        return None
+    return {"per_round": per_round, "num_rounds": len(per_round), "num_paired_rounds": len(vals),
+            **_spread(vals)}
