@@ -202,8 +202,9 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[str]:
     yerr = None if _repeated(ok) == 1 else [[t - lo for t, (lo, _) in zip(tgs, ranges)],
                                             [hi - t for t, (_, hi) in zip(tgs, ranges)]]
     ax.bar(labels, tgs, color="tab:blue", yerr=yerr, capsize=4 if yerr else 0)
-    ax.set_ylabel("tokens / GPU / s (median)" if yerr is None else "tokens / GPU / s (median, min-max)")
-    ax.set_title("Throughput" if yerr is None else f"Throughput, {_repeated(ok)} rounds")
+    ax.set_ylabel("tokens / GPU / s")
+    ax.set_title("Throughput" if yerr is None
+                 else f"Throughput: median of {_repeated(ok)} rounds, whiskers min-max")
     ax.tick_params(axis="x", rotation=35)
     plt.setp(ax.get_xticklabels(), ha="right")
     fig.tight_layout()
