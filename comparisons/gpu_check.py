@@ -1,0 +1,213 @@
+"""The one short GPU run, for a session that is lent a device (one GPU, so no multi-rank NCCL).
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 comparisons/gpu_check.py --out $OUT   # a few minutes
+    PYTHONPATH=. python3 comparisons/gpu_check.py --device cpu --quick           # dry run here
+
+What CPU machines cannot tell us, each written to ``<out>/gpu_check.json`` as it finishes:
+
+1. ``peak``: dense bf16 matmul FLOP/s (``metrics.matmul_peak_flops``, the MFU denominator of
+   ``amsp train`` and ``amsp compare``) at n = 4096 and 8192.
+2. ``compute``: the step model's compute efficiency (``planner/step.py`` assumes 0.65). Forward +
+   backward of LLaMA-7B-shaped decoder layers (h 4096, ffn 11008, 32 heads, seq 4096, one
+   sequence, bf16, SDPA attention) with and without activation recomputation, as model FLOPs
+   (the planner's Megatron-LM count) / time / measured peak. Few layers, so it fits; the
+   embedding and head are included, as in the planner's count.
+3. ``engine``: the same small model trained through ``amsp_ext.shard`` (plan ``ddp``, world 1,
+   NCCL, bf16 with fp32 masters) and through plain PyTorch (bf16 autocast, fp32 params): losses
+   side by side (the CUDA paths of masters, bf16 casting, the checkpoint RNG) and step times
+   (the hook overhead on a GPU, where kernels are fast and Python costs show).
+4. ``nccl``: every collective of ``runtime/collectives.py`` on a 1-rank NCCL group, async + wait
+   (the stream-ordered wait path that gloo never takes), with the results checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, *, reps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def check_peak(device, dtype, quick: bool) -> dict:
+    from amsp_ext.metrics import matmul_peak_flops
+
+    sizes = (512,) if quick else (4096, 8192)
+    return {f"n{n}_tflops": matmul_peak_flops(device, dtype, n=n, seconds=0.5 if quick else 2.0) / 1e12
+            for n in sizes}
+
+
+def check_compute(device, dtype, peak_flops: float, quick: bool) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from amsp_ext.metrics import flops_per_token
+
+    if quick:
+        cfg = dict(hidden_size=128, intermediate_size=352, num_attention_heads=4,
+                   num_key_value_heads=4, num_hidden_layers=2, vocab_size=512)
+        seq = 256
+    else:  # LLaMA-7B's layer shape, 4 layers
+        cfg = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                   num_key_value_heads=32, num_hidden_layers=4, vocab_size=32000)
+        seq = 4096
+    cfg.update(max_position_embeddings=seq, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    out = {"config": cfg, "seq_len": seq}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).to(device, dtype)
+    model.train()
+    tokens = torch.randint(0, cfg["vocab_size"], (1, seq), device=device)
+    fpt = flops_per_token({**cfg, "model_type": "llama"}, seq)
+    for recompute in (False, True):
+        if recompute:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def step():
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        t = statistics.median(_timed(step, device, reps=3 if quick else 10))
+        achieved = fpt * seq / t
+        out["recompute" if recompute else "no_recompute"] = {
+            "step_s": t, "model_tflops": achieved / 1e12, "efficiency": achieved / peak_flops}
+    del model
+    return out
+
+
+def check_engine(device, quick: bool) -> dict:
+    import amsp_ext
+    from amsp_ext.data import micro_batch
+    from amsp_ext.models import build_llama, causal_lm_loss
+    from amsp_ext.runtime.config import ShardConfig
+
+    name, steps, seq, mbs = ("tiny-llama", 4, 64, 2) if quick else ("small-llama", 20, 512, 8)
+
+    def batch(step):
+        return micro_batch(step, 0, 0, world_size=1, num_micro_batches=1, micro_batch_size=mbs,
+                           seq_len=seq).to(device)
+
+    def run(model, opt, backward, autocast: bool) -> tuple[list[float], list[float]]:
+        losses, times = [], []
+        for s in range(steps):
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = causal_lm_loss(model, batch(s))
+            backward(loss)
+            opt.step()
+            opt.zero_grad()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        return losses, times
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    plain = build_llama(name, seed=0).to(device)
+    p_losses, p_times = run(plain, adamw(plain.parameters()), lambda l: l.backward(), True)
+    model, opt = amsp_ext.shard(build_llama(name, seed=0), "ddp", adamw,
+                                config=ShardConfig(gpus_per_node=1, precision="bf16", timeout=120))
+    a_losses, a_times = run(model, opt, opt.backward, False)
+    warm = max(1, steps // 4)
+    return {"model": name, "seq_len": seq, "micro_batch_size": mbs,
+            "plain_autocast": {"losses": p_losses, "median_step_s": statistics.median(p_times[warm:])},
+            "amsp_ddp_bf16": {"losses": a_losses, "median_step_s": statistics.median(a_times[warm:])},
+            "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(a_losses, p_losses))}
+
+
+def check_collectives(device) -> dict:
+    from amsp_ext.runtime import collectives as C
+
+    g = dist.group.WORLD
+    out = {}
+    x = torch.arange(8, dtype=torch.float32, device=device)
+    p = C.all_reduce(x, g, name="world", async_op=True)
+    C.wait(p, timeout=30)
+    out["all_reduce"] = bool(torch.equal(x, torch.arange(8, dtype=torch.float32, device=device)))
+    y = torch.full((4,), 3.0, device=device)
+    C.wait(C.broadcast(y, 0, g, name="world", async_op=True), timeout=30)
+    out["broadcast"] = bool((y == 3).all())
+    o = torch.empty(8, device=device)
+    C.wait(C.all_gather_into_tensor(o, x, g, name="world", async_op=True), timeout=30)
+    out["all_gather"] = bool(torch.equal(o, x))
+    r = torch.empty(8, device=device)
+    C.wait(C.reduce_scatter_tensor(r, x, g, name="world", async_op=True), timeout=30)
+    out["reduce_scatter"] = bool(torch.equal(r, x))
+    C.barrier(g, name="world", timeout=30)
+    out["barrier"] = True
+    big = torch.ones(64 * 2**20 // 4, device=device)  # 64 MiB: an async op the host can outrun
+    t0 = time.perf_counter()
+    p = C.all_reduce(big, g, name="world", async_op=True)
+    issue = time.perf_counter() - t0
+    C.wait(p, timeout=30)
+    _sync(device)
+    out["issue_s_64mib"], out["done_s_64mib"] = issue, time.perf_counter() - t0
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (a dry run on CPU)")
+    a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda but torch sees no GPU; use --device cpu --quick for a dry run",
+              file=sys.stderr)
+        return 2
+    device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device)
+              if device.type == "cuda" else "cpu", "backend": dist.get_backend()}
+
+    def save():
+        (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=1))
+
+    steps = [("nccl", lambda: check_collectives(device)),
+             ("peak", lambda: check_peak(device, torch.bfloat16, a.quick)),
+             ("compute", lambda: check_compute(device, torch.bfloat16,
+                                               max(result["peak"].values()) * 1e12, a.quick)),
+             ("engine", lambda: check_engine(device, a.quick))]
+    for key, fn in steps:
+        t0 = time.perf_counter()
+        try:
+            result[key] = fn()
+        except Exception as e:  # keep the other checks' results: one device run is all we get
+            result[key] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"gpu_check: {key} ({time.perf_counter() - t0:.1f} s): {json.dumps(result[key])[:400]}",
+              flush=True)
+        save()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
