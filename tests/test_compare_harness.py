@@ -37,7 +37,8 @@ def test_exposed_comm_by_hand():
 def test_spec_errors_are_one_line_and_name_the_field():
     for kwargs, field in [(dict(model="gpt9"), "model"), (dict(precision="fp8"), "precision"),
                           (dict(num_steps=2, num_warmup_steps=2), "num_warmup_steps"),
-                          (dict(amsp_overlap="some"), "amsp_overlap"), (dict(seq_len=4096), "seq_len")]:
+                          (dict(amsp_overlap="some"), "amsp_overlap"), (dict(seq_len=4096), "seq_len"),
+                          (dict(amsp_granularity="linear"), "amsp_granularity")]:
         with pytest.raises(SpecError) as e:
             RunSpec(**kwargs)
         assert field in str(e.value) and "\n" not in str(e.value)

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpz-partition-size", type=int, help="default: one node")
     p.add_argument("--amsp-plan", default="auto",
                    help="plan of the 'AMSP (planner's plan)' row: auto | ddp | zero1 | mics:K | p=AxB,g=..,os=..")
+    p.add_argument("--amsp-granularity", default="layer", choices=("layer", "module"),
+                   help="sharding unit of the AMSP rows: one per decoder layer, as the FSDP2 rows "
+                   "wrap (default), or every Linear (the paper's module-level AG/RS)")
     p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
                    help="planner profile for --amsp-plan auto (bundled name or a JSON from `amsp profile`)")
     p.add_argument("--gpu-memory", default="80GiB", metavar="SIZE",
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node if args.gpus_per_node is not None
         else (d["gpus_per_node"] if args.launcher == "torchrun" else None),
         mics_shard_size=args.mics_shard_size, hpz_partition_size=args.hpz_partition_size,
-        amsp_plan=args.amsp_plan, trace=not args.no_trace, dist_timeout_s=min(300.0, args.timeout),
+        amsp_plan=args.amsp_plan, amsp_granularity=args.amsp_granularity, trace=not args.no_trace, dist_timeout_s=min(300.0, args.timeout),
     )
     launch = LaunchConfig(launcher=args.launcher, nproc_per_node=pick(args.nproc_per_node, "nproc_per_node"),
                           cluster_name=args.cluster_name, timeout_s=args.timeout)

@@ -107,7 +107,8 @@ def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
             ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                         gpu_memory_bytes=planner.gpu_memory_bytes),
             TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
-                         num_micro_batches=spec.num_micro_batches, precision=spec.precision),
+                         num_micro_batches=spec.num_micro_batches, precision=spec.precision,
+                         granularity=spec.amsp_granularity),
             planner.profile, missing=planner.missing,
             memory_reserve_bytes=planner.memory_reserve_bytes)
     except ValueError as e:

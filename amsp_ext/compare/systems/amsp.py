@@ -60,7 +60,7 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
     plan = plan_text(name, ctx)
     switches = OVERLAP_SWITCHES[ctx.spec.amsp_overlap]
     config = ShardConfig(gpus_per_node=ctx.gpus_per_node, precision=ctx.spec.precision,
-                         overlap=OverlapConfig(**switches))
+                         granularity=ctx.spec.amsp_granularity, overlap=OverlapConfig(**switches))
     model, optimizer = shard(model, plan, ctx.optimizer_factory, config=config)
     M = ctx.spec.num_micro_batches
 
