@@ -93,7 +93,8 @@ _ZERO = {
     "stage3_gather_fp16_weights_on_model_save": ("mapped", "AMSP always has the consolidated 16-bit state dict"),
     "prefetch_bucket_size": ("superseded", "AMSP prefetches one sharding unit ahead (amsp.overlap.allgather)"),
     "stage3_prefetch_bucket_size": ("superseded", "AMSP prefetches one sharding unit ahead (amsp.overlap.allgather)"),
-    "allgather_bucket_size": ("superseded", "AMSP gathers per sharding unit (amsp.granularity)"),
+    "allgather_bucket_size": ("superseded", "AMSP gathers per sharding unit (amsp.granularity); "
+                              "post-step broadcasts pack into half-bucket items"),
     "allgather_partitions": ("superseded", "AMSP broadcasts updated parameters from their owners"),
     "reduce_scatter": ("superseded", "AMSP reduces per the plan (AllReduce buckets, ReduceScatter when sp > 1)"),
     "contiguous_gradients": ("superseded", "AMSP copies gradients into buckets"),
