@@ -276,15 +276,16 @@ def suite_extras(world, R):
     for name, p, ckw, tkw in cases:
         model, opt, losses, _ = train(p, cfg(**ckw), world=world, **tkw)
         compare(name, ref32, model, losses)
-    # packed broadcasts under a staging limit small enough that issuing pauses and resumes
-    # from the forward pre-hooks (tiny-llama's local tensors are 128 B .. 32 KiB at sp = 2)
+    # packed broadcasts under a budget small enough that only the smallest tensors are packed
+    # (tiny-llama's local tensors are 128 B .. 32 KiB at sp = 2, about 250 KiB in all)
     model, opt, losses, _ = train("p=2x1,g=2x1,os=2x2",
                                   cfg(ownership="blocks", grad_bucket_bytes=32768), world=world)
     ps = model.amsp.param_sync
     compare("coalesced-broadcasts:p=2x1,g=2x1,os=2x2", ref32, model, losses,
             extra={"num_items": len(ps.items), "num_packed": sum(it.packed for it in ps.items),
+                   "num_packed_tensors": sum(len(it.tensors) for it in ps.items if it.packed),
                    "num_tensors": len(ps.tensors), "peak_staging": ps.peak_staging,
-                   "num_paused": ps.num_paused, "staging_limit": ps.staging_limit})
+                   "staging_limit": ps.staging_limit})
     ref_tied = shared_reference(world, tied=True)
     for p in ("p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2"):
         model, opt, losses, _ = train(p, cfg(), world=world, tied=True)
@@ -421,6 +422,10 @@ def suite_trace(world, R):
             # gloo ends an async op's profiler range on its own thread: finish them all
             # before the profiler stops (else the profiler's collection asserts)
             with record_function("test::drain"):
+                # a state_dict taken while step 2's broadcasts are in flight waits for them
+                busy = [model.amsp.param_sync.busy]
+                model.state_dict()
+                busy.append(model.amsp.param_sync.busy)
                 model.amsp.wait_params()
         events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()]
         labels = sorted({n for n, _, _ in events if n.startswith("amsp::")})
@@ -443,6 +448,7 @@ def suite_trace(world, R):
         first_wait = next((i for i, (k, _) in enumerate(log) if k == "wait"), None)
         out[str(overlap)] = {"labels": labels, "bcast_waits": where,
                              "num_items": len(model.amsp.param_sync.items),
+                             "busy_before_after_state_dict": busy,
                              "num_tensors": len(model.amsp.param_sync.tensors),
                              "issued_before_first_wait": sum(1 for k, _ in log[:first_wait] if k == "issue")
                              if first_wait is not None else None}

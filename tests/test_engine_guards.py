@@ -68,12 +68,13 @@ def test_trace_labels_and_broadcast_overlap():
         assert label in on["labels"], label
     # overlap on: all of step k's broadcasts are issued before any is waited for, and every
     # wait happens inside a forward of step k+1 (module pre-hooks), none inside the step
-    # (tiny-llama: 21 tensors; runs of one owner's tensors coalesce into one broadcast each)
+    # (tiny-llama: 21 tensors, small enough that each owner's go out as one packed broadcast)
     n = on["num_items"]
     assert on["num_tensors"] == 21 and 2 <= n <= 21, on
     assert on["issued_before_first_wait"] == n
     assert on["bcast_waits"]["forward"] == 2 * n  # steps 1 and 2 wait for steps 0 and 1
     assert on["bcast_waits"]["step"] == 0 and on["bcast_waits"]["other"] == 0
     assert "amsp::pre_forward_wait::optim_bcast" in on["labels"]
+    assert on["busy_before_after_state_dict"] == [True, False]  # state_dict waits for them
     # overlap off: the waits happen in the optimizer step
     assert off["bcast_waits"]["forward"] == 0 and off["bcast_waits"]["step"] == 3 * n

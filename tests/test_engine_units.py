@@ -67,11 +67,9 @@ def test_ownership_policies():
     assert assign_greedy([5, 4, 3, 3], 2) == [0, 1, 1, 0]  # hand-computed LPT
 
 
-def test_blocks_is_the_best_contiguous_partition_and_auto_falls_back_to_greedy():
+def test_blocks_is_the_best_contiguous_partition():
     import itertools
     import random
-
-    from amsp_ext.runtime.ownership import assign_owners
 
     rng = random.Random(0)
     for _ in range(300):
@@ -82,11 +80,7 @@ def test_blocks_is_the_best_contiguous_partition_and_auto_falls_back_to_greedy()
                    for k in range(min(b, len(numels)))
                    for cuts in itertools.combinations(range(1, len(numels)), k))
         assert max(load_per_owner(numels, assign_blocks(numels, b), b)) == best, (numels, b)
-    # auto: blocks when the largest block is within 5% of the mean; [2, 6, 2, 1, 1] on 2 owners
-    # is at best 8 | 4 contiguous (mean 6), so greedy's 6 | 6 is taken
-    assert assign_owners([10, 10], 2, "auto") == [0, 1]
-    assert assign_owners([5, 1, 1, 4, 3], 2, "auto") == [0, 0, 0, 1, 1]  # 7 | 7
-    assert assign_owners([2, 6, 2, 1, 1], 2, "auto") == assign_greedy([2, 6, 2, 1, 1], 2)  # 8 | 4
+    assert assign_blocks([5, 1, 1, 4, 3], 2) == [0, 0, 0, 1, 1]  # 7 | 7
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -121,19 +115,20 @@ def _local_tensors(numels, owners):
                         keeper_rank=o) for i, (n, o) in enumerate(zip(numels, owners))]
 
 
-def test_broadcast_items_pack_runs_of_one_owner_within_half_a_bucket():
+def test_broadcast_items_pack_the_smallest_tensors_per_owner_within_the_budget():
     from amsp_ext.runtime.param_sync import broadcast_items
 
-    # fp32, bucket 64 B -> packs of at most 32 B (8 floats); a 400 B tensor goes in place;
-    # an empty local shard is skipped; a run of one is not packed
+    # fp32, bucket 64 B: the smallest tensors are packed until 64 B are taken (t0, t1, t2, t4;
+    # t6 no longer fits), per owner into packs of at most 32 B, each issued at the position of
+    # its first tensor; the 400 B tensor and t6 go in place; an empty local shard is skipped
     ts = _local_tensors([4, 4, 4, 100, 4, 0, 4], [0, 0, 1, 1, 1, 0, 0])
     items = broadcast_items(ts, 64)
-    assert [[t.index for t in it.tensors] for it in items] == [[0, 1], [2], [3], [4], [6]]
-    assert [it.packed for it in items] == [True, False, False, False, False]
-    assert [it.owner_rank for it in items] == [0, 1, 1, 1, 0]
-    assert [it.nbytes for it in items] == [32, 16, 400, 16, 16]
-    # one owner: cut when the pack would pass 32 B
-    items = broadcast_items(_local_tensors([4, 4, 4], [0, 0, 0]), 64)
-    assert [[t.index for t in it.tensors] for it in items] == [[0, 1], [2]]
+    assert [[t.index for t in it.tensors] for it in items] == [[0, 1], [2, 4], [3], [6]]
+    assert [it.packed for it in items] == [True, True, False, False]
+    assert [it.owner_rank for it in items] == [0, 1, 1, 0]
+    assert [it.nbytes for it in items] == [32, 32, 400, 16]
+    # one owner, 8 B tensors, bucket 32 B: packs of 16 B, budget for four of the five
+    items = broadcast_items(_local_tensors([2, 2, 2, 2, 2], [0] * 5), 32)
+    assert [[t.index for t in it.tensors] for it in items] == [[0, 1], [2, 3], [4]]
     # 0 = one broadcast per tensor
     assert len(broadcast_items(_local_tensors([4, 4, 4], [0, 0, 0]), 0)) == 3

@@ -15,7 +15,7 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
       "objective": "comm",                  # "comm" (paper Eq. 1) or "step"
       "overlap": {"allgather": true, "allreduce": true, "broadcast": true},
       "bucket_size": "25MiB",               # gradient bucket U; null: DeepSpeed's reduce_bucket_size
-      "granularity": "module", "recompute": false, "ownership": "auto", "timeout": 600,
+      "granularity": "module", "recompute": false, "ownership": "greedy", "timeout": 600,
       "log_plan": true
     }
 
@@ -52,7 +52,7 @@ __all__ = [
 OBJECTIVES = ("comm", "step")
 MISSING = ("error", "fit")
 GRANULARITIES = ("module", "layer")
-OWNERSHIPS = ("auto", "greedy", "blocks")
+OWNERSHIPS = ("greedy", "blocks")
 
 
 class ConfigError(ValueError):
@@ -165,7 +165,7 @@ class AMSPSettings:
     bucket_size: str | int | None = None
     granularity: str = "module"
     recompute: bool = False
-    ownership: str = "auto"
+    ownership: str = "greedy"
     timeout: float = 600.0
     log_plan: bool = True
 

@@ -13,7 +13,7 @@ __all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PREC
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRANULARITIES = ("module", "layer")
-OWNERSHIPS = ("auto", "greedy", "blocks")
+OWNERSHIPS = ("greedy", "blocks")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +101,7 @@ class ShardConfig:
     granularity: str = "module"  # FSDP unit = each Linear of a layer ("module") or the layer
     recompute: bool = False  # activation checkpointing per decoder layer
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
-    ownership: str = "auto"  # inter-tensor optimizer-state ownership (see ownership.py)
+    ownership: str = "greedy"  # inter-tensor optimizer-state ownership (see ownership.py)
     timeout: float = 600.0  # seconds a wait may take before CollectiveTimeout
     fp16: FP16Config = field(default_factory=FP16Config)
     auto: AutoPlanConfig | None = None  # needed by plan="auto"

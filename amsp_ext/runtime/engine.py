@@ -112,6 +112,12 @@ class AMSPModule:
     def model_state_bytes(self) -> dict[str, int]:
         return self.amsp.model_state_bytes()
 
+    def state_dict(self, *args, **kwargs):
+        # After a step, non-owners' parameters are current only once their broadcasts landed
+        # (and packed ones were unpacked); a reader outside forward must not see the old values.
+        self.amsp.wait_params()
+        return super().state_dict(*args, **kwargs)
+
 
 def _world(config: ShardConfig) -> World:
     world_size = dist.get_world_size()

@@ -5,19 +5,17 @@ owned by exactly one of the ``b = sos / sp`` ranks of its ``optim_bcast`` group:
 its fp32 master and optimizer states, steps it and broadcasts the result.
 
 [Note: ownership policies]
-``greedy``: largest tensor first onto the least-loaded rank (ties: lower index), the paper's
-"greedy balancing". Best balance, so the smallest peak of optimizer-state memory and of
-per-rank step time; but the owners of consecutive tensors alternate, so few broadcasts coalesce
-(param_sync.py) and the first forward pre-hooks wait on several ranks' broadcasts.
+``greedy`` (the default): largest tensor first onto the least-loaded rank (ties: lower index),
+the paper's "greedy balancing". Best balance, so the smallest peak of optimizer-state memory and
+of per-rank step time.
 ``blocks``: contiguous blocks in forward order, the partition that minimises the largest block
-(InternEvo's layout). Each owner's tensors are one run, so its broadcasts pack into a few
-bucket-sized items and a unit waits on one owner. The price is imbalance when tensors are
-large relative to total / b (tiny models, large b): at most one tensor's size.
-``auto`` (the default): ``blocks`` when its largest block is within BLOCKS_BALANCE (5%) of the
-mean, else ``greedy``. Measured on 4 ranks (small-llama, bf16, os=4x1, ``engine_bench.py
-ownership``, 3 runs): blocks with packed broadcasts took 0.18-0.19 s a step against 0.21-0.23 s
-for greedy, and its broadcast waits 1-2 ms against 40-60 ms; 4 broadcasts a step against 32.
-For LLaMA-7B the blocks imbalance is 1.5% at b = 8 and 6.8% at b = 16 (then greedy is used).
+(InternEvo's layout), so a unit's tensors have one owner and its pre-hook waits on one rank. The
+price is imbalance when tensors are large relative to total / b: at most one tensor's size
+(LLaMA-7B: 1.5% at b = 8, 6.8% at b = 16; tiny models far more).
+Measured on 4 ranks (small-llama, bf16, os=4x1, ``engine_bench.py ownership``, 3 runs of 3x8
+steps): with packed broadcasts (param_sync.py) both send 4 broadcasts a step and greedy's median
+step was 0.139-0.160 s against 0.152-0.161 s for blocks, so greedy stays the default. Every
+broadcast is issued right after the step, so which rank owns a unit does not delay its wait.
 
 [Note: gradient keepers when sg > sp]
 The Tg AllReduce of non-boundary micro-batches runs inside the gradient group
@@ -33,9 +31,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["BLOCKS_BALANCE", "assign_blocks", "assign_greedy", "assign_owners", "load_per_owner"]
-
-BLOCKS_BALANCE = 1.05  # "auto": the largest block may exceed the mean by this factor
+__all__ = ["assign_blocks", "assign_greedy", "assign_owners", "load_per_owner"]
 
 
 def assign_greedy(numels: Sequence[int], num_owners: int) -> list[int]:
@@ -93,13 +89,7 @@ def assign_owners(numels: Sequence[int], num_owners: int, policy: str) -> list[i
         return assign_greedy(numels, num_owners)
     if policy == "blocks":
         return assign_blocks(numels, num_owners)
-    if policy == "auto":
-        blocks = assign_blocks(numels, num_owners)
-        load = load_per_owner(numels, blocks, num_owners)
-        if max(load, default=0) <= BLOCKS_BALANCE * sum(numels) / num_owners:
-            return blocks
-        return assign_greedy(numels, num_owners)
-    raise ValueError(f"ownership must be 'auto', 'greedy' or 'blocks', got {policy!r}")
+    raise ValueError(f"ownership must be 'greedy' or 'blocks', got {policy!r}")
 
 
 def load_per_owner(numels: Sequence[int], owner: Sequence[int], num_owners: int) -> list[int]:

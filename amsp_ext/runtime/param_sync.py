@@ -1,19 +1,17 @@
 """After the optimizer step: async Broadcast of every updated local tensor inside its
 ``optim_bcast`` group, in forward order, and forward pre-hooks that wait only for their unit's.
 
-[Note: broadcast items: coalesced runs, issued in forward order]
+[Note: broadcast items: small tensors packed per owner]
 T1_os counts one broadcast per owner of the bytes it owns; one broadcast per tensor would pay a
-collective's latency for every norm weight. So consecutive tensors (in forward order) that have
-the same owner and are each at most half a bucket (U/2, U = the gradient bucket size) are packed
-into one flat buffer of at most U/2 bytes and broadcast as one item; a larger tensor, or a run of
-one, is broadcast in place. Contiguous runs are what ``ownership="blocks"`` produces; under
-``greedy`` the owners alternate and fewer tensors coalesce. Items are issued strictly in forward
-order (a group runs its collectives in issue order, so an item issued out of order would hold
-back the first units' waits), and the packed buffers in flight never exceed U bytes, the
-"broadcast_staging" that the planner's memory model charges: when the next item would exceed
-it, issuing pauses and resumes from the forward pre-hooks as earlier items complete. In-place
-items need no staging. Every rank of the group derives the same items from the same layout, so
-the issue order agrees across ranks.
+collective's latency for every norm weight. So the smallest tensors, up to a budget of U bytes in
+all (U = the gradient bucket size: the "broadcast_staging" the planner's memory model charges),
+are packed per owner, in forward order, into flat buffers of at most U/2 bytes; every other
+tensor is broadcast in place, with no staging. An item is issued at the position of its first
+tensor, all of them in forward order right after the step, so no rank ever has to issue a
+broadcast later than another (a rank that waits alone, e.g. rank 0 taking a state_dict, finds
+every broadcast already issued everywhere). Every rank of the group derives the same items from
+the same layout, so the issue order agrees across ranks. Under ``ownership="blocks"`` a unit's
+tensors have one owner, so its forward pre-hook waits on one rank's items.
 
 [Note: broadcast waits and FSDP2 prefetch]
 A unit's broadcasts must be complete before anything reads its parameters. For sp = 1 that is
@@ -69,31 +67,32 @@ class BroadcastItem:
 def broadcast_items(tensors: Sequence[LocalTensor], bucket_bytes: int) -> list[BroadcastItem]:
     """Group ``tensors`` (forward order) into broadcast items; see [Note: broadcast items]."""
     cap = bucket_bytes // 2
-    items: list[BroadcastItem] = []
-    run: list[LocalTensor] = []
 
     def nbytes(t: LocalTensor) -> int:
         return t.numel * t.local().element_size()
 
-    def close() -> None:
-        if run:
-            items.append(BroadcastItem(tensors=list(run), owner_rank=run[0].owner_rank,
-                                       nbytes=sum(nbytes(t) for t in run)))
-            run.clear()
-
-    for t in tensors:
-        if t.numel == 0:
-            continue
+    live = [t for t in tensors if t.numel > 0]
+    packable: set[int] = set()
+    budget = bucket_bytes
+    for t in sorted(live, key=lambda t: (nbytes(t), t.index)):  # smallest first
+        if nbytes(t) > cap or nbytes(t) > budget:
+            break
+        packable.add(t.index)
+        budget -= nbytes(t)
+    items: list[BroadcastItem] = []
+    open_pack: dict[tuple, BroadcastItem] = {}  # (owner, dtype) -> pack being filled
+    for t in live:
         b = nbytes(t)
-        if b > cap:
-            close()
+        if t.index not in packable:
             items.append(BroadcastItem(tensors=[t], owner_rank=t.owner_rank, nbytes=b))
             continue
-        if run and (run[0].owner_rank != t.owner_rank or run[0].local().dtype != t.local().dtype
-                    or sum(nbytes(x) for x in run) + b > cap):
-            close()
-        run.append(t)
-    close()
+        key = (t.owner_rank, t.local().dtype)
+        it = open_pack.get(key)
+        if it is None or it.nbytes + b > cap:
+            it = open_pack[key] = BroadcastItem(tensors=[], owner_rank=t.owner_rank, nbytes=0)
+            items.append(it)  # at the position of its first tensor
+        it.tensors.append(t)
+        it.nbytes += b
     return items
 
 
@@ -107,17 +106,13 @@ class ParamSync:
         self.prefetch, self.overlap, self.timeout = prefetch, overlap, timeout
         self.staging_limit = bucket_bytes
         self.items = broadcast_items(self.tensors, bucket_bytes) if size > 1 else []
-        self._last_item: dict[int, int] = {}  # unit -> index of the last item holding its tensors
-        self._items_of: dict[int, list[int]] = collections.defaultdict(list)
+        self._items_of: dict[int, list[int]] = collections.defaultdict(list)  # unit -> items
         for k, it in enumerate(self.items):
             for u in it.units:
-                self._last_item[u] = k
                 self._items_of[u].append(k)
-        self._next = len(self.items)  # next item to issue; == len(items): nothing to issue
-        self._inflight: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self._inflight: dict[int, tuple] = {}  # item -> (pending, packed buffer or None)
         self._staging = 0  # packed bytes in flight
         self.peak_staging = 0  # most packed bytes ever in flight (tests, memory accounting)
-        self.num_paused = 0  # times issuing waited for staging room (tests)
         self._handles = []
         self.log: list[tuple[str, int]] | None = None  # ("issue"/"wait", unit) when enabled
         self.after_wait: Callable[[], None] | None = None
@@ -125,8 +120,8 @@ class ParamSync:
 
     @property
     def busy(self) -> bool:
-        """Broadcasts of the last step are still to be issued or waited for."""
-        return self._next < len(self.items) or bool(self._inflight)
+        """Broadcasts of the last step are still to be waited for."""
+        return bool(self._inflight)
 
     def install(self) -> None:
         if self.size == 1:
@@ -141,7 +136,7 @@ class ParamSync:
 
     def _make_hook(self, unit: int):
         def hook(module, args):
-            if self.busy:
+            if self._inflight:
                 with record_function("amsp::pre_forward_wait::optim_bcast"):
                     self.wait_unit(unit)
                     nxt = self.prefetch.get(unit)
@@ -153,47 +148,31 @@ class ParamSync:
 
     # -- issuing -----------------------------------------------------------------------------
     def broadcast_all(self) -> None:
-        """Start this step's broadcasts, in forward order (call after the owners' step)."""
+        """Issue this step's broadcasts, in forward order (call after the owners' step)."""
         if self.size == 1:
             return
         self.wait_all()  # a previous round still open (e.g. two steps without a forward)
-        self._next = 0
         with record_function("amsp::broadcast_params::optim_bcast"), torch.no_grad():
-            self._issue_until(len(self.items) - 1, block=False)
+            for k in range(len(self.items)):
+                self._issue(k)
         if not self.overlap:
             self.wait_all()
 
-    def _issue_until(self, last: int, *, block: bool) -> None:
-        """Issue items up to index ``last`` while staging allows; with ``block``, complete the
-        oldest packed items in flight to make room (a pre-hook that needs item ``last``)."""
-        while self._next <= last:
-            it = self.items[self._next]
-            if it.packed and self._staging and self._staging + it.nbytes > self.staging_limit:
-                self.num_paused += 1
-                if not block:
-                    return
-                oldest = next(k for k, (_, buf) in self._inflight.items() if buf is not None)
-                self._complete(oldest)
-                continue
-            self._issue(self._next)
-            self._next += 1
-
     def _issue(self, k: int) -> None:
         it = self.items[k]
-        with torch.no_grad():
-            if it.packed:
-                if it.owner_rank == self.rank:
-                    buf = torch.cat([t.local().reshape(-1) for t in it.tensors])
-                else:
-                    first = it.tensors[0].local()
-                    buf = torch.empty(sum(t.numel for t in it.tensors), dtype=first.dtype,
-                                      device=first.device)
-                self._staging += it.nbytes
-                self.peak_staging = max(self.peak_staging, self._staging)
+        if it.packed:
+            if it.owner_rank == self.rank:
+                buf = torch.cat([t.local().reshape(-1) for t in it.tensors])
             else:
-                buf = None
-            target = buf if buf is not None else it.tensors[0].local()
-            p = C.broadcast(target, it.owner_rank, self.group, name=self.name, async_op=True)
+                first = it.tensors[0].local()
+                buf = torch.empty(sum(t.numel for t in it.tensors), dtype=first.dtype,
+                                  device=first.device)
+            self._staging += it.nbytes
+            self.peak_staging = max(self.peak_staging, self._staging)
+        else:
+            buf = None
+        target = buf if buf is not None else it.tensors[0].local()
+        p = C.broadcast(target, it.owner_rank, self.group, name=self.name, async_op=True)
         self._inflight[k] = (p, buf)
         if self.log is not None:
             self.log.append(("issue", it.units[0]))
@@ -217,12 +196,8 @@ class ParamSync:
         self._staging -= it.nbytes
 
     def wait_unit(self, unit: int) -> None:
-        last = self._last_item.get(unit)
-        if last is None or not self.busy:
-            return
-        self._issue_until(last, block=True)
         waited = False
-        for k in self._items_of[unit]:
+        for k in self._items_of.get(unit, ()):
             if k in self._inflight:
                 self._complete(k)
                 waited = True
@@ -230,8 +205,6 @@ class ParamSync:
             self.log.append(("wait", unit))
 
     def wait_all(self) -> None:
-        if not self.items:
-            return
-        self._issue_until(len(self.items) - 1, block=True)
-        for k in list(self._inflight):
+        """Wait for every broadcast in flight. Local: every rank issued them all at the step."""
+        for k in sorted(self._inflight):
             self._complete(k)
