@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node if args.gpus_per_node is not None
         else (d["gpus_per_node"] if args.launcher == "torchrun" else None),
         mics_shard_size=args.mics_shard_size, hpz_partition_size=args.hpz_partition_size,
-        amsp_plan=args.amsp_plan, amsp_granularity=args.amsp_granularity, trace=not args.no_trace, dist_timeout_s=min(300.0, args.timeout),
+        amsp_plan=args.amsp_plan, amsp_granularity=args.amsp_granularity,
+        trace=not args.no_trace, dist_timeout_s=min(300.0, args.timeout),
     )
     launch = LaunchConfig(launcher=args.launcher, nproc_per_node=pick(args.nproc_per_node, "nproc_per_node"),
                           cluster_name=args.cluster_name, timeout_s=args.timeout)

@@ -126,7 +126,8 @@ class ShardConfig:
             isinstance(self.broadcast_bucket_bytes, bool)
             or not isinstance(self.broadcast_bucket_bytes, int) or self.broadcast_bucket_bytes < 0
         ):
-            raise ValueError(f"config.broadcast_bucket_bytes must be an integer >= 0 or None, got {self.broadcast_bucket_bytes!r}")
+            raise ValueError(f"config.broadcast_bucket_bytes must be an integer >= 0 or None, "
+                             f"got {self.broadcast_bucket_bytes!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"config.granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
         if self.ownership not in OWNERSHIPS:
