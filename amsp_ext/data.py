@@ -32,11 +32,15 @@ def global_batch(step: int, *, num_sequences: int, seq_len: int) -> torch.Tensor
     """
     if num_sequences < 1 or seq_len < 1:
         raise ValueError(f"num_sequences and seq_len must be >= 1, got {num_sequences}, {seq_len}")
+    return _windows(step * num_sequences, num_sequences, seq_len)
+
+
+def _windows(first: int, count: int, seq_len: int) -> torch.Tensor:
+    """Windows ``first .. first + count - 1`` of the corpus (wrapping), ``[count, seq_len + 1]``."""
     tokens = corpus_tokens()
     window = seq_len + 1
     num_windows = tokens.numel() // window
-    first = step * num_sequences
-    idx = (torch.arange(first, first + num_sequences) % num_windows) * window
+    idx = (torch.arange(first, first + count) % num_windows) * window
     return torch.stack([tokens[i : i + window] for i in idx.tolist()])
 
 
@@ -50,8 +54,9 @@ def micro_batch(
     ``(m * world_size + r) * micro_batch_size ...``; a single process that walks all rows sees
     the same global batch.
     """
-    full = global_batch(
-        step, num_sequences=num_micro_batches * world_size * micro_batch_size, seq_len=seq_len
-    )
+    num_sequences = num_micro_batches * world_size * micro_batch_size
+    if num_sequences < 1 or seq_len < 1:
+        raise ValueError(f"num_sequences and seq_len must be >= 1, got {num_sequences}, {seq_len}")
     start = (micro * world_size + rank) * micro_batch_size
-    return full[start : start + micro_batch_size]
+    # only this slice's windows (the rows of global_batch(step) it would cut out)
+    return _windows(step * num_sequences + start, micro_batch_size, seq_len)

@@ -27,6 +27,7 @@ from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec, parse_size
 from amsp_ext.runtime import collectives
+from amsp_ext.runtime.profiler import pick_device
 from amsp_ext.cli.train import add_train_arguments, check_args
 from amsp_ext.runtime.config import PRECISIONS, AutoPlanConfig, OverlapConfig, ShardConfig
 
@@ -45,9 +46,7 @@ def train(args: argparse.Namespace) -> dict | None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = pick_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
     log = print if (rank == 0 and not args.json) else (lambda *a, **k: None)
 
     # -- 2. model and plan -------------------------------------------------------------------

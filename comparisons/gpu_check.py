@@ -93,7 +93,6 @@ def check_compute(device, dtype, peak_flops: float, quick: bool) -> dict:
         achieved = fpt * seq / t
         out["recompute" if recompute else "no_recompute"] = {
             "step_s": t, "model_tflops": achieved / 1e12, "efficiency": achieved / peak_flops}
-    del model
     return out
 
 

@@ -37,11 +37,6 @@ CHECKED_ACCELERATE_VERSIONS = ("1.15.0",)
 _MARK = "_amsp_block_patch"
 
 
-def _amsp_on(config) -> bool:
-    block = config.get("amsp") if isinstance(config, dict) else None
-    return isinstance(block, dict) and block.get("enabled") is True
-
-
 def _patch_stage() -> None:
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
@@ -50,7 +45,9 @@ def _patch_stage() -> None:
     @functools.wraps(original)
     def set_stage_and_offload(self):
         original(self)
-        if _amsp_on(self.config):
+        from amsp_ext.integrations.settings import amsp_enabled
+
+        if amsp_enabled(self.config):
             self._stage, self._offload = 0, False  # AMSP's plan replaces ZeRO: no zero.Init
 
     setattr(set_stage_and_offload, _MARK, True)

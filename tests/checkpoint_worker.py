@@ -26,10 +26,11 @@ import torch.distributed as dist
 from amsp_ext.data import micro_batch
 from amsp_ext.models import build_llama, causal_lm_loss
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from amsp_ext.runtime.checkpoint import load_checkpoint, save_checkpoint
 from amsp_ext.runtime.config import FP16Config, ShardConfig
 from amsp_ext.runtime.engine import shard
 from amsp_ext.runtime.export import consolidated_state_dict, save_pretrained
+from tests.dist_utils import end_worker
 
 SEQ, GLOBAL_SEQS, LR = 32, 8, 1e-3
 BEFORE, AFTER = (0, 1), (2, 3)  # steps trained before the save, and compared after it
@@ -304,10 +305,7 @@ def main():
     R = int(os.environ["LOCAL_WORLD_SIZE"]) // 2  # two "nodes"
     t0 = time.perf_counter()
     SUITES[suite](root, R)
-    if dist.get_rank() == 0:
-        print(f"DONE {time.perf_counter() - t0:.1f}s", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker(t0)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,15 @@ def run_torchrun(nproc: int, module: str, *args: str, timeout: float = 300, env:
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def end_worker(t0: float) -> None:
+    """End of a torchrun worker: rank 0 prints its DONE line, then every rank leaves together."""
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"DONE {time.perf_counter() - t0:.1f}s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()

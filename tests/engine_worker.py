@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from amsp_ext.data import micro_batch
 from amsp_ext.models import build_llama, causal_lm_loss
-from amsp_ext.planner.plan import Plan, check_plan, named_plan, parse_plan
+from amsp_ext.planner.plan import Plan, check_plan, named_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config, OverlapConfig, ShardConfig
 from amsp_ext.runtime.engine import shard
 from torch.distributed.tensor import DTensor
+from tests.dist_utils import end_worker
 
 STEPS, M, MBS, SEQ, LR = 5, 2, 1, 32, 1e-3
 
@@ -494,10 +495,7 @@ def main():
     R = int(os.environ["LOCAL_WORLD_SIZE"]) if len(sys.argv) < 3 else int(sys.argv[2])
     t0 = time.perf_counter()
     SUITES[suite](world, R)
-    if dist.get_rank() == 0:
-        print(f"DONE {time.perf_counter() - t0:.1f}s", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker(t0)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from amsp_ext.data import micro_batch
 from amsp_ext.models import build_llama, causal_lm_loss
+from tests.dist_utils import end_worker
 
 SEQ = 32
 R = 2  # ranks per "node": 4 ranks pose as 2 nodes x 2
@@ -106,7 +107,7 @@ def worst(values):
 
 
 def rel(a, b):
-    return [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
+    return [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)]
 
 
 def emit(case, got, ref, **extra):
@@ -307,7 +308,7 @@ def suite_checkpoint(_args):
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
                                                        "warmup_num_steps": 4, "warmup_type": "linear"}}
     a, _, _, _ = initialize(cfg)
-    first = train_ds(a, 3)
+    train_ds(a, 3)
     a.save_checkpoint(root, client_state={"epoch": 7})
     uninterrupted = train_ds(a, 2, first_step=3)
     release(a)
@@ -333,10 +334,7 @@ def main():
     for suite in sys.argv[1].split(","):
         args = [a for a in sys.argv[2:]]
         SUITES[suite](args)
-    if dist.get_rank() == 0:
-        print(f"DONE {time.perf_counter() - t0:.1f}s", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_worker(t0)
 
 
 if __name__ == "__main__":

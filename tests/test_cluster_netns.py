@@ -142,11 +142,9 @@ def test_quick_profile_on_the_lab(lab, tmp_path):
 
 
 def check_with_planner_loader(path: Path) -> None:
-    """The planner's loader accepts the profile and `amsp plan` uses it (once the planner landed)."""
-    try:
-        from amsp_ext.planner.profile import load_profile
-    except ImportError:
-        return
+    """The planner's loader accepts the profile and `amsp plan` uses it."""
+    from amsp_ext.planner.profile import load_profile
+
     assert load_profile(path).concurrency == "all_groups"
     from test_profile_to_plan import PLAN_ARGS, assert_shards_stay_inside_a_node
 

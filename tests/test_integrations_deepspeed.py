@@ -30,12 +30,6 @@ MIGRATIONS = {"zero1": ["--gpu-memory", "1GiB"], "zero3": ["--gpu-memory", "3MiB
               "mics": ["--gpu-memory", "1GiB", "--plan", "p=2x1,g=2x2,os=2x2"]}
 
 
-def _has_checkpoint() -> bool:
-    try:
-        from amsp_ext.runtime import checkpoint  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +43,7 @@ def results(tmp_path_factory):
         assert main(["migrate", str(REPO / "configs" / "deepspeed" / "before_migration" / f"{name}.json"),
                      *LAB, *extra, "-o", str(path), "--json"]) == 0
         paths.append(str(path))
-    suites = "ds,migrated" + (",checkpoint" if _has_checkpoint() else "")
+    suites = "ds,migrated,checkpoint"
     proc = run_torchrun(4, "tests.integrations_worker", suites, *paths, timeout=600)
     res = {}
     for line in proc.stdout.splitlines():
@@ -124,7 +118,6 @@ def test_migrated_configs_cover_several_plans(results):
     assert len(plans) >= 3, plans
 
 
-@pytest.mark.skipif(not _has_checkpoint(), reason="amsp_ext.runtime.checkpoint not on this branch yet")
 @pytest.mark.parametrize("plan,tol", [("p=2x1,g=2x1,os=2x2", 0.0), ("p=1x1,g=2x2,os=2x2", 1e-5)])
 def test_checkpoint_save_load_continue(results, plan, tol):
     r = results[f"resume:{plan}"]

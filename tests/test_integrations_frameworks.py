@@ -92,7 +92,7 @@ def _same_training(got, ref):
     assert sorted(got) == sorted(ref) and len(got) == 8  # 2 ranks x 4 steps
     for key, r in got.items():
         assert r["samples"] == ref[key]["samples"], key
-        for a, b in zip(r["losses"], ref[key]["losses"]):
+        for a, b in zip(r["losses"], ref[key]["losses"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (key, r["losses"], ref[key]["losses"])
 
 

@@ -78,9 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.specs import parse_size
     from amsp_ext.compare.launch import LaunchConfig
     from amsp_ext.compare.report import format_table, ratios
-    from amsp_ext.compare.rounds import validate_repeats
 
-    validate_repeats(args.repeats)
     d = QUICK if args.quick else FULL
     pick = lambda v, k: d[k] if v is None else v  # noqa: E731
     spec = RunSpec(

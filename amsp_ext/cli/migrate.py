@@ -20,6 +20,7 @@ default would make one bucket of a 1B-element model and defeat overlap.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -160,7 +161,7 @@ def _column(c, plan_text: str, note: str = "") -> dict[str, Any]:
 def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(migrated ds_config, report)``."""
     from amsp_ext.integrations import ds_keys
-    from amsp_ext.integrations.settings import AMSPSettings, load_ds_config
+    from amsp_ext.integrations.settings import AMSPSettings, ds_bucket_bytes, load_ds_config
     from amsp_ext.planner.baselines import baselines
     from amsp_ext.planner.plan import resolve_plan, validate_plan
     from amsp_ext.planner.search import evaluate, make_problem, search
@@ -180,14 +181,12 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     reserve = parse_size(args.memory_reserve, field="--memory-reserve", allow_zero=True)
     precision = _precision(args, cfg)
     elem = 4 if precision == "fp32" else 2
-    zero = cfg.get("zero_optimization") or {}
-    rbs = zero.get("reduce_bucket_size")
-    explicit = isinstance(rbs, (int, float)) and not isinstance(rbs, bool) and rbs >= 1
-    old_bucket = int(rbs if explicit else DEEPSPEED_BUCKET_ELEMENTS) * elem
-    new_bucket = int(rbs) * elem if explicit else ENGINE_BUCKET_BYTES
+    explicit = ds_bucket_bytes(cfg, precision)
+    old_bucket = explicit or DEEPSPEED_BUCKET_ELEMENTS * elem
+    new_bucket = explicit or ENGINE_BUCKET_BYTES
     key, mics, hpz, label = old_layout(cfg)
     batch, tr_new = _training(args, cfg, N * R, precision, new_bucket)
-    _, tr_old = _training(args, cfg, N * R, precision, old_bucket)
+    tr_old = dataclasses.replace(tr_new, bucket_bytes=old_bucket)  # once: _training may warn
     common = dict(missing=args.missing_mesh, memory_reserve_bytes=reserve)
     prob_new = make_problem(spec, cluster, tr_new, args.profile, **common)
     prob_old = make_problem(spec, cluster, tr_old, args.profile, **common)
@@ -206,7 +205,7 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
         chosen = evaluate(prob_new, plan)
         new_note = f"--plan {args.plan}"
 
-    overlap = zero.get("overlap_comm")
+    overlap = (cfg.get("zero_optimization") or {}).get("overlap_comm")
     block: dict[str, Any] = {
         "enabled": True, "plan": write_plan, "seq_len": args.seq_len,
         "cluster": {"gpus_per_node": R, "nodes_per_leaf": args.nodes_per_leaf,

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace):
     from amsp_ext.planner.specs import parse_size
-    from amsp_ext.runtime.profile_cases import OPS, ProfileConfig
+    from amsp_ext.runtime.profile_cases import ProfileConfig
 
     given = {}
     if args.min_size is not None:

@@ -147,8 +147,7 @@ def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master
             if failed_at is not None and now - failed_at > FAIL_FAST_GRACE_S:
                 with lock:
                     sink.write("[cluster] a node failed; stopping the others\n")
-                _stop(procs)
-                break
+                break  # the finally below stops them
             time.sleep(0.1)
     finally:
         _stop(procs)

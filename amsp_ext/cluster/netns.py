@@ -2,11 +2,12 @@
 
 [Note: crash safety]
 ``up`` writes the state file *before* its first command, so a lab half-built by a crash is still
-recorded; ``down`` removes the union of the state file's namespaces and whatever `ip netns list`
-shows with the lab's prefix (``<name>-fab``, ``<name>-n<i>``), after stopping any process still
-inside a node namespace (a rank of a crashed ``cluster run``). A namespace holds all the lab's
-interfaces, bridges and qdiscs, so deleting the namespaces removes everything; ``down`` then
-checks the host's own interface list for the prefix too. Running it twice is harmless.
+recorded; ``down`` removes whatever `ip netns list` shows with the lab's prefix (``<name>-fab``,
+``<name>-n<i>``; a namespace only the state file names is already gone), then the state file,
+after stopping any process still inside a node namespace (a rank of a crashed ``cluster run``).
+A namespace holds all the lab's interfaces, bridges and qdiscs, so deleting the namespaces
+removes everything; ``down`` then checks the host's own interface list for the prefix too.
+Running it twice is harmless.
 """
 
 from __future__ import annotations
@@ -211,14 +212,8 @@ def down(name: str = "amsp", *, runner: Runner = run_command,
     preflight()
     if not NAME_RE.match(name):
         raise LabError(f"name must match amsp[a-z0-9]{{0,6}}, got {name!r}")
-    try:
-        state = load_state(name)
-    except LabError:  # half-written by a crash: the prefix scan below still finds the lab
-        state = None
-    present = set(list_namespaces(runner))
-    recorded = set(state.get("namespaces", [])) if state else set()
-    pattern = lab_namespace_re(name)
-    targets = sorted({n for n in recorded | present if pattern.match(n)} & present)
+    pattern = lab_namespace_re(name)  # the prefix scan also finds a lab whose state a crash cut
+    targets = sorted(n for n in list_namespaces(runner) if pattern.match(n))
     removed: list[str] = []
     for ns in targets:
         if not ns.endswith("-fab"):

@@ -14,12 +14,18 @@ from typing import Any
 
 from amsp_ext.models import MODEL_CONFIGS
 
-__all__ = ["GRANULARITIES", "OVERLAPS", "OVERLAP_LABELS", "PRECISIONS", "RunSpec", "SpecError"]
+__all__ = ["GRANULARITIES", "OVERLAPS", "OVERLAP_LABELS", "OVERLAP_SWITCHES", "PRECISIONS", "RunSpec", "SpecError"]
 
 PRECISIONS = ("bf16", "fp32")
 # The paper's Table V, cumulative: all on, no Broadcast overlap, no Broadcast and no AllReduce
-# overlap, no overlap at all (AG/RS too).
-OVERLAPS = ("all", "no_bc", "no_bc_ar", "none")
+# overlap, no overlap at all (AG/RS too), as the engine's OverlapConfig switches.
+OVERLAP_SWITCHES = {
+    "all": dict(allgather=True, allreduce=True, broadcast=True),
+    "no_bc": dict(allgather=True, allreduce=True, broadcast=False),
+    "no_bc_ar": dict(allgather=True, allreduce=False, broadcast=False),
+    "none": dict(allgather=False, allreduce=False, broadcast=False),
+}
+OVERLAPS = tuple(OVERLAP_SWITCHES)
 OVERLAP_LABELS = {"all": "all on", "no_bc": "no BC", "no_bc_ar": "no BC+AR", "none": "none"}
 GRANULARITIES = ("layer", "module")
 

@@ -26,7 +26,7 @@ from amsp_ext.compare.config import OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
 from amsp_ext.compare.launch import LaunchConfig, run_system
 from amsp_ext.compare.rounds import combine_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
-from amsp_ext.compare.systems import SYSTEMS, runner
+from amsp_ext.compare.systems import SYSTEMS
 from amsp_ext.metrics import mfu
 from amsp_ext.planner.specs import format_size
 
@@ -36,7 +36,6 @@ MODES = ("baselines", "dissociation", "ablation")
 NOISE_NOTE = ("Measured on a shared 2-core CPU machine while other jobs ran: timings are noisy "
               "and say little about GPUs; the numbers show the harness works and how the systems "
               "compare here, not the paper's speed-ups.")
-PLANNER_PENDING = "planner not landed (amsp_ext.planner.search is not on main)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,23 +93,21 @@ def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
     """``(spec with explicit factors, why not, where the plan came from)``."""
     if spec.amsp_plan.strip().lower() != "auto":
         return spec, None, f"given: {spec.amsp_plan}"
-    try:
-        from amsp_ext.planner.search import plan_for
-        from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
-    except ImportError:
-        return None, PLANNER_PENDING, ""
+    from amsp_ext.compare.systems.amsp import shard_config
     from amsp_ext.models import llama_config_dict
+    from amsp_ext.runtime.config import AutoPlanConfig
+    from amsp_ext.runtime.engine import plan_auto
+    from amsp_ext.topology.groups import World
 
+    # the same engine configuration the AMSP rows run with, planned as the engine plans "auto"
+    auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
+                          num_micro_batches=spec.num_micro_batches, profile=planner.profile,
+                          missing=planner.missing, memory_reserve_bytes=planner.memory_reserve_bytes)
     try:
-        plan = plan_for(
-            llama_config_dict(spec.model),
-            ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-                        gpu_memory_bytes=planner.gpu_memory_bytes),
-            TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
-                         num_micro_batches=spec.num_micro_batches, precision=spec.precision,
-                         granularity=spec.amsp_granularity),
-            planner.profile, missing=planner.missing,
-            memory_reserve_bytes=planner.memory_reserve_bytes)
+        plan = plan_auto(llama_config_dict(spec.model),
+                         World(num_nodes=num_nodes, gpus_per_node=gpus_per_node),
+                         shard_config(spec, gpus_per_node, auto=auto),
+                         gpu_memory_bytes=planner.gpu_memory_bytes)
     except ValueError as e:
         return None, f"planner: {e}", ""
     return spec.replace(amsp_plan=str(plan)), None, f"planner ({planner.describe()}): {plan}"
@@ -169,15 +166,13 @@ def _prepare(index: int, item: RunItem, spec: RunSpec, *, nodes: int, gpn: int,
             "spec": dataclasses.asdict(item.spec)}
     item_spec = item.spec
     why = None
-    if SYSTEMS[item.system].is_amsp:
-        why = runner(item.system).pending_reason()
-        if why is None and item.system == "amsp-plan":
-            resolved, why, source = _resolve_planned(item_spec, num_nodes=nodes,
-                                                     gpus_per_node=gpn, planner=planner)
-            item_spec = resolved or item_spec
-            base["plan_source"] = source
-            if resolved is not None and spec.amsp_plan.strip().lower() == "auto":
-                base["label"] = item.label.replace("planner's plan", f"planner's plan {resolved.amsp_plan}")
+    if item.system == "amsp-plan":
+        resolved, why, source = _resolve_planned(item_spec, num_nodes=nodes,
+                                                 gpus_per_node=gpn, planner=planner)
+        item_spec = resolved or item_spec
+        base["plan_source"] = source
+        if resolved is not None and spec.amsp_plan.strip().lower() == "auto":
+            base["label"] = item.label.replace("planner's plan", f"planner's plan {resolved.amsp_plan}")
     return _Prepared(index=index, item=item, spec=item_spec, base=base, why=why)
 
 
@@ -206,7 +201,7 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     raw_by_key: dict[str, list[dict[str, Any]]] = {}
     for p in prepared:
         if p.why:
-            status = "failed" if p.why.startswith("planner:") else "pending"
+            status = "failed"
             raw_by_key[p.item.key] = [{**p.base, "status": status, "reason": p.why}]
             progress(f"[{p.index}/{len(items)}] {p.item.label}: {status}: {p.why}")
     runnable = [p for p in prepared if not p.why]
@@ -302,7 +297,8 @@ def _machine() -> str:
 
 def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
     from amsp_ext.metrics import flops_per_token
-    from amsp_ext.models import build_llama, llama_config_dict
+    from amsp_ext.models import llama_config_dict
+    from amsp_ext.planner.model_spec import ModelSpec
 
     ok = [r for r in raw if r.get("status") == "ok"]
     first = ok[0] if ok else {}
@@ -318,7 +314,7 @@ def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak
     ds = next((r for r in ok if r.get("patches")), None)
     patches = ds["patches"] if ds else {"-": "none (no DeepSpeed run succeeded)"}
     versions = first.get("versions") or {"python": platform.python_version()}
-    num_params = sum(p.numel() for p in build_llama(spec.model, seed=spec.seed).parameters())
+    num_params = ModelSpec.from_hf_config(llama_config_dict(spec.model)).num_params
     return {
         "mode": mode, "command": command, "date": date, "hardware": hardware,
         "cpu": _machine(),

@@ -124,7 +124,7 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"numerator": num["key"], "denominator": den["key"], "text": text,
                         "note": note, **rec})
 
-    planned = _row(rows, "amsp-plan") or _row(rows, "amsp-plan[all]")
+    planned = _row(rows, "amsp-plan")
     if planned:
         for r in rows:
             if r.get("status") == "ok" and not r["system"].startswith("amsp"):

@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from amsp_ext.compare.config import RunSpec
-from amsp_ext.metrics import flops_per_token, mfu
+from amsp_ext.metrics import flops_per_token, median_after_warmup, mfu
 
 __all__ = ["global_losses", "peak_flops", "summarize", "step_times"]
 
@@ -42,8 +42,7 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
 
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     times = step_times(ranks)
-    timed = times[spec.num_warmup_steps:]
-    median_step = statistics.median(timed)
+    median_step = median_after_warmup(times, spec.num_warmup_steps)
     tgs = spec.tokens_per_rank_per_step / median_step
     fpt = flops_per_token(llama_config_dict(spec.model), spec.seq_len)
     comm = [r["comm"] for r in ranks if r.get("comm")]

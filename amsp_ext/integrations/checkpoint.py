@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from amsp_ext.integrations.settings import ConfigError
+from amsp_ext.runtime import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from amsp_ext.integrations.engine import AMSPDeepSpeedEngine
@@ -31,15 +32,6 @@ __all__ = ["load_ds_checkpoint", "save_ds_checkpoint"]
 
 FORMAT = "amsp-deepspeed/1"
 LATEST = "latest"
-
-
-def _runtime_checkpoint():
-    try:
-        from amsp_ext.runtime import checkpoint
-    except ImportError:
-        raise ConfigError("engine.save_checkpoint/load_checkpoint need amsp_ext's checkpoint module "
-                          "(amsp_ext.runtime.checkpoint), which this installation lacks") from None
-    return checkpoint
 
 
 def _check_same_tag(tag: str, timeout: float) -> None:
@@ -56,7 +48,6 @@ def _check_same_tag(tag: str, timeout: float) -> None:
 
 def save_ds_checkpoint(engine: "AMSPDeepSpeedEngine", save_dir, tag=None, client_state=None,
                        save_latest: bool = True) -> str:
-    ckpt = _runtime_checkpoint()
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_same_tag(tag, engine.amsp_settings.timeout)
     save_dir = Path(save_dir)
@@ -81,7 +72,6 @@ def save_ds_checkpoint(engine: "AMSPDeepSpeedEngine", save_dir, tag=None, client
 def load_ds_checkpoint(engine: "AMSPDeepSpeedEngine", load_dir, tag=None, *,
                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
-    ckpt = _runtime_checkpoint()
     load_dir = Path(load_dir)
     if tag is None:
         latest = load_dir / LATEST

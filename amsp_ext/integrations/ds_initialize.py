@@ -33,8 +33,8 @@ from amsp_ext.integrations import ds_keys
 from amsp_ext.integrations.engine import AMSPDeepSpeedEngine
 from amsp_ext.integrations.optim import build_optimizer_factory, build_scheduler
 from amsp_ext.integrations.settings import (
-    AMSPSettings, BatchSettings, ConfigError, PrecisionSettings, gradient_clipping, load_ds_config,
-    resolve_batch,
+    AMSPSettings, BatchSettings, ConfigError, PrecisionSettings, ds_bucket_bytes, gradient_clipping,
+    load_ds_config, resolve_batch,
 )
 
 __all__ = ["initialize", "resolve_config"]
@@ -107,10 +107,7 @@ def _broadcast_model(model: nn.Module, timeout: float) -> None:
 def _bucket_bytes(settings: AMSPSettings, cfg: Mapping[str, Any], precision: str) -> int | None:
     if settings.bucket_bytes is not None:
         return settings.bucket_bytes
-    v = (cfg.get("zero_optimization") or {}).get("reduce_bucket_size")
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1:
-        return int(v) * (4 if precision == "fp32" else 2)  # DeepSpeed counts elements
-    return None
+    return ds_bucket_bytes(cfg, precision)
 
 
 def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: PrecisionSettings,

@@ -75,7 +75,6 @@ class AMSPDeepSpeedEngine(nn.Module):
         self.skipped_steps = 0
         self._is_gradient_accumulation_boundary: bool | None = None
         self._step_applied = False
-        self._global_grad_norm: float | None = None
         self.inside_no_sync_ctxt = False
         self.optimizer.overflow = False
 
@@ -138,6 +137,7 @@ class AMSPDeepSpeedEngine(nn.Module):
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._is_gradient_accumulation_boundary = bool(is_boundary)
+        # DeepSpeed sets it on its ZeRO optimizers too; code written for them may read it
         self.optimizer.is_gradient_accumulation_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
@@ -174,8 +174,7 @@ class AMSPDeepSpeedEngine(nn.Module):
     def _take_model_step(self, lr_kwargs: Mapping[str, Any] | None) -> None:
         opt = self.optimizer
         max_norm = self._clip if self._clip > 0 else math.inf
-        norm = opt.clip_grad_norm_(max_norm)
-        self._global_grad_norm = float(norm)
+        opt.clip_grad_norm_(max_norm)
         skipped_before = opt.skipped_steps
         opt.step()
         opt.zero_grad()
@@ -184,11 +183,10 @@ class AMSPDeepSpeedEngine(nn.Module):
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
+        elif self.lr_scheduler is not None and lr_kwargs:
+            self.lr_scheduler.step(**lr_kwargs)
         elif self.lr_scheduler is not None:
-            try:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-            except TypeError:  # schedulers whose step() takes no keywords
-                self.lr_scheduler.step()
+            self.lr_scheduler.step()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 
@@ -201,7 +199,7 @@ class AMSPDeepSpeedEngine(nn.Module):
         return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
-        return self._global_grad_norm
+        return self.optimizer.last_grad_norm
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

@@ -45,6 +45,7 @@ __all__ = [
     "OverlapSettings",
     "PrecisionSettings",
     "amsp_enabled",
+    "ds_bucket_bytes",
     "load_ds_config",
     "resolve_batch",
 ]
@@ -275,6 +276,15 @@ def load_ds_config(config: Any) -> dict[str, Any]:
                 raise ConfigError(f"ds_config: not valid JSON ({e.msg})") from None
         raise ConfigError(f"ds_config: no such file {str(config)!r}")
     raise ConfigError(f"ds_config must be a dict, a path or a JSON string, got {type(config).__name__}")
+
+
+def ds_bucket_bytes(cfg: Mapping[str, Any], precision: str) -> int | None:
+    """The config's explicit ``zero_optimization.reduce_bucket_size`` in bytes (DeepSpeed counts
+    elements), or None when it is absent or not a positive number (e.g. "auto")."""
+    v = (cfg.get("zero_optimization") or {}).get("reduce_bucket_size")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1:
+        return int(v) * (4 if precision == "fp32" else 2)
+    return None
 
 
 def amsp_enabled(config: Mapping[str, Any]) -> bool:

@@ -173,10 +173,8 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
 
 def memory_breakdown(
     spec: ModelSpec, plan: Plan, training: TrainingSpec, *, gpus_per_node: int, num_nodes: int,
-    extra_param_bytes: int = 0,
 ) -> MemoryBreakdown:
-    """Per-GPU bytes of ``plan``. ``extra_param_bytes`` adds a baseline's own parameter copies
-    (ZeRO++'s secondary shard)."""
+    """Per-GPU bytes of ``plan``."""
     phi = spec.num_params
     e = param_bytes(training.precision)
     k = optimizer_bytes_per_param(training.optimizer, training.precision)
@@ -186,7 +184,7 @@ def memory_breakdown(
     step = parts["owned_fp32_grads"] + parts["broadcast_staging"]
     parts["peak_phase"] = "backward" if act + backward >= step else "optimizer step"
     return MemoryBreakdown(
-        params=int(e * phi / plan.sp) + extra_param_bytes,
+        params=int(e * phi / plan.sp),
         grads=int(e * phi / plan.sg),
         optim=int(k * phi / plan.sos),
         activations=act,

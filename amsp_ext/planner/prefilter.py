@@ -110,7 +110,7 @@ def legal_plans(gpus_per_node: int, num_nodes: int) -> Iterator[Plan]:
     meshes = [(d, 1) for d in divisors(R)] + [(R, d) for d in divisors(N) if d > 1]
     for p in meshes:
         for os_ in meshes:
-            if os_[0] % p[0] or os_[1] % p[1] or os_[0] < p[0] or os_[1] < p[1]:
+            if os_[0] % p[0] or os_[1] % p[1]:  # (also rejects os < p: a % b = a > 0 then)
                 continue
             for g in ((p,) if p == os_ else (p, os_)):
                 yield Plan(s0_p=p[0], s1_p=p[1], s0_g=g[0], s1_g=g[1], s0_os=os_[0], s1_os=os_[1])

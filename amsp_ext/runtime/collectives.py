@@ -82,12 +82,11 @@ def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timede
 class _Pending:
     """A work handle plus what ``wait`` needs to name it in a timeout."""
 
-    __slots__ = ("work", "op", "name", "on_accelerator", "issued_at")
+    __slots__ = ("work", "op", "name", "on_accelerator")
 
     def __init__(self, work: Any, op: str, name: str, on_accelerator: bool) -> None:
         self.work, self.op, self.name = work, op, name
         self.on_accelerator = on_accelerator
-        self.issued_at = time.perf_counter()
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()

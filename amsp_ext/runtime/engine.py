@@ -149,18 +149,26 @@ def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
     hf = getattr(model, "config", None)
     if hf is None or not hasattr(hf, "to_dict"):
         raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
+    return plan_auto(hf.to_dict(), world, config,
+                     gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node))
+
+
+def plan_auto(hf_config: dict, world: World, config: ShardConfig, *, gpu_memory_bytes: int) -> Plan:
+    """The planner's plan for a model (its HF config dict) run with ``config`` on ``world``: the
+    planner is told the step shape of ``config.auto`` and the engine's own precision, bucket U,
+    granularity and recompute. ``amsp compare`` resolves its "auto" row here too (no ranks)."""
     from amsp_ext.planner.search import plan_for
     from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 
-    memory = a.gpu_memory_bytes or _device_memory(world.gpus_per_node)
+    a = config.auto
     cluster = ClusterSpec(num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
-                          gpu_memory_bytes=memory, nodes_per_leaf=config.nodes_per_leaf)
+                          gpu_memory_bytes=gpu_memory_bytes, nodes_per_leaf=config.nodes_per_leaf)
     training = TrainingSpec(seq_len=a.seq_len, micro_batch_size=a.micro_batch_size,
                             num_micro_batches=a.num_micro_batches, recompute=config.recompute,
                             precision=config.precision, optimizer=a.optimizer,
                             bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity)
     reserve = {} if a.memory_reserve_bytes is None else {"memory_reserve_bytes": a.memory_reserve_bytes}
-    return plan_for(hf.to_dict(), cluster, training, a.profile, objective=a.objective,
+    return plan_for(hf_config, cluster, training, a.profile, objective=a.objective,
                     missing=a.missing, **reserve)
 
 

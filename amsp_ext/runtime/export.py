@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.checkpoint import (MASTER, MODEL, _hf_info, as_global, dcp_metadata, engine_of,
-                                         read_checkpoint_meta, trainable_by_id)
+from amsp_ext.runtime.checkpoint import (MASTER, MODEL, _dtype_name, _hf_info, as_global, dcp_metadata,
+                                         engine_of, read_checkpoint_meta, trainable_by_id)
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "save_pretrained"]
 
@@ -105,7 +105,7 @@ def _write_pretrained(save_directory, state: dict[str, torch.Tensor], hf_config:
         tensors[k] = v.contiguous()
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     if hf_config is not None:
-        cfg = {**hf_config, "dtype": str(dtype).removeprefix("torch.")}
+        cfg = {**hf_config, "dtype": _dtype_name(dtype)}
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 

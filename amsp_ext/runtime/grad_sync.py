@@ -88,7 +88,6 @@ class GradSync:
         self._reset_pass()
         self._handles = []
         self.peak_grad_bytes = 0
-        self.num_passes = collections.Counter()  # mode -> backward passes seen
 
     # -- hooks ---------------------------------------------------------------------------------
     def install(self) -> None:
@@ -120,7 +119,6 @@ class GradSync:
             self.mode = "grad"
         else:
             self.mode = "local"
-        self.num_passes[self.mode] += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._flush)
 
     def _on_grad(self, index: int) -> None:

@@ -60,6 +60,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.scaler = DynamicLossScaler(engine.config.fp16) if engine.config.precision == "fp16" else None
         self._grad_coef = 1.0
         self.last_grad_norm: float | None = None
+        # set by clip_grad_norm_: a non-finite global norm is exactly "some gradient overflowed",
+        # so step() needs no second all-reduce (and no per-tensor isfinite sync) to find out
+        self._found_inf: bool | None = None
         self.num_steps = 0
 
     # -- what LR schedulers and user code read ---------------------------------------------------
@@ -115,9 +118,11 @@ class AMSPOptimizer(torch.optim.Optimizer):
                              async_op=False, timeout=e.config.timeout)
                 norm = total[0]
             else:
+                # one fp32 norm per tensor, computed without an fp32 copy of the gradient
                 total = torch.zeros(1, dtype=torch.float32, device=e.device)
-                for g in grads:
-                    total += g.detach().float().pow(2).sum()
+                if grads:
+                    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]
+                    total += torch.stack(norms).square().sum()
                 C.all_reduce(total, e.group("optim"), name=e.name("optim"), async_op=False,
                              timeout=e.config.timeout)
                 norm = total[0].sqrt()
@@ -126,6 +131,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             coef = float(max_norm) / (float(norm) + 1e-6)
             self._grad_coef = min(coef, 1.0) if math.isfinite(coef) else 1.0
             self.last_grad_norm = float(norm)
+            self._found_inf = not math.isfinite(self.last_grad_norm)
             return norm
 
     def _overflow(self) -> bool:
@@ -146,7 +152,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         e = self._engine
         e.param_sync.wait_all()
         with record_function("amsp::optimizer_step"):
-            if self.scaler is not None and self._overflow():
+            found_inf = self._found_inf
+            self._found_inf = None
+            if self.scaler is not None and (self._overflow() if found_inf is None else found_inf):
                 self.scaler.update(True)
                 self._grad_coef = 1.0
                 e.grad_sync.zero_grad()
@@ -175,6 +183,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        self._found_inf = None
         self._engine.grad_sync.zero_grad()
         for m in self.masters.values():
             m.grad = None

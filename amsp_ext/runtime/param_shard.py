@@ -48,13 +48,17 @@ __all__ = ["AMSPAllGather", "AMSPReduceScatter", "apply_fsdp", "fsdp_streams_wai
            "prefetch_targets"]
 
 
-class AMSPAllGather(AllGather):
+class _Comm:
+    """What both FSDP2 comm objects share: the group's label, the wait timeout, the switch."""
+
     def __init__(self, name: str, timeout: float, overlap: bool) -> None:
         self.name, self.timeout, self.overlap = name, timeout, overlap
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
+
+class AMSPAllGather(_Comm, AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         always_async = output_tensor.device.type == "cpu" and self.overlap
         pending = C.all_gather_into_tensor(output_tensor, input_tensor, group, name=self.name,
@@ -85,13 +89,7 @@ def fsdp_streams_wait_current(root: torch.nn.Module) -> None:
     ctx.all_gather_stream.wait_stream(current)
 
 
-class AMSPReduceScatter(ReduceScatter):
-    def __init__(self, name: str, timeout: float, overlap: bool = True) -> None:
-        self.name, self.timeout, self.overlap = name, timeout, overlap
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
+class AMSPReduceScatter(_Comm, ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         pending = C.reduce_scatter_tensor(output_tensor, input_tensor, group, name=self.name,
                                           op=op, async_op=True)

@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass, field
 
 from amsp_ext.planner.plan import Plan
+from amsp_ext.planner.prefilter import divisors
 from amsp_ext.planner.profile import OPS, SCHEMA
 from amsp_ext.topology.groups import World, rank_groups
 
@@ -118,10 +119,6 @@ def message_sizes(config: ProfileConfig) -> list[int]:
     if out[-1] != config.max_bytes:
         out.append(config.max_bytes)  # always measure the largest size asked for
     return out
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True, kw_only=True)

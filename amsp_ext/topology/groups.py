@@ -30,7 +30,7 @@ N/s1_os (likewise for local ranks); every group kind above is a set of those axe
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from amsp_ext.planner.plan import Plan, PlanError, validate_plan

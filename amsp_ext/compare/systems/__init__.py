@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["BASELINES", "SYSTEMS", "SystemInfo", "runner"]
+__all__ = ["SYSTEMS", "SystemInfo", "runner"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,7 +16,6 @@ class SystemInfo:
     label: str
     module: str  # under amsp_ext.compare.systems
     uses_deepspeed: bool = False
-    is_amsp: bool = False
 
 
 SYSTEMS: dict[str, SystemInfo] = {
@@ -31,10 +30,9 @@ SYSTEMS: dict[str, SystemInfo] = {
     "mics": SystemInfo(label="DeepSpeed-MiCS", module="deepspeed_zero", uses_deepspeed=True),
     "fsdp2": SystemInfo(label="FSDP2 full shard", module="fsdp2"),
     "hsdp": SystemInfo(label="FSDP2 HSDP (2-D mesh)", module="fsdp2"),
-    "amsp-mics": SystemInfo(label="AMSP (MiCS config)", module="amsp", is_amsp=True),
-    "amsp-plan": SystemInfo(label="AMSP (planner's plan)", module="amsp", is_amsp=True),
+    "amsp-mics": SystemInfo(label="AMSP (MiCS config)", module="amsp"),
+    "amsp-plan": SystemInfo(label="AMSP (planner's plan)", module="amsp"),
 }
-BASELINES = tuple(k for k, v in SYSTEMS.items() if not v.is_amsp)
 
 
 def runner(name: str):

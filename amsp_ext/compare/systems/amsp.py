@@ -14,29 +14,20 @@ ablation mode runs ``amsp-plan`` once per setting.
 
 from __future__ import annotations
 
+from amsp_ext.compare.config import OVERLAP_SWITCHES
 from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable
 from amsp_ext.models import causal_lm_loss
 
-__all__ = ["OVERLAP_SWITCHES", "pending_reason", "plan_text", "setup"]
-
-# Table V rows, cumulative: (allgather/reducescatter, allreduce, broadcast) overlap.
-OVERLAP_SWITCHES = {
-    "all": dict(allgather=True, allreduce=True, broadcast=True),
-    "no_bc": dict(allgather=True, allreduce=True, broadcast=False),
-    "no_bc_ar": dict(allgather=True, allreduce=False, broadcast=False),
-    "none": dict(allgather=False, allreduce=False, broadcast=False),
-}
-ENGINE_PENDING = "engine not landed (amsp_ext.shard is not on main)"
+__all__ = ["plan_text", "setup", "shard_config"]
 
 
-def pending_reason() -> str | None:
-    """Why the AMSP rows cannot run yet, checked without launching ranks."""
-    try:
-        from amsp_ext import shard  # noqa: F401
-        from amsp_ext.runtime.config import OverlapConfig, ShardConfig  # noqa: F401
-    except ImportError:
-        return ENGINE_PENDING
-    return None
+def shard_config(spec, gpus_per_node: int, *, auto=None):
+    """The engine configuration of the AMSP rows (also what the launcher plans "auto" for)."""
+    from amsp_ext.runtime.config import OverlapConfig, ShardConfig
+
+    return ShardConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
+                       granularity=spec.amsp_granularity,
+                       overlap=OverlapConfig(**OVERLAP_SWITCHES[spec.amsp_overlap]), auto=auto)
 
 
 def plan_text(name: str, ctx: Context) -> str:
@@ -49,18 +40,12 @@ def plan_text(name: str, ctx: Context) -> str:
 
 
 def setup(name: str, model, ctx: Context) -> SystemRun:
-    why = pending_reason()
-    if why:
-        raise SystemUnavailable(why, status="pending")
     import contextlib
 
     from amsp_ext import shard
-    from amsp_ext.runtime.config import OverlapConfig, ShardConfig
 
     plan = plan_text(name, ctx)
-    switches = OVERLAP_SWITCHES[ctx.spec.amsp_overlap]
-    config = ShardConfig(gpus_per_node=ctx.gpus_per_node, precision=ctx.spec.precision,
-                         granularity=ctx.spec.amsp_granularity, overlap=OverlapConfig(**switches))
+    config = shard_config(ctx.spec, ctx.gpus_per_node)
     model, optimizer = shard(model, plan, ctx.optimizer_factory, config=config)
     M = ctx.spec.num_micro_batches
 
@@ -77,7 +62,7 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
         return sum(losses) / len(losses)
 
     return SystemRun(train_step=train_step, settings={
-        "plan": str(getattr(getattr(model, "amsp", None), "plan", plan)),
-        "overlap": switches,
+        "plan": str(model.amsp.plan),
+        "overlap": OVERLAP_SWITCHES[ctx.spec.amsp_overlap],
         "shard_config": repr(config),
     })

@@ -22,7 +22,7 @@ __all__ = ["Context", "SystemRun", "SystemUnavailable"]
 
 
 class SystemUnavailable(Exception):
-    """The system cannot run in this setting; ``status`` is "skipped" or "pending"."""
+    """The system cannot run in this setting; ``status`` is "skipped" or "failed"."""
 
     def __init__(self, reason: str, *, status: str = "skipped") -> None:
         super().__init__(reason)
