@@ -75,10 +75,9 @@ def train(args: argparse.Namespace) -> dict | None:
     log(f"amsp train: {args.model} ({num_params / 1e6:.2f}M params) on {world_size} ranks "
         f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}), plan {plan}")
 
-    # -- 3. the peak for MFU, measured with every rank busy ---------------------------------
+    # -- 3. the peak for MFU (metrics.py [Note: one MFU]) ------------------------------------
     dtype = PRECISIONS[args.precision]
-    collectives.barrier(dist.group.WORLD, name="world", timeout=args.timeout)
-    peak_flops = metrics.matmul_peak_flops(device, dtype)
+    peak = metrics.device_peak(device, dtype, timeout=args.timeout)
     flops_per_token = metrics.flops_per_token(llama_config_dict(args.model), args.seq_len)
 
     # -- 4. the loop -----------------------------------------------------------------------
@@ -133,9 +132,8 @@ def train(args: argparse.Namespace) -> dict | None:
             "seq_len": args.seq_len, "precision": args.precision, "loss": losses,
             "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,
             "mfu": metrics.mfu(flops_per_token=flops_per_token,
-                               tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak_flops),
-            "peak_flops_per_gpu": peak_flops,
-            "peak_flops_source": f"measured: {args.precision} 1024x1024 matmul on {device.type}, all ranks at once",
+                               tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak.flops),
+            **peak.as_dict(),
             "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
             "peak_memory_source": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS of each rank (ru_maxrss)",
             "model_state_bytes": {"measured": [r["model_state_bytes"] for r in per_rank],
@@ -143,8 +141,10 @@ def train(args: argparse.Namespace) -> dict | None:
                                                 "optim": predicted.optim,
                                                 "total": predicted.model_states}},
         }
+        result["mfu_check"] = metrics.mfu_check(result["mfu"])
         log(f"done: {tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {result['mfu']:.1%} "
-            f"(peak {peak_flops / 1e9:.1f} GFLOP/s per rank, measured)")
+            f"(peak {peak.flops / 1e9:.1f} GFLOP/s per rank, {peak.source})"
+            + (f"; {result['mfu_check']}" if result["mfu_check"] else ""))
     collectives.barrier(dist.group.WORLD, name="world", timeout=args.timeout)
     dist.destroy_process_group()
     return result

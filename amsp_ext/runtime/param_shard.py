@@ -64,9 +64,9 @@ class AMSPAllGather(_Comm, AllGather):
         pending = C.all_gather_into_tensor(output_tensor, input_tensor, group, name=self.name,
                                            async_op=True)
         if async_op or always_async:
-            # FSDP2 waits via ``Work.wait()`` in wait_for_unshard; the gloo group timeout
-            # still applies there.
-            return pending.work
+            # FSDP2 waits via ``Work.wait()`` in wait_for_unshard: a WorkHandle routes that wait
+            # through collectives.wait (timed by the observer, timeout naming the group).
+            return C.WorkHandle(pending, self.timeout)
         C.wait(pending, timeout=self.timeout)
         _serialize_if_no_overlap(output_tensor, self.overlap)
         return None

@@ -1,0 +1,257 @@
+"""The measuring side of ``amsp tune``: every rank runs this, inside torchrun or the lab.
+
+    1. the MFU peak (metrics.device_peak), once, every rank at once;
+    2. per round: the compute probe, then every candidate plan in the round's order
+       (compare/rounds.py: alternated, so load drifts hit every plan alike);
+    3. all ranks' records gathered on rank 0.
+
+[Note: one plan, one rank]
+Build the model (same seed on every rank), shard it with the plan (``amsp_ext.shard``), run
+``warmup_steps`` untimed and ``steps`` timed steps of the ordinary loop (M micro-batches,
+clip, step, the loss all-reduce of ``amsp train``), with a ``CommTrace`` recording every
+collective. Per step: wall time, forward / backward / optimizer phase times, and per collective
+kind the measured busy and exposed time (runtime/comm_trace.py). Then the rank's model-state
+bytes (the engine's own count) and peak RSS delta (VmHWM reset just before the model is built).
+The hooks are removed and the model dropped before the next plan.
+
+[Note: the compute probe]
+The step model's compute constants must be this model's forward and backward speed on this
+device *while every rank computes* (on a shared CPU a rank gets a share of the cores). The
+probe runs the unsharded model's forward, backward and AdamW step on this rank's micro-batches,
+every rank at once, no collective in between: the compute a plan would do with nothing else
+going on. Its median forward/backward/optimizer times feed the calibration (planner/fit.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.comm_trace import CommTrace
+from amsp_ext.tune.candidates import Candidate
+from amsp_ext.tune.spec import TuneSpec
+
+__all__ = ["build_model", "compute_probe", "measure_plan", "run_rounds"]
+
+_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model(spec: TuneSpec):
+    from amsp_ext.models import build_llama
+
+    if spec.model_config is None:
+        return build_llama(spec.model, seed=spec.seed)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in spec.model_config.items() if k not in ("architectures",)}
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = "eager"
+    torch.manual_seed(spec.seed)
+    return LlamaForCausalLM(config)
+
+
+def _batch(spec: TuneSpec, step: int, micro: int, rank: int, world: int, device) -> torch.Tensor:
+    from amsp_ext.data import micro_batch
+
+    return micro_batch(step, micro, rank, world_size=world, num_micro_batches=spec.num_micro_batches,
+                       micro_batch_size=spec.micro_batch_size, seq_len=spec.seq_len).to(device)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compute_probe(spec: TuneSpec, device) -> dict[str, float]:
+    """Median forward, backward and optimizer-step seconds of the unsharded model (see the Note);
+    call on every rank at once."""
+    from amsp_ext.models import causal_lm_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(spec).to(device)
+    if spec.recompute:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = model.to(_PRECISIONS[spec.precision]) if spec.precision != "fp32" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    fwd, bwd, step_t = [], [], []
+    C.barrier(dist.group.WORLD, name="world", timeout=spec.timeout)
+    for step in range(spec.probe_steps):
+        f = b = 0.0
+        for micro in range(spec.num_micro_batches):
+            batch = _batch(spec, step, micro, rank, world, device)
+            t0 = time.perf_counter()
+            loss = causal_lm_loss(model, batch) / spec.num_micro_batches
+            _sync(device)
+            t1 = time.perf_counter()
+            loss.backward()
+            _sync(device)
+            f, b = f + t1 - t0, b + time.perf_counter() - t1
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        fwd.append(f)
+        bwd.append(b)
+        step_t.append(time.perf_counter() - t2)
+    C.barrier(dist.group.WORLD, name="world", timeout=spec.timeout)
+    del model, opt
+    gc.collect()
+    M = spec.num_micro_batches
+    return {"forward_s": statistics.median(fwd[1:]) / M, "backward_s": statistics.median(bwd[1:]) / M,
+            "optimizer_s": statistics.median(step_t[1:])}
+
+
+def _shard_config(spec: TuneSpec, gpus_per_node: int):
+    from amsp_ext.runtime.config import ShardConfig
+
+    return ShardConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
+                       grad_bucket_bytes=spec.bucket_bytes, granularity=spec.granularity,
+                       recompute=spec.recompute, timeout=spec.timeout)
+
+
+def measure_plan(spec: TuneSpec, cand: Candidate, *, gpus_per_node: int, device) -> dict[str, Any]:
+    """One plan on this rank (see [Note: one plan, one rank]): its record."""
+    import amsp_ext
+    from amsp_ext.compare import memory
+    from amsp_ext.metrics import peak_memory_bytes
+    from amsp_ext.models import causal_lm_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    M = spec.num_micro_batches
+    gc.collect()
+    C.barrier(dist.group.WORLD, name="world", timeout=spec.timeout)
+    rss0 = memory.rss_bytes()
+    hwm_reset = memory.reset_peak_rss() and device.type == "cpu"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cpu0 = cpu_counters()
+    t_setup = time.perf_counter()
+    model, opt = amsp_ext.shard(
+        build_model(spec), cand.plan,
+        lambda ps: torch.optim.AdamW(ps, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1),
+        config=_shard_config(spec, gpus_per_node))
+    setup_s = time.perf_counter() - t_setup
+    steps: list[dict[str, Any]] = []
+    with CommTrace() as trace:
+        for step in range(spec.warmup_steps + spec.steps):
+            phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
+            t_start = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for micro in range(M):
+                batch = _batch(spec, step, micro, rank, world, device)
+                with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    loss = causal_lm_loss(model, batch) / M
+                    _sync(device)
+                    t1 = time.perf_counter()
+                    opt.backward(loss)
+                    _sync(device)
+                    t2 = time.perf_counter()
+                phases["forward"].append((t0, t1))
+                phases["backward"].append((t1, t2))
+                step_loss += loss.detach().float()
+            t_opt = time.perf_counter()
+            if spec.clip > 0:
+                opt.clip_grad_norm_(spec.clip)
+            opt.step()
+            opt.zero_grad()
+            _sync(device)
+            t_opt_end = time.perf_counter()
+            C.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
+                         timeout=spec.timeout)
+            t_end = time.perf_counter()
+            phases["optimizer"] = [(t_opt, t_opt_end)]
+            phases["loss_sync"] = [(t_opt_end, t_end)]
+            if step < spec.warmup_steps:
+                continue
+            steps.append({"step_s": t_end - t_start, "loss": float(step_loss.item()),
+                          "window": (t_start, t_end), "phases": phases})
+        model.amsp.wait_params()  # the last broadcasts complete before the trace is read
+        C.barrier(dist.group.WORLD, name="world", timeout=spec.timeout)
+    for st in steps:  # a step's collectives: issued in its window (completed whenever)
+        t_start, t_end = st.pop("window")
+        st["comm"] = trace.summary(t_start, t_end)
+        st["phases"] = _phase_times(trace, st["phases"])
+    record = {
+        "rank": rank, "setup_s": setup_s, "steps": steps, "cpu": cpu_delta(cpu0),
+        "model_state_bytes": model.model_state_bytes(),
+        "peak_memory_bytes": (peak_memory_bytes(device) if device.type == "cuda" else
+                              (memory.peak_rss_bytes() - rss0) if hwm_reset and rss0 else None),
+    }
+    model.amsp.grad_sync.remove()
+    model.amsp.param_sync.remove()
+    del model, opt
+    gc.collect()
+    return record
+
+
+def cpu_counters() -> dict[str, Any]:
+    """This host's busy CPU seconds (/proc/stat) and this process's CPU seconds, now."""
+    import resource
+    import socket
+
+    busy = None
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (sum(fields) - fields[3] - fields[4]) / hz  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        pass
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"t": time.perf_counter(), "host_busy_s": busy, "own_s": ru.ru_utime + ru.ru_stime,
+            "host": socket.gethostname(), "cores": os.cpu_count()}
+
+
+def cpu_delta(before: dict[str, Any]) -> dict[str, Any]:
+    """CPU use since ``before``: the host's busy seconds and this process's, over the wall time.
+    Rank 0 subtracts every local rank's own seconds to get what other jobs used."""
+    now = cpu_counters()
+    busy = (None if before["host_busy_s"] is None or now["host_busy_s"] is None
+            else now["host_busy_s"] - before["host_busy_s"])
+    return {"wall_s": now["t"] - before["t"], "host_busy_s": busy,
+            "own_s": now["own_s"] - before["own_s"], "host": now["host"], "cores": now["cores"]}
+
+
+def _phase_times(trace: CommTrace, phases: dict[str, list[tuple[float, float]]]
+                 ) -> dict[str, dict[str, float]]:
+    """Per phase: wall seconds, and seconds blocked in waits for collectives (any kind)."""
+    out = {}
+    for name, spans in phases.items():
+        blocked = sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in spans
+                      for _, a, b in trace.waits)
+        out[name] = {"wall_s": sum(t1 - t0 for t0, t1 in spans), "blocked_s": blocked}
+    return out
+
+
+def run_rounds(spec: TuneSpec, candidates: list[Candidate], *, gpus_per_node: int, device,
+               on_done: Callable[[int, int, Candidate, dict], None] | None = None
+               ) -> dict[str, Any]:
+    """Every round (probe, then every plan in the round's order); this rank's records."""
+    from amsp_ext.compare.rounds import round_order
+
+    probes, runs = [], []
+    total = spec.repeats * len(candidates)
+    done = 0
+    for r in range(spec.repeats):
+        load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+        probes.append({"round": r + 1, **compute_probe(spec, device), "load": load})
+        for position, cand in enumerate(round_order(candidates, r)):
+            t0 = time.time()
+            rec = measure_plan(spec, cand, gpus_per_node=gpus_per_node, device=device)
+            rec.update(plan=cand.key, round=r + 1, position=position + 1, started_at=t0,
+                       load=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
+            runs.append(rec)
+            done += 1
+            if on_done is not None:
+                on_done(done, total, cand, rec)
+    return {"rank": dist.get_rank(), "probes": probes, "runs": runs}
