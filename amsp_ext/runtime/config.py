@@ -9,11 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amsp_ext import choices
+from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OPTIMIZERS, OWNERSHIPS,
+                              check_one_of)
+
 __all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GRANULARITIES = ("module", "layer")
-OWNERSHIPS = ("greedy", "blocks")
+# the torch dtype of each precision name (amsp_ext.choices.PRECISIONS)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = {name: _DTYPES[name] for name in choices.PRECISIONS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +77,9 @@ class AutoPlanConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"auto.{name} must be an integer >= 1, got {v!r}")
+        check_one_of(self.objective, OBJECTIVES, "auto.objective")
+        check_one_of(self.missing, MISSING_MESH, "auto.missing")
+        check_one_of(self.optimizer, OPTIMIZERS, "auto.optimizer")
         if self.gpu_memory_bytes is not None and (
             not isinstance(self.gpu_memory_bytes, int) or self.gpu_memory_bytes < 1
         ):
@@ -118,8 +125,7 @@ class ShardConfig:
             not isinstance(self.nodes_per_leaf, int) or self.nodes_per_leaf < 1
         ):
             raise ValueError(f"config.nodes_per_leaf must be an integer >= 1 or None, got {self.nodes_per_leaf!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"config.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        check_one_of(self.precision, PRECISIONS, "config.precision")
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"config.grad_bucket_bytes must be an integer >= 1, got {self.grad_bucket_bytes!r}")
         if self.broadcast_bucket_bytes is not None and (
@@ -128,10 +134,8 @@ class ShardConfig:
         ):
             raise ValueError(f"config.broadcast_bucket_bytes must be an integer >= 0 or None, "
                              f"got {self.broadcast_bucket_bytes!r}")
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"config.granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
-        if self.ownership not in OWNERSHIPS:
-            raise ValueError(f"config.ownership must be one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
+        check_one_of(self.granularity, GRANULARITIES, "config.granularity")
+        check_one_of(self.ownership, OWNERSHIPS, "config.ownership")
         if not isinstance(self.recompute, bool):
             raise ValueError(f"config.recompute must be True or False, got {self.recompute!r}")
         if not isinstance(self.overlap, OverlapConfig):
