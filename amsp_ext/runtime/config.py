@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from amsp_ext import choices
-from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OPTIMIZERS, OWNERSHIPS,
-                              check_one_of)
+from amsp_ext.choices import GRANULARITIES, OWNERSHIPS, check_one_of
+from amsp_ext.planner.auto import AutoPlanConfig  # torch-free, so the planner owns it
 
 __all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
 
@@ -55,39 +55,6 @@ class FP16Config:
             raise ValueError(f"fp16.growth_interval must be >= 1, got {self.growth_interval}")
         if not self.min_scale > 0:
             raise ValueError(f"fp16.min_scale must be > 0, got {self.min_scale}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AutoPlanConfig:
-    """What ``plan="auto"`` needs besides the model and the world: the step's batch shape and
-    the planner's inputs (see amsp_ext.planner.search.plan_for)."""
-
-    seq_len: int
-    micro_batch_size: int = 1
-    num_micro_batches: int = 1
-    profile: str = "paper-a800"  # bundled profile name or a path to an amsp-profile/1 JSON
-    objective: str = "comm"  # "comm" (Eq. 1) or "step"
-    missing: str = "error"  # profile meshes the table lacks: "error" or "fit"
-    optimizer: str = "adamw"
-    gpu_memory_bytes: int | None = None  # None: the device's (CPU: RAM / gpus_per_node)
-    memory_reserve_bytes: int | None = None  # None: the planner's default reserve
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch_size", "num_micro_batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"auto.{name} must be an integer >= 1, got {v!r}")
-        check_one_of(self.objective, OBJECTIVES, "auto.objective")
-        check_one_of(self.missing, MISSING_MESH, "auto.missing")
-        check_one_of(self.optimizer, OPTIMIZERS, "auto.optimizer")
-        if self.gpu_memory_bytes is not None and (
-            not isinstance(self.gpu_memory_bytes, int) or self.gpu_memory_bytes < 1
-        ):
-            raise ValueError(f"auto.gpu_memory_bytes must be a positive integer or None, got {self.gpu_memory_bytes!r}")
-        if self.memory_reserve_bytes is not None and (
-            not isinstance(self.memory_reserve_bytes, int) or self.memory_reserve_bytes < 0
-        ):
-            raise ValueError(f"auto.memory_reserve_bytes must be an integer >= 0 or None, got {self.memory_reserve_bytes!r}")
 
 
 def _local_world_size() -> int | None:
