@@ -53,7 +53,8 @@ def shard_config(config: TrainConfig) -> ShardConfig:
         overlap=OverlapConfig(**{op: op not in e.no_overlap for op in OVERLAP_OPS}),
         auto=AutoPlanConfig(
             seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
-            num_micro_batches=b.micro_batches, profile=pl.profile, missing="fit",
+            num_micro_batches=b.micro_batches, profile=pl.profile, objective=pl.objective,
+            missing="fit",
             gpu_memory_bytes=pl.gpu_memory_bytes, memory_reserve_bytes=pl.memory_reserve_bytes),
     )
 

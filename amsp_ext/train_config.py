@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amsp_ext.choices import GRANULARITIES, OVERLAP_OPS, PRECISIONS
+from amsp_ext.choices import GRANULARITIES, OBJECTIVES, OVERLAP_OPS, PRECISIONS
 from amsp_ext.models import MODEL_CONFIGS
 from amsp_ext.planner.specs import parse_size
 from amsp_ext.schema import check_options, option, section
@@ -54,6 +54,8 @@ class PlannerOptions:
     memory_reserve: str | None = option(
         None, metavar="SIZE", help="memory the planner keeps free per rank for --plan auto "
                                    "(e.g. 0B); default: the planner's")
+    objective: str = option("comm", choices=OBJECTIVES, help="what --plan auto minimises: the "
+                            "paper's Eq. 1 communication time or the modelled step time")
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -28,7 +28,7 @@ def test_no_flags_is_the_dataclass_default():
     [],
     ["--model", "small-llama", "--plan", "auto", "--seed", "3", "--gpus-per-node", "2",
      "--nodes-per-leaf", "1", "--profile", "configs/clusters/lab-2x2.profile.json",
-     "--gpu-memory", "4MiB", "--memory-reserve", "0B", "--steps", "7", "--micro-batches", "3",
+     "--gpu-memory", "4MiB", "--memory-reserve", "0B", "--objective", "step", "--steps", "7", "--micro-batches", "3",
      "--micro-batch-size", "1", "--seq-len", "1024", "--lr", "1e-4", "--warmup-steps", "0",
      "--clip", "0", "--weight-decay", "0.01", "--beta1", "0.8", "--beta2", "0.999",
      "--precision", "bf16", "--bucket-mb", "0.25", "--granularity", "layer", "--recompute",
@@ -112,6 +112,7 @@ def test_worker_config_and_optimizer_follow_the_fields():
     config = parse(["--precision", "bf16", "--bucket-mb", "0.5", "--granularity", "layer",
                     "--recompute", "--no-overlap", "broadcast", "--timeout", "12",
                     "--gpus-per-node", "2", "--gpu-memory", "4MiB", "--memory-reserve", "0B",
+                    "--objective", "step",
                     "--seq-len", "64", "--micro-batches", "3", "--micro-batch-size", "1",
                     "--weight-decay", "0.05", "--beta1", "0.8", "--beta2", "0.99", "--lr", "0.01"])
     sc = shard_config(config)
@@ -121,6 +122,7 @@ def test_worker_config_and_optimizer_follow_the_fields():
     assert sc.gpus_per_node == 2 and sc.dtype == torch.bfloat16
     assert (sc.auto.seq_len, sc.auto.num_micro_batches, sc.auto.micro_batch_size) == (64, 3, 1)
     assert (sc.auto.gpu_memory_bytes, sc.auto.memory_reserve_bytes) == (4 * 2**20, 0)
+    assert (sc.auto.objective, sc.auto.missing) == ("step", "fit")
     opt = optimizer_factory(config)([torch.nn.Parameter(torch.zeros(2))])
     group = opt.param_groups[0]
     assert isinstance(opt, torch.optim.AdamW)
