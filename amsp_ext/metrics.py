@@ -3,7 +3,8 @@
 [Note: one MFU]
 MFU = model FLOPs per token (the planner's count: planner/step.py ``model_flops_per_token``)
 x tokens per second per GPU / the peak FLOP/s of one GPU. Every command computes it with
-``mfu()`` below and a peak from ``device_peak()``, and reports the peak and its source beside it.
+``mfu()`` below and a peak from runtime/peak.py ``device_peak()``, and reports the peak and its
+source beside it.
 
 [Note: a peak that is stable for the device]
 * GPU: the datasheet's dense bf16/fp16 peak of the device, looked up by name in
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GPU_PEAK_FLOPS", "Peak", "device_peak", "flops_per_token", "matmul_peak_flops",
-           "measure_shared_peak", "median_after_warmup", "mfu", "mfu_check", "peak_memory_bytes"]
+__all__ = ["GPU_PEAK_FLOPS", "Peak", "flops_per_token", "matmul_peak_flops", "median_after_warmup",
+           "mfu", "mfu_check", "peak_memory_bytes", "table_peak"]
 
 # Dense (no sparsity) bf16/fp16 tensor-core peak per GPU, FLOP/s, from the vendors' datasheets.
 # Matched in order against torch.cuda.get_device_name(): more specific names first.
@@ -81,7 +82,8 @@ class Peak:
                 "peak_flops_measured": self.measured}
 
 
-def _table_peak(name: str) -> float | None:
+def table_peak(name: str) -> float | None:
+    """The datasheet peak of a GPU by its name (``GPU_PEAK_FLOPS``), or None."""
     for key, flops in GPU_PEAK_FLOPS:
         if key.lower() in name.lower():
             return flops
@@ -93,65 +95,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_shared_peak(device: torch.device, dtype: torch.dtype, *, n: int = 1024,
-                        reps: int = 4, trials: int = 5, group=None, timeout: float = 300.0) -> float:
-    """Per-rank dense-matmul FLOP/s with every rank of ``group`` busy (see the Note): per trial,
-    a barrier, ``reps`` ``n x n`` matmuls per rank, rate = work / slowest rank's time; the best
-    trial. Without torch.distributed initialised, one process alone."""
-    import torch.distributed as dist
-
-    from amsp_ext.runtime import collectives as C
-
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed and group is None:
-        group = dist.group.WORLD
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up (kernel selection, allocations)
-    _sync(device)
-    best = 0.0
-    for _ in range(trials):
-        if distributed:
-            C.barrier(group, name="world", timeout=timeout)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        _sync(device)
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        if distributed:
-            if dist.get_backend(group) == "nccl":
-                elapsed = elapsed.to(device)
-            C.all_reduce(elapsed, group, name="world", op=dist.ReduceOp.MAX, async_op=False,
-                         timeout=timeout)
-        best = max(best, 2.0 * n**3 * reps / float(elapsed.item()))
-    return best
-
-
-def device_peak(device: torch.device, dtype: torch.dtype, *, override_flops: float | None = None,
-                group=None, timeout: float = 300.0) -> Peak:
-    """The MFU denominator for this run (see the Note). Collective when measured on CPU: every
-    rank of ``group`` must call it at the same point."""
-    if override_flops is not None:
-        if not override_flops > 0:
-            raise ValueError(f"--peak-tflops must be positive, got {override_flops / 1e12:g}")
-        return Peak(flops=float(override_flops), source="given (--peak-tflops)", measured=False)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    if device.type == "cuda":
-        table = _table_peak(name)
-        if table is not None:
-            return Peak(flops=table, source=f"datasheet dense bf16/fp16 peak of {name}", measured=False)
-    flops = measure_shared_peak(device, dtype, group=group, timeout=timeout)
-    dt = str(dtype).replace("torch.", "")
-    return Peak(flops=flops, measured=True,
-                source=f"measured on {name}: best of 5 trials of {dt} 1024x1024 matmuls, every "
-                       f"rank at once, timed by the slowest rank")
-
-
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype, *, n: int = 1024,
                       seconds: float = 0.5) -> float:
     """FLOP/s of repeated ``n x n`` matmuls in ``dtype`` on ``device`` by this process alone,
     best of timed rounds: the device's compute rate (comparisons/gpu_check.py). Not an MFU
-    denominator on a shared CPU: use ``device_peak``."""
+    denominator on a shared CPU: use runtime/peak.py ``device_peak``."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b

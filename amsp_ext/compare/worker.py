@@ -72,7 +72,7 @@ def run(system: str, spec, out: Path) -> dict:
     import torch.distributed as dist
 
     from amsp_ext.compare import memory, trace
-    from amsp_ext.metrics import device_peak
+    from amsp_ext.runtime.peak import device_peak
     from amsp_ext.runtime import collectives as C
     from amsp_ext.compare.config import resolve_topology
     from amsp_ext.compare.systems import SYSTEMS, runner

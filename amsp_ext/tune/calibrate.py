@@ -44,16 +44,17 @@ def observations(result: dict[str, Any]) -> tuple[list[PlanObservation], ProbeOb
     return plans, probe
 
 
-def calibrate_from_result(result: dict[str, Any], spec, problems: Problems,
+def calibrate_from_result(result: dict[str, Any], config, problems: Problems,
                           candidates: list[Candidate], out: Path) -> None:
     from amsp_ext.runtime.grad_sync import MAX_IN_FLIGHT
 
     meta = result["meta"]
     plans, probe = observations(result)
     world = meta["world"]
-    source = (f"amsp tune, {spec.model_name} seq {spec.seq_len} micro-batch "
-              f"{spec.micro_batch_size} M {spec.num_micro_batches} {spec.precision} "
-              f"{spec.granularity}, {len(plans)} plans x {spec.repeats} rounds on "
+    job = meta["job"]
+    source = (f"amsp tune, {job['model']} seq {job['seq_len']} micro-batch "
+              f"{job['micro_batch_size']} M {job['micro_batches']} {job['precision']} "
+              f"{job['granularity']}, {len(plans)} plans x {job['repeats']} rounds on "
               f"{world['num_nodes']}x{world['gpus_per_node']} {meta['backend']}")
     cal = fit_calibration(problems.uncalibrated["step"], plans, probe, source=source,
                           date=meta["date"], device=meta["device"],

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 from amsp_ext.planner.plan import Plan, named_plan, resolve_plan, validate_plan
 from amsp_ext.planner.profile import BandwidthProfile, load_profile
-from amsp_ext.planner.search import Problem, make_problem, search
+from amsp_ext.choices import PLANNER_OVERLAP_OF
+from amsp_ext.planner.search import DEFAULT_RESERVE, Problem, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
-from amsp_ext.tune.spec import SpecError, TuneSpec
+from amsp_ext.planner.step import OverlapRules
+from amsp_ext.tune.spec import TuneConfig
 
 __all__ = ["ALL_LEGAL_LIMIT", "Candidate", "Problems", "choose_plans", "make_problems"]
 
@@ -54,30 +56,39 @@ class Problems:
         return out
 
 
-def training_spec(spec: TuneSpec) -> TrainingSpec:
-    return TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
-                        num_micro_batches=spec.num_micro_batches, recompute=spec.recompute,
-                        precision=spec.precision, bucket_bytes=spec.bucket_bytes,
-                        granularity=spec.granularity)
+def training_spec(config: TuneConfig) -> TrainingSpec:
+    b, e = config.batch, config.engine
+    return TrainingSpec(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
+                        num_micro_batches=b.micro_batches, recompute=e.recompute,
+                        precision=e.precision, bucket_bytes=config.bucket_bytes,
+                        granularity=e.granularity)
 
 
-def make_problems(spec: TuneSpec, *, num_nodes: int, gpus_per_node: int, gpu_memory_bytes: int,
+def overlap_rules(config: TuneConfig) -> OverlapRules:
+    """The step model's overlap switches for the engine's ``--no-overlap``."""
+    off = {PLANNER_OVERLAP_OF[op] for op in config.engine.no_overlap}
+    return OverlapRules(ag_rs="ag_rs" not in off, ar="ar" not in off, bc="bc" not in off)
+
+
+def make_problems(config: TuneConfig, *, num_nodes: int, gpus_per_node: int, gpu_memory_bytes: int,
                   peak_flops: float | None = None, profile: BandwidthProfile | None = None
                   ) -> Problems:
-    """``peak_flops``: the device's MFU peak (metrics.device_peak), which the uncalibrated step
+    """The planner on this job. ``peak_flops``: the device's MFU peak (metrics.device_peak), which the uncalibrated step
     model takes 0.65 of; None keeps the planner's default (an A100's)."""
-    prof = profile if profile is not None else load_profile(spec.profile)
+    prof = profile if profile is not None else load_profile(config.planner.profile)
     cluster = ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                           gpu_memory_bytes=gpu_memory_bytes,
                           **({"peak_flops": peak_flops} if peak_flops else {}))
-    if spec.memory_reserve_bytes >= gpu_memory_bytes:
-        raise SpecError(f"--memory-reserve ({spec.memory_reserve_bytes} B) must be below "
-                        f"--gpu-memory ({gpu_memory_bytes} B)")
+    reserve = config.planner.memory_reserve_bytes
+    reserve = DEFAULT_RESERVE if reserve is None else reserve
+    if reserve >= gpu_memory_bytes:
+        raise ValueError(f"--memory-reserve ({reserve} B) must be below --gpu-memory "
+                         f"({gpu_memory_bytes} B)")
 
     def build(p: BandwidthProfile) -> dict[str, Problem]:
-        return {obj: make_problem(spec.hf_config(), cluster, training_spec(spec), p, objective=obj,
-                                  missing=spec.missing,
-                                  memory_reserve_bytes=spec.memory_reserve_bytes)
+        return {obj: make_problem(config.hf_config(), cluster, training_spec(config), p,
+                                  objective=obj, missing="fit", memory_reserve_bytes=reserve,
+                                  overlap=overlap_rules(config))
                 for obj in ("comm", "step")}
 
     raw = dataclasses.replace(prof, calibration=None)
@@ -94,13 +105,13 @@ def _label(plan: Plan, R: int, N: int) -> str:
     return str(plan)
 
 
-def choose_plans(spec: TuneSpec, problems: Problems) -> list[Candidate]:
+def choose_plans(config: TuneConfig, problems: Problems) -> list[Candidate]:
     """The plans to measure, in the base order of the rounds (see the Note)."""
     first = problems.uncalibrated["step"]
     R, N = first.cluster.gpus_per_node, first.cluster.num_nodes
-    if spec.plans:
+    if config.tune.plan_list:
         plans = []
-        for text in spec.plans:
+        for text in config.tune.plan_list:
             p = validate_plan(resolve_plan(text, gpus_per_node=R, num_nodes=N),
                               gpus_per_node=R, num_nodes=N, structural_only=True)
             if p not in plans:
@@ -109,10 +120,11 @@ def choose_plans(spec: TuneSpec, problems: Problems) -> list[Candidate]:
     results = {(v, obj): search(prob) for v, probs in problems.variants().items()
                for obj, prob in probs.items()}
     fitting = list(results[("uncalibrated", "comm")].ranked)  # every legal plan that fits
-    if spec.top is None and len(fitting) <= ALL_LEGAL_LIMIT:
+    top = config.tune.top
+    if top is None and len(fitting) <= ALL_LEGAL_LIMIT:
         chosen = [c.plan for c in sorted(fitting, key=lambda c: c.plan.as_tuple())]
     else:
-        k = spec.top or DEFAULT_TOP
+        k = top or DEFAULT_TOP
         chosen = []
         for res in results.values():
             for c in res.ranked[:k]:

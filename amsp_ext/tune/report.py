@@ -18,9 +18,9 @@ UNCALIBRATED_NOTE = ("the step model is **uncalibrated**: compute at 0.65 of the
                      "overlapped as the paper describes (docs/planner.md)")
 
 
-def build_result(spec, problems: Problems, candidates: list[Candidate], records: list[dict],
+def build_result(config, problems: Problems, candidates: list[Candidate], records: list[dict],
                  meta: dict[str, Any]) -> dict[str, Any]:
-    import dataclasses
+    from amsp_ext import schema
 
     measured = aggregate(records, candidates)
     plans = []
@@ -39,13 +39,15 @@ def build_result(spec, problems: Problems, candidates: list[Candidate], records:
     cal = problems.calibrated["step"].calibration if problems.calibrated else None
     from amsp_ext.metrics import flops_per_token
 
-    fpt = flops_per_token(spec.hf_config(), spec.seq_len)
+    fpt = flops_per_token(config.hf_config(), config.batch.seq_len)
     for r in ok:
-        tgs = spec.tokens_per_rank_per_step / r["measured"]["step_s"]["median"]
+        tgs = config.tokens_per_rank_per_step / r["measured"]["step_s"]["median"]
         r["measured"]["tokens_per_gpu_per_s"] = tgs
         r["measured"]["mfu"] = fpt * tgs / meta["peak"]["peak_flops_per_gpu"]
     probes = [dict(p, rank=rec["rank"]) for rec in records for p in rec["probes"]]
-    meta = {**meta, "spec": dataclasses.asdict(spec), "flops_per_token": fpt,
+    reserve = problems.uncalibrated["step"].memory_reserve_bytes
+    meta = {**meta, "config": schema.to_dict(config), "job": config.job(reserve),
+            "flops_per_token": fpt,
             "profile": {"name": problems.uncalibrated["step"].timer.profile.name,
                         "source": problems.uncalibrated["step"].timer.profile.source},
             "calibration": cal.as_dict() if cal else None,
@@ -93,9 +95,9 @@ def _plot(result: dict[str, Any], path: Path) -> None:
                                             r["measured"]["step_s"]["median"]), fontsize=8)
     ax.set_xlabel("predicted step time (s)")
     ax.set_ylabel("measured step time (s), median and range over rounds")
-    spec = result["meta"]["spec"]
-    ax.set_title(f"amsp tune: {spec['model']}, seq {spec['seq_len']}, mb {spec['micro_batch_size']}, "
-                 f"M {spec['num_micro_batches']}", fontsize=10)
+    job = result["meta"]["job"]
+    ax.set_title(f"amsp tune: {job['model']}, seq {job['seq_len']}, mb {job['micro_batch_size']}, "
+                 f"M {job['micro_batches']}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -154,14 +156,14 @@ def write_report(result: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tune.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     _plot(result, out_dir / "predicted_vs_measured.png")
-    meta, spec = result["meta"], result["meta"]["spec"]
+    meta, spec = result["meta"], result["meta"]["job"]
     win = next((r for r in result["plans"] if r["key"] == result["winner"]), None)
     lines = [
         f"# amsp tune: {spec['model']} on {meta['world']['num_nodes']} x "
         f"{meta['world']['gpus_per_node']} ({meta['backend']}), {meta['date']}", "",
         f"Command: `{meta['command']}`", "",
         f"Job: seq {spec['seq_len']}, micro-batch {spec['micro_batch_size']}, M "
-        f"{spec['num_micro_batches']}, {spec['precision']}, granularity {spec['granularity']}, "
+        f"{spec['micro_batches']}, {spec['precision']}, granularity {spec['granularity']}, "
         f"bucket {spec['bucket_bytes'] / 2**20:g} MiB{', recompute' if spec['recompute'] else ''}; "
         f"memory limit {meta['gpu_memory_bytes'] / 2**20:.1f} MiB per GPU less "
         f"{spec['memory_reserve_bytes'] / 2**20:.1f} MiB. {spec['steps']} timed steps after "

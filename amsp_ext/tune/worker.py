@@ -25,6 +25,7 @@ going on. Its median forward/backward/optimizer times feed the calibration (plan
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import statistics
@@ -36,33 +37,36 @@ import torch.distributed as dist
 
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.comm_trace import CommTrace
+from amsp_ext.train import adamw_factory, engine_shard_config
+from amsp_ext.train_config import OptimOptions
 from amsp_ext.tune.candidates import Candidate
-from amsp_ext.tune.spec import TuneSpec
+from amsp_ext.tune.spec import TuneConfig
 
 __all__ = ["build_model", "compute_probe", "measure_plan", "run_rounds"]
 
 _PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_model(spec: TuneSpec):
+def build_model(config: TuneConfig):
     from amsp_ext.models import build_llama
 
-    if spec.model_config is None:
-        return build_llama(spec.model, seed=spec.seed)
+    if config.model_config is None:
+        return build_llama(config.model, seed=config.seed)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = {k: v for k, v in spec.model_config.items() if k not in ("architectures",)}
-    config = LlamaConfig(**cfg)
-    config._attn_implementation = "eager"
-    torch.manual_seed(spec.seed)
-    return LlamaForCausalLM(config)
+    cfg = {k: v for k, v in config.hf_config().items() if k not in ("architectures",)}
+    hf = LlamaConfig(**cfg)
+    hf._attn_implementation = "eager"
+    torch.manual_seed(config.seed)
+    return LlamaForCausalLM(hf)
 
 
-def _batch(spec: TuneSpec, step: int, micro: int, rank: int, world: int, device) -> torch.Tensor:
+def _batch(config: TuneConfig, step: int, micro: int, rank: int, world: int, device) -> torch.Tensor:
     from amsp_ext.data import micro_batch
 
-    return micro_batch(step, micro, rank, world_size=world, num_micro_batches=spec.num_micro_batches,
-                       micro_batch_size=spec.micro_batch_size, seq_len=spec.seq_len).to(device)
+    b = config.batch
+    return micro_batch(step, micro, rank, world_size=world, num_micro_batches=b.micro_batches,
+                       micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
 
 
 def _sync(device) -> None:
@@ -70,26 +74,27 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def compute_probe(spec: TuneSpec, device) -> dict[str, float]:
+def compute_probe(config: TuneConfig, device) -> dict[str, float]:
     """Median forward, backward and optimizer-step seconds of the unsharded model (see the Note);
     call on every rank at once."""
     from amsp_ext.models import causal_lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(spec).to(device)
-    if spec.recompute:
+    e, M, timeout = config.engine, config.batch.micro_batches, config.engine.timeout
+    model = build_model(config).to(device)
+    if e.recompute:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = model.to(_PRECISIONS[spec.precision]) if spec.precision != "fp32" else model
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    model = model.to(_PRECISIONS[e.precision]) if e.precision != "fp32" else model
+    opt = adamw_factory(OptimOptions())(list(model.parameters()))
     fwd, bwd, step_t = [], [], []
-    C.barrier(dist.group.WORLD, name="world", timeout=spec.timeout)
-    for step in range(spec.probe_steps):
+    C.barrier(dist.group.WORLD, name="world", timeout=timeout)
+    for step in range(config.tune.probe_steps):
         f = b = 0.0
-        for micro in range(spec.num_micro_batches):
-            batch = _batch(spec, step, micro, rank, world, device)
+        for micro in range(M):
+            batch = _batch(config, step, micro, rank, world, device)
             t0 = time.perf_counter()
-            loss = causal_lm_loss(model, batch) / spec.num_micro_batches
+            loss = causal_lm_loss(model, batch) / M
             _sync(device)
             t1 = time.perf_counter()
             loss.backward()
@@ -102,23 +107,14 @@ def compute_probe(spec: TuneSpec, device) -> dict[str, float]:
         fwd.append(f)
         bwd.append(b)
         step_t.append(time.perf_counter() - t2)
-    C.barrier(dist.group.WORLD, name="world", timeout=spec.timeout)
+    C.barrier(dist.group.WORLD, name="world", timeout=timeout)
     del model, opt
     gc.collect()
-    M = spec.num_micro_batches
     return {"forward_s": statistics.median(fwd[1:]) / M, "backward_s": statistics.median(bwd[1:]) / M,
             "optimizer_s": statistics.median(step_t[1:])}
 
 
-def _shard_config(spec: TuneSpec, gpus_per_node: int):
-    from amsp_ext.runtime.config import ShardConfig
-
-    return ShardConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
-                       grad_bucket_bytes=spec.bucket_bytes, granularity=spec.granularity,
-                       recompute=spec.recompute, timeout=spec.timeout)
-
-
-def measure_plan(spec: TuneSpec, cand: Candidate, *, gpus_per_node: int, device) -> dict[str, Any]:
+def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, device) -> dict[str, Any]:
     """One plan on this rank (see [Note: one plan, one rank]): its record."""
     import amsp_ext
     from amsp_ext.compare import memory
@@ -126,28 +122,28 @@ def measure_plan(spec: TuneSpec, cand: Candidate, *, gpus_per_node: int, device)
     from amsp_ext.models import causal_lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    M = spec.num_micro_batches
+    M, timeout, optim = config.batch.micro_batches, config.engine.timeout, OptimOptions()
+    cluster = dataclasses.replace(config.cluster, gpus_per_node=gpus_per_node)
+    engine_config = engine_shard_config(cluster, config.planner, config.batch, config.engine)
     gc.collect()
-    C.barrier(dist.group.WORLD, name="world", timeout=spec.timeout)
+    C.barrier(dist.group.WORLD, name="world", timeout=timeout)
     rss0 = memory.rss_bytes()
     hwm_reset = memory.reset_peak_rss() and device.type == "cpu"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cpu0 = cpu_counters()
     t_setup = time.perf_counter()
-    model, opt = amsp_ext.shard(
-        build_model(spec), cand.plan,
-        lambda ps: torch.optim.AdamW(ps, lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1),
-        config=_shard_config(spec, gpus_per_node))
+    model, opt = amsp_ext.shard(build_model(config), cand.plan, adamw_factory(optim),
+                                config=engine_config)
     setup_s = time.perf_counter() - t_setup
     steps: list[dict[str, Any]] = []
     with CommTrace() as trace:
-        for step in range(spec.warmup_steps + spec.steps):
+        for step in range(config.tune.warmup_steps + config.batch.steps):
             phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
             t_start = time.perf_counter()
             step_loss = torch.zeros((), device=device)
             for micro in range(M):
-                batch = _batch(spec, step, micro, rank, world, device)
+                batch = _batch(config, step, micro, rank, world, device)
                 with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
                     t0 = time.perf_counter()
                     loss = causal_lm_loss(model, batch) / M
@@ -160,23 +156,23 @@ def measure_plan(spec: TuneSpec, cand: Candidate, *, gpus_per_node: int, device)
                 phases["backward"].append((t1, t2))
                 step_loss += loss.detach().float()
             t_opt = time.perf_counter()
-            if spec.clip > 0:
-                opt.clip_grad_norm_(spec.clip)
+            if optim.clip > 0:
+                opt.clip_grad_norm_(optim.clip)
             opt.step()
             opt.zero_grad()
             _sync(device)
             t_opt_end = time.perf_counter()
             C.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
-                         timeout=spec.timeout)
+                         timeout=timeout)
             t_end = time.perf_counter()
             phases["optimizer"] = [(t_opt, t_opt_end)]
             phases["loss_sync"] = [(t_opt_end, t_end)]
-            if step < spec.warmup_steps:
+            if step < config.tune.warmup_steps:
                 continue
             steps.append({"step_s": t_end - t_start, "loss": float(step_loss.item()),
                           "window": (t_start, t_end), "phases": phases})
         model.amsp.wait_params()  # the last broadcasts complete before the trace is read
-        C.barrier(dist.group.WORLD, name="world", timeout=spec.timeout)
+        C.barrier(dist.group.WORLD, name="world", timeout=timeout)
     for st in steps:  # a step's collectives: issued in its window (completed whenever)
         t_start, t_end = st.pop("window")
         st["comm"] = trace.summary(t_start, t_end)
@@ -233,21 +229,21 @@ def _phase_times(trace: CommTrace, phases: dict[str, list[tuple[float, float]]]
     return out
 
 
-def run_rounds(spec: TuneSpec, candidates: list[Candidate], *, gpus_per_node: int, device,
+def run_rounds(config: TuneConfig, candidates: list[Candidate], *, gpus_per_node: int, device,
                on_done: Callable[[int, int, Candidate, dict], None] | None = None
                ) -> dict[str, Any]:
     """Every round (probe, then every plan in the round's order); this rank's records."""
     from amsp_ext.compare.rounds import round_order
 
     probes, runs = [], []
-    total = spec.repeats * len(candidates)
+    total = config.tune.repeats * len(candidates)
     done = 0
-    for r in range(spec.repeats):
+    for r in range(config.tune.repeats):
         load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-        probes.append({"round": r + 1, **compute_probe(spec, device), "load": load})
+        probes.append({"round": r + 1, **compute_probe(config, device), "load": load})
         for position, cand in enumerate(round_order(candidates, r)):
             t0 = time.time()
-            rec = measure_plan(spec, cand, gpus_per_node=gpus_per_node, device=device)
+            rec = measure_plan(config, cand, gpus_per_node=gpus_per_node, device=device)
             rec.update(plan=cand.key, round=r + 1, position=position + 1, started_at=t0,
                        load=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
             runs.append(rec)
