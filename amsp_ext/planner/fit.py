@@ -40,8 +40,8 @@ import numpy as np
 from amsp_ext.planner.calibration import KINDS, Calibration
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.search import Problem, evaluate
-from amsp_ext.planner.step import (_units, issued_profile_times, optimizer_traffic_bytes,
-                                   step_estimate)
+from amsp_ext.planner.step import (forward_flops_per_token, issued_profile_times,
+                                   optimizer_traffic_bytes, step_estimate)
 
 __all__ = ["PlanObservation", "ProbeObservation", "fit_calibration", "nnls"]
 
@@ -78,9 +78,9 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _forward_flops(problem: Problem) -> float:
-    """Forward FLOPs of one micro-batch (the step model's per-unit count, summed)."""
-    _, flops, _ = _units(problem.spec, problem.training.seq_len, problem.training.granularity)
-    return float(flops.sum()) * problem.training.tokens_per_micro_batch
+    """Forward FLOPs of one micro-batch."""
+    tr = problem.training
+    return forward_flops_per_token(problem.spec, tr.seq_len) * tr.tokens_per_micro_batch
 
 
 def fit_calibration(problem: Problem, plans: list[PlanObservation], probe: ProbeObservation, *,

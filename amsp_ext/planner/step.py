@@ -80,7 +80,9 @@ __all__ = [
     "OverlapRules",
     "StepEstimate",
     "model_flops_per_token",
+    "forward_flops_per_token",
     "optimizer_step_time",
+    "optimizer_traffic_bytes",
     "step_estimate",
 ]
 
@@ -148,6 +150,12 @@ def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     if spec.tie_word_embeddings:
         fwd += 2.0 * spec.hidden_size * spec.vocab_size
     return 3.0 * fwd
+
+
+def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Forward FLOPs per token (a third of the training count): what a calibration's
+    ``forward_flops_per_s`` divides; the backward does twice as many."""
+    return model_flops_per_token(spec, seq_len) / 3.0
 
 
 def optimizer_traffic_bytes(spec: ModelSpec, plan: Plan, training: TrainingSpec) -> float:
@@ -306,20 +314,20 @@ def _engine_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
     for m in range(M):
         bwd_start = t + (first_fwd if m == 0 else fwd)
         dur = ar_durations[m]
-        delay, ends = 0.0, []
-        if ar_overlap > 0 and dur.sum() > 0:
-            for k in range(len(dur)):
-                launch = bwd_start + b_ready[k] + delay
-                if in_flight is not None and k >= in_flight and ends[k - in_flight] > launch:
-                    delay += ends[k - in_flight] - launch
-                    launch = ends[k - in_flight]
-                ends.append(max(launch, ends[-1] if ends else launch) + dur[k])
-        end = bwd_start + bwd + delay + (1.0 - ar_overlap) * float(dur.sum())
+        delay, ends = 0.0, []  # delay: backward-thread time lost to the all-reduces so far
+        for k in range(len(dur) if dur.sum() > 0 else 0):
+            launch = bwd_start + b_ready[k] + delay
+            if in_flight is not None and k >= in_flight and ends[k - in_flight] > launch:
+                delay += ends[k - in_flight] - launch
+                launch = ends[k - in_flight]
+            ends.append(max(launch, ends[-1] if ends else launch) + dur[k])
+            delay += (1.0 - ar_overlap) * dur[k]  # its share of the thread, right at launch
+        end = bwd_start + bwd + delay
         if ends:
             end = max(end, ends[-1])
         if rs is not None:
-            done, r_bwd = rs
-            end = max(end, _stream_end(bwd_start + done, r_bwd))
+            issue, r_bwd = rs
+            end = max(end, _stream_end(bwd_start + issue, r_bwd))
         t = end
     return t
 
@@ -434,10 +442,13 @@ def step_estimate(
     bwd = bs[-1] + tc[-1]
     done = (bs + tc)[is_bwd]  # gradient of each unit computed (backward order)
     units_bwd = order[is_bwd]
-    rs_async = plan.sp > 1 and o["RS"] > 0
+    # a reduce-scatter is issued when its unit's gradient is computed, before its share of the
+    # compute thread; calibrated, it always has a stream (continuous in o from 0 to 1)
+    rs_async = plan.sp > 1 and (o["RS"] > 0 or calibration is not None)
+    rs_issue = done - (1.0 - o["RS"]) * r[units_bwd] if plan.sp > 1 else done
     if rs_async:  # a bucket waits for its units' reduce-scatters
         d_cum = np.cumsum(r[units_bwd])
-        grad_ready = np.maximum.accumulate(done - (d_cum - r[units_bwd])) + d_cum
+        grad_ready = np.maximum.accumulate(rs_issue - (d_cum - r[units_bwd])) + d_cum
     else:
         grad_ready = done
 
@@ -465,7 +476,7 @@ def step_estimate(
             M, first_fwd=first_fwd, fwd=fwd, bwd=bwd, b_ready=b_ready[order_b],
             ar_durations=[(last if m == M - 1 else other)[order_b] for m in range(M)],
             ar_overlap=o["AR"], in_flight=calibration.ar_buckets_in_flight,
-            rs=(done, r[units_bwd]) if rs_async else None)
+            rs=(rs_issue, r[units_bwd]) if rs_async else None)
         rs_tail = ar_tail = 0.0
 
     t_opt = optimizer_step_time(spec, plan, training, cluster, calibration)
@@ -476,7 +487,7 @@ def step_estimate(
         compute += M * c_f[layer_of >= 0].sum()
     tokens = M * T
     useful = model_flops_per_token(spec, training.seq_len) * tokens
-    peak = calibration.peak_flops if calibration else cluster.peak_flops
+    peak = cluster.peak_flops
     step, compute = float(step), float(compute)
     return StepEstimate(
         step_s=step,
