@@ -19,30 +19,42 @@ Schema (one object, every field validated; an error is one line naming the field
       "backward_flops_per_s": 2.2e10,          # 2 x model FLOPs / backward time, per GPU
       "optimizer_bytes_per_s": 9.0e9,          # optimizer traffic / optimizer-step time
       "step_overhead_s": 0.01,                 # per step, outside compute and communication
+      "micro_batch_overhead_s": 0.02,          # per micro-batch, on the compute thread
       "ar_buckets_in_flight": 2,               # the engine's bucket limit when measured
+      "blocking": ["RS"],                      # kinds that block the compute thread here
       "comm_time_scale": {"AG": 1.0, "RS": 1.0, "AR": 1.0, "BC": 1.0},
-      "comm_latency_s": {"AG": 0.0, "RS": 0.0, "AR": 0.0, "BC": 0.0},
-      "overlap": {"AG": 0.8, "RS": 0.0, "AR": 0.6, "BC": 0.5},
+      "comm_s_per_byte": {"AG": 0.0, ...},     # extra duration per byte under load
+      "comm_latency_s": {"AG": 0.0, ...},      # extra duration per collective under load
+      "compute_s_per_byte": {"AG": 0.0, ...},  # compute-thread time per byte in flight
       "fit": {...}                             # optional, free-form: what the fit saw
     }
+
+A per-kind object needs all four kinds (AG, RS, AR, BC); a field left out takes its neutral
+value (scale 1, the rest 0: the paper's rules on the profile's times).
 
 [Note: what the constants mean in the step model]
 * ``forward_flops_per_s`` / ``backward_flops_per_s`` replace ``peak x efficiency``: a unit's
   forward takes its forward FLOPs / the first, its backward twice those / the second. Both are
   *per GPU while every GPU computes* (on a shared CPU: a rank's share of the cores).
 * ``optimizer_bytes_per_s`` replaces the HBM bandwidth in the optimizer-step time.
-* ``comm_time_scale[k]`` and ``comm_latency_s[k]``: a kind-k collective takes
-  ``scale x (the profile's time) + latency`` in training. A profile is measured with nothing
-  else running; during training a collective meets the compute of every rank (on a CPU, gloo's
-  threads wait for a core at every step of the ring: a fixed cost per collective, and its
-  copies and reductions run slower), other collectives and ranks that arrive late. The
-  calibrated model prices the collectives the engine really issues, one by one (issued.py).
-* ``overlap[k]`` in [0, 1]: the share of a kind-k collective's time that runs beside compute.
-  The other ``1 - overlap[k]`` occupies the compute thread when the collective is issued (gloo's
-  CPU work on a CPU; SM contention on a GPU); the collective still completes its full time
-  after issue. 1 is the paper's rule (a stream of its own); 0 is a blocking collective (the
-  Table V ablation). Switching an overlap off (``--no-overlap``) still makes it 0.
-* ``step_overhead_s`` is added once per step (Python, hooks, the loss all-reduce).
+* A kind-k collective of v bytes whose profile time is t lasts
+  ``comm_time_scale[k] t + comm_s_per_byte[k] v + comm_latency_s[k]`` in training: a profile
+  is measured with nothing else running, and during training a collective meets the compute of
+  every rank (on a CPU, gloo's copies and reductions and every step of its ring wait for a core:
+  costs per byte and per collective that do not depend on the link's speed), other collectives
+  and ranks that arrive late. The calibrated model prices the collectives the engine really
+  issues, one by one (issued.py).
+* ``compute_s_per_byte[k]``: the compute-thread time a kind-k collective takes, per byte (on a
+  CPU, the cycles gloo's threads take from the cores the ranks compute on; on a GPU, the SMs
+  the communication kernels occupy), at most its duration. 0 is the paper's rule (a stream of
+  its own); a collective whose overlap is switched off (``--no-overlap``) takes all its time.
+* ``blocking``: kinds whose collectives the engine waits for right where it issues them on
+  this backend (a trace shows their exposed time equal to their busy time): they take the
+  compute thread for their whole duration. On CPU, FSDP2's reduce-scatter is synchronous
+  (runtime/param_shard.py), so RS is blocking there and not on a GPU.
+* ``micro_batch_overhead_s``: compute-thread time per micro-batch that no collective explains
+  (the engine's hooks and bucket copies); ``step_overhead_s``: once per step (Python, the loss
+  all-reduce, ranks waiting for the slowest).
 
 Pure Python.
 """
@@ -57,6 +69,9 @@ from typing import Any, Mapping
 __all__ = ["KINDS", "Calibration", "CalibrationError", "parse_calibration"]
 
 KINDS = ("AG", "RS", "AR", "BC")
+# per-kind fields -> (lower bound, bound is open)
+_PER_KIND = {"comm_time_scale": (0.0, True), "comm_s_per_byte": (0.0, False),
+             "comm_latency_s": (0.0, False), "compute_s_per_byte": (0.0, False)}
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 
@@ -78,10 +93,13 @@ class Calibration:
     backward_flops_per_s: float
     optimizer_bytes_per_s: float
     step_overhead_s: float = 0.0
+    micro_batch_overhead_s: float = 0.0
     ar_buckets_in_flight: int | None = None  # the engine's limit (grad_sync.MAX_IN_FLIGHT)
+    blocking: tuple[str, ...] = ()  # kinds whose collectives block the compute thread here
     comm_time_scale: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 1.0))
+    comm_s_per_byte: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 0.0))
     comm_latency_s: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 0.0))
-    overlap: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 1.0))
+    compute_s_per_byte: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 0.0))
     fit: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,20 +107,23 @@ class Calibration:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["comm_time_scale"] = dict(self.comm_time_scale)
-        d["comm_latency_s"] = dict(self.comm_latency_s)
-        d["overlap"] = dict(self.overlap)
+        for k in _PER_KIND:
+            d[k] = dict(getattr(self, k))
+        d["blocking"] = list(self.blocking)
         d["fit"] = dict(self.fit)
         return d
 
     def describe(self) -> str:
-        ov = ", ".join(f"{k} {self.overlap[k]:.2f}" for k in KINDS)
-        sc = ", ".join(f"{k} {self.comm_time_scale[k]:.2f}x+{self.comm_latency_s[k] * 1e3:.1f}ms"
-                       for k in KINDS)
+        sc = ", ".join(f"{k} {self.comm_time_scale[k]:.2f}x+{self.comm_s_per_byte[k] * 1e9:.2f}"
+                       f"ns/B+{self.comm_latency_s[k] * 1e3:.1f}ms" for k in KINDS)
+        cpu = ", ".join(f"{k} {self.compute_s_per_byte[k] * 1e9:.2f}" for k in KINDS)
         return (f"calibrated ({self.source}, {self.date}, {self.device}): forward "
                 f"{self.forward_flops_per_s / 1e9:.2f} / backward {self.backward_flops_per_s / 1e9:.2f}"
                 f" GFLOP/s per GPU, optimizer {self.optimizer_bytes_per_s / 1e9:.2f} GB/s, overhead "
-                f"{self.step_overhead_s * 1e3:.1f} ms/step; comm time ({sc}); overlap ({ov})")
+                f"{self.micro_batch_overhead_s * 1e3:.1f} ms/micro-batch + "
+                f"{self.step_overhead_s * 1e3:.1f} ms/step; collective time under load ({sc}); "
+                f"compute time per byte in flight, ns/B ({cpu}); blocking: "
+                f"{', '.join(self.blocking) or 'none'}")
 
 
 def _number(d: Mapping[str, Any], key: str, where: str, *, low: float, high: float = math.inf,
@@ -119,7 +140,7 @@ def _check(d: Any, where: str) -> None:
         raise CalibrationError(f"{where} must be an object, got {type(d).__name__}")
     known = {"source", "date", "device", "peak_flops", "forward_flops_per_s",
              "backward_flops_per_s", "optimizer_bytes_per_s", "step_overhead_s",
-             "ar_buckets_in_flight", "comm_time_scale", "comm_latency_s", "overlap", "fit"}
+             "micro_batch_overhead_s", "ar_buckets_in_flight", "blocking", *_PER_KIND, "fit"}
     unknown = sorted(set(d) - known)
     if unknown:
         raise CalibrationError(f"{where}.{unknown[0]} is not a calibration field; allowed: "
@@ -134,14 +155,18 @@ def _check(d: Any, where: str) -> None:
     for key in ("peak_flops", "forward_flops_per_s", "backward_flops_per_s",
                 "optimizer_bytes_per_s"):
         _number(d, key, where, low=0.0, low_open=True)
-    if "step_overhead_s" in d:
-        _number(d, "step_overhead_s", where, low=0.0)
+    for key in ("step_overhead_s", "micro_batch_overhead_s"):
+        if key in d:
+            _number(d, key, where, low=0.0)
+    blocking = d.get("blocking", [])
+    if not isinstance(blocking, (list, tuple)) or any(k not in KINDS for k in blocking):
+        raise CalibrationError(f"{where}.blocking must be a list of kinds among {', '.join(KINDS)}, "
+                               f"got {blocking!r}")
     v = d.get("ar_buckets_in_flight")
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise CalibrationError(f"{where}.ar_buckets_in_flight must be an integer >= 1 or null, got {v!r}")
-    for key, low, high, low_open in (("comm_time_scale", 0.0, math.inf, True),
-                                     ("comm_latency_s", 0.0, math.inf, False),
-                                     ("overlap", 0.0, 1.0, False)):
+    for key, (low, low_open) in _PER_KIND.items():
+        high = math.inf
         if key not in d:
             continue
         sub = d[key]
@@ -171,9 +196,9 @@ def parse_calibration(doc: Any, *, where: str = "calibration") -> Calibration:
         backward_flops_per_s=float(doc["backward_flops_per_s"]),
         optimizer_bytes_per_s=float(doc["optimizer_bytes_per_s"]),
         step_overhead_s=float(doc.get("step_overhead_s", 0.0)),
+        micro_batch_overhead_s=float(doc.get("micro_batch_overhead_s", 0.0)),
         ar_buckets_in_flight=doc.get("ar_buckets_in_flight"),
-        comm_time_scale=_per_kind(doc.get("comm_time_scale"), 1.0),
-        comm_latency_s=_per_kind(doc.get("comm_latency_s"), 0.0),
-        overlap=_per_kind(doc.get("overlap"), 1.0),
+        blocking=tuple(doc.get("blocking", ())),
+        **{k: _per_kind(doc.get(k), 1.0 if k == "comm_time_scale" else 0.0) for k in _PER_KIND},
         fit=dict(doc.get("fit") or {}),
     )

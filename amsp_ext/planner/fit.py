@@ -13,18 +13,23 @@ one from step times:
 2. optimizer bytes/s: the optimizer phase of every plan against the bytes its step touches
    (Phi / sos owned parameters), least squares with an intercept (the intercept, clipping and
    issuing the broadcasts, goes to the per-step overhead).
-3. comm_time_scale[k], comm_latency_s[k]: per plan, the measured busy time of its kind-k
-   collectives against the profile's time for the collectives the engine issues (issued.py)
-   and their number, non-negative least squares over the plans: busy ~ scale x time +
-   latency x number. A profile is measured with nothing else running; in training the same
-   collective meets compute, other collectives and late ranks.
-4. overlap[k]: how much longer compute ran in each plan than in the probe (the compute thread
-   lost that time to the collectives in flight) against each kind's busy time, non-negative
-   least squares: inflation ~ sum_k (1 - overlap[k]) busy[k]. A kind no plan issued keeps 1.
+3. comm_s_per_byte[k], comm_latency_s[k]: per plan, the measured busy time of its kind-k
+   collectives less the profile's time for the collectives the engine issues (issued.py),
+   against their bytes and number, non-negative least squares over the plans. Costs per byte
+   and per collective, not a factor on the profile's time: on a CPU they are gloo's work
+   waiting for a core, which does not grow when the link is slower (a factor fitted at 1 Gbit
+   would multiply a 100 Mbit link's times). comm_time_scale stays 1.
+4. blocking: a kind whose waits blocked the compute thread for at least 90% of its busy time,
+   over all plans (on CPU: RS, which FSDP2 issues synchronously). micro_batch_overhead_s,
+   compute_s_per_byte[k] of the other kinds: how much longer each plan computed than the probe
+   (forward + backward less the time blocked in waits), against M and the bytes of each kind it
+   issued, non-negative least squares. A kind no plan issued keeps 0 (the paper's rule).
 5. step_overhead_s: the median over plans of measured - predicted step with the constants
    above and no overhead, clipped at 0.
 Nothing is fitted to the ranking, and the model's form (the overlap rules, the engine's bucket
 limit) is fixed in step.py, so a calibration from one job shape can be checked on others.
+Kinds that always come together (AG and RS: every sharded plan issues both, in one proportion)
+share their constants in a way the fit cannot split; their sum is what carries over.
 
 Pure Python + NumPy.
 """
@@ -43,7 +48,10 @@ from amsp_ext.planner.search import Problem, evaluate
 from amsp_ext.planner.step import (forward_flops_per_token, issued_profile_times,
                                    optimizer_traffic_bytes, step_estimate)
 
-__all__ = ["PlanObservation", "ProbeObservation", "fit_calibration", "nnls"]
+__all__ = ["BLOCKING_SHARE", "PlanObservation", "ProbeObservation", "fit_calibration", "nnls"]
+
+# a kind whose waits took at least this share of its busy time blocks the compute thread
+BLOCKING_SHARE = 0.9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +59,7 @@ class PlanObservation:
     plan: Plan
     step_s: float  # measured step time (median)
     busy_s: dict[str, float]  # per kind AG/RS/AR/BC: wall time with one in flight, per step
+    exposed_s: dict[str, float]  # per kind: time the compute thread was blocked in its waits
     compute_s: float  # forward + backward wall less time blocked in waits, per step
     optimizer_s: float  # optimizer phase wall less time blocked in waits, per step
 
@@ -112,42 +121,44 @@ def fit_calibration(problem: Problem, plans: list[PlanObservation], probe: Probe
         intercept, per_byte = 0.0, probe.optimizer_s / full
     opt_bw = 1.0 / per_byte
 
-    # 3. per kind: measured busy ~ scale x (the profile's time) + latency x (number issued)
+    # 3. per kind: measured busy - the profile's time ~ s_per_byte x bytes + latency x number
     issued = [issued_profile_times(o.plan, prob0.spec, prob0.training, prob0.cluster, prob0.timer,
                                    num_micro_batches=M) for o in plans]
-    scale, latency, observed = {}, {}, {}
+    per_byte, latency, observed = {}, {}, {}
     for k in KINDS:
-        rows = [(iss[k][0], iss[k][1], o.busy_s.get(k, 0.0)) for o, iss in zip(plans, issued)
-                if iss[k][1] > 0]
-        observed[k] = bool(rows) and sum(r[2] for r in rows) > 0
-        scale[k], latency[k] = 1.0, 0.0
+        rows = [(iss[k], o.busy_s.get(k, 0.0)) for o, iss in zip(plans, issued) if iss[k].count]
+        observed[k] = bool(rows) and sum(b for _, b in rows) > 0
+        per_byte[k], latency[k] = 0.0, 0.0
         if not observed[k]:
             continue
-        x = np.array([[t, n] for t, n, _ in rows])
-        y = np.array([b for *_, b in rows])
-        coef = nnls(x, y) if len(rows) >= 2 else np.array([y[0] / x[0, 0], 0.0])
-        if coef[0] <= 0:  # all latency: keep a time scale, put the rest per collective
-            coef = np.array([sum(y) / sum(x[:, 0]), 0.0])
-        scale[k], latency[k] = float(coef[0]), float(coef[1])
+        x = np.array([[i.nbytes, i.count] for i, _ in rows])
+        y = np.array([b - i.time_s for i, b in rows])
+        coef = nnls(x, y)
+        per_byte[k], latency[k] = float(coef[0]), float(coef[1])
 
-    # 4. overlap: compute inflation against busy time per kind (NNLS)
+    # 4. blocking kinds: exposed ~ busy in the trace; the others' compute time lost per byte,
+    #    and per micro-batch (NNLS)
+    blocking = tuple(k for k in KINDS if observed[k] and sum(o.exposed_s.get(k, 0.0) for o in plans)
+                     >= BLOCKING_SHARE * sum(o.busy_s.get(k, 0.0) for o in plans))
     probe_compute = M * (probe.forward_s + probe.backward_s)
-    kinds = [k for k in KINDS if observed[k]]
-    inflation = np.array([max(0.0, o.compute_s - probe_compute) for o in plans])
-    overlap = {k: 1.0 for k in KINDS}
-    if kinds:
-        x = np.array([[o.busy_s.get(k, 0.0) for k in kinds] for o in plans])
-        a = nnls(x, inflation)
-        for k, v in zip(kinds, a):
-            overlap[k] = float(min(1.0, max(0.0, 1.0 - v)))
+    kinds = [k for k in KINDS if observed[k] and k not in blocking]
+    inflation = np.array([o.compute_s - probe_compute for o in plans])
+    x = np.array([[M] + [iss[k].nbytes for k in kinds] for iss in issued], dtype=float)
+    coef = nnls(x, inflation)
+    mb_overhead = float(coef[0])
+    cpu_per_byte = {k: 0.0 for k in KINDS}
+    for k, v in zip(kinds, coef[1:]):
+        cpu_per_byte[k] = float(v)
 
     # 5. overhead: what is left, median over plans
     def calibrated(overhead: float) -> Calibration:
         return Calibration(source=source, date=date, device=device, peak_flops=peak_flops,
                            forward_flops_per_s=fwd_rate, backward_flops_per_s=bwd_rate,
                            optimizer_bytes_per_s=opt_bw, step_overhead_s=overhead,
-                           ar_buckets_in_flight=ar_buckets_in_flight,
-                           comm_time_scale=scale, comm_latency_s=latency, overlap=overlap)
+                           micro_batch_overhead_s=mb_overhead,
+                           ar_buckets_in_flight=ar_buckets_in_flight, blocking=blocking,
+                           comm_s_per_byte=per_byte, comm_latency_s=latency,
+                           compute_s_per_byte=cpu_per_byte)
 
     def predict(cal: Calibration, plan: Plan) -> float:
         c = evaluate(prob0, plan, with_step=False)
@@ -166,6 +177,9 @@ def fit_calibration(problem: Problem, plans: list[PlanObservation], probe: Probe
         "optimizer_intercept_s": intercept,
         "kinds_observed": [k for k in KINDS if observed[k]],
         "compute_inflation_s": {str(o.plan): float(i) for o, i in zip(plans, inflation)},
+        "busy_less_profile_s": {str(o.plan): {k: o.busy_s.get(k, 0.0) - iss[k].time_s
+                                              for k in KINDS if iss[k].count}
+                                for o, iss in zip(plans, issued)},
         "in_sample": in_sample,
         "mean_abs_rel_error": statistics.fmean(abs(v["predicted_s"] / v["measured_s"] - 1)
                                                for v in in_sample.values()),

@@ -74,6 +74,7 @@ from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
+    "Issued",
     "KindTimes",
     "issued_profile_times",
     "kind_times",
@@ -213,21 +214,21 @@ def _backward_order(layer_of: tuple[int, ...], recompute: bool
     return order_a, bwd_a, need_gather
 
 
-def _gated_forward(c: list[float], g: list[float], bc_end: list[float], *, sharded: bool,
-                   prefetch: float, t0: float = 0.0) -> float:
+def _gated_forward(c: list[float], g: list[float], h: list[float], bc_end: list[float], *,
+                   sharded: bool, blocking: bool, t0: float = 0.0) -> float:
     """End of the first forward of a step that starts computing at ``t0``: unit u (or, when
     sharded, its gather) waits for its own broadcasts to end at ``bc_end[u]``; gathers are
-    prefetched one unit ahead with overlap share ``prefetch`` (0: issued when the unit before
-    ends)."""
+    prefetched one unit ahead and each takes ``h[u]`` of the compute thread (``blocking``: no
+    prefetch, each issued when the unit before ends)."""
     start, ag_end, prev_c, s_prev = t0, 0.0, 0.0, None
     for u in range(len(c)):
         ready = t0 if s_prev is None else s_prev + prev_c
         if sharded:
             if s_prev is None:
                 issue = max(t0, bc_end[u])
-            elif prefetch > 0:
+            elif not blocking:
                 issue = max(s_prev, bc_end[u])
-                ready += (1.0 - prefetch) * g[u]
+                ready += h[u]
             else:
                 issue = max(ready, bc_end[u])
             ag_end = max(issue, ag_end) + g[u]
@@ -238,11 +239,11 @@ def _gated_forward(c: list[float], g: list[float], bc_end: list[float], *, shard
     return start + prev_c
 
 
-def _chain(c: np.ndarray, g: np.ndarray, overlap: float) -> np.ndarray:
+def _chain(c: np.ndarray, g: np.ndarray, h: np.ndarray) -> np.ndarray:
     """Start times of tasks with compute ``c`` that each need gather ``g`` first; the gather of
-    task k+1 is issued when task k starts (prefetch depth 1) and occupies the compute thread
-    for (1 - overlap) of its time; ``overlap`` 0 is a gather issued when task k ends."""
-    steps = np.maximum(c[:-1] + (1.0 - overlap) * g[1:], g[1:])
+    task k+1 is issued when task k starts (prefetch depth 1) and takes ``h[k+1]`` of the compute
+    thread (h = 0: a stream of its own; h = g: a gather issued when task k ends)."""
+    steps = np.maximum(c[:-1] + h[1:], g[1:])
     return g[0] + np.concatenate(([0.0], np.cumsum(steps)))
 
 
@@ -304,16 +305,17 @@ def _paper_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
 
 
 def _engine_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
-                          b_ready: np.ndarray, ar_durations: list[np.ndarray], ar_overlap: float,
-                          in_flight: int | None, rs: tuple[np.ndarray, np.ndarray] | None) -> float:
+                          b_ready: np.ndarray, ar: list[np.ndarray], in_flight: int | None,
+                          rs: tuple[np.ndarray, np.ndarray] | None) -> float:
     """The engine's own sequencing (calibrated model, see [Note: calibrated constants]): a
     backward pass ends only when its buckets' all-reduces (and reduce-scatters) are complete
     (grad_sync's end-of-backward flush), and launching bucket k first waits for bucket
-    k - ``in_flight`` on the backward thread. Returns the end of the last micro-batch."""
+    k - ``in_flight`` on the backward thread. ``ar[m]``: (duration, compute-thread time) of
+    each bucket of micro-batch m, in launch order. Returns the end of the last micro-batch."""
     t = 0.0
     for m in range(M):
         bwd_start = t + (first_fwd if m == 0 else fwd)
-        dur = ar_durations[m]
+        dur, cost = (ar[m][:, 0], ar[m][:, 1]) if len(ar[m]) else (np.zeros(0), np.zeros(0))
         delay, ends = 0.0, []  # delay: backward-thread time lost to the all-reduces so far
         for k in range(len(dur) if dur.sum() > 0 else 0):
             launch = bwd_start + b_ready[k] + delay
@@ -321,7 +323,7 @@ def _engine_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
                 delay += ends[k - in_flight] - launch
                 launch = ends[k - in_flight]
             ends.append(max(launch, ends[-1] if ends else launch) + dur[k])
-            delay += (1.0 - ar_overlap) * dur[k]  # its share of the thread, right at launch
+            delay += cost[k]  # its time on the thread, right at launch
         end = bwd_start + bwd + delay
         if ends:
             end = max(end, ends[-1])
@@ -332,32 +334,36 @@ def _engine_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
     return t
 
 
-def _overlap_shares(overlap: OverlapRules, calibration: Calibration | None) -> dict[str, float]:
-    """o_k per kind: the calibrated share, or 1; 0 where the rule is switched off."""
-    o = dict(calibration.overlap) if calibration else {k: 1.0 for k in KINDS}
-    if not overlap.ag_rs:
-        o["AG"] = o["RS"] = 0.0
-    if not overlap.rs_async:
-        o["RS"] = 0.0
-    if not overlap.ar:
-        o["AR"] = 0.0
-    if not overlap.bc:
-        o["BC"] = 0.0
-    return o
+@dataclass(frozen=True)
+class _Pricer:
+    """(duration, compute-thread time) of one collective: the profile's time, or with a
+    calibration its time under load (scale x profile + bytes x s_per_byte + latency) and the
+    compute time it costs (bytes x compute_s_per_byte, at most its duration). A collective
+    whose overlap is switched off costs the thread its whole duration; ``drop`` prices a kind
+    at zero (``kind_times``)."""
+
+    timer: CommTimer
+    calibration: Calibration | None
+    on: dict
+    drop: str | None = None
+
+    def __call__(self, kind: str, op: str, nbytes: float, mesh: tuple[int, int]
+                 ) -> tuple[float, float]:
+        t = self.timer.time(op, nbytes, *mesh)
+        if t <= 0 or kind == self.drop:
+            return 0.0, 0.0
+        cal = self.calibration
+        if cal is None:
+            return t, (0.0 if self.on[kind] else t)
+        d = (cal.comm_time_scale[kind] * t + cal.comm_s_per_byte[kind] * nbytes
+             + cal.comm_latency_s[kind])
+        if not self.on[kind] or kind in cal.blocking:
+            return d, d
+        return d, min(d, cal.compute_s_per_byte[kind] * nbytes)
 
 
-def _latencies(calibration: Calibration | None, drop: str | None) -> dict[str, float]:
-    lat = dict(calibration.comm_latency_s) if calibration else {k: 0.0 for k in KINDS}
-    if drop is not None:
-        lat[drop] = 0.0
-    return lat
-
-
-def _time_scales(calibration: Calibration | None, drop: str | None) -> dict[str, float]:
-    scale = dict(calibration.comm_time_scale) if calibration else {k: 1.0 for k in KINDS}
-    if drop is not None:
-        scale[drop] = 0.0
-    return scale
+def _switches(overlap: OverlapRules) -> dict[str, bool]:
+    return {"AG": overlap.ag_rs, "RS": overlap.rs_async, "AR": overlap.ar, "BC": overlap.bc}
 
 
 def step_estimate(
@@ -376,8 +382,8 @@ def step_estimate(
     M, T = num_micro_batches, training.tokens_per_micro_batch
     e = param_bytes(training.precision)
     params, flops, layer_of = _units(spec, training.seq_len, training.granularity)
-    o = _overlap_shares(overlap, calibration)
-    scale = _time_scales(calibration, drop_kind)
+    on = _switches(overlap)
+    price = _Pricer(timer, calibration, on, drop_kind)
     if calibration is not None:
         c_f = T * flops / calibration.forward_flops_per_s
         c_b = 2.0 * T * flops / calibration.backward_flops_per_s
@@ -387,46 +393,42 @@ def step_estimate(
 
     p0, p1 = plan.mesh("p")
     q0, q1 = bwd_gather_mesh or (p0, p1)
-    lat = _latencies(calibration, drop_kind)
-
-    def priced(kind: str, op: str, nbytes: float, mesh: tuple[int, int]) -> float:
-        t = timer.time(op, nbytes, *mesh)
-        return scale[kind] * t + lat[kind] if t > 0 else 0.0
-
     sizes = {n: None for n in params.tolist()}
-    ag = {n: priced("AG", "allgather", e * n, (p0, p1)) for n in sizes}
-    ag_b = {n: priced("AG", "allgather", e * n, (q0, q1)) for n in sizes}
-    rs = {n: priced("RS", "reducescatter", e * n, (p0, p1)) for n in sizes}
-    g = np.array([ag[n] for n in params.tolist()])
-    g_b = np.array([ag_b[n] for n in params.tolist()])
-    r = np.array([rs[n] for n in params.tolist()])
+    ag = {n: price("AG", "allgather", e * n, (p0, p1)) for n in sizes}
+    ag_b = {n: price("AG", "allgather", e * n, (q0, q1)) for n in sizes}
+    rs = {n: price("RS", "reducescatter", e * n, (p0, p1)) for n in sizes}
+    g, hg = (np.array([ag[n][i] for n in params.tolist()]) for i in (0, 1))
+    g_b, hg_b = (np.array([ag_b[n][i] for n in params.tolist()]) for i in (0, 1))
+    r, hr = (np.array([rs[n][i] for n in params.tolist()]) for i in (0, 1))
     phi = params.sum()
     U = training.bucket_bytes
     if calibration is None:  # the paper's T1_os, spread over the units in proportion to bytes
-        t1_os = scale["BC"] * comm.t1_os
+        t1_os = 0.0 if drop_kind == "BC" else comm.t1_os
+        h1_os = 0.0 if on["BC"] else t1_os
         bc_end = np.cumsum(t1_os * params / phi)
     else:  # the engine's broadcasts, one by one (issued.py), in forward order
         items = broadcast_items(spec, plan, granularity=training.granularity, bucket_bytes=U,
                                 elem_bytes=e)
-        t_items = [priced("BC", "broadcast", b, plan.bcast_mesh()) for b, _ in items]
-        t1_os = float(sum(t_items))
+        priced = [price("BC", "broadcast", b, plan.bcast_mesh()) for b, _ in items]
+        t1_os = float(sum(d for d, _ in priced))
+        h1_os = float(sum(h for _, h in priced))
         bc_end = np.zeros(len(params))
         done_at = 0.0
-        for (b, unit), t in zip(items, t_items):
-            done_at += t
+        for (b, unit), (d, _) in zip(items, priced):
+            done_at += d
             bc_end[unit] = done_at
         bc_end = np.maximum.accumulate(bc_end)
 
     # -- first forward of the step, gated by the broadcasts of updated parameters ------------
-    s = _chain(c_f, g, o["AG"])
+    s = _chain(c_f, g, hg)
     fwd = s[-1] + c_f[-1]
     if t1_os <= 0:
         first_fwd = fwd
     else:
-        t0 = (1.0 - o["BC"]) * t1_os  # the broadcasts' share of the compute thread
+        t0 = h1_os  # the broadcasts' time on the compute thread, right after the step
         if plan.sp > 1:
-            first_fwd = _gated_forward(c_f.tolist(), g.tolist(), bc_end.tolist(), sharded=True,
-                                       prefetch=o["AG"], t0=t0)
+            first_fwd = _gated_forward(c_f.tolist(), g.tolist(), hg.tolist(), bc_end.tolist(),
+                                       sharded=True, blocking=not on["AG"], t0=t0)
         else:  # start_u = max(start_{u-1} + c_{u-1}, bc_end_u), solved in closed form
             c_before = t0 + np.concatenate(([0.0], np.cumsum(c_f)[:-1]))
             starts = c_before + np.maximum.accumulate(np.maximum(bc_end - c_before, 0.0))
@@ -436,16 +438,19 @@ def step_estimate(
     order, is_bwd, need_gather = _backward_order(tuple(layer_of.tolist()), training.recompute)
     tc = np.where(is_bwd, c_b[order], c_f[order])
     tg = np.where(need_gather, g_b[order], 0.0)
-    if plan.sp > 1:  # a reduce-scatter's share of the compute thread (all of it when blocking)
-        tc = tc + np.where(is_bwd, (1.0 - o["RS"]) * r[order], 0.0)
-    bs = _chain(tc, tg, o["AG"])
+    th = np.where(need_gather, hg_b[order], 0.0)
+    if plan.sp > 1:  # a reduce-scatter's time on the compute thread (all of it when blocking)
+        tc = tc + np.where(is_bwd, hr[order], 0.0)
+    bs = _chain(tc, tg, th)
     bwd = bs[-1] + tc[-1]
+    if calibration is not None:
+        bwd += calibration.micro_batch_overhead_s
     done = (bs + tc)[is_bwd]  # gradient of each unit computed (backward order)
     units_bwd = order[is_bwd]
-    # a reduce-scatter is issued when its unit's gradient is computed, before its share of the
-    # compute thread; calibrated, it always has a stream (continuous in o from 0 to 1)
-    rs_async = plan.sp > 1 and (o["RS"] > 0 or calibration is not None)
-    rs_issue = done - (1.0 - o["RS"]) * r[units_bwd] if plan.sp > 1 else done
+    # a reduce-scatter is issued when its unit's gradient is computed, before its time on the
+    # compute thread; calibrated, it always runs on a stream of its own (continuous in h)
+    rs_async = plan.sp > 1 and (on["RS"] or calibration is not None)
+    rs_issue = done - hr[units_bwd] if plan.sp > 1 else done
     if rs_async:  # a bucket waits for its units' reduce-scatters
         d_cum = np.cumsum(r[units_bwd])
         grad_ready = np.maximum.accumulate(rs_issue - (d_cum - r[units_bwd])) + d_cum
@@ -457,11 +462,13 @@ def step_estimate(
     if calibration is None:
         grad_bytes = e * params[units_bwd] / plan.sp
         b_ready, b_bytes = _bucket_ready(grad_bytes, grad_ready, U)
-        t_ar_g = scale["AR"] * timer.time("allreduce", U, g0, g1)
-        t_ar_last = scale["AR"] * comm.t0_os / b_bytes.sum() * U if comm.t0_os > 0 else 0.0
+        t_ar_g, t_ar_last = 0.0, 0.0
+        if drop_kind != "AR":
+            t_ar_g = timer.time("allreduce", U, g0, g1)
+            t_ar_last = comm.t0_os / b_bytes.sum() * U if comm.t0_os > 0 else 0.0
         compute_end, rs_tail, ar_tail = _paper_micro_batches(
             M, first_fwd=first_fwd, fwd=fwd, bwd=bwd, b_ready=b_ready, b_bytes=b_bytes, U=U,
-            t_ar_g=t_ar_g, t_ar_last=t_ar_last, ar_overlap=o["AR"],
+            t_ar_g=t_ar_g, t_ar_last=t_ar_last, ar_overlap=1.0 if on["AR"] else 0.0,
             rs=(done, r[units_bwd]) if rs_async else None)
     else:  # the engine's buckets (issued.py), each ready when its units' gradients are
         buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
@@ -469,13 +476,13 @@ def step_estimate(
         ready_of = dict(zip(units_bwd.tolist(), grad_ready.tolist()))
         b_ready = np.array([max(ready_of[u] for u in units) for _, units in buckets])
         replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
-        last = np.array([priced("AR", "allreduce", b, replica) for b, _ in buckets])
-        other = np.array([priced("AR", "allreduce", b, (g0, g1)) for b, _ in buckets])
         order_b = np.argsort(b_ready, kind="stable")
+        last = np.array([price("AR", "allreduce", b, replica) for b, _ in buckets])[order_b]
+        other = np.array([price("AR", "allreduce", b, (g0, g1)) for b, _ in buckets])[order_b]
         compute_end = _engine_micro_batches(
             M, first_fwd=first_fwd, fwd=fwd, bwd=bwd, b_ready=b_ready[order_b],
-            ar_durations=[(last if m == M - 1 else other)[order_b] for m in range(M)],
-            ar_overlap=o["AR"], in_flight=calibration.ar_buckets_in_flight,
+            ar=[last if m == M - 1 else other for m in range(M)],
+            in_flight=calibration.ar_buckets_in_flight,
             rs=(rs_issue, r[units_bwd]) if rs_async else None)
         rs_tail = ar_tail = 0.0
 
@@ -510,35 +517,47 @@ class KindTimes:
     exposed_s: dict[str, float]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Issued:
+    """The collectives of one kind the engine issues in one step: the profile's time for them
+    (summed), how many, and their bytes (the trace's v: AG output, RS input, AR/BC buffer)."""
+
+    time_s: float = 0.0
+    count: int = 0
+    nbytes: float = 0.0
+
+
 def issued_profile_times(plan: Plan, spec: ModelSpec, training: TrainingSpec,
                          cluster: ClusterSpec, timer: CommTimer, *, num_micro_batches: int,
-                         bwd_gather_mesh: tuple[int, int] | None = None
-                         ) -> dict[str, tuple[float, int]]:
-    """Per kind: (sum of the profile's times, number) of the collectives the engine issues in
-    one step (issued.py), as a calibration fits them: scale x sum + latency x number."""
+                         bwd_gather_mesh: tuple[int, int] | None = None) -> dict[str, Issued]:
+    """Per kind, the collectives the engine issues in one step (issued.py) and the profile's
+    time for them: what a calibration is fitted against."""
     M, e, U = num_micro_batches, param_bytes(training.precision), training.bucket_bytes
     params, _, _ = _units(spec, training.seq_len, training.granularity)
     p_mesh = plan.mesh("p")
-    out = {k: (0.0, 0) for k in KINDS}
+    out = {k: Issued() for k in KINDS}
     if plan.sp > 1:
         q_mesh = bwd_gather_mesh or p_mesh
         ag = sum(timer.time("allgather", e * n, *p_mesh) + timer.time("allgather", e * n, *q_mesh)
                  for n in params.tolist())
         rs = sum(timer.time("reducescatter", e * n, *p_mesh) for n in params.tolist())
-        out["AG"] = (M * ag, 2 * M * len(params))
-        out["RS"] = (M * rs, M * len(params))
+        v = e * float(params.sum())
+        out["AG"] = Issued(time_s=M * ag, count=2 * M * len(params), nbytes=2 * M * v)
+        out["RS"] = Issued(time_s=M * rs, count=M * len(params), nbytes=M * v)
     buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
                            elem_bytes=e)
     replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
-    t_ar, n_ar = 0.0, 0
+    t_ar, n_ar, v_ar = 0.0, 0, 0.0
     for mesh, times in ((replica, 1), (plan.grad_mesh(), M - 1)):
         if mesh[0] * mesh[1] > 1 and times > 0:
             t_ar += times * sum(timer.time("allreduce", b, *mesh) for b, _ in buckets)
             n_ar += times * len(buckets)
-    out["AR"] = (t_ar, n_ar)
+            v_ar += times * sum(b for b, _ in buckets)
+    out["AR"] = Issued(time_s=t_ar, count=n_ar, nbytes=v_ar)
     items = broadcast_items(spec, plan, granularity=training.granularity, bucket_bytes=U,
                             elem_bytes=e)
-    out["BC"] = (sum(timer.time("broadcast", b, *plan.bcast_mesh()) for b, _ in items), len(items))
+    out["BC"] = Issued(time_s=sum(timer.time("broadcast", b, *plan.bcast_mesh()) for b, _ in items),
+                       count=len(items), nbytes=sum(b for b, _ in items))
     return out
 
 
@@ -548,15 +567,16 @@ def kind_times(
     **options,
 ) -> KindTimes:
     """The model's per-kind times for ``plan`` (AG: forward + backward gathers, RS, AR: Tg +
-    T0_os, BC: T1_os, each x the calibrated time scale), to compare with a measured trace.
-    ``options`` are ``step_estimate``'s (efficiency, overlap, calibration, bwd_gather_mesh)."""
+    T0_os, BC: T1_os; calibrated: the engine's collectives at their time under load), to
+    compare with a measured trace. ``options`` are ``step_estimate``'s (efficiency, overlap,
+    calibration, bwd_gather_mesh)."""
     cal: Calibration | None = options.get("calibration")
-    scale = _time_scales(cal, None)
     M = num_micro_batches
     if cal is not None:  # the engine's collectives, as the calibrated model prices them
         issued = issued_profile_times(plan, spec, training, cluster, timer, num_micro_batches=M,
                                       bwd_gather_mesh=options.get("bwd_gather_mesh"))
-        busy = {k: scale[k] * t + cal.comm_latency_s[k] * n for k, (t, n) in issued.items()}
+        busy = {k: cal.comm_time_scale[k] * i.time_s + cal.comm_s_per_byte[k] * i.nbytes
+                + cal.comm_latency_s[k] * i.count for k, i in issued.items()}
         return KindTimes(busy_s=busy, exposed_s=_exposed(plan, spec, training, cluster, timer,
                                                          comm, M, step, busy, options))
     e = param_bytes(training.precision)
@@ -566,8 +586,7 @@ def kind_times(
     ag = sum(timer.time("allgather", e * n, p0, p1) + timer.time("allgather", e * n, q0, q1)
              for n in params.tolist())
     rs = sum(timer.time("reducescatter", e * n, p0, p1) for n in params.tolist())
-    busy = {"AG": M * ag * scale["AG"], "RS": M * rs * scale["RS"],
-            "AR": (comm.t_g + comm.t0_os) * scale["AR"], "BC": comm.t1_os * scale["BC"]}
+    busy = {"AG": M * ag, "RS": M * rs, "AR": comm.t_g + comm.t0_os, "BC": comm.t1_os}
     return KindTimes(busy_s=busy, exposed_s=_exposed(plan, spec, training, cluster, timer, comm,
                                                      M, step, busy, options))
 

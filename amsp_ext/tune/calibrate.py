@@ -34,6 +34,7 @@ def observations(result: dict[str, Any]) -> tuple[list[PlanObservation], ProbeOb
         plans.append(PlanObservation(
             plan=parse_plan(r["key"]), step_s=m["step_s"]["median"],
             busy_s={k: m["comm"][k]["busy_s"] or 0.0 for k in KINDS},
+            exposed_s={k: m["comm"][k]["exposed_s"] or 0.0 for k in KINDS},
             compute_s=(ph["forward"]["wall_s"] - ph["forward"]["blocked_s"]
                        + ph["backward"]["wall_s"] - ph["backward"]["blocked_s"]),
             optimizer_s=ph["optimizer"]["wall_s"] - ph["optimizer"]["blocked_s"]))

@@ -18,8 +18,12 @@ The hooks are removed and the model dropped before the next plan.
 The step model's compute constants must be this model's forward and backward speed on this
 device *while every rank computes* (on a shared CPU a rank gets a share of the cores). The
 probe runs the unsharded model's forward, backward and AdamW step on this rank's micro-batches,
-every rank at once, no collective in between: the compute a plan would do with nothing else
-going on. Its median forward/backward/optimizer times feed the calibration (planner/fit.py).
+each phase started on every rank at once (a barrier before it, none inside): the compute a plan
+would do with nothing else going on. Without the barriers the ranks drift apart, and a rank
+computing while another runs its optimizer step or waits got up to 1.7x the speed it gets in
+training (small-llama on the 2 x 2 lab: a forward at 56 GFLOP/s per rank, above the shared
+matmul peak of 36). Its median forward/backward/optimizer times feed the calibration
+(planner/fit.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.comm_trace import CommTrace
@@ -88,18 +93,26 @@ def compute_probe(config: TuneConfig, device) -> dict[str, float]:
     model = model.to(_PRECISIONS[e.precision]) if e.precision != "fp32" else model
     opt = adamw_factory(OptimOptions())(list(model.parameters()))
     fwd, bwd, step_t = [], [], []
-    C.barrier(dist.group.WORLD, name="world", timeout=timeout)
+    world_group = dist.group.WORLD
+
+    def together() -> None:  # every rank starts the next phase at once, as in training
+        C.barrier(world_group, name="world", timeout=timeout)
+
     for step in range(config.tune.probe_steps):
         f = b = 0.0
         for micro in range(M):
             batch = _batch(config, step, micro, rank, world, device)
+            together()
             t0 = time.perf_counter()
             loss = causal_lm_loss(model, batch) / M
             _sync(device)
+            f += time.perf_counter() - t0
+            together()
             t1 = time.perf_counter()
             loss.backward()
             _sync(device)
-            f, b = f + t1 - t0, b + time.perf_counter() - t1
+            b += time.perf_counter() - t1
+        together()
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -132,6 +145,7 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cpu0 = cpu_counters()
+    groups_before = set(c10d._world.pg_map)
     t_setup = time.perf_counter()
     model, opt = amsp_ext.shard(build_model(config), cand.plan, adamw_factory(optim),
                                 config=engine_config)
@@ -187,6 +201,12 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     model.amsp.param_sync.remove()
     del model, opt
     gc.collect()
+    # [Note: one plan's process groups] Every shard() builds its plan's groups (13 on 2 x 2, each
+    # with gloo threads). Kept, they pile up over the rounds (hundreds of groups, thousands of
+    # threads) and the system time they cost slowed the later plans of a 54-plan run 4x; so
+    # each plan's groups go with it. Every rank destroys the same groups in the same order.
+    for group in [g for g in c10d._world.pg_map if g not in groups_before]:
+        dist.destroy_process_group(group)
     return record
 
 
