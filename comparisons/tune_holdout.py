@@ -34,6 +34,29 @@ def with_calibration(calibration: Path, profile: Path, out: Path) -> None:
     out.write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def repredict(d: dict, profile: str) -> dict:
+    """The planner's figures for a finished tune run (its measurements) with another profile,
+    uncalibrated: e.g. the profile a user had before measuring one for this job."""
+    import dataclasses
+
+    from amsp_ext import schema
+    from amsp_ext.tune.analysis import predictions, summarize_variant
+    from amsp_ext.tune.candidates import Candidate, make_problems
+    from amsp_ext.tune.spec import TuneConfig
+    from amsp_ext.planner.plan import parse_plan
+
+    cfg = schema.from_dict(TuneConfig, d["meta"]["config"])
+    cfg = dataclasses.replace(cfg, planner=dataclasses.replace(cfg.planner, profile=profile))
+    w = d["meta"]["world"]
+    probs = make_problems(cfg, num_nodes=w["num_nodes"], gpus_per_node=w["gpus_per_node"],
+                          gpu_memory_bytes=d["meta"]["gpu_memory_bytes"],
+                          peak_flops=d["meta"]["peak"]["peak_flops_per_gpu"]).uncalibrated
+    cands = [Candidate(plan=parse_plan(r["key"]), label=r["label"]) for r in d["plans"]]
+    measured = {r["key"]: r["measured"] for r in d["plans"]}
+    pred = {c.key: predictions(probs["step"], c) for c in cands}
+    return summarize_variant(probs, cands, measured, pred)
+
+
 def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -56,8 +79,12 @@ def _spread_pct(values):
     return f"{100 * min(vals):.1f}..{100 * max(vals):.1f}%"
 
 
-def summary(runs: dict[str, Path], calibrated_on: str, out: Path) -> None:
+def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
+            extra_profiles: dict[str, str] | None = None) -> None:
     data = {name: json.loads((path / "tune.json").read_text()) for name, path in runs.items()}
+    for d in data.values():
+        for label, prof in (extra_profiles or {}).items():
+            d["summary"][f"uncalibrated, profile {label}"] = repredict(d, prof)
     lines = [
         "# amsp tune hold-out: calibrate on scenario " + calibrated_on + ", predict the others", "",
         "Each row is one `amsp tune` run (every plan measured in several rounds of alternated "
@@ -74,12 +101,13 @@ def summary(runs: dict[str, Path], calibrated_on: str, out: Path) -> None:
     for name, d in data.items():
         winner = d["winner"]
         other = [c for r in d["plans"] for c in (r["measured"].get("foreign_cores") or [])]
-        for variant in ("uncalibrated", "calibrated", "in_sample"):
+        variants = [v for v in d["summary"] if v.startswith("uncalibrated, profile")]
+        for variant in (*variants, "uncalibrated", "calibrated", "in_sample"):
             objs = d["summary"].get(variant)
             if not objs:
                 continue
             for obj in ("comm", "step"):
-                if variant != "uncalibrated" and obj == "comm":
+                if variant in ("calibrated", "in_sample") and obj == "comm":
                     continue
                 s = objs[obj]
                 label = {"in_sample": f"calibrated (in-sample, fitted here)"}.get(variant, variant)
@@ -108,13 +136,16 @@ def main(argv=None) -> int:
     s = sub.add_parser("summary")
     s.add_argument("--run", action="append", required=True, metavar="NAME=DIR")
     s.add_argument("--calibrated-on", default="A")
+    s.add_argument("--extra-profile", action="append", default=[], metavar="LABEL=PATH",
+                   help="also the uncalibrated planner's figures with this profile")
     s.add_argument("-o", "--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.cmd == "with-calibration":
         with_calibration(a.calibration, a.profile, a.out)
     else:
         runs = dict(r.split("=", 1) for r in a.run)
-        summary({k: Path(v) for k, v in runs.items()}, a.calibrated_on, a.out)
+        extra = dict(e.split("=", 1) for e in a.extra_profile)
+        summary({k: Path(v) for k, v in runs.items()}, a.calibrated_on, a.out, extra)
     return 0
 
 

@@ -138,7 +138,8 @@ def _table_lines(result: dict[str, Any]) -> list[str]:
 
 
 def _kind_lines(result: dict[str, Any]) -> list[str]:
-    variant = "calibrated" if any("calibrated" in r["predicted"] for r in result["plans"]) else "uncalibrated"
+    variant = next(v for v in ("calibrated", "in_sample", "uncalibrated")
+                   if all(v in r["predicted"] for r in result["plans"]))
     head = "| plan | " + " | ".join(f"{k} meas / pred (s)" for k in KINDS) + " | exposed meas / pred (s) |"
     lines = [f"Per collective kind, one step: measured busy time (wall time with one in flight) "
              f"and the `{variant}` model's time; last column: measured time blocked in waits vs "

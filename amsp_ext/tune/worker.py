@@ -139,6 +139,7 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     cluster = dataclasses.replace(config.cluster, gpus_per_node=gpus_per_node)
     engine_config = engine_shard_config(cluster, config.planner, config.batch, config.engine)
     gc.collect()
+    _trim_heap()  # the previous plan's freed memory back to the OS, so its reuse shows in RSS
     C.barrier(dist.group.WORLD, name="world", timeout=timeout)
     rss0 = memory.rss_bytes()
     hwm_reset = memory.reset_peak_rss() and device.type == "cpu"
@@ -208,6 +209,16 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     for group in [g for g in c10d._world.pg_map if g not in groups_before]:
         dist.destroy_process_group(group)
     return record
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0): return freed heap pages to the OS (CPU peak-memory figures)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the figure is an upper bound of reuse
+        pass
 
 
 def cpu_counters() -> dict[str, Any]:
