@@ -121,8 +121,10 @@ def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
     lines += ["", "## Commands", ""]
     for name, d in data.items():
         m = d["meta"]
-        lines += [f"{name}: `{m['command']}` (load averages {m['load']['start']} -> {m['load']['end']}; "
-                  f"link {m.get('cluster_link')})", ""]
+        load = " -> ".join(str([round(x, 1) for x in m["load"][k]]) for k in ("start", "end"))
+        link = json.loads(m["cluster_link"]).get("inter") if m.get("cluster_link") else "n/a"
+        lines += [f"{name}: `{m['command']}` (load averages {load}; link: {link}; "
+                  f"{m.get('wall_s', 0) / 60:.1f} min)", ""]
     out.write_text("\n".join(lines) + "\n")
 
 
