@@ -298,9 +298,9 @@ def suite_extras(world, R):
     sd = opt.state_dict()
     opt.load_state_dict(sd)  # same plan: round trip, re-broadcast
     meta_ok = all(set(m) == {"name", "global_shape", "local_shape", "shard_index", "owner"}
-                  for m in sd["tensors"])
+                  for m in sd["amsp"]["tensors"])
     compare("boundary-api+lr-schedule+state-dict:p=1x1,g=2x2,os=2x2", ref_sched, model, losses,
-            extra={"metadata_ok": meta_ok, "num_owned": len(sd["tensors"])})
+            extra={"metadata_ok": meta_ok, "num_owned": len(sd["amsp"]["tensors"])})
 
 
 def compare_quiet(ref, model, losses):

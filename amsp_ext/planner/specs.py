@@ -113,6 +113,8 @@ class TrainingSpec:
     Give exactly one of ``global_batch_tokens``, ``global_batch_size`` (sequences) or
     ``num_micro_batches``; M then follows from the data-parallel world size and must be exact.
     ``bucket_bytes`` is the gradient all-reduce bucket size U of Eq. Tg / T0_os.
+    ``reduce_dtype`` is the dtype gradients are reduced and accumulated in (the engine's
+    ShardConfig.reduce_dtype); None = the precision, the paper's 2-byte gradients in bf16.
     """
 
     seq_len: int
@@ -125,6 +127,7 @@ class TrainingSpec:
     optimizer: str = "adamw"
     bucket_bytes: int = 128 * 2**20
     granularity: str = "module"
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "bucket_bytes"):
@@ -150,6 +153,14 @@ class TrainingSpec:
                 raise SpecError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
+        if self.reduce_dtype is not None and self.reduce_dtype not in ("fp32", self.precision):
+            raise SpecError(f"reduce_dtype must be fp32 or the precision {self.precision!r} (or none), "
+                            f"got {self.reduce_dtype!r}")
+
+    @property
+    def grad_dtype(self) -> str:
+        """The dtype gradients are reduced and accumulated in."""
+        return self.reduce_dtype or self.precision
 
     @property
     def tokens_per_micro_batch(self) -> int:

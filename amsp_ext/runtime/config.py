@@ -88,6 +88,20 @@ def _local_world_size() -> int | None:
     return int(v) if v and v.isdigit() else None
 
 
+# [Note: reduce_dtype defaults to fp32]
+# A careful user wants gradients that are the sum they claim to be. In bf16 the sum of R*N/sp
+# per-rank gradients (and of M micro-batches) is rounded at every addition to 8 mantissa bits:
+# small contributions vanish next to large ones, and the error grows with the number of ranks
+# (the parity tests had to loosen the bf16 bound to 2.5e-2 for this; with fp32 reduction bf16
+# matches the fp32 reference within 5e-3 on loss, tests/test_engine_parity.py). torchtitan
+# reduces in fp32 by default (MixedPrecisionPolicy(reduce_dtype=float32)), Megatron-LM forces
+# fp32 gradient accumulation and all-reduce under bf16, and DeepSpeed's bf16 optimizer keeps an
+# fp32 gradient accumulator. The cost is bytes, not correctness: Tg and T0_os move 4 bytes per
+# gradient instead of 2 and kept gradients take 4 bytes per element; the planner charges both,
+# so plan "auto" accounts for it, and comparisons/reduce_dtype.md measures it. Who wants the
+# paper's 2-byte gradient traffic asks for it: reduce_dtype="bf16" (or "fp16").
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardConfig:
     """Everything but the plan. ``gpus_per_node`` None = the launcher's ``LOCAL_WORLD_SIZE``."""
@@ -95,6 +109,8 @@ class ShardConfig:
     gpus_per_node: int | None = None
     nodes_per_leaf: int | None = None
     precision: str = "fp32"  # compute dtype of params/grads; masters and states are fp32
+    # dtype gradients are reduced and accumulated in: "fp32" or the precision (see the Note)
+    reduce_dtype: str = "fp32"
     grad_bucket_bytes: int = 25 * 2**20  # U in the paper (T0_os, Tg)
     # packed parameter broadcasts in flight (see param_sync.py); None = U, 0 = one per tensor
     broadcast_bucket_bytes: int | None = None
@@ -120,6 +136,10 @@ class ShardConfig:
             raise ValueError(f"config.nodes_per_leaf must be an integer >= 1 or None, got {self.nodes_per_leaf!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"config.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.reduce_dtype not in ("fp32", self.precision):
+            allowed = "fp32" if self.precision == "fp32" else f"fp32, {self.precision}"
+            raise ValueError(f"config.reduce_dtype must be one of {allowed} (fp32 or the precision "
+                             f"{self.precision!r}), got {self.reduce_dtype!r}")
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"config.grad_bucket_bytes must be an integer >= 1, got {self.grad_bucket_bytes!r}")
         if self.broadcast_bucket_bytes is not None and (
@@ -150,6 +170,10 @@ class ShardConfig:
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.reduce_dtype]
 
     def fingerprint(self) -> str:
         """Hash of every field that must agree across ranks (all of them but the timeout)."""
