@@ -55,7 +55,8 @@ def train(args: argparse.Namespace) -> dict | None:
     overlap_off = set(filter(None, args.no_overlap.split(",")))
     config = ShardConfig(
         gpus_per_node=args.gpus_per_node, nodes_per_leaf=args.nodes_per_leaf,
-        precision=args.precision, grad_bucket_bytes=int(args.bucket_mb * 2**20),
+        precision=args.precision, reduce_dtype=args.reduce_dtype,
+        grad_bucket_bytes=int(args.bucket_mb * 2**20),
         granularity=args.granularity, recompute=args.recompute, timeout=args.timeout,
         overlap=OverlapConfig(**{op: op not in overlap_off for op in ("allgather", "allreduce", "broadcast")}),
         auto=AutoPlanConfig(
@@ -121,7 +122,7 @@ def train(args: argparse.Namespace) -> dict | None:
     if rank == 0:
         predicted = memory_breakdown(
             ModelSpec.from_hf_config(llama_config_dict(args.model)), plan, TrainingSpec(seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                                     num_micro_batches=M, precision=args.precision,
+                                     num_micro_batches=M, precision=args.precision, reduce_dtype=args.reduce_dtype,
                                      bucket_bytes=config.grad_bucket_bytes,
                                      granularity=args.granularity, recompute=args.recompute),
             gpus_per_node=model.amsp.world.gpus_per_node, num_nodes=model.amsp.world.num_nodes)
@@ -130,7 +131,8 @@ def train(args: argparse.Namespace) -> dict | None:
             "plan_str": str(plan), "world": {"num_nodes": model.amsp.world.num_nodes,
                                              "gpus_per_node": model.amsp.world.gpus_per_node},
             "steps": args.steps, "micro_batches": M, "micro_batch_size": args.micro_batch_size,
-            "seq_len": args.seq_len, "precision": args.precision, "loss": losses,
+            "seq_len": args.seq_len, "precision": args.precision, "reduce_dtype": args.reduce_dtype,
+            "loss": losses,
             "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,
             "mfu": metrics.mfu(flops_per_token=flops_per_token,
                                tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak_flops),

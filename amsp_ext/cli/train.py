@@ -42,6 +42,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0 = off)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--reduce-dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="dtype gradients are reduced and accumulated in: fp32 (default) or the "
+                        "--precision (the paper's 2-byte gradients; see ShardConfig.reduce_dtype)")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size U in MiB")
     p.add_argument("--granularity", default="module", choices=("module", "layer"))
     p.add_argument("--recompute", action="store_true")
@@ -56,6 +59,9 @@ def check_args(args: argparse.Namespace) -> None:
     for field in ("steps", "micro_batches", "micro_batch_size", "seq_len"):
         if getattr(args, field) < 1:
             raise ValueError(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
+    if args.reduce_dtype not in ("fp32", args.precision):
+        raise ValueError(f"--reduce-dtype must be fp32 or the --precision {args.precision}, "
+                         f"got {args.reduce_dtype}")
     if args.bucket_mb <= 0:
         raise ValueError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     bad = set(filter(None, args.no_overlap.split(","))) - {"allgather", "allreduce", "broadcast"}
@@ -78,7 +84,8 @@ def _worker_argv(args: argparse.Namespace, gpus_per_node: int) -> list[str]:
             "--steps", str(args.steps), "--micro-batches", str(args.micro_batches),
             "--micro-batch-size", str(args.micro_batch_size), "--seq-len", str(args.seq_len),
             "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps), "--clip", str(args.clip),
-            "--precision", args.precision, "--bucket-mb", str(args.bucket_mb),
+            "--precision", args.precision, "--reduce-dtype", args.reduce_dtype,
+            "--bucket-mb", str(args.bucket_mb),
             "--granularity", args.granularity, "--seed", str(args.seed),
             "--timeout", str(args.timeout), "--profile", args.profile]
     if args.gpu_memory:

@@ -131,7 +131,8 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
     o = settings.overlap
     return ShardConfig(
         gpus_per_node=settings.cluster.gpus_per_node, nodes_per_leaf=settings.cluster.nodes_per_leaf,
-        precision=prec.precision, granularity=settings.granularity, recompute=settings.recompute,
+        precision=prec.precision, reduce_dtype=prec.reduce_dtype,
+        granularity=settings.granularity, recompute=settings.recompute,
         overlap=OverlapConfig(allgather=o.allgather, allreduce=o.allreduce, broadcast=o.broadcast),
         ownership=settings.ownership, timeout=float(settings.timeout),
         fp16=FP16Config(initial_scale=prec.initial_scale, growth_interval=prec.growth_interval,
@@ -199,7 +200,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         source = ("planner" if settings.plan.lower() == "auto"
                   else "" if settings.plan == str(plan) else settings.plan)
         msg = (f"[amsp] plan {plan}{f' ({source})' if source else ''} "
-               f"on {w.num_nodes} node(s) x {w.gpus_per_node} GPU(s); {prec.precision}; batch "
+               f"on {w.num_nodes} node(s) x {w.gpus_per_node} GPU(s); {prec.precision} (gradients reduced in "
+               f"{prec.reduce_dtype}); batch "
                f"{batch.micro_batch_size} x {batch.gradient_accumulation_steps} x {w.size} = "
                f"{batch.train_batch_size}; clipping {clip or 'off'}; optimizer {opt_source}; "
                f"scheduler {type(scheduler).__name__ if scheduler is not None else 'none'}")

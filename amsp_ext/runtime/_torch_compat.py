@@ -32,7 +32,7 @@ import torch.nn as nn
 __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
     "backend_options", "check_torch_version", "dtensor_local", "flatten_mesh",
-    "fsdp_all_gather_streams", "local_chunk_offset", "queue_backward_callback",
+    "fsdp_all_gather_streams", "local_chunk_offset", "optimizer_hooks", "queue_backward_callback",
     "set_fsdp_unshard_async_op",
 ]
 
@@ -123,6 +123,19 @@ def backend_options(timeout: datetime.timedelta):
 def flatten_mesh(mesh, name: str, backend_override=None):
     """``DeviceMesh._flatten``: one 1-D mesh (and process group) over several mesh axes."""
     return mesh._flatten(name, backend_override=backend_override)
+
+
+# -- torch.optim.Optimizer -------------------------------------------------------------------
+_OPTIMIZER_HOOKS = ("state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post")
+
+
+def optimizer_hooks(opt: torch.optim.Optimizer, kind: str) -> list[Callable]:
+    """The hooks registered with ``register_<kind>_hook`` on ``opt`` (``Optimizer`` keeps them
+    in ``_optimizer_<kind>_hooks``), in the order they run, for an optimizer that overrides
+    ``state_dict``/``load_state_dict`` and must still run them."""
+    if kind not in _OPTIMIZER_HOOKS:
+        raise ValueError(f"kind must be one of {', '.join(_OPTIMIZER_HOOKS)}, got {kind!r}")
+    return list(getattr(opt, f"_optimizer_{kind}_hooks").values())
 
 
 # -- autograd ------------------------------------------------------------------------------

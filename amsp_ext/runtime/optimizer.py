@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config
 from amsp_ext.runtime.layout import LocalTensor
@@ -251,7 +252,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """torch's layout (``state``, ``param_groups`` of the inner optimizer, over this rank's
         owned masters) plus ``amsp``: the masters, their tensors, the loss scaler and the step."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
+        for hook in compat.optimizer_hooks(self, "state_dict_pre"):
             hook(self)
         inner = self.inner.state_dict()
         sd = {
@@ -265,7 +266,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 **self.run_info,
             },
         }
-        for hook in self._optimizer_state_dict_post_hooks.values():
+        for hook in compat.optimizer_hooks(self, "state_dict_post"):
             out = hook(self, sd)
             if out is not None:
                 sd = out
@@ -274,7 +275,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state saved under the same plan and world (collective: re-broadcasts)."""
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+        for hook in compat.optimizer_hooks(self, "load_state_dict_pre"):
             out = hook(self, state_dict)
             if out is not None:
                 state_dict = out
@@ -297,7 +298,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.num_steps = int(a.get("num_steps", self.num_steps))
         self._params.broadcast_all()
         self._params.wait_all()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
+        for hook in compat.optimizer_hooks(self, "load_state_dict_post"):
             hook(self)
 
     def state_bytes(self) -> tuple[int, int]:

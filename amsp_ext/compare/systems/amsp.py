@@ -10,6 +10,11 @@ Both run the engine contract of docs/DESIGN.md unchanged: ``no_sync()`` on micro
 
 ``RunSpec.amsp_overlap`` maps to the engine's Table V switches (``OverlapConfig``); the
 ablation mode runs ``amsp-plan`` once per setting.
+
+Gradients are reduced in the compute dtype (``reduce_dtype=spec.precision``), not the engine's
+fp32 default: the DeepSpeed rows reduce in their compute dtype (DeepSpeed's default
+``communication_data_type``), and the paper's comparison is of the same bytes moved by two
+engines. comparisons/reduce_dtype.md measures what fp32 reduction costs on top.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ def shard_config(spec, gpus_per_node: int, *, auto=None):
     from amsp_ext.runtime.config import OverlapConfig, ShardConfig
 
     return ShardConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
-                       granularity=spec.amsp_granularity,
+                       reduce_dtype=spec.precision, granularity=spec.amsp_granularity,
                        overlap=OverlapConfig(**OVERLAP_SWITCHES[spec.amsp_overlap]), auto=auto)
 
 
