@@ -80,5 +80,5 @@ def test_planner_charges_four_bytes_per_gradient():
     # Tg and T0_os: twice the buckets of the same size U -> exactly twice the time
     assert c32.t_g == pytest.approx(2 * c16.t_g) and c32.t0_os == pytest.approx(2 * c16.t0_os)
     assert c32.t1_os == c16.t1_os > 0 and c32.t_p == c16.t_p == 0
-    with pytest.raises(SpecError, match="reduce_dtype must be fp32 or the precision"):
+    with pytest.raises(SpecError, match="reduce_dtype must be one of fp32, bf16, got .fp16."):
         TrainingSpec(**{**kw, "precision": "bf16"}, reduce_dtype="fp16")

@@ -10,19 +10,15 @@ import math
 import re
 from dataclasses import dataclass
 
-from amsp_ext.planner.model_spec import GRANULARITIES
+from amsp_ext.choices import GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, reduce_dtypes
 
 __all__ = [
-    "OPTIMIZERS",
-    "PRECISIONS",
     "ClusterSpec",
     "SpecError",
     "TrainingSpec",
     "parse_size",
 ]
 
-PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit")
 
 _UNITS = {
     "b": 1,
@@ -149,13 +145,9 @@ class TrainingSpec:
             raise SpecError(f"recompute must be true or false, got {self.recompute!r}")
         for name, allowed in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS),
                               ("granularity", GRANULARITIES)):
-            if getattr(self, name) not in allowed:
-                raise SpecError(
-                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-                )
-        if self.reduce_dtype is not None and self.reduce_dtype not in ("fp32", self.precision):
-            raise SpecError(f"reduce_dtype must be fp32 or the precision {self.precision!r} (or none), "
-                            f"got {self.reduce_dtype!r}")
+            check_one_of(getattr(self, name), allowed, name, error=SpecError)
+        if self.reduce_dtype is not None:
+            check_one_of(self.reduce_dtype, reduce_dtypes(self.precision), "reduce_dtype", error=SpecError)
 
     @property
     def grad_dtype(self) -> str:
