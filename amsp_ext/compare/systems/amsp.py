@@ -14,7 +14,7 @@ ablation mode runs ``amsp-plan`` once per setting.
 Gradients are reduced in the compute dtype (``reduce_dtype=spec.precision``), not the engine's
 fp32 default: the DeepSpeed rows reduce in their compute dtype (DeepSpeed's default
 ``communication_data_type``), and the paper's comparison is of the same bytes moved by two
-engines. comparisons/reduce_dtype.md measures what fp32 reduction costs on top.
+engines. comparisons/results/reduce_dtype.md measures what fp32 reduction costs on top.
 """
 
 from __future__ import annotations
