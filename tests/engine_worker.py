@@ -58,7 +58,7 @@ def owned_masters(model, opt):
 
 
 def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None, sched=False,
-          tied=False):
+          tied=False, after_step=None):
     model = build_llama("tiny-llama", seed=0, **({"tie_word_embeddings": True} if tied else {}))
     model, opt = shard(model, plan, adamw, config=config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)) if sched else None
@@ -90,6 +90,8 @@ def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None
         if scheduler is not None:
             scheduler.step()
         steps.append(owned_masters(model, opt))
+        if after_step is not None:
+            after_step(model)
     model.amsp.wait_params()
     return model, opt, {"losses": losses, "norms": norms, "masters": steps}
 
@@ -194,6 +196,26 @@ def suite_extras(world, R):
         model, opt, run = train(p, cfg(), world=world, tied=True)
         record(f"tied-embeddings:{p}", model, run,
                extra={"root_unit_params": len(model.amsp.units[0].params)})
+    # torch.optim.swa_utils over a sharded model: an unsharded AveragedModel fed after each step
+    import copy
+
+    from torch.optim import swa_utils
+
+    swa = swa_utils.AveragedModel(build_llama("tiny-llama", seed=0))
+
+    def average(model):
+        model.amsp.wait_params()
+        swa.update_parameters(model)
+
+    model, opt, run = train("p=1x1,g=1x1,os=2x2", cfg(), world=world, after_step=average)
+    try:
+        copy.deepcopy(model)
+        deepcopy_error = None
+    except ValueError as e:
+        deepcopy_error = str(e)
+    record("swa:p=1x1,g=1x1,os=2x2", model, run,
+           extra={"swa": {n: p.detach().clone() for n, p in swa.module.named_parameters()},
+                  "n_averaged": int(swa.n_averaged), "deepcopy_error": deepcopy_error})
     model, opt, run = train("p=1x1,g=2x2,os=2x2", cfg(), world=world, boundary_api="set_boundary",
                             sched=True)
     sd = opt.state_dict()

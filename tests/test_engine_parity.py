@@ -171,6 +171,18 @@ def test_variants_match_reference(extras, case):
         assert 0 < r["peak_staging"] <= r["staging_limit"], r
 
 
+def test_swa_averaged_model_fed_from_a_sharded_model(extras):
+    case = extras["swa:p=1x1,g=1x1,os=2x2"]
+    ref = reference(4)
+    check_fp32(case, ref)
+    r = case["extra"]
+    assert r["n_averaged"] == 5
+    for name, got in r["swa"].items():  # the average of the reference's five steps
+        want = torch.stack([s[name] for s in ref["steps"]]).mean(0)
+        assert float((got - want).abs().max()) <= 1e-5, name
+    assert "cannot be deep-copied" in r["deepcopy_error"] and "\n" not in r["deepcopy_error"]
+
+
 def test_model_state_bytes_match_the_planners_memory_model():
     """Measured params + grads + masters + optimizer states per rank within 10% of
     amsp_ext.planner.memory for every pre-filtered plan on 2 x 2 (bf16 with bf16 reduction and

@@ -95,6 +95,15 @@ class AMSPModule:
 
     amsp: Engine
 
+    def __deepcopy__(self, memo):
+        # copy.deepcopy would try to pickle the plan's process groups (a TypeError deep inside);
+        # say what to do instead, e.g. for torch.optim.swa_utils.AveragedModel(model)
+        raise ValueError(
+            "amsp: a sharded model cannot be deep-copied (its process groups and hooks belong to "
+            "its engine); for swa_utils.AveragedModel build it on an unsharded model of the same "
+            "architecture and call averaged.update_parameters(model) after model.amsp.wait_params() "
+            "(plans with sp = 1), or average amsp_ext.consolidated_state_dict(model)")
+
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches inside are not the accumulation boundary (Tg still runs if sg > sp)."""
