@@ -50,6 +50,8 @@ class Engine:
         self.plan, self.world, self.mesh, self.config = plan, world, mesh, config
         self.units, self.tensors, self.device = units, tensors, device
         self.rank = dist.get_rank()
+        # [Note: state dicts on the integration routes] see AMSPModule.state_dict
+        self.full_state_dict = False
         self.grad_sync: GradSync
         self.param_sync: ParamSync
         self.optimizer: AMSPOptimizer
@@ -112,11 +114,29 @@ class AMSPModule:
     def model_state_bytes(self) -> dict[str, int]:
         return self.amsp.model_state_bytes()
 
-    def state_dict(self, *args, **kwargs):
+    def sharded_state_dict(self, *args, **kwargs):
+        """``nn.Module.state_dict`` of the sharded model: with sp > 1 the parameters are FSDP2's
+        DTensors (what DCP checkpoints are made of). Local, no collective."""
         # After a step, non-owners' parameters are current only once their broadcasts landed
         # (and packed ones were unpacked); a reader outside forward must not see the old values.
         self.amsp.wait_params()
         return super().state_dict(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """[Note: state dicts on the integration routes]
+        ``shard()`` keeps FSDP2's convention: ``state_dict()`` is the sharded one. The model that
+        DeepSpeed scripts, Accelerate and the HF Trainer get back (``engine.module``,
+        ``accelerator.unwrap_model``) is the user's own model class, and their save code calls
+        ``model.state_dict()`` / ``save_pretrained`` on it expecting full tensors (a DTensor
+        there fails inside safetensors: "invalid python storage"). ``amsp_ext.initialize`` sets
+        ``amsp.full_state_dict``: ``state_dict()`` then returns full tensors in the parameters'
+        dtype (runtime/export.full_state_dict) - collective when sp > 1, so every rank calls
+        it, as with DeepSpeed ZeRO-3's gathering; local otherwise."""
+        if not self.amsp.full_state_dict:
+            return self.sharded_state_dict(*args, **kwargs)
+        from amsp_ext.runtime.export import full_state_dict
+
+        return full_state_dict(self, *args, **kwargs)
 
 
 def _world(config: ShardConfig) -> World:
