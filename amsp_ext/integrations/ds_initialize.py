@@ -158,8 +158,9 @@ def plan_line(sharded, settings: AMSPSettings, prec: PrecisionSettings, batch: B
     source = ("planner" if settings.plan.lower() == "auto"
               else "" if settings.plan == str(plan) else settings.plan)
     device = sharded.amsp.device
+    backend = dist.get_backend() if dist.is_initialized() else "no process group"
     per_node = (f"{w.gpus_per_node} GPU(s)" if device.type == "cuda"
-                else f"{w.gpus_per_node} rank(s) on {device.type.upper()} ({dist.get_backend()})")
+                else f"{w.gpus_per_node} rank(s) on {device.type.upper()} ({backend})")
     return (f"[amsp] plan {plan}{f' ({source})' if source else ''} "
             f"on {w.num_nodes} node(s) x {per_node}; {prec.precision}; batch "
             f"{batch.micro_batch_size} x {batch.gradient_accumulation_steps} x {w.size} = "
