@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from amsp_ext.choices import PRECISIONS, check_int
+
 HELP = "write a ready Accelerate YAML + ds_config pair (accelerate) or a ds_config (deepspeed) that runs AMSP"
 
 _AUTO = "auto"
@@ -50,7 +52,7 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
                    help="memory per GPU for the planner, e.g. 80GiB (default: the device's)")
     p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
                    help="bandwidth profile for the planner (default paper-a800)")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+    p.add_argument("--precision", choices=(_AUTO, *PRECISIONS), default=_AUTO,
                    help="'auto' (default): the Trainer / Accelerate fill it from their own flags")
     p.add_argument("--gradient-clipping", default="auto", metavar="X|auto",
                    help="global-norm clipping threshold, 0 for none (default auto: the launcher fills it)")
@@ -75,8 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive(v: int | None, flag: str) -> None:
-    if v is not None and v < 1:
-        raise ValueError(f"{flag} must be an integer >= 1, got {v}")
+    check_int(v, flag, allow_none=True)
 
 
 def _clip(text: str) -> float | str:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from amsp_ext.planner.auto import plan_auto
 from amsp_ext.planner.plan import Plan, PlanError, resolve_plan, validate_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig
@@ -35,7 +36,7 @@ from amsp_ext.runtime.units import Unit, decoder_layers, list_units, refresh_par
 from amsp_ext.topology.groups import World
 from amsp_ext.topology.mesh import PlanMesh, build_plan_mesh
 
-__all__ = ["AMSPModule", "Engine", "MismatchError", "shard"]
+__all__ = ["AMSPModule", "Engine", "MismatchError", "full_state_dict", "shard"]
 
 
 class MismatchError(ValueError):
@@ -130,13 +131,35 @@ class AMSPModule:
         ``model.state_dict()`` / ``save_pretrained`` on it expecting full tensors (a DTensor
         there fails inside safetensors: "invalid python storage"). ``amsp_ext.initialize`` sets
         ``amsp.full_state_dict``: ``state_dict()`` then returns full tensors in the parameters'
-        dtype (runtime/export.full_state_dict) - collective when sp > 1, so every rank calls
+        dtype (``full_state_dict`` below) - collective when sp > 1, so every rank calls
         it, as with DeepSpeed ZeRO-3's gathering; local otherwise."""
         if not self.amsp.full_state_dict:
             return self.sharded_state_dict(*args, **kwargs)
-        from amsp_ext.runtime.export import full_state_dict
-
         return full_state_dict(self, *args, **kwargs)
+
+
+@torch.no_grad()
+def full_state_dict(model: "AMSPModule", destination=None, prefix: str = "", keep_vars: bool = False):
+    """``nn.Module.state_dict``'s signature and keys, with full tensors: a sharded parameter is
+    gathered (DTensor.full_tensor over ``param_shard``) in its own dtype and device, anything
+    else is returned as the module holds it. Equal to runtime/export's
+    ``consolidated_state_dict(model, dtype=<compute dtype>, rank0_only=False)`` without the
+    copies to CPU. Collective when sp > 1; every rank gets the whole dict. Tied aliases stay
+    one tensor."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = model.sharded_state_dict(keep_vars=True)
+    out = destination if destination is not None else type(sharded)()
+    if hasattr(sharded, "_metadata") and destination is None:
+        out._metadata = sharded._metadata
+    name = model.amsp.name("param_shard")
+    seen: dict[int, torch.Tensor] = {}
+    for k, v in sharded.items():
+        if id(v) not in seen:
+            full = C.full_tensor(v.detach(), name=name)
+            seen[id(v)] = v if (keep_vars and not isinstance(v, DTensor)) else full
+        out[prefix + k] = seen[id(v)]
+    return out
 
 
 def _world(config: ShardConfig) -> World:
@@ -157,8 +180,8 @@ def _resolve(plan, model: nn.Module, world: World, config: ShardConfig) -> Plan:
 
 
 def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
-    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.search.plan_for) for this
-    model (its Hugging Face config), this world and ``config.auto``. Every rank runs the same
+    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.auto.plan_auto) for this
+    model (its Hugging Face config), this world, ``config.auto`` and the engine's settings. Every rank runs the same
     deterministic search; the fingerprint check that follows verifies they agree."""
     a = config.auto
     if a is None:
@@ -169,27 +192,11 @@ def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
     hf = getattr(model, "config", None)
     if hf is None or not hasattr(hf, "to_dict"):
         raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
-    return plan_auto(hf.to_dict(), world, config,
-                     gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node))
-
-
-def plan_auto(hf_config: dict, world: World, config: ShardConfig, *, gpu_memory_bytes: int) -> Plan:
-    """The planner's plan for a model (its HF config dict) run with ``config`` on ``world``: the
-    planner is told the step shape of ``config.auto`` and the engine's own precision, bucket U,
-    granularity and recompute. ``amsp compare`` resolves its "auto" row here too (no ranks)."""
-    from amsp_ext.planner.search import plan_for
-    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
-
-    a = config.auto
-    cluster = ClusterSpec(num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
-                          gpu_memory_bytes=gpu_memory_bytes, nodes_per_leaf=config.nodes_per_leaf)
-    training = TrainingSpec(seq_len=a.seq_len, micro_batch_size=a.micro_batch_size,
-                            num_micro_batches=a.num_micro_batches, recompute=config.recompute,
-                            precision=config.precision, optimizer=a.optimizer,
-                            bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity)
-    reserve = {} if a.memory_reserve_bytes is None else {"memory_reserve_bytes": a.memory_reserve_bytes}
-    return plan_for(hf_config, cluster, training, a.profile, objective=a.objective,
-                    missing=a.missing, **reserve)
+    return plan_auto(hf.to_dict(), a, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
+                     gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node),
+                     nodes_per_leaf=config.nodes_per_leaf, precision=config.precision,
+                     grad_bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
+                     recompute=config.recompute)
 
 
 def _device_memory(gpus_per_node: int) -> int:

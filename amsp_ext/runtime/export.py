@@ -4,8 +4,8 @@ expects).
 
 - ``consolidated_state_dict(model, dtype=None, rank0_only=True)``: from the live sharded model
   (collective).
-- ``full_state_dict(model)``: what ``model.state_dict()`` returns on the integration routes
-  (runtime/engine.py [Note: state dicts on the integration routes]).
+- ``model.state_dict()`` on the integration routes gives full tensors too (runtime/engine.py
+  ``full_state_dict``, [Note: state dicts on the integration routes]).
 - ``save_pretrained(model, save_directory, dtype=None)``: the same, written by rank 0 as
   ``model.safetensors`` + ``config.json`` (what ``from_pretrained`` reads).
 - ``export_checkpoint(path, save_directory=None, dtype=None)``: from a saved checkpoint, in one
@@ -31,13 +31,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.checkpoint import (MASTER, MODEL, _dtype_name, _hf_info, as_global, dcp_metadata,
                                          engine_of, read_checkpoint_meta, trainable_by_id)
 
-__all__ = ["consolidated_state_dict", "export_checkpoint", "full_state_dict", "save_pretrained"]
+__all__ = ["consolidated_state_dict", "export_checkpoint", "save_pretrained"]
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -77,27 +76,6 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
         seen[id(v)] = full if keep else None  # gatherers other than rank 0 drop it right away
         if keep:
             out[k] = full
-    return out
-
-
-@torch.no_grad()
-def full_state_dict(model: nn.Module, destination=None, prefix: str = "", keep_vars: bool = False):
-    """``nn.Module.state_dict``'s signature and keys, with full tensors: a sharded parameter is
-    gathered (DTensor.full_tensor over ``param_shard``) in its own dtype and device, anything
-    else is returned as the module holds it. Equal to ``consolidated_state_dict(model,
-    dtype=<compute dtype>, rank0_only=False)`` without the copies to CPU. Collective when sp > 1;
-    every rank gets the whole dict. Tied aliases stay one tensor."""
-    e = engine_of(model)
-    sharded = model.sharded_state_dict(keep_vars=True)
-    out = destination if destination is not None else type(sharded)()
-    if hasattr(sharded, "_metadata") and destination is None:
-        out._metadata = sharded._metadata
-    seen: dict[int, torch.Tensor] = {}
-    for k, v in sharded.items():
-        if id(v) not in seen:
-            full = C.full_tensor(v.detach(), name=e.name("param_shard"))
-            seen[id(v)] = v if (keep_vars and not isinstance(v, DTensor)) else full
-        out[prefix + k] = seen[id(v)]
     return out
 
 
