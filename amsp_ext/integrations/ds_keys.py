@@ -182,7 +182,7 @@ def classify(config: Mapping[str, Any], *statuses: str) -> list[tuple[str, str, 
 # Keys that frameworks read *next to* DeepSpeed, so that leaving them in makes the job differ
 # from what AMSP runs: the HF Trainer and Accelerate build DeepSpeed's CPU Adam and move states
 # to the host when they see an offload device, RLHF scripts drive the hybrid engine's generate
-# path, ``zero_force_ds_cpu_optimizer`` forces that CPU optimizer. migrate removes them when they
+# path. migrate removes them when they
 # are active (a disabled block stays) and lists each; with ``"enabled": false`` DeepSpeed then
 # runs without them too (the listing says so). ZeRO-3's ``deepspeed.zero.Init`` needs no
 # rewrite: ``stage`` stays for ``"enabled": false``, and under AMSP the start-up hook reports
@@ -195,7 +195,6 @@ REMOVED_ON_MIGRATE = {
     "zero_optimization.cpu_offload_param": "legacy offload switch; AMSP shards parameters instead",
     "zero_optimization.cpu_offload_use_pin_memory": "offload detail",
     "zero_optimization.zenflow": "ZenFlow offload",
-    "zero_force_ds_cpu_optimizer": "forces DeepSpeed's CPU optimizer",
     "aio": "NVMe offload I/O",
     "hybrid_engine": "DeepSpeed-Chat's hybrid engine (generate/train switching) has no AMSP counterpart",
 }
