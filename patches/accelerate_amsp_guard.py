@@ -63,17 +63,16 @@ def check_launch(args) -> None:
             cfg = json.load(f)
     except ValueError:
         return  # not JSON: Accelerate's own error
-    if not isinstance(cfg, dict) or "amsp" not in cfg:
-        return
+    if not isinstance(cfg, dict) or not amsp_enabled(cfg):
+        return  # no amsp block, or "enabled": false: DeepSpeed's job, untouched
     try:
         AMSPSettings.from_dict(cfg["amsp"])
     except ConfigError as e:
         stop(f"{path}: {e}")
-    if amsp_enabled(cfg):
-        forced = cpu_forced(bool(getattr(args, "cpu", False) or getattr(args, "use_cpu", False)))
-        if forced:
-            stop(f"{path} has amsp.enabled, but {forced} puts Accelerate in CPU mode, which drops "
-                 f"DeepSpeed and with it AMSP (it would train plain DDP): {FIX_CPU}")
+    forced = cpu_forced(bool(getattr(args, "cpu", False) or getattr(args, "use_cpu", False)))
+    if forced:
+        stop(f"{path} has amsp.enabled, but {forced} puts Accelerate in CPU mode, which drops "
+             f"DeepSpeed and with it AMSP (it would train plain DDP): {FIX_CPU}")
 
 
 def _plugins(bound: dict):

@@ -68,7 +68,10 @@ def test_amsp_block_forms():
     assert (s.overlap.allgather, s.overlap.allreduce, s.overlap.broadcast) == (True, True, False)
     assert AMSPSettings.from_dict(s.to_dict()) == s  # what migrate writes loads back
     assert AMSPSettings.from_dict({"enabled": False, "plan": "auto"}).plan == "auto"  # off: no seq_len needed
-    assert amsp_enabled({"amsp": {"enabled": True}}) and not amsp_enabled({"amsp": {"enabled": "true"}})
+    assert amsp_enabled({"amsp": {"enabled": True}}) and not amsp_enabled({"amsp": {"enabled": False}})
+    assert not amsp_enabled({"train_batch_size": 8}) and not amsp_enabled({"amsp": None})
+    # anything but an explicit false asks for AMSP: the validation then names the field
+    assert amsp_enabled({"amsp": {"enabled": "true"}}) and amsp_enabled({"amsp": {"plan": "ddp"}})
     assert not amsp_enabled({})
 
 
@@ -268,6 +271,9 @@ def test_deepspeed_initialize_is_routed_only_when_amsp_is_enabled(monkeypatch, t
     assert deepspeed.initialize(model=None, config=off) == "deepspeed-engine"
     assert deepspeed.initialize(model=None, config={"train_batch_size": 8}) == "deepspeed-engine"
     assert deepspeed.initialize(model=None, config=on, dist_init_required=False) == ("amsp", "zero3")
+    # a misspelt switch asks for AMSP (whose validation then names the field), never DeepSpeed
+    misspelt = {"train_batch_size": 8, "amsp": {"enabled": "yes", "plan": "zero3"}}
+    assert deepspeed.initialize(model=None, config=misspelt, dist_init_required=False) == ("amsp", "zero3")
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(on))
     args = types.SimpleNamespace(deepspeed_config=str(path), local_rank=0)
@@ -583,11 +589,14 @@ def test_accelerate_launch_checks_the_ds_config_before_any_worker(tmp_path, monk
     off.write_text(json.dumps({"amsp": {"enabled": False, "plan": "auto"}}))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"amsp": {"enabled": True, "plan": "zero4"}}))
+    misspelt = tmp_path / "misspelt.json"
+    misspelt.write_text(json.dumps({"amsp": {"enabled": "true", "plan": "ddp"}}))
     check_launch(_launch_args(on))  # nothing to say
     check_launch(_launch_args(off, cpu=True))  # AMSP not asked for: Accelerate decides
     cases = [(_launch_args(tmp_path / "nope.json"), "deepspeed_config_file"),
              (_launch_args("rel/nope.json"), "a relative path is read from the current directory"),
              (_launch_args(bad), "amsp.plan must be 'auto', a baseline name"),
+             (_launch_args(misspelt), "amsp.enabled must be true or false, got 'true'"),
              (_launch_args(on, use_cpu=True), "cpu=True (use_cpu / --cpu) puts Accelerate in CPU mode")]
     for args, message in cases:
         with pytest.raises(SystemExit) as e:

@@ -22,9 +22,11 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
 Every key is optional but ``enabled``. Errors are one line naming the field (``amsp.<key>``).
 
 [Note: what `enabled` means]
-``enabled`` is the routing switch: ``patch_deepspeed()`` (and the Accelerate start-up hook) send
-``deepspeed.initialize`` to AMSP only when it is true; with false the same file runs DeepSpeed
-unchanged. ``amsp_ext.initialize`` itself always runs AMSP.
+``enabled`` is the routing switch, on every route (the start-up hook, or ``patch_deepspeed()``):
+``false`` runs DeepSpeed unchanged with the same file; ``true`` sends ``deepspeed.initialize`` to
+AMSP - and so does a block whose ``enabled`` is missing or misspelt, so that the validation
+stops it with one line instead of DeepSpeed running silently (``amsp_enabled``).
+``amsp_ext.initialize`` itself always runs AMSP.
 
 This module is pure Python (no torch): ``amsp migrate`` uses it.
 """
@@ -281,9 +283,12 @@ def ds_bucket_bytes(cfg: Mapping[str, Any], precision: str) -> int | None:
 
 
 def amsp_enabled(config: Mapping[str, Any]) -> bool:
-    """True when the config's ``amsp.enabled`` is true (no validation: the routing question)."""
+    """The routing question (no validation): does this config ask for AMSP? Yes when it has an
+    ``"amsp"`` block whose ``enabled`` is anything but ``false``: ``true``, and also a missing or
+    misspelt value (``"yes"``, ``"true"``), which then fails validation with one line instead
+    of DeepSpeed running silently behind a block the user meant to switch on."""
     block = config.get("amsp") if isinstance(config, Mapping) else None
-    return isinstance(block, Mapping) and block.get("enabled") is True
+    return isinstance(block, Mapping) and block.get("enabled") is not False
 
 
 @dataclass(frozen=True, kw_only=True)
