@@ -46,13 +46,12 @@ def fix_state(state) -> bool:
 
     from amsp_ext.integrations.guard import amsp_block_in_play
 
-    if not amsp_block_in_play():
-        return False
+    # cheap checks first: accelerate builds PartialState() on every logging call
     if not getattr(state, "initialized", False) or state.distributed_type != DistributedType.DEEPSPEED:
         return False
     if state.backend is not None or not tdist.is_initialized():
         return False
-    if state.num_processes == tdist.get_world_size():
+    if state.num_processes == tdist.get_world_size() or not amsp_block_in_play():
         return False
     state.backend = tdist.get_backend()
     state.num_processes = tdist.get_world_size()

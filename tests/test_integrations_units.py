@@ -341,38 +341,22 @@ def _run_pth_line(env_extra: dict, then: str = "") -> dict:
     code = ("import sys; exec(open(sys.argv[1]).read()); import json; " + then +
             "s = sys.modules.get('amsp_ext.integrations.startup'); "
             "print(json.dumps({'active': getattr(s, '_active', None), 'torch': 'torch' in sys.modules, "
-            "'finders': [type(f).__name__ for f in sys.meta_path]}))")
+            "'finders': [type(f).__name__ for f in sys.meta_path], "
+            "'watched': sorted(getattr(sys.modules.get('amsp_ext.integrations.import_hooks'), '_callbacks', {}))}))")
     out = subprocess.run([sys.executable, "-S", "-c", code, str(REPO / "amsp_ext" / "integrations" / "amsp_ext_startup.pth")],
                          env=env, capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_startup_pth_needs_no_environment_variable_and_stays_light():
-    """Every interpreter gets the import hooks (no AMSP_* / ACCELERATE_* variable set), without
-    importing torch; AMSP_STARTUP=0 switches the hook off."""
+    """Every interpreter gets the import hooks for deepspeed and accelerate (no AMSP_* /
+    ACCELERATE_* variable set), without importing torch; AMSP_STARTUP=0 switches the hook off.
+    (That importing them applies the routing end to end: test_integrations_scripts.)"""
     got = _run_pth_line({})
     assert got["active"] is True and got["torch"] is False and "_Finder" in got["finders"], got
+    assert got["watched"] == ["accelerate", "deepspeed"], got
     off = _run_pth_line({"AMSP_STARTUP": "0"})
     assert off["active"] is None and "_Finder" not in off["finders"], off
-
-
-def test_startup_hook_routes_deepspeed_on_import():
-    """A process that only imports deepspeed (no amsp_ext import, no variable) gets the routed
-    initialize; accelerate gets its fixes on import."""
-    then = ("import deepspeed, accelerate.utils.other as o, accelerate.state as st; "
-            "print(json.dumps({'routed': getattr(deepspeed.initialize, '_amsp_routed', None) is not None, "
-            "'unwrap': getattr(o.extract_model_from_parallel, '_amsp_unwrap_patch', False), "
-            "'guard': getattr(st.AcceleratorState.__init__, '_amsp_guard_patch', False)})); ")
-    import site
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMSP_", "ACCELERATE_"))}
-    # -S: no installed .pth runs; the packages are reachable, the repo's hook line is exec'd
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *site.getsitepackages()])
-    code = "import sys, json; exec(open(sys.argv[1]).read()); " + then
-    out = subprocess.run([sys.executable, "-S", "-c", code, str(REPO / "amsp_ext" / "integrations" / "amsp_ext_startup.pth")],
-                         env=env, capture_output=True, text=True, timeout=120, check=True)
-    line = next(l for l in out.stdout.splitlines() if l.startswith("{"))
-    assert json.loads(line) == {"routed": True, "unwrap": True, "guard": True}
 
 
 def test_setup_installs_the_startup_pth(tmp_path):

@@ -23,6 +23,7 @@ Pure Python (no torch).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -43,12 +44,18 @@ def config_from_env() -> tuple[str, dict[str, Any]] | None:
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not path or not _truthy(os.environ.get("ACCELERATE_USE_DEEPSPEED")):
         return None
+    cfg = _read(path)
+    return (path, cfg) if cfg is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _read(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             cfg = json.load(f)
     except (OSError, ValueError):
         return None  # Accelerate reports a missing or broken file itself
-    return (path, cfg) if isinstance(cfg, dict) else None
+    return cfg if isinstance(cfg, dict) else None
 
 
 def note(config: Mapping[str, Any]) -> None:
