@@ -31,7 +31,7 @@ import torch.nn as nn
 
 __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
-    "backend_options", "check_torch_version", "dtensor_local", "flatten_mesh",
+    "backend_options", "copy_state_dict_metadata", "check_torch_version", "dtensor_local", "flatten_mesh",
     "fsdp_all_gather_streams", "local_chunk_offset", "optimizer_hooks", "queue_backward_callback",
     "set_fsdp_unshard_async_op",
 ]
@@ -123,6 +123,14 @@ def backend_options(timeout: datetime.timedelta):
 def flatten_mesh(mesh, name: str, backend_override=None):
     """``DeviceMesh._flatten``: one 1-D mesh (and process group) over several mesh axes."""
     return mesh._flatten(name, backend_override=backend_override)
+
+
+# -- nn.Module state dicts ---------------------------------------------------------------------
+def copy_state_dict_metadata(src, dst) -> None:
+    """``nn.Module.state_dict`` attaches the modules' versions as ``_metadata`` (which
+    ``load_state_dict`` reads back); carry it over to a state dict built from ``src``."""
+    if hasattr(src, "_metadata"):
+        dst._metadata = src._metadata
 
 
 # -- torch.optim.Optimizer -------------------------------------------------------------------
