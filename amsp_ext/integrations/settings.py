@@ -22,9 +22,11 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
 Every key is optional but ``enabled``. Errors are one line naming the field (``amsp.<key>``).
 
 [Note: what `enabled` means]
-``enabled`` is the routing switch: ``patch_deepspeed()`` (and the Accelerate start-up hook) send
-``deepspeed.initialize`` to AMSP only when it is true; with false the same file runs DeepSpeed
-unchanged. ``amsp_ext.initialize`` itself always runs AMSP.
+``enabled`` is the routing switch, on every route (the start-up hook, or ``patch_deepspeed()``):
+``false`` runs DeepSpeed unchanged with the same file; ``true`` sends ``deepspeed.initialize`` to
+AMSP - and so does a block whose ``enabled`` is missing or misspelt, so that the validation
+stops it with one line instead of DeepSpeed running silently (``amsp_enabled``).
+``amsp_ext.initialize`` itself always runs AMSP.
 
 This module is pure Python (no torch): ``amsp migrate`` uses it.
 """
@@ -33,12 +35,13 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OWNERSHIPS, check_bool,
-                              check_int, check_one_of, is_int)
+                              check_int, check_one_of, is_int, reduce_dtypes)
 
 __all__ = [
     "AMSPSettings",
@@ -281,9 +284,12 @@ def ds_bucket_bytes(cfg: Mapping[str, Any], precision: str) -> int | None:
 
 
 def amsp_enabled(config: Mapping[str, Any]) -> bool:
-    """True when the config's ``amsp.enabled`` is true (no validation: the routing question)."""
+    """The routing question (no validation): does this config ask for AMSP? Yes when it has an
+    ``"amsp"`` block whose ``enabled`` is anything but ``false``: ``true``, and also a missing or
+    misspelt value (``"yes"``, ``"true"``), which then fails validation with one line instead
+    of DeepSpeed running silently behind a block the user meant to switch on."""
     block = config.get("amsp") if isinstance(config, Mapping) else None
-    return isinstance(block, Mapping) and block.get("enabled") is True
+    return isinstance(block, Mapping) and block.get("enabled") is not False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,6 +311,19 @@ def _batch_value(cfg: Mapping[str, Any], key: str) -> int | None:
     return v
 
 
+def _divide(total: int, total_key: str, parts: list[tuple[str, int]]) -> int:
+    """``total / product(parts)`` when it is a whole number >= 1; else a one-line error naming
+    the keys (never an impossible derived value such as 0 accumulation steps)."""
+    div = 1
+    for _, v in parts:
+        div *= v
+    if total % div or total < div:
+        names = " x ".join(f"{k}={v}" for k, v in parts)
+        raise ConfigError(f"{total_key}={total} is not a multiple of {names} = {div}; change "
+                          f"{total_key} or the others so that it divides")
+    return total // div
+
+
 def resolve_batch(cfg: Mapping[str, Any], world_size: int) -> BatchSettings:
     """DeepSpeed's rules (``DeepSpeedConfig._set_batch_related_parameters``): any two of
     train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps give the
@@ -312,22 +331,23 @@ def resolve_batch(cfg: Mapping[str, Any], world_size: int) -> BatchSettings:
     tbs = _batch_value(cfg, "train_batch_size")
     mbs = _batch_value(cfg, "train_micro_batch_size_per_gpu")
     gas = _batch_value(cfg, "gradient_accumulation_steps")
+    world = ("world size", world_size)
     if tbs is not None and mbs is not None and gas is not None:
         pass
     elif tbs is not None and mbs is not None:
-        gas = tbs // mbs // world_size
+        gas = _divide(tbs, "train_batch_size", [("train_micro_batch_size_per_gpu", mbs), world])
     elif tbs is not None and gas is not None:
-        mbs = tbs // world_size // gas
+        mbs = _divide(tbs, "train_batch_size", [("gradient_accumulation_steps", gas), world])
     elif mbs is not None and gas is not None:
         tbs = mbs * gas * world_size
     elif tbs is not None:
-        gas, mbs = 1, tbs // world_size
+        gas, mbs = 1, _divide(tbs, "train_batch_size", [world])
     elif mbs is not None:
         gas, tbs = 1, mbs * world_size
     else:
         raise ConfigError("train_batch_size or train_micro_batch_size_per_gpu must be given "
                           "(the DeepSpeed batch keys)")
-    if not (mbs and gas) or tbs != mbs * gas * world_size:
+    if tbs != mbs * gas * world_size:
         raise ConfigError(
             f"train_batch_size={tbs} must equal train_micro_batch_size_per_gpu={mbs} x "
             f"gradient_accumulation_steps={gas} x world size {world_size}")
@@ -339,6 +359,7 @@ class PrecisionSettings:
     """``bf16`` / ``fp16`` blocks. Dynamic loss scaling follows DeepSpeed's keys."""
 
     precision: str = "fp32"
+    reduce_dtype: str = "fp32"  # ShardConfig.reduce_dtype; see reduce_dtype_from_ds
     initial_scale: float = 2.0**16
     growth_interval: int = 1000
     min_scale: float = 1.0
@@ -346,6 +367,11 @@ class PrecisionSettings:
 
     @classmethod
     def from_ds(cls, cfg: Mapping[str, Any]) -> "PrecisionSettings":
+        prec = cls._from_ds_blocks(cfg)
+        return dataclasses.replace(prec, reduce_dtype=reduce_dtype_from_ds(cfg, prec.precision))
+
+    @classmethod
+    def _from_ds_blocks(cls, cfg: Mapping[str, Any]) -> "PrecisionSettings":
         def enabled(block: str) -> bool:
             b = cfg.get(block)
             if b is None:
@@ -394,6 +420,35 @@ class PrecisionSettings:
                          f"overflow (hysteresis 1)")
         return cls(precision="fp16", initial_scale=initial, growth_interval=window,
                    min_scale=float(min_scale), notes=tuple(notes))
+
+
+def reduce_dtype_from_ds(cfg: Mapping[str, Any], precision: str) -> str:
+    """``communication_data_type`` (else ``data_types.grad_accum_dtype``) as ShardConfig's
+    reduce_dtype: AMSP reduces and accumulates gradients in one dtype, fp32 or the precision.
+    Absent, AMSP's default fp32 (DeepSpeed's is the compute dtype; the note in
+    runtime/config.py says why AMSP differs, and ``amsp_ext.initialize`` prints the choice)."""
+    allowed = reduce_dtypes(precision)
+    got = {}
+    comm = cfg.get("communication_data_type")
+    if comm is not None:
+        got["communication_data_type"] = comm
+    types = cfg.get("data_types")
+    if types is not None:
+        if not isinstance(types, Mapping):
+            raise ConfigError(f"data_types must be an object like {{\"grad_accum_dtype\": \"fp32\"}}, got {types!r}")
+        _check_keys(types, ("grad_accum_dtype",), "data_types")
+        if types.get("grad_accum_dtype") is not None:
+            got["data_types.grad_accum_dtype"] = types["grad_accum_dtype"]
+    for key, v in got.items():
+        if not isinstance(v, str) or v.lower() not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)} with {precision} training "
+                              f"(AMSP reduces in fp32 or the compute dtype), got {v!r}")
+    values = {v.lower() for v in got.values()}
+    if len(values) > 1:
+        raise ConfigError("communication_data_type and data_types.grad_accum_dtype differ "
+                          f"({', '.join(f'{k}={v!r}' for k, v in got.items())}); AMSP accumulates "
+                          "gradients in the dtype it reduces them in: give one value")
+    return values.pop() if values else "fp32"
 
 
 def gradient_clipping(cfg: Mapping[str, Any]) -> float:

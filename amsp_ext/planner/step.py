@@ -66,7 +66,7 @@ import numpy as np
 from amsp_ext.planner.calibration import KINDS, Calibration
 from amsp_ext.planner.cost import CommCost
 from amsp_ext.planner.issued import broadcast_items, grad_buckets
-from amsp_ext.planner.memory import param_bytes
+from amsp_ext.planner.memory import grad_bytes, param_bytes
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.profile import CommTimer
@@ -380,7 +380,7 @@ def step_estimate(
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     M, T = num_micro_batches, training.tokens_per_micro_batch
-    e = param_bytes(training.precision)
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
     params, flops, layer_of = _units(spec, training.seq_len, training.granularity)
     on = _switches(overlap)
     price = _Pricer(timer, calibration, on, drop_kind)
@@ -396,7 +396,7 @@ def step_estimate(
     sizes = {n: None for n in params.tolist()}
     ag = {n: price("AG", "allgather", e * n, (p0, p1)) for n in sizes}
     ag_b = {n: price("AG", "allgather", e * n, (q0, q1)) for n in sizes}
-    rs = {n: price("RS", "reducescatter", e * n, (p0, p1)) for n in sizes}
+    rs = {n: price("RS", "reducescatter", e_g * n, (p0, p1)) for n in sizes}
     g, hg = (np.array([ag[n][i] for n in params.tolist()]) for i in (0, 1))
     g_b, hg_b = (np.array([ag_b[n][i] for n in params.tolist()]) for i in (0, 1))
     r, hr = (np.array([rs[n][i] for n in params.tolist()]) for i in (0, 1))
@@ -460,8 +460,8 @@ def step_estimate(
     # -- all-reduce buckets -----------------------------------------------------------------
     g0, g1 = plan.grad_mesh()
     if calibration is None:
-        grad_bytes = e * params[units_bwd] / plan.sp
-        b_ready, b_bytes = _bucket_ready(grad_bytes, grad_ready, U)
+        unit_grad_bytes = e_g * params[units_bwd] / plan.sp
+        b_ready, b_bytes = _bucket_ready(unit_grad_bytes, grad_ready, U)
         t_ar_g, t_ar_last = 0.0, 0.0
         if drop_kind != "AR":
             t_ar_g = timer.time("allreduce", U, g0, g1)
@@ -472,7 +472,7 @@ def step_estimate(
             rs=(done, r[units_bwd]) if rs_async else None)
     else:  # the engine's buckets (issued.py), each ready when its units' gradients are
         buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
-                               elem_bytes=e)
+                               elem_bytes=e_g)
         ready_of = dict(zip(units_bwd.tolist(), grad_ready.tolist()))
         b_ready = np.array([max(ready_of[u] for u in units) for _, units in buckets])
         replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
@@ -532,7 +532,8 @@ def issued_profile_times(plan: Plan, spec: ModelSpec, training: TrainingSpec,
                          bwd_gather_mesh: tuple[int, int] | None = None) -> dict[str, Issued]:
     """Per kind, the collectives the engine issues in one step (issued.py) and the profile's
     time for them: what a calibration is fitted against."""
-    M, e, U = num_micro_batches, param_bytes(training.precision), training.bucket_bytes
+    M, U = num_micro_batches, training.bucket_bytes
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
     params, _, _ = _units(spec, training.seq_len, training.granularity)
     p_mesh = plan.mesh("p")
     out = {k: Issued() for k in KINDS}
@@ -540,12 +541,12 @@ def issued_profile_times(plan: Plan, spec: ModelSpec, training: TrainingSpec,
         q_mesh = bwd_gather_mesh or p_mesh
         ag = sum(timer.time("allgather", e * n, *p_mesh) + timer.time("allgather", e * n, *q_mesh)
                  for n in params.tolist())
-        rs = sum(timer.time("reducescatter", e * n, *p_mesh) for n in params.tolist())
-        v = e * float(params.sum())
-        out["AG"] = Issued(time_s=M * ag, count=2 * M * len(params), nbytes=2 * M * v)
-        out["RS"] = Issued(time_s=M * rs, count=M * len(params), nbytes=M * v)
+        rs = sum(timer.time("reducescatter", e_g * n, *p_mesh) for n in params.tolist())
+        phi = float(params.sum())
+        out["AG"] = Issued(time_s=M * ag, count=2 * M * len(params), nbytes=2 * M * e * phi)
+        out["RS"] = Issued(time_s=M * rs, count=M * len(params), nbytes=M * e_g * phi)
     buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
-                           elem_bytes=e)
+                           elem_bytes=e_g)
     replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
     t_ar, n_ar, v_ar = 0.0, 0, 0.0
     for mesh, times in ((replica, 1), (plan.grad_mesh(), M - 1)):
@@ -579,13 +580,13 @@ def kind_times(
                 + cal.comm_latency_s[k] * i.count for k, i in issued.items()}
         return KindTimes(busy_s=busy, exposed_s=_exposed(plan, spec, training, cluster, timer,
                                                          comm, M, step, busy, options))
-    e = param_bytes(training.precision)
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
     params, _, _ = _units(spec, training.seq_len, training.granularity)
     p0, p1 = plan.mesh("p")
     q0, q1 = options.get("bwd_gather_mesh") or (p0, p1)
     ag = sum(timer.time("allgather", e * n, p0, p1) + timer.time("allgather", e * n, q0, q1)
              for n in params.tolist())
-    rs = sum(timer.time("reducescatter", e * n, p0, p1) for n in params.tolist())
+    rs = sum(timer.time("reducescatter", e_g * n, p0, p1) for n in params.tolist())
     busy = {"AG": M * ag, "RS": M * rs, "AR": comm.t_g + comm.t0_os, "BC": comm.t1_os}
     return KindTimes(busy_s=busy, exposed_s=_exposed(plan, spec, training, cluster, timer, comm,
                                                      M, step, busy, options))

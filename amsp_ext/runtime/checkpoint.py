@@ -16,7 +16,7 @@ hold them, in any layout. So the engine's only job is to express each local tens
 global tensor with the right offsets, and to choose which keys each rank presents.
 
 [Note: the layout as DCP chunks]
-- Parameters: ``model.state_dict()`` as is. For sp > 1 they are FSDP2's DTensors (Shard(0) on
+- Parameters: ``model.sharded_state_dict()`` as is. For sp > 1 they are FSDP2's DTensors (Shard(0) on
   the ``param_shard`` mesh), so DCP sees chunk offsets directly. The ``param_replica`` ranks
   hold the same chunks; DCP's dedup keeps one writer per chunk (balancing bytes per rank).
 - fp32 masters and inner optimizer states exist only on the owner of each local tensor
@@ -68,6 +68,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     if e.rank == 0 and (path / META_FILE).exists():
         (path / META_FILE).unlink()  # a half-overwritten checkpoint must not look complete
     e.wait_params()
-    sd: dict[str, Any] = {MODEL + k: v for k, v in model.state_dict().items()}
+    sd: dict[str, Any] = {MODEL + k: v for k, v in model.sharded_state_dict().items()}
     group_of = {id(p): g for g in opt.inner.param_groups for p in g["params"]}
     rows = []
     for idx, m in opt.masters.items():
@@ -212,12 +213,7 @@ def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:
 
 
 def _chunk_offset(t: "LocalTensor") -> list[int]:
-    p = t.param
-    if not isinstance(p, DTensor):
-        return [0] * len(t.global_shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return list(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
+    return compat.local_chunk_offset(t.param)
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -256,7 +252,7 @@ def _hf_info(model: nn.Module) -> tuple[str, dict | None]:
 def _meta(model: nn.Module, e: "Engine", table: list, rng: bool) -> dict:
     by_id = trainable_by_id(e)
     model_rows = []
-    for k, v in model.state_dict(keep_vars=True).items():
+    for k, v in model.sharded_state_dict(keep_vars=True).items():
         t = by_id.get(id(v))
         model_rows.append({"key": k, "shape": list(v.shape), "dtype": _dtype_name(v.dtype),
                            "param": t.name if t is not None else None})
@@ -334,7 +330,7 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     e = engine_of(model, optimizer)
     opt = e.optimizer
     md = dcp_metadata(path)
-    current = model.state_dict(keep_vars=True)
+    current = model.sharded_state_dict(keep_vars=True)
     _check_model(path, meta, current)
     if optimizer_states:
         _check_optimizer(path, meta, e)

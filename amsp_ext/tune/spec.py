@@ -102,7 +102,8 @@ class TuneConfig:
         b, e, t = self.batch, self.engine, self.tune
         return {"model": self.model_name, "seq_len": b.seq_len,
                 "micro_batch_size": b.micro_batch_size, "micro_batches": b.micro_batches,
-                "precision": e.precision, "granularity": e.granularity,
+                "precision": e.precision, "reduce_dtype": e.reduce_dtype,
+                "granularity": e.granularity,
                 "bucket_bytes": self.bucket_bytes, "recompute": e.recompute,
                 "no_overlap": list(e.no_overlap), "memory_reserve_bytes": memory_reserve_bytes,
                 "steps": b.steps, "warmup_steps": t.warmup_steps, "repeats": t.repeats}
