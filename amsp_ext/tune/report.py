@@ -140,13 +140,16 @@ def _table_lines(result: dict[str, Any]) -> list[str]:
 def _kind_lines(result: dict[str, Any]) -> list[str]:
     variant = next(v for v in ("calibrated", "in_sample", "uncalibrated")
                    if all(v in r["predicted"] for r in result["plans"]))
-    head = "| plan | " + " | ".join(f"{k} meas / pred (s)" for k in KINDS) + " | exposed meas / pred (s) |"
-    lines = [f"Per collective kind, one step: measured busy time (wall time with one in flight) "
-             f"and the `{variant}` model's time; last column: measured time blocked in waits vs "
-             f"the model's exposed communication.", "", head, "|" + "---|" * (head.count("|") - 1)]
+    head = "| plan | " + " | ".join(f"{k} busy / exposed (s)" for k in KINDS) + " | all exposed (s) |"
+    lines = [f"Per collective kind, one step, measured / `{variant.replace('_', '-')}` model: *busy* "
+             f"is the wall time with one of the kind in flight (the model: its collectives' "
+             f"time), *exposed* the time the compute thread waited for them (the model: what "
+             f"the kind adds to the step). Last column: all waits, and the model's exposed "
+             f"communication.", "", head, "|" + "---|" * (head.count("|") - 1)]
     for r in result["plans"]:
         m, p = r["measured"]["comm"], r["predicted"][variant]
-        cells = [f"{_f(m[k]['busy_s'])} / {_f(p['busy_s'][k])}" for k in KINDS]
+        cells = [f"{_f(m[k]['busy_s'], '.2f')} / {_f(p['busy_s'][k], '.2f')} · "
+                 f"{_f(m[k]['exposed_s'], '.2f')} / {_f(p['exposed_s'][k], '.2f')}" for k in KINDS]
         blocked = sum((m[k]["exposed_s"] or 0.0) for k in (*KINDS, "other"))
         lines.append(f"| {r['label']} | " + " | ".join(cells)
                      + f" | {_f(blocked)} / {_f(p['exposed_comm_s'])} |")
