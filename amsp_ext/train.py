@@ -28,6 +28,7 @@ from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec, parse_size
 from amsp_ext.runtime import collectives
 from amsp_ext.runtime.profiler import pick_device
+from amsp_ext.cli.supervise import die_with_parent, report_error
 from amsp_ext.cli.train import add_train_arguments, check_args
 from amsp_ext.runtime.config import PRECISIONS, AutoPlanConfig, OverlapConfig, ShardConfig
 
@@ -155,7 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     add_train_arguments(parser)
     parser.add_argument("--result-file", default=None, help="rank 0 writes the JSON summary here")
     args = parser.parse_args(argv)
-    result = train(args)
+    die_with_parent()  # never outlive the launcher's agent (amsp_ext/cli/supervise.py)
+    try:
+        result = train(args)
+    except (ValueError, collectives.CollectiveTimeout) as e:  # known: one line, no traceback
+        if report_error(e):
+            return 1
+        raise
+    except Exception as e:
+        report_error(e)
+        raise
     if result is not None:
         if args.result_file:
             with open(args.result_file, "w") as f:

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 from amsp_ext.models import MODEL_CONFIGS  # torch-free
 
@@ -121,18 +120,23 @@ def run(args: argparse.Namespace) -> int:
         )
     check_args(args)
     _check_plan_fits(args.plan, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
-    with tempfile.TemporaryDirectory(prefix="amsp-train-") as tmp:
-        result_file = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc_per_node}", "-m", "amsp_ext.train",
-               *_worker_argv(args, gpus), "--result-file", result_file]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE if args.json else None)
-        if proc.returncode != 0:
-            print(f"amsp train: error: ranks exited with status {proc.returncode}", file=sys.stderr)
-            return proc.returncode
-        if args.json:
-            with open(result_file) as f:
-                print(json.dumps(json.load(f)))
+    return launch(["--standalone", f"--nproc-per-node={args.nproc_per_node}", "-m", "amsp_ext.train",
+                   *_worker_argv(args, gpus)], as_json=args.json)
+
+
+def launch(torchrun_args: list[str], *, as_json: bool) -> int:
+    """Run the ranks under torchrun (see amsp_ext/cli/supervise.py: no orphans, one line on
+    failure); with ``as_json``, print rank 0's summary."""
+    from amsp_ext.cli.supervise import Job
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    with Job("amsp-train-") as job:
+        result_file = job.dir / "result.json"
+        rc = job.run([*torchrun_args, "--result-file", str(result_file)], env=env,
+                     stdout=subprocess.DEVNULL if as_json else None)
+        if rc != 0:
+            print(f"amsp train: error: {job.error_line(rc)}", file=sys.stderr)
+            return rc
+        if as_json:
+            print(json.dumps(json.loads(result_file.read_text())))
     return 0

@@ -14,6 +14,7 @@ __all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PREC
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRANULARITIES = ("module", "layer")
 OWNERSHIPS = ("greedy", "blocks")
+INIT_WEIGHTS = ("broadcast", "check")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +106,8 @@ class ShardConfig:
     timeout: float = 600.0  # seconds a wait may take before CollectiveTimeout
     fp16: FP16Config = field(default_factory=FP16Config)
     auto: AutoPlanConfig | None = None  # needed by plan="auto"
+    # rank 0's initial weights broadcast to all ("broadcast", as DDP) or compared ("check")
+    init_weights: str = "broadcast"
 
     def __post_init__(self) -> None:
         if self.gpus_per_node is None:
@@ -140,7 +143,10 @@ class ShardConfig:
             raise ValueError(f"config.fp16 must be an FP16Config, got {type(self.fp16).__name__}")
         if self.auto is not None and not isinstance(self.auto, AutoPlanConfig):
             raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+        if self.init_weights not in INIT_WEIGHTS:
+            raise ValueError(f"config.init_weights must be one of {', '.join(INIT_WEIGHTS)}, got {self.init_weights!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
+                0 < self.timeout < float("inf")):
             raise ValueError(f"config.timeout must be a number of seconds > 0, got {self.timeout!r}")
 
     @property
@@ -151,8 +157,11 @@ class ShardConfig:
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
 
-    def fingerprint(self) -> str:
-        """Hash of every field that must agree across ranks (all of them but the timeout)."""
+    def fingerprint_fields(self) -> dict:
+        """Every field that must agree across ranks (all of them but the timeout)."""
         d = dataclasses.asdict(self)
         d.pop("timeout")
-        return hashlib.sha256(repr(sorted(d.items())).encode()).hexdigest()[:16]
+        return d
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(repr(sorted(self.fingerprint_fields().items())).encode()).hexdigest()[:16]
