@@ -16,6 +16,8 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
       "overlap": {"allgather": true, "allreduce": true, "broadcast": true},
       "bucket_size": "25MiB",               # gradient bucket U; null: DeepSpeed's reduce_bucket_size
       "granularity": "module", "recompute": false, "ownership": "greedy", "timeout": 600,
+      "max_bad_steps": 3,                   # consecutive non-finite steps (skipped) before the
+                                            #   job stops; 0: no guard (ShardConfig.max_bad_steps)
       "log_plan": true
     }
 
@@ -169,6 +171,7 @@ class AMSPSettings:
     recompute: bool = False
     ownership: str = "greedy"
     timeout: float = 600.0
+    max_bad_steps: int = 3
     log_plan: bool = True
 
     def __post_init__(self) -> None:
@@ -189,8 +192,11 @@ class AMSPSettings:
         _size(self.bucket_size, "amsp.bucket_size")
         _bool(self.recompute, "amsp.recompute")
         _bool(self.log_plan, "amsp.log_plan")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
+                0 < self.timeout < float("inf")):
             raise ConfigError(f"amsp.timeout must be a number of seconds > 0, got {self.timeout!r}")
+        if not _is_int(self.max_bad_steps) or self.max_bad_steps < 0:
+            raise ConfigError(f"amsp.max_bad_steps must be an integer >= 0 (0: no guard), got {self.max_bad_steps!r}")
         if self.plan.lower() == "auto" and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner sizes "
                               "activations by it); or give amsp.plan as factors or a baseline name")

@@ -108,6 +108,8 @@ class ShardConfig:
     auto: AutoPlanConfig | None = None  # needed by plan="auto"
     # rank 0's initial weights broadcast to all ("broadcast", as DDP) or compared ("check")
     init_weights: str = "broadcast"
+    # consecutive non-finite steps (skipped on every rank) before the job stops; 0: guard off
+    max_bad_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.gpus_per_node is None:
@@ -143,6 +145,8 @@ class ShardConfig:
             raise ValueError(f"config.fp16 must be an FP16Config, got {type(self.fp16).__name__}")
         if self.auto is not None and not isinstance(self.auto, AutoPlanConfig):
             raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
+        if isinstance(self.max_bad_steps, bool) or not isinstance(self.max_bad_steps, int) or self.max_bad_steps < 0:
+            raise ValueError(f"config.max_bad_steps must be an integer >= 0 (0: no guard), got {self.max_bad_steps!r}")
         if self.init_weights not in INIT_WEIGHTS:
             raise ValueError(f"config.init_weights must be one of {', '.join(INIT_WEIGHTS)}, got {self.init_weights!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (

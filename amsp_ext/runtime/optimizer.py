@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.loss_scale import DynamicLossScaler
+from amsp_ext.runtime.nonfinite import NonFiniteGuard
 
 if TYPE_CHECKING:
     from amsp_ext.runtime.engine import Engine
@@ -64,6 +65,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # so step() needs no second all-reduce (and no per-tensor isfinite sync) to find out
         self._found_inf: bool | None = None
         self.num_steps = 0
+        self.guard = NonFiniteGuard(engine.config.max_bad_steps)  # see nonfinite.py
+        self._skipped = 0
 
     # -- what LR schedulers and user code read ---------------------------------------------------
     @property
@@ -88,7 +91,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps if self.scaler else 0
+        """Steps skipped so far (fp16 overflows and non-finite steps)."""
+        return self._skipped
 
     def __repr__(self) -> str:
         return f"AMSPOptimizer(plan={self._engine.plan}, owned={len(self.masters)}, inner={self.inner!r})"
@@ -96,6 +100,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
     # -- training loop ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by the dynamic loss scale under fp16."""
+        self.guard.note_loss(loss)  # [amsp nonfinite] lazy flag, no sync
         if self.scaler is not None:
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
@@ -110,11 +115,15 @@ class AMSPOptimizer(torch.optim.Optimizer):
             raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, got {norm_type}")
         with record_function("amsp::clip_grad_norm::optim"):
             grads = list(self._owned_grads().values())
+            # [amsp nonfinite] over the world, with this rank's loss verdict folded in: every
+            # rank gets the same (non-)finite norm (nonfinite.py: [Note: one decision...])
+            world = dist.group.WORLD
             if norm_type == math.inf:
                 local = max((g.detach().abs().max().float() for g in grads if g.numel()),
                             default=torch.zeros((), device=e.device))
                 total = torch.as_tensor(local, dtype=torch.float32, device=e.device).reshape(1)
-                C.all_reduce(total, e.group("optim"), name=e.name("optim"), op=dist.ReduceOp.MAX,
+                total = self.guard.fold(total).nan_to_num(nan=math.inf)  # MAX of NaN is unordered
+                C.all_reduce(total, world, name="world", op=dist.ReduceOp.MAX,
                              async_op=False, timeout=e.config.timeout)
                 norm = total[0]
             else:
@@ -123,9 +132,10 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 if grads:
                     norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]
                     total += torch.stack(norms).square().sum()
-                C.all_reduce(total, e.group("optim"), name=e.name("optim"), async_op=False,
-                             timeout=e.config.timeout)
-                norm = total[0].sqrt()
+                total = self.guard.fold(total)
+                C.all_reduce(total, world, name="world", async_op=False, timeout=e.config.timeout)
+                # each optim group holds every gradient once: the world counts it world/sos times
+                norm = (total[0] / (e.world.size // e.size("optim"))).sqrt()
             if self.scaler is not None:
                 norm = norm / self.scaler.scale
             coef = float(max_norm) / (float(norm) + 1e-6)
@@ -134,17 +144,6 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self._found_inf = not math.isfinite(self.last_grad_norm)
             return norm
 
-    def _overflow(self) -> bool:
-        e = self._engine
-        bad = torch.zeros(1, dtype=torch.float32, device=e.device)
-        for g in self._owned_grads().values():
-            if g.numel() and not torch.isfinite(g).all():
-                bad.fill_(1.0)
-                break
-        C.all_reduce(bad, e.group("optim"), name=e.name("optim"), op=dist.ReduceOp.MAX,
-                     async_op=False, timeout=e.config.timeout)
-        return bool(bad.item())
-
     @torch.no_grad()
     def step(self, closure: Callable | None = None):  # type: ignore[override]
         if closure is not None:
@@ -152,13 +151,15 @@ class AMSPOptimizer(torch.optim.Optimizer):
         e = self._engine
         e.param_sync.wait_all()
         with record_function("amsp::optimizer_step"):
-            found_inf = self._found_inf
-            self._found_inf = None
-            if self.scaler is not None and (self._overflow() if found_inf is None else found_inf):
-                self.scaler.update(True)
-                self._grad_coef = 1.0
-                e.grad_sync.zero_grad()
+            checked = self.scaler is not None or self.guard.enabled
+            if checked and self._found_inf is None:  # no clip this step: the guard needs the norm
+                self.clip_grad_norm_(math.inf)
+            found_inf, self._found_inf = self._found_inf, None
+            if checked and found_inf:  # [amsp nonfinite] the same decision on every rank
+                self._skip_step()
                 return None
+            self.guard.after_step(step=self.num_steps + self._skipped, bad=False, counts=False,
+                                  ranks=None, norm=self.last_grad_norm, rank=e.rank)
             factor = self._grad_coef / (self.scaler.scale if self.scaler else 1.0)
             owned = self._owned_grads()
             for idx, m in self.masters.items():
@@ -182,8 +183,29 @@ class AMSPOptimizer(torch.optim.Optimizer):
         e.param_sync.broadcast_all()
         return None
 
+    def _skip_step(self) -> None:
+        """A non-finite step: nothing is applied, on any rank (see nonfinite.py)."""
+        e = self._engine
+        step = self.num_steps + self._skipped
+        counts = self.scaler is None or self.scaler.scale <= self.scaler.cfg.min_scale
+        if self.scaler is not None:
+            self.scaler.update(True)
+        self._skipped += 1
+        self._grad_coef = 1.0
+        e.grad_sync.zero_grad()
+        ranks = None
+        if self.guard.enabled and counts:  # rare: one small all-gather names the ranks
+            flags = C.all_gather_bytes(b"1" if self.guard.loss_was_bad() else b"0", None, name="world",
+                                       timeout=e.config.timeout)
+            ranks = [r for r, f in enumerate(flags) if f == b"1"]
+        if self.guard.enabled:
+            self.guard.after_step(step=step, bad=True, counts=counts, ranks=ranks,
+                                  norm=self.last_grad_norm, rank=e.rank)
+        self.guard.reset_loss()
+
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         self._found_inf = None
+        self.guard.reset_loss()
         self._engine.grad_sync.zero_grad()
         for m in self.masters.values():
             m.grad = None
