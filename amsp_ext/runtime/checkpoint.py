@@ -78,7 +78,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.checkpoint_files import (DCP_METADATA, META_FILE, CheckpointError, begin_staging,
+from amsp_ext.runtime.checkpoint_files import (DCP_METADATA, FORMAT, META_FILE, CheckpointError, begin_staging,
                                                damage, file_digest, publish, rank_files, read_meta,
                                                resolve, staging_path, verify_files, write_meta)
 
@@ -89,7 +89,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointError", "PendingSave", "checkpoint_step", "load_checkpoint", "read_checkpoint_meta",
            "save_checkpoint", "verify_checkpoint", "wait_for_save"]
 
-FORMAT = "amsp-checkpoint/2"  # /2: atomic publish, checksums of every file
 MODEL = "model."  # + state_dict key
 MASTER = "optim.master."  # + tensor name (mixed precision only)
 STATE = "optim.state."  # + tensor name + "." + state key

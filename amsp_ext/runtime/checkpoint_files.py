@@ -1,6 +1,6 @@
 """A checkpoint directory on disk: staged in a temporary sibling, published by one rename,
-checksummed file by file and verified before anything is read. Torch-free, so the launcher can
-check a checkpoint before it starts any rank.
+checksummed file by file and verified before anything is read. It needs no process group, so the
+launcher checks a checkpoint before it starts any rank.
 
 [Note: atomic publish]
 ``save_checkpoint(path)`` never writes into ``path``. Rank 0 empties the sibling
@@ -33,9 +33,10 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["CheckpointError", "META_FILE", "begin_staging", "file_digest", "publish", "rank_files",
+__all__ = ["CheckpointError", "FORMAT", "META_FILE", "begin_staging", "file_digest", "publish", "rank_files",
            "read_meta", "resolve", "staging_path", "verify_files", "write_meta"]
 
+FORMAT = "amsp-checkpoint/2"  # /2: atomic publish, checksums of every file
 META_FILE = "amsp.json"
 DCP_METADATA = ".metadata"
 _CHUNK = 8 << 20
