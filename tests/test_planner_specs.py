@@ -53,7 +53,7 @@ def test_micro_batches():
     ({"global_batch_tokens": 8, "global_batch_size": 1}, "give exactly one of"),
     ({"global_batch_tokens": 100}, "not a multiple of seq_len"),
     ({"global_batch_size": -4}, "global_batch_size must be an integer >= 1"),
-    ({"num_micro_batches": 1, "precision": "fp8"}, "precision must be one of bf16, fp16, fp32"),
+    ({"num_micro_batches": 1, "precision": "fp8"}, "precision must be one of fp32, bf16, fp16"),
     ({"num_micro_batches": 1, "optimizer": "adam"}, "optimizer must be one of adamw"),
     ({"num_micro_batches": 1, "granularity": "tensor"}, "granularity must be one of module, layer"),
     ({"num_micro_batches": 1, "bucket_bytes": 0}, "bucket_bytes"),

@@ -66,4 +66,4 @@ def test_train_refuses_a_plan_that_does_not_fit_before_launching():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "plan" in lines[0] and "s0_os=4 > R=2" in lines[0]
     proc = amsp("train", "--steps", "0")
-    assert proc.returncode == 2 and "--steps must be >= 1" in proc.stderr
+    assert proc.returncode == 2 and "--steps must be an integer >= 1, got 0" in proc.stderr

@@ -17,6 +17,9 @@ import argparse
 import shlex
 import sys
 
+from amsp_ext.choices import GRANULARITIES, MISSING_MESH
+from amsp_ext.compare.config import PRECISIONS
+
 HELP = "measured side-by-side: DDP, ZeRO-1/2/3, ZeRO++, MiCS, FSDP2/HSDP and AMSP on one job"
 
 # --quick: a tiny model and few steps, so the whole table takes minutes on 2 CPU cores.
@@ -38,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup-steps", type=int, help="steps left out of the throughput median")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "cluster"))
     p.add_argument("--nproc-per-node", type=int, help="ranks (torchrun launcher)")
     p.add_argument("--gpus-per-node", type=int,
@@ -48,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpz-partition-size", type=int, help="default: one node")
     p.add_argument("--amsp-plan", default="auto",
                    help="plan of the 'AMSP (planner's plan)' row: auto | ddp | zero1 | mics:K | p=AxB,g=..,os=..")
-    p.add_argument("--amsp-granularity", default="layer", choices=("layer", "module"),
+    p.add_argument("--amsp-granularity", default="layer", choices=GRANULARITIES,
                    help="sharding unit of the AMSP rows: one per decoder layer, as the FSDP2 rows "
                    "wrap (default), or every Linear (the paper's module-level AG/RS)")
     p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
@@ -57,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory per GPU the planner plans for (--amsp-plan auto), e.g. 80GiB, 4MiB")
     p.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
                    help="memory per GPU the planner keeps free (default 2GiB, as `amsp plan`)")
-    p.add_argument("--missing-mesh", choices=("error", "fit"), default="fit",
+    p.add_argument("--missing-mesh", choices=MISSING_MESH, default="fit",
                    help="a mesh the profile lacks: estimate by alpha-beta fit (default) or refuse")
     p.add_argument("--ablation-micro-batches", help="ablation mode: comma-separated M values, "
                    "e.g. 1,2,4,8 as in the paper's Table V (default: --micro-batches)")

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from amsp_ext.choices import MISSING_MESH, PRECISIONS
+
 HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
 
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default
@@ -52,14 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--nodes-per-leaf", type=int, default=None)
     c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
                    help="bandwidth profile (default paper-a800)")
-    c.add_argument("--missing-mesh", choices=("error", "fit"), default="error")
+    c.add_argument("--missing-mesh", choices=MISSING_MESH, default="error")
     t = p.add_argument_group("training (what the ds_config does not say)")
     t.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     t.add_argument("--micro-batch-size", type=int, default=None,
                    help="needed when train_micro_batch_size_per_gpu is 'auto'")
     t.add_argument("--micro-batches", type=int, default=None,
                    help="needed when gradient_accumulation_steps is 'auto'")
-    t.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+    t.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="needed when bf16/fp16.enabled is 'auto'")
     t.add_argument("--recompute", action="store_true", help="the job recomputes activations")
     p.add_argument("--plan", default=None,

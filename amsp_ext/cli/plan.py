@@ -14,8 +14,9 @@ HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from amsp_ext.planner.model_spec import GRANULARITIES, MODEL_PRESETS
-    from amsp_ext.planner.specs import OPTIMIZERS, PRECISIONS
+    from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OPTIMIZERS,
+                                  PLANNER_OVERLAP_OF, PRECISIONS)
+    from amsp_ext.planner.model_spec import MODEL_PRESETS
 
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help=f"preset: {', '.join(MODEL_PRESETS)}")
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nodes under one leaf switch (report which groups cross leaves)")
     c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
                    help="bandwidth profile: a bundled name or a JSON file (default paper-a800)")
-    c.add_argument("--missing-mesh", choices=("error", "fit"), default="error",
+    c.add_argument("--missing-mesh", choices=MISSING_MESH, default="error",
                    help="a mesh the profile lacks: refuse (default) or estimate by alpha-beta fit")
 
     t = p.add_argument_group("training")
@@ -55,13 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="parameter sharding unit: one per Linear (default) or per layer")
 
     s = p.add_argument_group("search")
-    s.add_argument("--objective", choices=("comm", "step"), default="comm",
+    s.add_argument("--objective", choices=OBJECTIVES, default="comm",
                    help="comm: the paper's Eq. 1; step: compute + unhidden communication")
     s.add_argument("--efficiency", type=float, default=None,
                    help="fraction of peak the compute reaches (step model; default 0.65)")
     s.add_argument("--tie-tolerance", type=float, default=0.01,
                    help="relative objective difference treated as a tie (default 0.01)")
-    s.add_argument("--no-overlap", action="append", choices=("ag_rs", "ar", "bc"), default=[],
+    s.add_argument("--no-overlap", action="append", choices=tuple(PLANNER_OVERLAP_OF.values()), default=[],
                    help="step model without one of the paper's overlaps (Table V ablation)")
     s.add_argument("--mics-size", type=int, default=None, help="MiCS shard group (default R)")
     s.add_argument("--hpz-size", type=int, default=None, help="ZeRO++ hpZ group (default R)")

@@ -12,22 +12,21 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from amsp_ext import choices
+from amsp_ext.choices import GRANULARITIES, OVERLAP_OPS, check_one_of
 from amsp_ext.models import MODEL_CONFIGS
 
 __all__ = ["GRANULARITIES", "OVERLAPS", "OVERLAP_LABELS", "OVERLAP_SWITCHES", "PRECISIONS", "RunSpec", "SpecError"]
 
-PRECISIONS = ("bf16", "fp32")
+# no fp16: the comparison's training steps (systems/*.py) do no loss scaling
+PRECISIONS = tuple(p for p in choices.PRECISIONS if p != "fp16")
 # The paper's Table V, cumulative: all on, no Broadcast overlap, no Broadcast and no AllReduce
 # overlap, no overlap at all (AG/RS too), as the engine's OverlapConfig switches.
-OVERLAP_SWITCHES = {
-    "all": dict(allgather=True, allreduce=True, broadcast=True),
-    "no_bc": dict(allgather=True, allreduce=True, broadcast=False),
-    "no_bc_ar": dict(allgather=True, allreduce=False, broadcast=False),
-    "none": dict(allgather=False, allreduce=False, broadcast=False),
-}
+_OFF = {"all": (), "no_bc": ("broadcast",), "no_bc_ar": ("broadcast", "allreduce"),
+        "none": OVERLAP_OPS}
+OVERLAP_SWITCHES = {name: {op: op not in off for op in OVERLAP_OPS} for name, off in _OFF.items()}
 OVERLAPS = tuple(OVERLAP_SWITCHES)
 OVERLAP_LABELS = {"all": "all on", "no_bc": "no BC", "no_bc_ar": "no BC+AR", "none": "none"}
-GRANULARITIES = ("layer", "module")
 
 
 class SpecError(ValueError):
@@ -73,13 +72,9 @@ class RunSpec:
         if not 0 <= self.num_warmup_steps < self.num_steps:
             raise SpecError(f"num_warmup_steps must be in 0..num_steps-1 ({self.num_steps - 1}), "
                             f"got {self.num_warmup_steps}")
-        if self.precision not in PRECISIONS:
-            raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.amsp_granularity not in GRANULARITIES:
-            raise SpecError(f"amsp_granularity must be one of {', '.join(GRANULARITIES)}, "
-                            f"got {self.amsp_granularity!r}")
-        if self.amsp_overlap not in OVERLAPS:
-            raise SpecError(f"amsp_overlap must be one of {', '.join(OVERLAPS)}, got {self.amsp_overlap!r}")
+        check_one_of(self.precision, PRECISIONS, "precision", error=SpecError)
+        check_one_of(self.amsp_granularity, GRANULARITIES, "amsp_granularity", error=SpecError)
+        check_one_of(self.amsp_overlap, OVERLAPS, "amsp_overlap", error=SpecError)
         for name in ("gpus_per_node", "mics_shard_size", "hpz_partition_size"):
             v = getattr(self, name)
             if v is not None and v < 1:

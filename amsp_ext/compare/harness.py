@@ -93,21 +93,18 @@ def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
     """``(spec with explicit factors, why not, where the plan came from)``."""
     if spec.amsp_plan.strip().lower() != "auto":
         return spec, None, f"given: {spec.amsp_plan}"
-    from amsp_ext.compare.systems.amsp import shard_config
+    from amsp_ext.compare.systems.amsp import engine_settings
     from amsp_ext.models import llama_config_dict
-    from amsp_ext.runtime.config import AutoPlanConfig
-    from amsp_ext.runtime.engine import plan_auto
-    from amsp_ext.topology.groups import World
+    from amsp_ext.planner.auto import AutoPlanConfig, plan_auto
 
     # the same engine configuration the AMSP rows run with, planned as the engine plans "auto"
     auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
                           num_micro_batches=spec.num_micro_batches, profile=planner.profile,
                           missing=planner.missing, memory_reserve_bytes=planner.memory_reserve_bytes)
     try:
-        plan = plan_auto(llama_config_dict(spec.model),
-                         World(num_nodes=num_nodes, gpus_per_node=gpus_per_node),
-                         shard_config(spec, gpus_per_node, auto=auto),
-                         gpu_memory_bytes=planner.gpu_memory_bytes)
+        plan = plan_auto(llama_config_dict(spec.model), auto, num_nodes=num_nodes,
+                         gpus_per_node=gpus_per_node, gpu_memory_bytes=planner.gpu_memory_bytes,
+                         **engine_settings(spec))
     except ValueError as e:
         return None, f"planner: {e}", ""
     return spec.replace(amsp_plan=str(plan)), None, f"planner ({planner.describe()}): {plan}"

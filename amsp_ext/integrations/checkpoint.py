@@ -23,13 +23,12 @@ import hashlib
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from amsp_ext.integrations.settings import ConfigError
 from amsp_ext.runtime import checkpoint as ckpt
 
-if TYPE_CHECKING:
-    from amsp_ext.integrations.engine import AMSPDeepSpeedEngine
+# ``engine`` below is the AMSPDeepSpeedEngine (integrations/engine.py) that calls these functions;
+# it is not imported here, so the dependency stays one-way (engine -> checkpoint).
 
 __all__ = ["load_ds_checkpoint", "save_ds_checkpoint"]
 
@@ -49,7 +48,7 @@ def _check_same_tag(tag: str, timeout: float) -> None:
                           f"the tag must be the same on every rank")
 
 
-def save_ds_checkpoint(engine: "AMSPDeepSpeedEngine", save_dir, tag=None, client_state=None,
+def save_ds_checkpoint(engine, save_dir, tag=None, client_state=None,
                        save_latest: bool = True) -> str:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_same_tag(tag, engine.amsp_settings.timeout)
@@ -70,7 +69,7 @@ def save_ds_checkpoint(engine: "AMSPDeepSpeedEngine", save_dir, tag=None, client
     return str(path)
 
 
-def load_ds_checkpoint(engine: "AMSPDeepSpeedEngine", load_dir, tag=None, *,
+def load_ds_checkpoint(engine, load_dir, tag=None, *,
                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
     load_dir = Path(load_dir)

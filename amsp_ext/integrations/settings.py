@@ -39,6 +39,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OWNERSHIPS, check_bool,
+                              check_int, check_one_of, is_int)
+
 __all__ = [
     "AMSPSettings",
     "BatchSettings",
@@ -53,18 +56,10 @@ __all__ = [
     "resolve_batch",
 ]
 
-OBJECTIVES = ("comm", "step")
-MISSING = ("error", "fit")
-GRANULARITIES = ("module", "layer")
-OWNERSHIPS = ("greedy", "blocks")
 
 
 class ConfigError(ValueError):
     """A ds_config / amsp block that cannot run. One line, naming the field."""
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_keys(d: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
@@ -74,20 +69,19 @@ def _check_keys(d: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> N
 
 
 def _positive_int_or_none(v: Any, name: str) -> None:
-    if v is not None and (not _is_int(v) or v < 1):
-        raise ConfigError(f"{name} must be an integer >= 1 or null, got {v!r}")
+    if v is not None:
+        check_int(v, name, minimum=1, error=ConfigError)
 
 
 def _bool(v: Any, name: str) -> None:
-    if not isinstance(v, bool):
-        raise ConfigError(f"{name} must be true or false, got {v!r}")
+    check_bool(v, name, error=ConfigError)
 
 
 def _size(v: Any, name: str) -> int | None:
     """Bytes from ``"25MiB"`` or an integer; None stays None."""
     if v is None:
         return None
-    if _is_int(v):
+    if is_int(v):
         if v < 1:
             raise ConfigError(f"{name} must be >= 1 byte, got {v}")
         return v
@@ -145,7 +139,7 @@ def _plan_text(v: Any) -> str:
                 raise ConfigError(f"amsp.plan.{comp} is required in a factor plan, e.g. [8, 1]")
             mesh = v[comp]
             if (not isinstance(mesh, (list, tuple)) or len(mesh) != 2
-                    or not all(_is_int(x) and x >= 1 for x in mesh)):
+                    or not all(is_int(x) and x >= 1 for x in mesh)):
                 raise ConfigError(f"amsp.plan.{comp} must be [s0, s1] (two integers >= 1), got {mesh!r}")
             parts.append(f"{comp}={mesh[0]}x{mesh[1]}")
         return ",".join(parts)
@@ -185,18 +179,16 @@ class AMSPSettings:
             raise ConfigError(f"amsp.overlap must be an object, got {type(self.overlap).__name__}")
         if not isinstance(self.profile, str) or not self.profile:
             raise ConfigError(f"amsp.profile must be a bundled profile name or a JSON path, got {self.profile!r}")
-        for name, allowed in (("missing_mesh", MISSING), ("objective", OBJECTIVES),
+        for name, allowed in (("missing_mesh", MISSING_MESH), ("objective", OBJECTIVES),
                               ("granularity", GRANULARITIES), ("ownership", OWNERSHIPS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"amsp.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+            check_one_of(getattr(self, name), allowed, f"amsp.{name}", error=ConfigError)
         _size(self.bucket_size, "amsp.bucket_size")
         _bool(self.recompute, "amsp.recompute")
         _bool(self.log_plan, "amsp.log_plan")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
                 0 < self.timeout < float("inf")):
             raise ConfigError(f"amsp.timeout must be a number of seconds > 0, got {self.timeout!r}")
-        if not _is_int(self.max_bad_steps) or self.max_bad_steps < 0:
-            raise ConfigError(f"amsp.max_bad_steps must be an integer >= 0 (0: no guard), got {self.max_bad_steps!r}")
+        check_int(self.max_bad_steps, "amsp.max_bad_steps (0: no guard)", minimum=0, error=ConfigError)
         if self.plan.lower() == "auto" and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner sizes "
                               "activations by it); or give amsp.plan as factors or a baseline name")
@@ -327,7 +319,7 @@ def _batch_value(cfg: Mapping[str, Any], key: str) -> int | None:
     if v == "auto":
         raise ConfigError(f"{key} is 'auto': the launcher (HF Trainer / Accelerate) fills it; "
                           f"called directly, give a number")
-    if not _is_int(v) or v < 1:
+    if not is_int(v) or v < 1:
         raise ConfigError(f"{key} must be an integer >= 1, got {v!r}")
     return v
 
@@ -401,7 +393,7 @@ class PrecisionSettings:
         notes = []
         static = f.get("loss_scale", 0)
         power = f.get("initial_scale_power", 16)
-        if not _is_int(power) or not 0 <= power < 64:
+        if not is_int(power) or not 0 <= power < 64:
             raise ConfigError(f"fp16.initial_scale_power must be an integer in 0..63, got {power!r}")
         initial = 2.0**power
         if static not in (0, 0.0):
@@ -411,7 +403,7 @@ class PrecisionSettings:
                          f"starting at {static}")
             initial = float(static)
         window = f.get("loss_scale_window", 1000)
-        if not _is_int(window) or window < 1:
+        if not is_int(window) or window < 1:
             raise ConfigError(f"fp16.loss_scale_window must be an integer >= 1, got {window!r}")
         min_scale = f.get("min_loss_scale", 1)
         if not isinstance(min_scale, (int, float)) or isinstance(min_scale, bool) or min_scale <= 0:

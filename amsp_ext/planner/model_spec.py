@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from amsp_ext.choices import GRANULARITIES
+
 __all__ = [
-    "GRANULARITIES",
     "MODEL_PRESETS",
     "ModelSpec",
     "ModelSpecError",
@@ -35,7 +36,6 @@ __all__ = [
     "load_model_spec",
 ]
 
-GRANULARITIES = ("module", "layer")
 
 # The original LLaMA family (Touvron et al. 2023, Table 2): published sizes 6.7B/13.0B/32.5B/65.2B.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {

@@ -35,6 +35,7 @@ __all__ = [
     "named_plan",
     "parse_plan",
     "resolve_plan",
+    "rule_masks",
 ]
 
 COMPONENTS = ("p", "g", "os")
@@ -215,31 +216,79 @@ def resolve_plan(spec: "Plan | str", *, gpus_per_node: int, num_nodes: int) -> P
     return named_plan(spec, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
 
 
+# [Note: the plan rules, stated once]
+# Each rule below is an expression over factor values built only from comparisons, ``%``, ``&``,
+# ``|`` and ``^``, so it evaluates on Python ints (one plan: ``check_plan``, with a message per
+# broken pair) and elementwise on broadcast NumPy arrays (every plan of a world at once:
+# planner/prefilter.py) alike. ``rule_masks`` is the whole rule set; neither caller restates it.
+
+def _axis_chains(f, R, N):
+    """Per mesh axis: the chain s_p, s_g, s_os, s_dp with names, and its equation numbers."""
+    return (
+        ([("s0_p", f["s0_p"]), ("s0_g", f["s0_g"]), ("s0_os", f["s0_os"]), ("R", R)], "Eq. 3", "Eq. 5"),
+        ([("s1_p", f["s1_p"]), ("s1_g", f["s1_g"]), ("s1_os", f["s1_os"]), ("N", N)], "Eq. 4", "Eq. 6"),
+    )
+
+
+def _breaks_dependency(lower, upper):
+    return lower > upper
+
+
+def _breaks_divisibility(lower, upper):
+    return (lower <= upper) & (upper % lower != 0)
+
+
+def _breaks_cross_node(s0, s1, R):
+    return (s1 > 1) & (s0 != R)
+
+
+def _breaks_sg_choice(f):
+    g_is_p = (f["s0_g"] == f["s0_p"]) & (f["s1_g"] == f["s1_p"])
+    g_is_os = (f["s0_g"] == f["s0_os"]) & (f["s1_g"] == f["s1_os"])
+    return (g_is_p | g_is_os) ^ True
+
+
+def rule_masks(f, R, N) -> dict:
+    """Which of RULES (but ``positive``, Plan's own check) factors ``f`` break on R GPUs per node x
+    N nodes. ``f`` maps ``s0_p`` ... ``s1_os`` to ints (-> bools) or broadcastable NumPy arrays
+    (-> boolean arrays)."""
+    dep = div = False
+    for chain, _, _ in _axis_chains(f, R, N):
+        for (_, a), (_, b) in zip(chain, chain[1:]):
+            dep = dep | _breaks_dependency(a, b)
+            div = div | _breaks_divisibility(a, b)
+    cross = False
+    for comp in COMPONENTS:
+        cross = cross | _breaks_cross_node(f[f"s0_{comp}"], f[f"s1_{comp}"], R)
+    return {"dependency": dep, "divisibility": div, "cross_node": cross,
+            "sg_choice": _breaks_sg_choice(f)}
+
+
 def _violations(plan: Plan, R: int, N: int) -> Iterator[Violation]:
-    chain0 = [("s0_p", plan.s0_p), ("s0_g", plan.s0_g), ("s0_os", plan.s0_os), ("R", R)]
-    chain1 = [("s1_p", plan.s1_p), ("s1_g", plan.s1_g), ("s1_os", plan.s1_os), ("N", N)]
-    for chain, eq in ((chain0, "Eq. 3"), (chain1, "Eq. 4")):
+    """``rule_masks`` for one plan, with a message naming the factors of every broken pair."""
+    f = plan.as_dict()
+    for chain, eq, _ in _axis_chains(f, R, N):
         for (na, a), (nb, b) in zip(chain, chain[1:]):
-            if a > b:
+            if _breaks_dependency(a, b):
                 yield Violation(
                     rule="dependency",
                     message=f"{na}={a} > {nb}={b}; needs s_p <= s_g <= s_os <= s_dp ({eq})",
                 )
-    for chain, eq in ((chain0, "Eq. 5"), (chain1, "Eq. 6")):
+    for chain, _, eq in _axis_chains(f, R, N):
         for (na, a), (nb, b) in zip(chain, chain[1:]):
-            if a <= b and b % a:
+            if _breaks_divisibility(a, b):
                 yield Violation(
                     rule="divisibility",
                     message=f"{na}={a} does not divide {nb}={b} ({eq}: groups must tile)",
                 )
     for comp in COMPONENTS:
         s0, s1 = plan.mesh(comp)
-        if s1 > 1 and s0 != R:
+        if _breaks_cross_node(s0, s1, R):
             yield Violation(
                 rule="cross_node",
                 message=f"s1_{comp}={s1} > 1 needs s0_{comp}=R={R}, got {s0} (Eq. 7)",
             )
-    if plan.mesh("g") not in (plan.mesh("p"), plan.mesh("os")):
+    if _breaks_sg_choice(f):
         yield Violation(
             rule="sg_choice",
             message=(

@@ -11,8 +11,10 @@ those plans are not enumerated at all; everything else (|div R|^3 x |div N|^3 pl
 * ``cross_node`` (Eq. 7): a component spanning nodes (s1 > 1) uses whole nodes (s0 = R);
 * ``sg_choice``: the gradient mesh equals the parameter mesh or the optimizer-state mesh.
 
-The rule names and semantics are exactly ``amsp_ext.planner.plan.check_plan``'s (a property test
-holds the two together); a rejection lists every rule the plan breaks.
+The rules are ``amsp_ext.planner.plan.rule_masks``, evaluated here on broadcast arrays (one row
+per s0 chain, one column per s1 chain) and there on one plan by ``check_plan``: the same
+expressions, so the two cannot drift (tests/test_plan_rules.py checks them plan by plan). A
+rejection lists every rule the plan breaks.
 
 Pure Python + NumPy.
 """
@@ -25,7 +27,7 @@ from typing import Iterator
 
 import numpy as np
 
-from amsp_ext.planner.plan import RULES, Plan
+from amsp_ext.planner.plan import COMPONENTS, RULES, Plan, rule_masks
 
 __all__ = ["Prefiltered", "divisors", "legal_plans", "prefilter"]
 
@@ -66,33 +68,15 @@ class Prefiltered:
             yield plan, tuple(r for r, bit in _RULE_BITS.items() if bits & bit)
 
 
-def _chain_masks(chains: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Dependency and divisibility bits of each (p, g, os) chain on one axis."""
-    dep = np.zeros(len(chains), bool)
-    div = np.zeros(len(chains), bool)
-    for a, b in ((0, 1), (1, 2)):
-        lo, hi = chains[:, a], chains[:, b]
-        dep |= lo > hi
-        div |= (lo <= hi) & (hi % lo != 0)
-    return dep, div
-
-
 def prefilter(gpus_per_node: int, num_nodes: int) -> Prefiltered:
     R, N = gpus_per_node, num_nodes
     ax0 = np.array(list(itertools.product(divisors(R), repeat=3)), dtype=np.int64)
     ax1 = np.array(list(itertools.product(divisors(N), repeat=3)), dtype=np.int64)
-    dep0, div0 = _chain_masks(ax0)
-    dep1, div1 = _chain_masks(ax1)
+    factors = {f"s0_{c}": ax0[:, None, k] for k, c in enumerate(COMPONENTS)}
+    factors |= {f"s1_{c}": ax1[None, :, k] for k, c in enumerate(COMPONENTS)}
     mask = np.zeros((len(ax0), len(ax1)), dtype=np.int64)
-    mask |= np.where(dep0[:, None] | dep1[None, :], _RULE_BITS["dependency"], 0)
-    mask |= np.where(div0[:, None] | div1[None, :], _RULE_BITS["divisibility"], 0)
-    cross = np.zeros(mask.shape, bool)
-    for c in range(3):  # p, g, os
-        cross |= (ax1[None, :, c] > 1) & (ax0[:, None, c] != R)
-    mask |= np.where(cross, _RULE_BITS["cross_node"], 0)
-    g_is_p = (ax0[:, None, 1] == ax0[:, None, 0]) & (ax1[None, :, 1] == ax1[None, :, 0])
-    g_is_os = (ax0[:, None, 1] == ax0[:, None, 2]) & (ax1[None, :, 1] == ax1[None, :, 2])
-    mask |= np.where(~(g_is_p | g_is_os), _RULE_BITS["sg_choice"], 0)
+    for rule, broken in rule_masks(factors, R, N).items():
+        mask |= np.where(broken, _RULE_BITS[rule], 0)
     accepted = [
         Plan(s0_p=int(ax0[i, 0]), s1_p=int(ax1[j, 0]), s0_g=int(ax0[i, 1]), s1_g=int(ax1[j, 1]),
              s0_os=int(ax0[i, 2]), s1_os=int(ax1[j, 2]))
@@ -104,13 +88,16 @@ def prefilter(gpus_per_node: int, num_nodes: int) -> Prefiltered:
 
 
 def legal_plans(gpus_per_node: int, num_nodes: int) -> Iterator[Plan]:
-    """The plans ``prefilter`` accepts, generated directly (no rejections kept): every mesh that
-    satisfies Eq. 7, paired so that p divides os on both axes, with g in {p, os}."""
+    """The plans ``prefilter`` accepts, without building the rejected ones: the same rules
+    (``rule_masks``) checked on the few plans that ``cross_node`` and ``sg_choice`` leave
+    possible, i.e. every component on a mesh that is inside a node or spans whole nodes, and
+    g equal to p or os. Cheap at any N (``search`` sizes larger clusters with it)."""
     R, N = gpus_per_node, num_nodes
     meshes = [(d, 1) for d in divisors(R)] + [(R, d) for d in divisors(N) if d > 1]
     for p in meshes:
         for os_ in meshes:
-            if os_[0] % p[0] or os_[1] % p[1]:  # (also rejects os < p: a % b = a > 0 then)
-                continue
-            for g in ((p,) if p == os_ else (p, os_)):
-                yield Plan(s0_p=p[0], s1_p=p[1], s0_g=g[0], s1_g=g[1], s0_os=os_[0], s1_os=os_[1])
+            for g in dict.fromkeys((p, os_)):
+                f = {"s0_p": p[0], "s1_p": p[1], "s0_g": g[0], "s1_g": g[1],
+                     "s0_os": os_[0], "s1_os": os_[1]}
+                if not any(rule_masks(f, R, N).values()):
+                    yield Plan(**f)

@@ -53,6 +53,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from amsp_ext.choices import MISSING_MESH
+
 __all__ = [
     "CONCURRENCY",
     "OPS",
@@ -65,7 +67,6 @@ __all__ = [
 
 OPS = ("allreduce", "allgather", "reducescatter", "broadcast")
 CONCURRENCY = ("all_groups", "single_group")
-MISSING = ("error", "fit")
 SCHEMA = "amsp-profile/1"
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -214,8 +215,8 @@ class CommTimer:
     _fits: dict[tuple[str, str], tuple[float, float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.missing not in MISSING:
-            raise ProfileError(f"missing-mesh policy must be one of {', '.join(MISSING)}, "
+        if self.missing not in MISSING_MESH:
+            raise ProfileError(f"missing-mesh policy must be one of {', '.join(MISSING_MESH)}, "
                                f"got {self.missing!r}")
         for k in ("intra_scale", "inter_scale"):
             if not getattr(self, k) > 0:

@@ -25,6 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
+from amsp_ext.choices import OBJECTIVES
 from amsp_ext.planner.cost import CommCost, comm_cost, param_gather_time
 from amsp_ext.planner.memory import MemoryBreakdown, memory_breakdown, param_bytes
 from amsp_ext.planner.model_spec import ModelSpec
@@ -35,7 +36,6 @@ from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, format_size
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
 
 __all__ = [
-    "OBJECTIVES",
     "Candidate",
     "NoFeasiblePlan",
     "Problem",
@@ -47,7 +47,6 @@ __all__ = [
     "sensitivity",
 ]
 
-OBJECTIVES = ("comm", "step")
 GiB = 2**30
 # [Note: memory reserve]
 # Memory the model does not see: the CUDA context (about 0.5 GiB on A100-class GPUs), NCCL's

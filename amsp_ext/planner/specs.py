@@ -10,19 +10,15 @@ import math
 import re
 from dataclasses import dataclass
 
-from amsp_ext.planner.model_spec import GRANULARITIES
+from amsp_ext.choices import GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of
 
 __all__ = [
-    "OPTIMIZERS",
-    "PRECISIONS",
     "ClusterSpec",
     "SpecError",
     "TrainingSpec",
     "parse_size",
 ]
 
-PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit")
 
 _UNITS = {
     "b": 1,
@@ -146,10 +142,7 @@ class TrainingSpec:
             raise SpecError(f"recompute must be true or false, got {self.recompute!r}")
         for name, allowed in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS),
                               ("granularity", GRANULARITIES)):
-            if getattr(self, name) not in allowed:
-                raise SpecError(
-                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-                )
+            check_one_of(getattr(self, name), allowed, name, error=SpecError)
 
     @property
     def tokens_per_micro_batch(self) -> int:

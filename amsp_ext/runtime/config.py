@@ -9,12 +9,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from amsp_ext import choices
+from amsp_ext.choices import GRANULARITIES, INIT_WEIGHTS, OWNERSHIPS, check_int, check_one_of
+from amsp_ext.planner.auto import AutoPlanConfig  # torch-free, so the planner owns it
+
 __all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GRANULARITIES = ("module", "layer")
-OWNERSHIPS = ("greedy", "blocks")
-INIT_WEIGHTS = ("broadcast", "check")
+# the torch dtype of each precision name (amsp_ext.choices.PRECISIONS)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = {name: _DTYPES[name] for name in choices.PRECISIONS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,36 +55,6 @@ class FP16Config:
             raise ValueError(f"fp16.growth_interval must be >= 1, got {self.growth_interval}")
         if not self.min_scale > 0:
             raise ValueError(f"fp16.min_scale must be > 0, got {self.min_scale}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AutoPlanConfig:
-    """What ``plan="auto"`` needs besides the model and the world: the step's batch shape and
-    the planner's inputs (see amsp_ext.planner.search.plan_for)."""
-
-    seq_len: int
-    micro_batch_size: int = 1
-    num_micro_batches: int = 1
-    profile: str = "paper-a800"  # bundled profile name or a path to an amsp-profile/1 JSON
-    objective: str = "comm"  # "comm" (Eq. 1) or "step"
-    missing: str = "error"  # profile meshes the table lacks: "error" or "fit"
-    optimizer: str = "adamw"
-    gpu_memory_bytes: int | None = None  # None: the device's (CPU: RAM / gpus_per_node)
-    memory_reserve_bytes: int | None = None  # None: the planner's default reserve
-
-    def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch_size", "num_micro_batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"auto.{name} must be an integer >= 1, got {v!r}")
-        if self.gpu_memory_bytes is not None and (
-            not isinstance(self.gpu_memory_bytes, int) or self.gpu_memory_bytes < 1
-        ):
-            raise ValueError(f"auto.gpu_memory_bytes must be a positive integer or None, got {self.gpu_memory_bytes!r}")
-        if self.memory_reserve_bytes is not None and (
-            not isinstance(self.memory_reserve_bytes, int) or self.memory_reserve_bytes < 0
-        ):
-            raise ValueError(f"auto.memory_reserve_bytes must be an integer >= 0 or None, got {self.memory_reserve_bytes!r}")
 
 
 def _local_world_size() -> int | None:
@@ -123,8 +96,7 @@ class ShardConfig:
             not isinstance(self.nodes_per_leaf, int) or self.nodes_per_leaf < 1
         ):
             raise ValueError(f"config.nodes_per_leaf must be an integer >= 1 or None, got {self.nodes_per_leaf!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"config.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        check_one_of(self.precision, PRECISIONS, "config.precision")
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"config.grad_bucket_bytes must be an integer >= 1, got {self.grad_bucket_bytes!r}")
         if self.broadcast_bucket_bytes is not None and (
@@ -133,10 +105,8 @@ class ShardConfig:
         ):
             raise ValueError(f"config.broadcast_bucket_bytes must be an integer >= 0 or None, "
                              f"got {self.broadcast_bucket_bytes!r}")
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"config.granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
-        if self.ownership not in OWNERSHIPS:
-            raise ValueError(f"config.ownership must be one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
+        check_one_of(self.granularity, GRANULARITIES, "config.granularity")
+        check_one_of(self.ownership, OWNERSHIPS, "config.ownership")
         if not isinstance(self.recompute, bool):
             raise ValueError(f"config.recompute must be True or False, got {self.recompute!r}")
         if not isinstance(self.overlap, OverlapConfig):
@@ -145,10 +115,8 @@ class ShardConfig:
             raise ValueError(f"config.fp16 must be an FP16Config, got {type(self.fp16).__name__}")
         if self.auto is not None and not isinstance(self.auto, AutoPlanConfig):
             raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
-        if isinstance(self.max_bad_steps, bool) or not isinstance(self.max_bad_steps, int) or self.max_bad_steps < 0:
-            raise ValueError(f"config.max_bad_steps must be an integer >= 0 (0: no guard), got {self.max_bad_steps!r}")
-        if self.init_weights not in INIT_WEIGHTS:
-            raise ValueError(f"config.init_weights must be one of {', '.join(INIT_WEIGHTS)}, got {self.init_weights!r}")
+        check_int(self.max_bad_steps, "config.max_bad_steps (0: no guard)", minimum=0)
+        check_one_of(self.init_weights, INIT_WEIGHTS, "config.init_weights")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
                 0 < self.timeout < float("inf")):
             raise ValueError(f"config.timeout must be a number of seconds > 0, got {self.timeout!r}")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from amsp_ext.planner.auto import plan_auto
 from amsp_ext.planner.plan import Plan, PlanError, resolve_plan, validate_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig
@@ -138,8 +139,8 @@ def _resolve(plan, model: nn.Module, world: World, config: ShardConfig) -> Plan:
 
 
 def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
-    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.search.plan_for) for this
-    model (its Hugging Face config), this world and ``config.auto``. Every rank runs the same
+    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.auto.plan_auto) for this
+    model (its Hugging Face config), this world, ``config.auto`` and the engine's settings. Every rank runs the same
     deterministic search; the fingerprint check that follows verifies they agree."""
     a = config.auto
     if a is None:
@@ -150,27 +151,11 @@ def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
     hf = getattr(model, "config", None)
     if hf is None or not hasattr(hf, "to_dict"):
         raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
-    return plan_auto(hf.to_dict(), world, config,
-                     gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node))
-
-
-def plan_auto(hf_config: dict, world: World, config: ShardConfig, *, gpu_memory_bytes: int) -> Plan:
-    """The planner's plan for a model (its HF config dict) run with ``config`` on ``world``: the
-    planner is told the step shape of ``config.auto`` and the engine's own precision, bucket U,
-    granularity and recompute. ``amsp compare`` resolves its "auto" row here too (no ranks)."""
-    from amsp_ext.planner.search import plan_for
-    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
-
-    a = config.auto
-    cluster = ClusterSpec(num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
-                          gpu_memory_bytes=gpu_memory_bytes, nodes_per_leaf=config.nodes_per_leaf)
-    training = TrainingSpec(seq_len=a.seq_len, micro_batch_size=a.micro_batch_size,
-                            num_micro_batches=a.num_micro_batches, recompute=config.recompute,
-                            precision=config.precision, optimizer=a.optimizer,
-                            bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity)
-    reserve = {} if a.memory_reserve_bytes is None else {"memory_reserve_bytes": a.memory_reserve_bytes}
-    return plan_for(hf_config, cluster, training, a.profile, objective=a.objective,
-                    missing=a.missing, **reserve)
+    return plan_auto(hf.to_dict(), a, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
+                     gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node),
+                     nodes_per_leaf=config.nodes_per_leaf, precision=config.precision,
+                     grad_bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
+                     recompute=config.recompute)
 
 
 def _device_memory(gpus_per_node: int) -> int:

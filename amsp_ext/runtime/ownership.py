@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from amsp_ext.choices import OWNERSHIPS, check_one_of
+
 __all__ = ["assign_blocks", "assign_greedy", "assign_owners", "load_per_owner"]
 
 
@@ -89,7 +91,8 @@ def assign_owners(numels: Sequence[int], num_owners: int, policy: str) -> list[i
         return assign_greedy(numels, num_owners)
     if policy == "blocks":
         return assign_blocks(numels, num_owners)
-    raise ValueError(f"ownership must be 'greedy' or 'blocks', got {policy!r}")
+    check_one_of(policy, OWNERSHIPS, "ownership")
+    raise AssertionError(f"policy {policy!r} is in OWNERSHIPS but has no assignment here")
 
 
 def load_per_owner(numels: Sequence[int], owner: Sequence[int], num_owners: int) -> list[int]:

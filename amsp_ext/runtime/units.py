@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from amsp_ext.choices import GRANULARITIES, check_one_of
+
 __all__ = ["Unit", "decoder_layers", "list_units", "refresh_params", "unit_param_counts"]
 
 
@@ -60,8 +62,7 @@ def _shared_params(model: nn.Module) -> set[int]:
 
 def list_units(model: nn.Module, granularity: str = "module") -> list[Unit]:
     """Units in forward order; every parameter of ``model`` is in exactly one unit."""
-    if granularity not in ("module", "layer"):
-        raise ValueError(f"granularity must be 'module' or 'layer', got {granularity!r}")
+    check_one_of(granularity, GRANULARITIES, "granularity")
     layers = {id(m): i for i, m in enumerate(decoder_layers(model))}
     shared = _shared_params(model)
     names = {id(m): n for n, m in model.named_modules()}

@@ -18,15 +18,25 @@ from amsp_ext.compare.config import OVERLAP_SWITCHES
 from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable
 from amsp_ext.models import causal_lm_loss
 
-__all__ = ["plan_text", "setup", "shard_config"]
+__all__ = ["GRAD_BUCKET_BYTES", "engine_settings", "plan_text", "setup", "shard_config"]
+
+# U of the AMSP rows (the engine's default), stated here so that the launcher plans "auto" for
+# the bucket the rows run with without importing the engine
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+def engine_settings(spec) -> dict:
+    """The ShardConfig settings of the AMSP rows that the planner charges (torch-free: the
+    launcher passes them to amsp_ext.planner.auto.plan_auto)."""
+    return dict(precision=spec.precision, granularity=spec.amsp_granularity, recompute=False,
+                grad_bucket_bytes=GRAD_BUCKET_BYTES)
 
 
 def shard_config(spec, gpus_per_node: int, *, auto=None):
-    """The engine configuration of the AMSP rows (also what the launcher plans "auto" for)."""
+    """The engine configuration of the AMSP rows."""
     from amsp_ext.runtime.config import OverlapConfig, ShardConfig
 
-    return ShardConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
-                       granularity=spec.amsp_granularity,
+    return ShardConfig(gpus_per_node=gpus_per_node, **engine_settings(spec),
                        overlap=OverlapConfig(**OVERLAP_SWITCHES[spec.amsp_overlap]), auto=auto)
 
 

@@ -1,0 +1,87 @@
+"""The allowed values of every enumerated option, and the small validators that check options, in
+one torch-free place.
+
+ShardConfig (runtime/config.py), TrainConfig (train_config.py, ``amsp train``), the planner's
+specs, the DeepSpeed ``"amsp"`` block (integrations/settings.py), ``amsp compare``
+(compare/config.py) and the CLIs all take their choices from here; none keeps a copy. Each
+validator raises one line that names the field and the allowed values, as the caller's error
+class (SpecError, ConfigError, ... are all ValueErrors).
+
+This module imports nothing from amsp_ext (the planner, the bottom layer, imports it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+__all__ = [
+    "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS", "OWNERSHIPS",
+    "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
+]
+
+# compute dtype of parameters and gradients (masters and optimizer states are always fp32)
+PRECISIONS = ("fp32", "bf16", "fp16")
+# FSDP unit: each Linear of a decoder layer ("module", the paper's) or the whole layer
+GRANULARITIES = ("module", "layer")
+# inter-tensor optimizer-state ownership (runtime/ownership.py)
+OWNERSHIPS = ("greedy", "blocks")
+# initial weights: rank 0's broadcast to all (as DDP), or compared and refused when they differ
+INIT_WEIGHTS = ("broadcast", "check")
+# what plan "auto" minimises: the paper's Eq. 1 communication time or the modelled step time
+OBJECTIVES = ("comm", "step")
+# a mesh the bandwidth profile lacks: refuse, or fit it from the profile's other meshes
+MISSING_MESH = ("error", "fit")
+# optimizers the planner's memory model knows the state size of
+OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit")
+# the overlaps that can be switched off (the paper's Table V; OverlapConfig's fields)
+OVERLAP_OPS = ("allgather", "allreduce", "broadcast")
+# the same switches in the planner's step model (planner/step.py OverlapRules, `amsp plan`)
+PLANNER_OVERLAP_OF = {"allgather": "ag_rs", "allreduce": "ar", "broadcast": "bc"}
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_one_of(value: Any, allowed: Iterable[str], name: str, *, error: type = ValueError) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise error(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def check_bool(value: Any, name: str, *, error: type = ValueError) -> None:
+    if not isinstance(value, bool):
+        raise error(f"{name} must be true or false, got {value!r}")
+
+
+def check_int(value: Any, name: str, *, minimum: int | None = 1, allow_none: bool = False,
+              error: type = ValueError) -> None:
+    """An integer >= ``minimum`` (None: any); bools are refused (``True`` is not a count)."""
+    if value is None and allow_none:
+        return
+    if not is_int(value) or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise error(f"{name} must be an integer{bound}{' or unset' if allow_none else ''}, "
+                    f"got {value!r}")
+
+
+def check_number(value: Any, name: str, *, minimum: float | None = None,
+                 above: float | None = None, below: float | None = None,
+                 allow_none: bool = False, error: type = ValueError) -> None:
+    """A finite number with optional bounds: ``minimum`` <= v, ``above`` < v, v < ``below``."""
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value >= minimum
+    if ok and above is not None:
+        ok = value > above
+    if ok and below is not None:
+        ok = value < below
+    if not ok:
+        bounds = [f">= {minimum:g}" if minimum is not None else "",
+                  f"> {above:g}" if above is not None else "",
+                  f"< {below:g}" if below is not None else ""]
+        what = " and ".join(b for b in bounds if b) or "finite"
+        raise error(f"{name} must be a number {what}, got {value!r}")

@@ -1,0 +1,197 @@
+"""TrainConfig: one training run of ``amsp train``, as one tree of kw-only dataclasses.
+
+The ``amsp train`` command line is generated from it (amsp_ext.schema: one flag per option, with
+its default, help and choices), the launcher hands it to every rank as JSON, and the worker
+(amsp_ext/train.py) builds the engine's ShardConfig and the optimizer from it.
+
+[Note: adding a training option]
+Add one ``option(...)`` field to the section it belongs to (its flag, default, help, choices and
+bounds come from the field), then use it in amsp_ext/train.py (``shard_config`` for engine
+settings, the optimizer factory or the loop for the rest). Nothing else changes: the flag, the
+JSON the worker receives and the validation follow from the field. A rule between fields goes
+in the section's ``__post_init__`` after ``check_options(self)``, naming the flags.
+
+Pure Python: importing it (``amsp train --help``) does not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from amsp_ext.choices import GRANULARITIES, OBJECTIVES, OVERLAP_OPS, PRECISIONS
+from amsp_ext.models import MODEL_CONFIGS
+from amsp_ext.planner.auto import AutoPlanConfig
+from amsp_ext.planner.specs import parse_size
+from amsp_ext.schema import check_options, option, section
+
+__all__ = ["auto_plan_config", "DEFAULT_PLAN", "BatchOptions", "CheckpointOptions", "ClusterOptions", "EngineOptions", "OptimOptions",
+           "OutputOptions", "PlannerOptions", "TrainConfig"]
+
+DEFAULT_PLAN = "p=1x1,g=1x1,os=2x1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterOptions:
+    """The (virtual) cluster: ranks per node and nodes per leaf switch."""
+
+    gpus_per_node: int | None = option(
+        None, minimum=1, help="ranks per (virtual) node; default: the launcher's local world size")
+    nodes_per_leaf: int | None = option(None, minimum=1, help="nodes under one leaf switch")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerOptions:
+    """The planner's inputs for ``--plan auto`` besides the model, the world and the step."""
+
+    profile: str = option(
+        "paper-a800", help="bandwidth profile for --plan auto: a bundled name or an amsp-profile "
+                           "JSON (e.g. one written by `amsp profile`)")
+    gpu_memory: str | None = option(
+        None, metavar="SIZE",
+        help="memory per rank for --plan auto, with a unit (e.g. 4MiB); default: the device's")
+    memory_reserve: str | None = option(
+        None, metavar="SIZE", help="memory the planner keeps free per rank for --plan auto "
+                                   "(e.g. 0B); default: the planner's")
+    objective: str = option("comm", choices=OBJECTIVES, help="what --plan auto minimises: the "
+                            "paper's Eq. 1 communication time or the modelled step time")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        _ = self.gpu_memory_bytes, self.memory_reserve_bytes  # a bad size fails here, in one line
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        return None if self.gpu_memory is None else parse_size(self.gpu_memory, field="--gpu-memory")
+
+    @property
+    def memory_reserve_bytes(self) -> int | None:
+        if self.memory_reserve is None:
+            return None
+        return parse_size(self.memory_reserve, field="--memory-reserve", allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchOptions:
+    """The job's shape: steps of M micro-batches of ``micro_batch_size`` sequences per rank."""
+
+    steps: int = option(10, minimum=1, help="optimizer steps")
+    micro_batches: int = option(2, minimum=1, help="M micro-batches per step")
+    micro_batch_size: int = option(2, minimum=1, help="sequences per micro-batch")
+    seq_len: int = option(128, minimum=1, help="tokens per sequence")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimOptions:
+    """AdamW with linear warm-up then cosine decay to 10%, and global grad-norm clipping."""
+
+    lr: float = option(3e-3, above=0, help="peak learning rate")
+    warmup_steps: int = option(2, minimum=0, help="linear warm-up steps")
+    clip: float = option(1.0, minimum=0, help="global grad-norm clip (0 = off)")
+    weight_decay: float = option(0.1, minimum=0, help="AdamW decoupled weight decay")
+    beta1: float = option(0.9, minimum=0, below=1, help="AdamW beta1")
+    beta2: float = option(0.95, minimum=0, below=1, help="AdamW beta2")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """How the engine runs the plan (mapped onto ShardConfig by amsp_ext/train.py)."""
+
+    precision: str = option("fp32", choices=PRECISIONS,
+                            help="compute dtype of parameters and gradients")
+    bucket_mb: float = option(1.0, above=0, help="gradient bucket size U in MiB")
+    granularity: str = option("module", choices=GRANULARITIES,
+                              help="FSDP unit: each Linear of a layer (module) or the layer")
+    recompute: bool = option(False, help="activation checkpointing per decoder layer")
+    no_overlap: tuple[str, ...] = option((), choices=OVERLAP_OPS, metavar="OPS",
+                                         help="overlaps to turn off")
+    timeout: float = option(300.0, above=0, help="seconds before a collective times out")
+    max_bad_steps: int = option(
+        3, minimum=0, help="consecutive steps with a non-finite loss or gradient norm (each skipped "
+                           "on every rank) before the job stops; 0: no guard")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if int(self.bucket_mb * 2**20) < 1:
+            raise ValueError(f"--bucket-mb must be at least one byte ({1 / 2**20:.3g} MiB), got {self.bucket_mb:g}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """Durable, resumable runs (amsp_ext/train_state.py): where checkpoints go, how often, how
+    many stay, what to resume from, and how many times torchrun may replace failed ranks."""
+
+    save_dir: str | None = option(None, metavar="DIR", help="directory of the job's checkpoints "
+                                  "(one step-NNNNNNNN/ each, published whole)")
+    save_every: int = option(0, minimum=0, help="save every N steps (0: at the end only)")
+    keep: int = option(2, minimum=1, help="newest checkpoints kept in --save-dir")
+    resume: str | None = option(
+        None, metavar="auto|PATH", help="auto: the newest complete checkpoint in --save-dir (none "
+                                        "yet: a fresh start, logged); PATH: that checkpoint")
+    async_save: bool = option(False, help="write checkpoints in the background (training stalls "
+                                          "only for the copy of the state)")
+    max_restarts: int = option(
+        0, minimum=0, help="torchrun --max-restarts: a failed rank is replaced and the job resumes "
+                           "from its last checkpoint by itself")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        for flag, used in (("--save-every", self.save_every > 0), ("--async-save", self.async_save),
+                           ("--resume auto", self.resume == "auto")):
+            if used and not self.save_dir:
+                raise ValueError(f"{flag} needs --save-dir")
+        if self.max_restarts and not (self.save_dir and self.save_every):
+            raise ValueError("--max-restarts needs --save-dir and --save-every (a replaced rank "
+                             "resumes from the job's last checkpoint)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputOptions:
+    json: bool = option(False, help="print one JSON object instead of a log")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One ``amsp train`` run. ``schema.to_json`` / ``schema.from_json`` carry it to the ranks."""
+
+    model: str = option("tiny-llama", choices=sorted(MODEL_CONFIGS), help="built-in Llama")
+    plan: str = option(
+        DEFAULT_PLAN,
+        help="'auto' (the planner), ddp, zero1, zero2, zero3, mics:K, or factors "
+             f"'p=S0xS1,g=S0xS1,os=S0xS1' (default {DEFAULT_PLAN}: the paper's LLaMA-7B shape, "
+             "optimizer states sharded inside a node)")
+    seed: int = option(0, minimum=0, help="model initialisation seed")
+    cluster: ClusterOptions = section(ClusterOptions)
+    planner: PlannerOptions = section(PlannerOptions)
+    batch: BatchOptions = section(BatchOptions)
+    optim: OptimOptions = section(OptimOptions)
+    engine: EngineOptions = section(EngineOptions)
+    checkpoint: CheckpointOptions = section(CheckpointOptions)
+    output: OutputOptions = section(OutputOptions)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        max_pos = MODEL_CONFIGS[self.model]["max_position_embeddings"]
+        if self.batch.seq_len > max_pos:
+            raise ValueError(f"--seq-len must be <= {max_pos} for {self.model}, got {self.batch.seq_len}")
+
+
+def auto_plan_config(config: TrainConfig) -> AutoPlanConfig:
+    """What ``--plan auto`` plans for: this run's step shape and the planner options (the
+    launcher plans with it before starting any rank, and the ranks with it otherwise)."""
+    b, pl = config.batch, config.planner
+    return AutoPlanConfig(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
+                          num_micro_batches=b.micro_batches, profile=pl.profile, objective=pl.objective,
+                          missing="fit", gpu_memory_bytes=pl.gpu_memory_bytes,
+                          memory_reserve_bytes=pl.memory_reserve_bytes)

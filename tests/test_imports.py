@@ -1,0 +1,188 @@
+"""amsp_ext's imports point one way (docs/DESIGN.md, Layers): no cycle between its modules, no
+upward import, and the planner (with the config schema) never imports torch.
+
+Every ``import`` counts, at module level or inside a function or ``if TYPE_CHECKING:``: a lazy
+import hides a dependency from the interpreter, not from the design."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "amsp_ext"
+
+# Cycles that another change removes; each names its issue. Delete the entry with the cycle.
+KNOWN_CYCLES = {
+    # issue 13: AMSPOptimizer reads the Engine's internals (TYPE_CHECKING import of Engine); the
+    # optimizer rewrite takes its collaborators as arguments instead.
+    frozenset({"amsp_ext.runtime.engine", "amsp_ext.runtime.optimizer"}),
+}
+
+_ABOVE_RUNTIME = ("amsp_ext.cli", "amsp_ext.integrations", "amsp_ext.compare", "amsp_ext.train",
+                  "amsp_ext.train_config", "amsp_ext.cluster")
+# module prefix -> prefixes it must not import (a prefix ending in "." covers everything under it)
+FORBIDDEN = {
+    "amsp_ext.choices": ("amsp_ext.",),
+    "amsp_ext.schema": ("amsp_ext.planner", "amsp_ext.topology", "amsp_ext.runtime", *_ABOVE_RUNTIME),
+    "amsp_ext.planner": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.schema",
+                         "amsp_ext.models", "amsp_ext.data", "amsp_ext.metrics", *_ABOVE_RUNTIME),
+    "amsp_ext.topology": ("amsp_ext.runtime", *_ABOVE_RUNTIME),
+    "amsp_ext.cluster": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.cli",
+                         "amsp_ext.integrations", "amsp_ext.compare", "amsp_ext.train"),
+    "amsp_ext.models": ("amsp_ext.topology", "amsp_ext.runtime", *_ABOVE_RUNTIME),
+    "amsp_ext.data": ("amsp_ext.topology", "amsp_ext.runtime", *_ABOVE_RUNTIME),
+    "amsp_ext.metrics": ("amsp_ext.topology", "amsp_ext.runtime", *_ABOVE_RUNTIME),
+    "amsp_ext.runtime": _ABOVE_RUNTIME,
+    "amsp_ext.train_config": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.cli",
+                              "amsp_ext.integrations", "amsp_ext.compare", "amsp_ext.train"),
+    "amsp_ext.integrations": ("amsp_ext.cli", "amsp_ext.compare", "amsp_ext.train"),
+    "amsp_ext.compare": ("amsp_ext.cli", "amsp_ext.train"),
+    "amsp_ext.compare.harness": ("amsp_ext.runtime",),  # it plans "auto" with the planner alone
+    "amsp_ext.train": ("amsp_ext.cli",),
+}
+NEVER_TORCH = ("amsp_ext.planner", "amsp_ext.choices", "amsp_ext.schema", "amsp_ext.train_config")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    """The amsp_ext module that ``name`` (a module or a module's attribute) lives in."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> tuple[set[str], set[str]]:
+    """(amsp_ext modules, top-level third-party packages) that ``module`` imports anywhere."""
+    path = MODULES[module]
+    mine, other = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package of this module
+                pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    pkg = pkg.rpartition(".")[0]
+                base = f"{pkg}.{base}" if base else pkg
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "amsp_ext" or name.startswith("amsp_ext."):
+                target = _owner(name)
+                if target and target != module:
+                    mine.add(target)
+            else:
+                other.add(name.split(".")[0])
+    return mine, other
+
+
+GRAPH = {m: imports_of(m)[0] for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+
+    def visit(root: str) -> None:
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = set()
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.add(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [frozenset({"a", "b", "c"})]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_between_amsp_ext_modules():
+    cycles = set(_cycles(GRAPH))
+    unexpected = [sorted(c) for c in cycles - KNOWN_CYCLES]
+    assert not unexpected, f"import cycles: {unexpected}"
+    # a known cycle that is gone must leave KNOWN_CYCLES, so it cannot come back unnoticed
+    assert not KNOWN_CYCLES - cycles, f"fixed, remove from KNOWN_CYCLES: {KNOWN_CYCLES - cycles}"
+
+
+def _rules_for(module: str) -> list[str]:
+    """Forbidden prefixes of ``module``: every FORBIDDEN entry it falls under."""
+    out = []
+    for prefix, forbidden in FORBIDDEN.items():
+        if module == prefix or module.startswith(prefix + "."):
+            out += forbidden
+    return out
+
+
+def _matches(target: str, prefix: str) -> bool:
+    return target.startswith(prefix) if prefix.endswith(".") else (
+        target == prefix or target.startswith(prefix + "."))
+
+
+def test_no_upward_imports():
+    bad = []
+    for module, targets in sorted(GRAPH.items()):
+        rules = _rules_for(module)
+        for target in sorted(targets):
+            # the facade (amsp_ext/__init__.py) lazily imports the engine and the integrations
+            behind = ("amsp_ext.runtime", "amsp_ext.integrations") if target == "amsp_ext" else (target,)
+            bad += [f"{module} -> {target}" for r in rules for t in behind if _matches(t, r)]
+    assert not bad, "upward imports:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_the_planner_and_the_schema_never_import_torch():
+    bad = [m for m in MODULES if any(m == p or m.startswith(p + ".") for p in NEVER_TORCH)
+           and "torch" in imports_of(m)[1]]
+    assert not bad, f"import torch: {bad}"
+    # and importing them (and `amsp --help`) does not load torch through anything else
+    code = ("import sys, amsp_ext.planner.search, amsp_ext.planner.auto, amsp_ext.train_config, "
+            "amsp_ext.integrations.settings, amsp_ext.compare.config; "
+            "from amsp_ext.cli.main import build_parser; build_parser(); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
