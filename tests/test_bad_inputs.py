@@ -1,5 +1,5 @@
 """Malformed input, one table across the entry points: the `amsp` subcommands (in-process, as the
-console script runs them), the config dataclasses, the ds_config (`amsp` block and DeepSpeed's
+console script runs them; `amsp train` refuses before it starts any rank), the config dataclasses, the ds_config (`amsp` block and DeepSpeed's
 keys), `amsp_ext.shard` and checkpoints. Every case must fail with ONE line that names what is
 wrong (the field, the file, or the allowed values), and the CLI with exit status 2."""
 
@@ -17,6 +17,7 @@ ZERO1 = json.loads((REPO / "configs/deepspeed/before_migration/zero1.json").read
 PLAN = ["plan", "--model", "llama-7b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory", "80GiB",
         "--seq-len", "2048", "--global-batch-size", "64"]
 MIGRATE = ["--model", "tiny-llama", "--gpus-per-node", "2"]
+TRAIN = ["train", "--steps", "2"]
 
 
 def _files(tmp: Path) -> dict[str, Path]:
@@ -116,6 +117,30 @@ CLI = [
      "not valid JSON"),
     ("migrate:no-model", ["migrate", "{ds_ok}", "--gpus-per-node", "2"], "--model"),
     ("amsp:unknown-command", ["trian"], "invalid choice: 'trian'"),
+    ("train:bucket-1e-9", TRAIN + ["--bucket-mb", "1e-9"], "--bucket-mb must be at least one byte"),
+    ("train:timeout-negative", TRAIN + ["--timeout", "-5"], "--timeout"),
+    ("train:lr-nan", TRAIN + ["--lr", "nan"], "--lr"),
+    ("train:clip-nan", TRAIN + ["--clip", "nan"], "--clip"),
+    ("train:max-bad-steps-negative", TRAIN + ["--max-bad-steps", "-1"], "--max-bad-steps"),
+    ("train:steps-0", TRAIN + ["--steps", "0"], "--steps"),
+    ("train:keep-0", TRAIN + ["--save-dir", "{no_dir}", "--keep", "0"], "--keep"),
+    ("train:save-every-no-dir", TRAIN + ["--save-every", "2"], "--save-every needs --save-dir"),
+    ("train:resume-auto-no-dir", TRAIN + ["--resume", "auto"], "--resume auto needs --save-dir"),
+    ("train:restarts-no-save-every", TRAIN + ["--max-restarts", "1", "--save-dir", "{no_dir}"],
+     "--max-restarts needs --save-dir and --save-every"),
+    ("train:resume-missing", TRAIN + ["--resume", "{no_dir}"], "does not exist"),
+    ("train:resume-damaged", TRAIN + ["--resume", "{ckpt_checksum}"], "file amsp.json is damaged (checksum mismatch)"),
+    ("train:resume-not-a-checkpoint", TRAIN + ["--resume", "{ckpt_nometa}"], "is not a complete amsp checkpoint"),
+    ("train:plan-too-big", TRAIN + ["--plan", "p=4x1,g=4x1,os=4x1"], "s0_os=4 > R=2"),
+    ("train:plan-garbage", TRAIN + ["--plan", "p=2"], "plan"),
+    ("train:gpus-do-not-divide", TRAIN + ["--nproc-per-node", "3", "--gpus-per-node", "2"], "must divide"),
+    ("train:seq-len-too-long", TRAIN + ["--seq-len", "100000"], "--seq-len must be <="),
+    ("train:model-unknown", TRAIN + ["--model", "gpt-5"], "invalid choice: 'gpt-5'"),
+    ("train:auto-memory-no-unit", TRAIN + ["--plan", "auto", "--gpu-memory", "10"], "--gpu-memory needs a number and a unit"),
+    ("train:auto-nothing-fits", TRAIN + ["--plan", "auto", "--gpu-memory", "1KiB", "--memory-reserve", "0B"], "fit"),
+    ("train:auto-truncated-profile", TRAIN + ["--plan", "auto", "--gpu-memory", "4MiB", "--profile", "{truncated_profile}"],
+     "not valid JSON"),
+    ("train:auto-unknown-profile", TRAIN + ["--plan", "auto", "--gpu-memory", "4MiB", "--profile", "nosuch"], "nosuch"),
 ]
 
 
@@ -279,7 +304,7 @@ def test_malformed_input_gets_one_line(case, kind, what, want, files, capsys):
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1, (rc, err)
         msg = lines[0]
-        assert msg.startswith(f"amsp{' ' + what[0] if what[0] in ('plan', 'migrate') else ''}"), msg
+        assert msg.startswith(f"amsp{' ' + what[0] if what[0] in ('plan', 'migrate', 'train') else ''}"), msg
     else:
         with pytest.raises(ValueError) as e:
             what(files)

@@ -97,7 +97,10 @@ def launch(config: TrainConfig, *, nproc_per_node: int) -> int:
     summary."""
     from amsp_ext.supervise import Job
 
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+           # a fresh TCP store per attempt: with torchrun's shared one, the ranks of an elastic
+           # restart can read the dead ranks' gloo addresses (same keys) and fail to connect
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with Job("amsp-train-") as job:
         config_file, result_file = job.dir / "config.json", job.dir / "result.json"
         config_file.write_text(schema.to_json(config))

@@ -10,8 +10,10 @@ until the step, which upcasts them one tensor at a time (D_tmp, not model state)
 
 [Note: exact global clipping]
 The ``optim`` group (sos ranks = sp shard positions x sos/sp owners) holds every local tensor of
-the model exactly once across its ranks, so the sum of squares of owned gradients all-reduced
-over ``optim`` is the global squared norm with no replica counted twice. The clip coefficient is
+the model exactly once across its ranks, so the sum of squares of owned gradients over one
+``optim`` group is the global squared norm. It is all-reduced over the world (every ``optim``
+group contributes the same sum: divided by world / sos), so that the non-finite guard's
+decision, which rides on it, is one for all ranks (nonfinite.py). The clip coefficient is
 applied to the fp32 gradients at step time (with the fp16 loss-scale division).
 """
 
