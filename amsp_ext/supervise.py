@@ -128,19 +128,19 @@ class Job:
         """One line saying why the job failed (see [Note: one line on failure])."""
         if self.signal is not None:
             return f"interrupted by {signal.Signals(self.signal).name}; the job was stopped"
-        killed = []
+        killed, stopped = [], []
         if (self.dir / "failures.json").is_file():
-            for rank, code in sorted(json.loads((self.dir / "failures.json").read_text()).items()):
-                if code < 0:
-                    killed.append(f"rank {rank} was killed by {signal.Signals(-code).name}")
+            for rank, code in sorted(json.loads((self.dir / "failures.json").read_text()).items(),
+                                     key=lambda kv: int(kv[0])):
+                if code < 0:  # SIGTERM: most likely torchrun stopping the others after a failure
+                    (stopped if -code == signal.SIGTERM else killed).append(
+                        f"rank {rank} was killed by {signal.Signals(-code).name}")
         errors = [(tuple(map(int, p.name.split("-")[1:])), p) for p in self.dir.glob("error-*-*")]
         if errors:  # the last attempt's, lowest rank first
             last = max(a for (a, _), _ in errors)
             first = min((r, p) for (a, r), p in errors if a == last)[1]
             return "; ".join(killed + [first.read_text().strip()])
-        if killed:
-            return "; ".join(killed)
-        return f"ranks exited with status {rc}"
+        return "; ".join(killed or stopped) or f"ranks exited with status {rc}"
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -168,7 +168,8 @@ def _agent(argv: list[str]) -> int:
 
     for sig in _FORWARDED:
         signal.signal(sig, stop)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # the launcher prints one line on failure; a restart is logged by the resumed ranks
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
