@@ -45,8 +45,10 @@ def _patch_stage() -> None:
     @functools.wraps(original)
     def set_stage_and_offload(self):
         original(self)
+        from amsp_ext.integrations.guard import note
         from amsp_ext.integrations.settings import amsp_enabled
 
+        note(self.config)  # the Accelerate fixes act for this config (guard.amsp_block_in_play)
         if amsp_enabled(self.config):
             self._stage, self._offload = 0, False  # AMSP's plan replaces ZeRO: no zero.Init
 

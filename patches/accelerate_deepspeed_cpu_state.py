@@ -22,6 +22,9 @@ state is fixed once; nothing else changes. Applied only when the running Acceler
 problem (a probe of the code path is not possible without a process group, so the check is
 made on the state itself, every time it is built).
 
+Acts only for a ds_config with an ``"amsp"`` block (amsp_ext.integrations.guard): other DeepSpeed
+jobs under Accelerate are left exactly as Accelerate makes them.
+
 Checked against accelerate 1.15.0.
 """
 
@@ -41,11 +44,14 @@ def fix_state(state) -> bool:
     import torch.distributed as tdist
     from accelerate.utils import DistributedType
 
+    from amsp_ext.integrations.guard import amsp_block_in_play
+
+    # cheap checks first: accelerate builds PartialState() on every logging call
     if not getattr(state, "initialized", False) or state.distributed_type != DistributedType.DEEPSPEED:
         return False
     if state.backend is not None or not tdist.is_initialized():
         return False
-    if state.num_processes == tdist.get_world_size():
+    if state.num_processes == tdist.get_world_size() or not amsp_block_in_play():
         return False
     state.backend = tdist.get_backend()
     state.num_processes = tdist.get_world_size()
@@ -73,12 +79,24 @@ def apply() -> str:
 
     setattr(__init__, _MARK, True)
     PartialState.__init__ = __init__
-    # a state built before the patch (shared by every PartialState) is fixed now, and so is
-    # the copy AcceleratorState took of it
-    if PartialState._shared_state and fix_state(PartialState()):
-        from accelerate.state import AcceleratorState
+    fix_shared_state()  # a state built before the patch
+    from amsp_ext.integrations.guard import on_note
 
+    # the HF Trainer builds its state before it reads the ds_config (TrainingArguments'
+    # device setup runs first): fix it once the config with the amsp block is seen
+    on_note(fix_shared_state)
+    return f"applied (accelerate {accelerate.__version__})"
+
+
+def fix_shared_state() -> None:
+    """Fix a state built earlier (shared by every PartialState), and AcceleratorState's copy."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    if not PartialState._shared_state:
+        return
+    state = object.__new__(PartialState)  # a view of the shared state, without running __init__
+    state.__dict__ = PartialState._shared_state
+    if fix_state(state):
         if "num_processes" in AcceleratorState._shared_state:
             for key in ("backend", "num_processes", "process_index", "local_process_index"):
                 AcceleratorState._shared_state[key] = PartialState._shared_state[key]
-    return f"applied (accelerate {accelerate.__version__})"

@@ -1,4 +1,5 @@
-"""Route ``deepspeed.initialize`` to ``amsp_ext.initialize`` when the config's ``amsp.enabled`` is true.
+"""Route ``deepspeed.initialize`` to ``amsp_ext.initialize`` when the config asks for AMSP
+(an ``"amsp"`` block whose ``enabled`` is not false: settings.amsp_enabled).
 
 Checked against DeepSpeed 0.18.9 (torch 2.13.0, accelerate 1.15.0, transformers 5.24.0).
 
@@ -11,7 +12,7 @@ initialize`` *before* the patch keeps the original; the start-up hook (amsp_ext.
 startup) patches right after ``deepspeed`` is imported, so that case is covered there.
 
 The wrapper finds the config as DeepSpeed does (``config``, ``config_params``, or
-``args.deepspeed_config``; dict, path or JSON string). With ``amsp.enabled`` true it initialises
+``args.deepspeed_config``; dict, path or JSON string). When it asks for AMSP it initialises
 DeepSpeed's comm layer (so ``deepspeed.comm`` works in the user's script, as after a real
 ``deepspeed.initialize``) and returns ``amsp_ext.initialize(...)``; otherwise it calls the original,
 untouched. ``restore()`` puts the original back.

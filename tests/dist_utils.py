@@ -42,3 +42,40 @@ def end_worker(t0: float) -> None:
         print(f"DONE {time.perf_counter() - t0:.1f}s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def script_env(site_dir: Path) -> dict:
+    """The environment for launching a third-party-style script as a user would: no AMSP_* or
+    ACCELERATE_* variable, one thread per rank, the repo importable.
+
+    [Note: the start-up hook in tests]
+    The routes need ``amsp_ext_startup.pth`` in site-packages (``pip install -e .`` puts it
+    there; test_integrations_units checks the packaging). Where this interpreter has no such file
+    (a dev checkout on PYTHONPATH), ``site_dir`` gets a ``sitecustomize`` that runs the repo's
+    copy of its line - what site.py does with an installed .pth."""
+    import site
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMSP_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    paths = [str(REPO)]
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    if not any((Path(d) / "amsp_ext_startup.pth").is_file() for d in dirs):
+        pth = REPO / "amsp_ext" / "integrations" / "amsp_ext_startup.pth"
+        site_dir.mkdir(parents=True, exist_ok=True)
+        (site_dir / "sitecustomize.py").write_text(f"exec(open({str(pth)!r}).read())\n")
+        paths.insert(0, str(site_dir))
+    env["PYTHONPATH"] = os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def run_script(cmd: list[str], env: dict, cwd, *, timeout: float = 400,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """Run a launcher command; on failure (when ``check``) the assertion carries its output."""
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{' '.join(map(str, cmd))} timed out after {timeout}s") from e
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc

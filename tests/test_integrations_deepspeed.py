@@ -68,6 +68,10 @@ def test_consolidated_state_dict_is_the_trained_model(results):
     r = results["state_dict"]
     assert r["max_abs_diff_vs_ddp"] <= 1e-5 and r["num_keys"] == 21
     assert r["z3_keys_per_rank"] == [21, 0, 0, 0]  # DeepSpeed's: rank 0 only
+    # engine.module (parameters sharded: p=2x1) saves like the user's model, every way
+    assert set(r["saves"]) == {"module.state_dict", "engine.state_dict", "save_pretrained",
+                               "save_pretrained+state_dict", "save_16bit_model"}
+    assert all(v == 0.0 for v in r["saves"].values()), r["saves"]
 
 
 def test_scheduler_block_and_adam_name(results):

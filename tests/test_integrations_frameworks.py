@@ -1,61 +1,36 @@
-"""Unmodified framework scripts under AMSP, on 2 gloo ranks: an Accelerate script launched with
-``accelerate launch --config_file configs/accelerate/amsp.yaml`` (the config route), the same
-script with ``amsp_ext.accelerate.Accelerator`` (the explicit route), and an HF Trainer script
+"""Framework scripts under AMSP, compared with the same scripts on torch DDP, on 2 gloo ranks: an
+Accelerate script launched with ``accelerate launch --config_file configs/accelerate/amsp.yaml``
+(the config route), the same script with ``amsp_ext.accelerate.Accelerator`` (the explicit
+route, which also checks every way Accelerate users save the model), and an HF Trainer script
 with ``TrainingArguments(deepspeed=ds_config.json)``. The Accelerate runs are compared with the
 same script on Accelerate's DDP (MULTI_GPU + ACCELERATE_USE_CPU on CPU): per-rank losses and the
-samples each rank saw. The scripts live in tests/scripts/ and never import amsp_ext.
-
-[Note: the start-up hook in tests]
-The config route needs ``amsp_ext_startup.pth`` in site-packages (``pip install -e .`` puts it
-there; test_integrations_units checks the packaging). Where this interpreter has no such file
-(a dev checkout on PYTHONPATH), the launches get a ``sitecustomize`` that runs the repo's copy
-of its import line - what site.py does with an installed .pth.
+samples each rank saw. The scripts live in tests/scripts/ and never import amsp_ext (except the
+explicit route's switch). No environment variable selects AMSP: the ds_config does.
+Third-party-style scripts per route (save, reload, resume, enabled false, the CPU-mode stop):
+test_integrations_scripts.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import site
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from dist_utils import REPO
+from dist_utils import REPO, run_script, script_env
 
 pytestmark = pytest.mark.distributed
 
 SCRIPT = "tests/scripts/accelerate_train.py"
 
 
-def _pth_installed() -> bool:
-    dirs = site.getsitepackages() + [site.getusersitepackages()]
-    return any((Path(d) / "amsp_ext_startup.pth").is_file() for d in dirs)
-
-
 @pytest.fixture(scope="module")
 def launch_env(tmp_path_factory):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("AMSP_PATCH_DEEPSPEED", "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED"):
-        env.pop(k, None)
-    paths = [str(REPO)]
-    if not _pth_installed():
-        d = tmp_path_factory.mktemp("site")
-        # what site.py does with the installed .pth: run its import line at start-up
-        pth = REPO / "amsp_ext" / "integrations" / "amsp_ext_startup.pth"
-        (d / "sitecustomize.py").write_text(f"exec(open({str(pth)!r}).read())\n")
-        paths.insert(0, str(d))
-    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
-    return env
+    return script_env(tmp_path_factory.mktemp("site"))
 
 
 def _run(cmd, env, timeout=400):
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc
+    return run_script(cmd, env, REPO, timeout=timeout)
 
 
 def _records(proc):
@@ -119,14 +94,22 @@ def test_accelerate_config_route_runs_amsp(amsp_config_route, ddp):
     assert (state / "pytorch_model" / "amsp.json").is_file()
 
 
-def test_accelerate_explicit_route(launch_env, ddp):
-    amsp = json.dumps({"plan": "p=1x1,g=1x1,os=2x1", "cluster": {"gpus_per_node": 2}})
+def test_accelerate_explicit_route_and_every_way_to_save(launch_env, ddp, tmp_path):
+    """A sharded plan (parameters are DTensors): the losses are DDP's, and every way Accelerate
+    users save - get_state_dict, unwrap_model(model).state_dict(), save_pretrained with and
+    without state_dict= - gives amsp_ext.consolidated_state_dict exactly, from the user's class."""
+    amsp = json.dumps({"plan": "p=2x1,g=2x1,os=2x1", "cluster": {"gpus_per_node": 2}})
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 SCRIPT, "--explicit-amsp", amsp], launch_env)
+                 SCRIPT, "--explicit-amsp", amsp, "--check-saves", str(tmp_path)], launch_env)
     setup, recs = _records(proc)
     assert setup["model_class"] == "AMSPDeepSpeedEngine" and setup["num_processes"] == 2
-    assert "[amsp] plan p=1x1,g=1x1,os=2x1" in proc.stdout
+    assert "[amsp] plan p=2x1,g=2x1,os=2x1" in proc.stdout
     _same_training(recs, ddp[1])
+    saves = json.loads(next(l[6:] for l in proc.stdout.splitlines() if l.startswith("SAVES ")))
+    assert not saves["is_engine"] and saves["unwrapped_class"].endswith("LlamaForCausalLM"), saves
+    assert saves["num_keys"] == 21
+    assert saves["max_abs_diff"] == {k: 0.0 for k in ("get_state_dict", "unwrap_model.state_dict",
+                                                      "save_pretrained", "save_pretrained+state_dict")}
 
 
 def _trainer(env, out, *extra, plan="p=2x1,g=2x1,os=2x1", blocks=True):
@@ -139,7 +122,6 @@ def _trainer(env, out, *extra, plan="p=2x1,g=2x1,os=2x1", blocks=True):
         cfg.pop("scheduler")
     out.mkdir(parents=True, exist_ok=True)
     (out / "ds_config.json").write_text(json.dumps(cfg))
-    env = {**env, "AMSP_PATCH_DEEPSPEED": "1"}
     return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  "tests/scripts/hf_trainer_train.py", "--deepspeed", str(out / "ds_config.json"),
                  "--output-dir", str(out), *extra], env)
@@ -152,62 +134,16 @@ def _trainer_logs(proc):
     return logs, data, setup
 
 
-@pytest.fixture(scope="module")
-def trainer_runs(launch_env, tmp_path_factory):
-    """Run 1: 4 steps, checkpoints at steps 2 and 4. Run 2: resume from checkpoint-2."""
-    root = tmp_path_factory.mktemp("trainer")
-    first = _trainer(launch_env, root / "run1")
-    second = _trainer(launch_env, root / "run2", "--resume-from", str(root / "run1" / "checkpoint-2"))
-    return root, first, second
-
-
-def test_hf_trainer_with_deepspeed_config_runs_amsp(trainer_runs):
-    root, proc, _ = trainer_runs
-    logs, data, setup = _trainer_logs(proc)
-    assert {s["world_size"] for s in setup} == {2}  # the batch size is computed for world 2
-    # the example config keeps ZeRO-3's keys (as migrate does): no deepspeed.zero.Init under AMSP
-    assert not any(s["zero3_enabled"] or s["ds_partitioned"] for s in setup), setup
-    assert "[amsp] plan p=2x1,g=2x1,os=2x1" in proc.stdout and "scheduler WarmupDecayLR" in proc.stdout
-    assert [l["step"] for l in logs] == [1, 2, 3, 4]
-    assert all(d["engine"] == "AMSPDeepSpeedEngine" for d in data)
-    seen = [set(d["samples"]) for d in data]
-    assert len(seen) == 2 and not seen[0] & seen[1]  # each rank its own samples
-    assert logs[-1]["loss"] < logs[0]["loss"]
-    ckpt = root / "run1" / "checkpoint-2"
-    assert (ckpt / "latest").read_text() == "global_step2" and (ckpt / "global_step2" / "amsp.json").is_file()
-    assert (ckpt / "model.safetensors").is_file()  # the consolidated weights, via get_state_dict
-
-
-def test_hf_trainer_resumes_from_its_checkpoint(trainer_runs):
-    _, first, second = trainer_runs
-    a = {l["step"]: l for l in _trainer_logs(first)[0]}
-    b = {l["step"]: l for l in _trainer_logs(second)[0]}
-    assert sorted(b) == [3, 4]
-    for step in (3, 4):  # same plan: the resumed steps are the uninterrupted ones
-        for key in ("loss", "grad_norm", "learning_rate"):
-            assert b[step][key] == a[step][key], (step, key, a[step], b[step])
-
-
-def test_trainer_saved_weights_load_into_a_plain_model(trainer_runs):
-    """model.safetensors of the checkpoint (engine.state_dict, consolidated) loads strictly."""
-    from safetensors.torch import load_file
-
-    from amsp_ext.models import build_llama
-
-    root, _, _ = trainer_runs
-    sd = load_file(str(root / "run1" / "checkpoint-4" / "model.safetensors"))
-    model = build_llama("tiny-llama")
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"} - set(sd)
-    assert len(sd) == len(model.state_dict())
-
-
 def test_hf_trainer_amsp_equals_hf_trainer_ddp(launch_env, tmp_path):
     """Without optimizer/scheduler blocks the Trainer builds its own AdamW (decay / no-decay
     groups) and linear schedule, which AMSP rebuilds over its masters. The same script on the
     Trainer's DDP (ACCELERATE_USE_CPU makes it drop DeepSpeed, FIELD_NOTES) is the reference."""
-    amsp = _trainer_logs(_trainer(launch_env, tmp_path / "amsp", "--save-steps", "0",
-                                  plan="p=1x1,g=2x1,os=2x1", blocks=False))[0]
+    amsp, amsp_data, setup = _trainer_logs(_trainer(launch_env, tmp_path / "amsp", "--save-steps", "0",
+                                                    plan="p=1x1,g=2x1,os=2x1", blocks=False))
+    assert all(d["engine"] == "AMSPDeepSpeedEngine" for d in amsp_data)
+    assert {s["world_size"] for s in setup} == {2}  # the batch size is computed for world 2
+    # the example config keeps ZeRO-3's keys (as migrate does): no deepspeed.zero.Init under AMSP
+    assert not any(s["zero3_enabled"] or s["ds_partitioned"] for s in setup), setup
     env = {**launch_env, "ACCELERATE_USE_CPU": "true"}
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  "tests/scripts/hf_trainer_train.py", "--output-dir", str(tmp_path / "ddp"),

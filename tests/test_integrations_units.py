@@ -68,7 +68,10 @@ def test_amsp_block_forms():
     assert (s.overlap.allgather, s.overlap.allreduce, s.overlap.broadcast) == (True, True, False)
     assert AMSPSettings.from_dict(s.to_dict()) == s  # what migrate writes loads back
     assert AMSPSettings.from_dict({"enabled": False, "plan": "auto"}).plan == "auto"  # off: no seq_len needed
-    assert amsp_enabled({"amsp": {"enabled": True}}) and not amsp_enabled({"amsp": {"enabled": "true"}})
+    assert amsp_enabled({"amsp": {"enabled": True}}) and not amsp_enabled({"amsp": {"enabled": False}})
+    assert not amsp_enabled({"train_batch_size": 8}) and not amsp_enabled({"amsp": None})
+    # anything but an explicit false asks for AMSP: the validation then names the field
+    assert amsp_enabled({"amsp": {"enabled": "true"}}) and amsp_enabled({"amsp": {"plan": "ddp"}})
     assert not amsp_enabled({})
 
 
@@ -137,11 +140,17 @@ def test_batch_keys_follow_deepspeed(cfg, world, expected):
     ({"gradient_accumulation_steps": 4}, "train_batch_size or train_micro_batch_size_per_gpu must be given"),
     ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu is 'auto'"),
     ({"train_batch_size": 0}, "train_batch_size must be an integer >= 1"),
-    ({"train_batch_size": 2}, "train_batch_size=2 must equal"),  # 2 // 4 = 0 per rank
+    ({"train_batch_size": 2}, r"train_batch_size=2 is not a multiple of world size=4 = 4"),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4},  # 32 // 4 // 16 would be 0
+     r"train_batch_size=32 is not a multiple of train_micro_batch_size_per_gpu=4 x world size=4 x"),
+    ({"train_batch_size": 24, "gradient_accumulation_steps": 5},
+     r"train_batch_size=24 is not a multiple of gradient_accumulation_steps=5 x world size=4 = 20"),
 ])
 def test_bad_batch_keys(cfg, message):
-    with pytest.raises(ValueError, match=message):
-        resolve_batch(cfg, 4)
+    world = 16 if cfg.get("train_micro_batch_size_per_gpu") == 4 else 4
+    with pytest.raises(ValueError, match=message.replace("world size=4 x", f"world size={world}")) as e:
+        resolve_batch(cfg, world)
+    assert "=0" not in str(e.value)  # never an impossible derived value
 
 
 def test_precision_and_clipping_keys():
@@ -262,6 +271,9 @@ def test_deepspeed_initialize_is_routed_only_when_amsp_is_enabled(monkeypatch, t
     assert deepspeed.initialize(model=None, config=off) == "deepspeed-engine"
     assert deepspeed.initialize(model=None, config={"train_batch_size": 8}) == "deepspeed-engine"
     assert deepspeed.initialize(model=None, config=on, dist_init_required=False) == ("amsp", "zero3")
+    # a misspelt switch asks for AMSP (whose validation then names the field), never DeepSpeed
+    misspelt = {"train_batch_size": 8, "amsp": {"enabled": "yes", "plan": "zero3"}}
+    assert deepspeed.initialize(model=None, config=misspelt, dist_init_required=False) == ("amsp", "zero3")
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(on))
     args = types.SimpleNamespace(deepspeed_config=str(path), local_rank=0)
@@ -308,27 +320,6 @@ def test_zero3_keys_next_to_an_enabled_amsp_block_do_not_turn_on_zero_init():
 
 # -- start-up hook -----------------------------------------------------------------------------------
 
-def test_startup_reason(monkeypatch, tmp_path):
-    from amsp_ext.integrations import startup
-
-    for k in ("AMSP_PATCH_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_USE_DEEPSPEED"):
-        monkeypatch.delenv(k, raising=False)
-    assert startup.reason() is None
-    on, off = tmp_path / "on.json", tmp_path / "off.json"
-    on.write_text(json.dumps({"amsp": {"enabled": True}}))
-    off.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(on))
-    assert startup.reason() is None  # not a DeepSpeed-type launch
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    assert "has amsp.enabled" in startup.reason()
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(off))
-    assert startup.reason() is None
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "missing.json"))
-    assert startup.reason() is None
-    monkeypatch.setenv("AMSP_PATCH_DEEPSPEED", "1")
-    assert startup.reason() == "AMSP_PATCH_DEEPSPEED=1"
-
-
 def test_post_import_hook(tmp_path, monkeypatch):
     from amsp_ext.integrations.import_hooks import when_imported
 
@@ -344,23 +335,28 @@ def test_post_import_hook(tmp_path, monkeypatch):
     assert seen == [1, 2]
 
 
-def _run_pth_line(env_extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("AMSP_PATCH_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE")}
+def _run_pth_line(env_extra: dict, then: str = "") -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMSP_", "ACCELERATE_"))}
     env.update(env_extra, PYTHONPATH=str(REPO))
-    code = ("import sys; exec(open(sys.argv[1]).read()); import json; "
+    code = ("import sys; exec(open(sys.argv[1]).read()); import json; " + then +
             "s = sys.modules.get('amsp_ext.integrations.startup'); "
-            "print(json.dumps({'imported_amsp': 'amsp_ext' in sys.modules, "
-            "'active': getattr(s, '_active', None), 'torch': 'torch' in sys.modules}))")
+            "print(json.dumps({'active': getattr(s, '_active', None), 'torch': 'torch' in sys.modules, "
+            "'finders': [type(f).__name__ for f in sys.meta_path], "
+            "'watched': sorted(getattr(sys.modules.get('amsp_ext.integrations.import_hooks'), '_callbacks', {}))}))")
     out = subprocess.run([sys.executable, "-S", "-c", code, str(REPO / "amsp_ext" / "integrations" / "amsp_ext_startup.pth")],
                          env=env, capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_startup_pth_costs_nothing_unless_asked():
-    assert _run_pth_line({}) == {"imported_amsp": False, "active": None, "torch": False}
-    got = _run_pth_line({"AMSP_PATCH_DEEPSPEED": "1"})
-    assert got == {"imported_amsp": True, "active": "AMSP_PATCH_DEEPSPEED=1", "torch": False}
+def test_startup_pth_needs_no_environment_variable_and_stays_light():
+    """Every interpreter gets the import hooks for deepspeed and accelerate (no AMSP_* /
+    ACCELERATE_* variable set), without importing torch; AMSP_STARTUP=0 switches the hook off.
+    (That importing them applies the routing end to end: test_integrations_scripts.)"""
+    got = _run_pth_line({})
+    assert got["active"] is True and got["torch"] is False and "_Finder" in got["finders"], got
+    assert got["watched"] == ["accelerate", "deepspeed"], got
+    off = _run_pth_line({"AMSP_STARTUP": "0"})
+    assert off["active"] is None and "_Finder" not in off["finders"], off
 
 
 def test_setup_installs_the_startup_pth(tmp_path):
@@ -474,3 +470,216 @@ def test_migrate_stays_torch_free(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
     assert "TORCH False 0" in out.stdout
+
+
+def test_migrate_removes_what_frameworks_would_act_on_and_lists_it(capsys, tmp_path):
+    """Offload blocks (the Trainer would build DeepSpeed's CPU Adam) and the hybrid engine are
+    taken out of the written config, each listed; a disabled offload block stays; ZeRO-3's
+    stage is kept and its zero.Init row listed."""
+    src = json.loads((BEFORE / "zero3.json").read_text())
+    src["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    src["zero_optimization"]["offload_param"] = {"device": "none"}
+    src["hybrid_engine"] = {"enabled": True, "max_out_tokens": 512}
+    cfg = tmp_path / "offload.json"
+    cfg.write_text(json.dumps(src))
+    out = tmp_path / "o.json"
+    code, text, err = migrate(capsys, cfg, *LAB, "--gpu-memory", "1GiB", "-o", out, "--json")
+    assert code == 0, err
+    report = json.loads(text)
+    assert [r["key"] for r in report["rewritten"]] == [
+        "zero_optimization.offload_optimizer", "hybrid_engine", "zero_optimization.stage"]
+    written = json.loads(out.read_text())
+    assert "offload_optimizer" not in written["zero_optimization"] and "hybrid_engine" not in written
+    assert written["zero_optimization"]["offload_param"] == {"device": "none"}  # disabled: kept
+    assert written["zero_optimization"]["stage"] == 3
+    expected = json.loads(json.dumps(src))
+    del expected["zero_optimization"]["offload_optimizer"], expected["hybrid_engine"]
+    assert {k: v for k, v in written.items() if k != "amsp"} == expected
+    code, text, _ = migrate(capsys, cfg, *LAB, "--gpu-memory", "1GiB", "-o", out)
+    assert "zero_optimization.offload_optimizer: removed:" in text and "hybrid_engine: removed:" in text
+
+
+def test_migrate_batch_that_does_not_divide_is_one_line_without_a_derived_zero(capsys, tmp_path):
+    cfg = tmp_path / "b.json"
+    cfg.write_text(json.dumps({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+                               "zero_optimization": {"stage": 1}}))
+    code, _, err = migrate(capsys, cfg, *LAB)  # 4 ranks: 2 // 1 // 4 would be 0 steps
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "train_batch_size=2 is not a multiple of train_micro_batch_size_per_gpu=1 x world size=4" in err
+    assert "=0" not in err
+
+
+# -- amsp config ----------------------------------------------------------------------------------
+
+def test_amsp_config_accelerate_writes_a_ready_pair(capsys, tmp_path, monkeypatch):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from amsp_ext.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "accelerate", "--num-processes", "4", "--num-machines", "2",
+                 "--plan", "p=2x1,g=2x1,os=2x2", "-o", "sub/amsp.yaml"]) == 0
+    out = capsys.readouterr().out
+    yaml = tmp_path / "sub" / "amsp.yaml"
+    loaded = load_config_from_file(str(yaml))  # Accelerate's own reader accepts it
+    assert str(loaded.distributed_type) == "DistributedType.DEEPSPEED"
+    assert (loaded.num_processes, loaded.num_machines, loaded.use_cpu) == (4, 2, False)
+    ds_path = Path(loaded.deepspeed_config["deepspeed_config_file"])
+    assert ds_path.is_absolute() and ds_path == tmp_path / "sub" / "amsp.ds_config.json"
+    cfg = json.loads(ds_path.read_text())
+    settings = AMSPSettings.from_dict(cfg["amsp"])
+    assert settings.enabled and settings.plan == "p=2x1,g=2x1,os=2x2"
+    assert cfg["train_micro_batch_size_per_gpu"] == "auto" and cfg["zero_optimization"] == {"stage": 0}
+    assert f"accelerate launch --config_file {yaml}" in out
+
+
+def test_amsp_config_deepspeed_and_its_errors(capsys, tmp_path):
+    from amsp_ext.cli.main import main
+
+    path = tmp_path / "ds.json"
+    assert main(["config", "deepspeed", "--seq-len", "512", "--micro-batch-size", "2",
+                 "--grad-accum", "4", "--precision", "bf16", "--gradient-clipping", "1.0",
+                 "-o", str(path)]) == 0
+    cfg = json.loads(path.read_text())
+    assert AMSPSettings.from_dict(cfg["amsp"]).seq_len == 512 and cfg["amsp"]["plan"] == "auto"
+    b = resolve_batch(cfg, 8)  # numbers: a plain DeepSpeed script can run it
+    assert (b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps) == (64, 2, 4)
+    assert PrecisionSettings.from_ds(cfg).precision == "bf16" and gradient_clipping(cfg) == 1.0
+    capsys.readouterr()
+    for argv, message in [(["--plan", "p=3x1"], "amsp.plan: both 'p=' and 'os=' are required"),
+                          (["--seq-len", "0"], "--seq-len must be an integer >= 1"),
+                          (["--gradient-clipping", "x"], "--gradient-clipping must be 'auto' or a number")]:
+        assert main(["config", "deepspeed", *argv, "-o", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "x.json").exists()  # nothing written on error
+
+
+# -- never a silent fallback ----------------------------------------------------------------------
+
+def _launch_args(path, **kw):
+    return types.SimpleNamespace(deepspeed_config_file=str(path), config_file="amsp.yaml",
+                                 cpu=kw.get("cpu", False), use_cpu=kw.get("use_cpu", False))
+
+
+def test_accelerate_launch_checks_the_ds_config_before_any_worker(tmp_path, monkeypatch):
+    from patches.accelerate_amsp_guard import check_launch
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    on = tmp_path / "on.json"
+    on.write_text(json.dumps({"amsp": {"enabled": True, "plan": "ddp"}}))
+    off = tmp_path / "off.json"
+    off.write_text(json.dumps({"amsp": {"enabled": False, "plan": "auto"}}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"amsp": {"enabled": True, "plan": "zero4"}}))
+    misspelt = tmp_path / "misspelt.json"
+    misspelt.write_text(json.dumps({"amsp": {"enabled": "true", "plan": "ddp"}}))
+    check_launch(_launch_args(on))  # nothing to say
+    check_launch(_launch_args(off, cpu=True))  # AMSP not asked for: Accelerate decides
+    cases = [(_launch_args(tmp_path / "nope.json"), "deepspeed_config_file"),
+             (_launch_args("rel/nope.json"), "a relative path is read from the current directory"),
+             (_launch_args(bad), "amsp.plan must be 'auto', a baseline name"),
+             (_launch_args(misspelt), "amsp.enabled must be true or false, got 'true'"),
+             (_launch_args(on, use_cpu=True), "cpu=True (use_cpu / --cpu) puts Accelerate in CPU mode")]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as e:
+            check_launch(args)
+        text = str(e.value.code)
+        assert text.startswith("[amsp] error: ") and message in text and "\n" not in text, text
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(SystemExit, match="ACCELERATE_USE_CPU=true puts Accelerate in CPU mode"):
+        check_launch(_launch_args(on))
+
+
+def test_accelerator_state_without_deepspeed_stops_when_amsp_is_asked_for(monkeypatch):
+    """In a worker (any launcher): ACCELERATE_USE_CPU makes AcceleratorState drop the DeepSpeed
+    plugin; with amsp.enabled that is one line and SystemExit, with enabled false nothing."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, TorchDynamoPlugin
+
+    from amsp_ext.integrations.patching import patch_accelerate
+
+    patch_accelerate()
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = {"train_batch_size": 2, "zero_optimization": {"stage": 0}}
+    try:
+        for enabled in (False, True):
+            AcceleratorState._reset_state(reset_partial_state=True)
+            plugin = DeepSpeedPlugin(hf_ds_config={**cfg, "amsp": {"enabled": enabled, "plan": "ddp"}})
+            if not enabled:
+                state = AcceleratorState(deepspeed_plugin=plugin, dynamo_plugin=TorchDynamoPlugin(), _from_accelerator=True)
+                assert str(state.distributed_type) != "DistributedType.DEEPSPEED"
+                continue
+            with pytest.raises(SystemExit) as e:
+                AcceleratorState(deepspeed_plugin=plugin, dynamo_plugin=TorchDynamoPlugin(), _from_accelerator=True)
+            text = str(e.value.code)
+            assert text.startswith("[amsp] error: the ds_config has amsp.enabled, but ACCELERATE_USE_CPU=true")
+            assert "\n" not in text
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_unwrap_model_of_the_amsp_engine_is_the_users_model():
+    import accelerate.accelerator
+    import accelerate.utils
+
+    from amsp_ext.integrations.engine import AMSPDeepSpeedEngine
+    from amsp_ext.integrations.patching import patch_accelerate
+
+    patch_accelerate()
+    engine = AMSPDeepSpeedEngine.__new__(AMSPDeepSpeedEngine)  # no process group needed here
+    torch.nn.Module.__init__(engine)
+    engine.module = torch.nn.Linear(2, 2)
+    for fn in (accelerate.utils.extract_model_from_parallel,
+               accelerate.accelerator.extract_model_from_parallel):
+        assert fn(engine) is engine.module
+    plain = torch.nn.Linear(2, 2)
+    assert accelerate.utils.extract_model_from_parallel(plain) is plain
+
+
+# -- the training_data loader ---------------------------------------------------------------------
+
+def test_training_data_loader_epochs_and_position():
+    """set_epoch every epoch (another order, same on every rank); the saved position resumes
+    the same batches; under another world size it resumes at the same sample position."""
+    from amsp_ext.integrations.dataloader import AMSPDataLoader
+
+    data = list(range(16))
+
+    def loaders(world, bs=1):
+        return [AMSPDataLoader(data, batch_size=bs, rank=r, world_size=world) for r in range(world)]
+
+    ref = loaders(2)
+    epochs = [[[int(x) for b in l for x in b] for l in ref] for _ in range(3)]
+    for e in epochs:
+        assert sorted(e[0] + e[1]) == data  # each epoch: every sample once over the ranks
+    assert epochs[0] != epochs[1] != epochs[2]
+    # DeepSpeed's own sampler setup: epoch 0's order is DistributedSampler(seed 0, epoch 0)
+    from torch.utils.data import DistributedSampler
+
+    assert epochs[0][1] == list(DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=0))
+
+    # stop after 3 batches of epoch 1, save, restore into fresh loaders: the rest is identical
+    run = loaders(2)
+    for l in run:
+        list(l)  # epoch 0
+    its = [iter(l) for l in run]
+    for it in its:
+        for _ in range(3):
+            next(it)
+    states = [l.state_dict() for l in run]
+    assert states[0] == {"epoch": 1, "batches": 3, "batch_size": 1, "world_size": 2, "started": True}
+    fresh = loaders(2)
+    for l, st in zip(fresh, states):
+        l.load_state_dict(st)
+    assert [[int(x) for b in l for x in b] for l in fresh] == [e[3:] for e in epochs[1]]
+    assert [[int(x) for b in l for x in b] for l in fresh] == epochs[2]  # then epoch 2
+
+    # another world: 3 batches x 1 x 2 ranks = 6 samples consumed; 4 ranks x batch 1 -> not whole
+    four = loaders(4)
+    with pytest.warns(UserWarning, match="resumes at sample 4"):
+        four[0].load_state_dict(states[0])
+    assert four[0].state_dict()["batches"] == 1
+

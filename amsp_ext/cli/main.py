@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "simulate": "simulate",
     "train": "train",
     "migrate": "migrate",
+    "config": "config",
 }
 
 

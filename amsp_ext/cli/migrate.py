@@ -6,7 +6,8 @@
 Reads the ZeRO stage, hpZ size (``zero_hpz_partition_size``), MiCS shard size, bucket size,
 bf16/fp16, gradient accumulation and clipping; writes the same config plus an ``"amsp"`` block
 (``enabled: true`` and the planned factors; DeepSpeed's own keys are kept, so ``"enabled":
-false`` runs DeepSpeed again); prints the old layout as factors next to the planned one, with
+false`` runs DeepSpeed again, except the keys frameworks would act on behind AMSP's back -
+offload, the hybrid engine - which are removed and listed: ds_keys.REMOVED_ON_MIGRATE); prints the old layout as factors next to the planned one, with
 the planner's predicted communication (Tp, Tg, T0_os, T1_os) and memory for both. Every key it
 does not map is reported on stderr, one line each, with what AMSP does instead.
 
@@ -227,7 +228,8 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     AMSPSettings.from_dict(block)  # what we write must load
     if "amsp" in cfg:
         _err("the config already has an 'amsp' block; it is replaced")
-    out = {k: v for k, v in cfg.items() if k != "amsp"}
+    stripped, rewrites = ds_keys.strip_unhonoured(cfg)
+    out = {k: v for k, v in stripped.items() if k != "amsp"}
     out["amsp"] = block
 
     unmapped = [{"key": k, "status": s, "note": n}
@@ -248,6 +250,7 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
         "new": {"layout": "AMSP", **_column(chosen, str(chosen.plan), new_note),
                 "bucket_bytes": new_bucket, "written_plan": write_plan},
         "unmapped": unmapped,
+        "rewritten": [{"key": k, "action": a} for k, a in rewrites],
     }
     a, b = report["old"]["t_comm_s"]["total"], report["new"]["t_comm_s"]["total"]
     report["comm_ratio"] = (a / b) if b > 0 else None
@@ -302,8 +305,10 @@ def format_report(r: dict[str, Any], output: str) -> str:
                      else f"  predicted communication: {1 / ratio:.2f}x more with AMSP")
     if o["note"]:
         lines.append(f"  ({o['layout']}: {o['note']})")
-    lines.append(f"  written: amsp.plan = {n['written_plan']!r}, amsp.enabled = true; DeepSpeed's keys "
-                 f"are kept (set \"enabled\": false to run DeepSpeed)")
+    lines.append(f"  written: amsp.plan = {n['written_plan']!r}, amsp.enabled = true; DeepSpeed's other "
+                 f"keys are kept (set \"enabled\": false to run DeepSpeed)")
+    for row in r["rewritten"]:
+        lines.append(f"  {row['key']}: {row['action']}")
     if r["unmapped"]:
         lines.append(f"  {len(r['unmapped'])} key(s) not mapped: see the warnings above")
     return "\n".join(lines)

@@ -11,8 +11,8 @@ The HF Trainer resumes from a ``checkpoint-N`` directory when it finds ``global_
 and then calls ``engine.load_checkpoint(dir)``, which reads ``latest``; Accelerate's
 ``save_state``/``load_state`` call ``save_checkpoint(dir, "pytorch_model")`` and
 ``load_checkpoint(dir, "pytorch_model")``. The engine's counters (global steps and samples,
-skipped steps, micro steps) and ``client_state`` travel in the checkpoint's ``extra``; the LR
-scheduler's state in its own slot. Loading works under another plan or world size (AMSP
+skipped steps, micro steps), ``client_state`` and the position of the ``training_data`` loader
+travel in the checkpoint's ``extra``; the LR scheduler's state in its own slot. Loading works under another plan or world size (AMSP
 reshards on load); the counters are restored as saved. ``load_optimizer_states=False`` restores
 the weights and counters only, ``load_module_only=True`` the weights only (as DeepSpeed).
 """
@@ -48,6 +48,14 @@ def _check_same_tag(tag: str, timeout: float) -> None:
                           f"the tag must be the same on every rank")
 
 
+def _own_loader(engine):
+    """The loader ``initialize`` built from ``training_data`` (None for the script's own)."""
+    from amsp_ext.integrations.dataloader import AMSPDataLoader
+
+    loader = engine.training_dataloader
+    return loader if isinstance(loader, AMSPDataLoader) else None
+
+
 def save_ds_checkpoint(engine, save_dir, tag=None, client_state=None,
                        save_latest: bool = True) -> str:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -57,6 +65,9 @@ def save_ds_checkpoint(engine, save_dir, tag=None, client_state=None,
     extra = {"format": FORMAT, "client_state": dict(client_state or {}),
              "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                         "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps}}
+    loader = _own_loader(engine)
+    if loader is not None:  # the training_data loader's epoch and position (integrations/dataloader.py)
+        extra["dataloader"] = loader.state_dict()
     ckpt.save_checkpoint(engine.module, engine.optimizer, path, lr_scheduler=engine.lr_scheduler,
                          extra=extra)
     if save_latest and engine.global_rank == 0:
@@ -90,5 +101,8 @@ def load_ds_checkpoint(engine, load_dir, tag=None, *,
     if not load_module_only:  # as DeepSpeed: the counters come back unless only the module does
         for k, v in extra["engine"].items():
             setattr(engine, k, v)
+        loader = _own_loader(engine)
+        if loader is not None and extra.get("dataloader") is not None:
+            loader.load_state_dict(extra["dataloader"])
     engine.optimizer.overflow = False
     return str(path), extra["client_state"]

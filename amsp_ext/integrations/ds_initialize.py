@@ -13,7 +13,9 @@
    AMSP assumes identical replicas, and a script that seeds per rank must not diverge silently.
 4. ``amsp_ext.shard`` with the plan, the ShardConfig built from the block and the DeepSpeed
    keys, and the optimizer rebuilt over the masters (integrations.optim); then the scheduler,
-   the dataloader and the engine.
+   the dataloader (integrations.dataloader) and the engine. The sharded model's
+   ``state_dict()`` is the full one from here on (runtime/engine.py [Note: state dicts on the
+   integration routes]): ``engine.module`` is what scripts save.
 5. Rank 0 logs the plan (``[amsp] plan ...``) unless ``amsp.log_plan`` is false.
 """
 
@@ -143,12 +145,28 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
 def _dataloader(training_data, batch: BatchSettings, collate_fn, cfg: Mapping[str, Any]):
     if training_data is None:
         return None
-    from torch.utils.data import DataLoader, DistributedSampler
+    from amsp_ext.integrations.dataloader import AMSPDataLoader
 
-    sampler = DistributedSampler(training_data, num_replicas=dist.get_world_size(),
-                                 rank=dist.get_rank())
-    return DataLoader(training_data, batch_size=batch.micro_batch_size, sampler=sampler,
-                      collate_fn=collate_fn, drop_last=bool(cfg.get("dataloader_drop_last", False)))
+    return AMSPDataLoader(training_data, batch_size=batch.micro_batch_size, rank=dist.get_rank(),
+                          world_size=dist.get_world_size(), collate_fn=collate_fn,
+                          drop_last=bool(cfg.get("dataloader_drop_last", False)))
+
+
+def plan_line(sharded, settings: AMSPSettings, prec: PrecisionSettings, batch: BatchSettings,
+              clip: float, opt_source: str, scheduler) -> str:
+    """``[amsp] plan ...``: what runs, in one line. "GPU(s)" only where the ranks have GPUs."""
+    w, plan = sharded.amsp.world, sharded.amsp.plan
+    source = ("planner" if settings.plan.lower() == "auto"
+              else "" if settings.plan == str(plan) else settings.plan)
+    device = sharded.amsp.device
+    backend = dist.get_backend() if dist.is_initialized() else "no process group"
+    per_node = (f"{w.gpus_per_node} GPU(s)" if device.type == "cuda"
+                else f"{w.gpus_per_node} rank(s) on {device.type.upper()} ({backend})")
+    return (f"[amsp] plan {plan}{f' ({source})' if source else ''} "
+            f"on {w.num_nodes} node(s) x {per_node}; {prec.precision}; batch "
+            f"{batch.micro_batch_size} x {batch.gradient_accumulation_steps} x {w.size} = "
+            f"{batch.train_batch_size}; clipping {clip or 'off'}; optimizer {opt_source}; "
+            f"scheduler {type(scheduler).__name__ if scheduler is not None else 'none'}")
 
 
 def _warn_unsupported(cfg: Mapping[str, Any]) -> None:
@@ -190,21 +208,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     _broadcast_model(model, settings.timeout)
     sharded, amsp_opt = shard(model, settings.plan, factory, config=shard_config)
+    sharded.amsp.full_state_dict = True  # engine.module saves like the user's model
     scheduler = build_scheduler(amsp_opt, client_scheduler=lr_scheduler, ds_config=cfg)
     loader = _dataloader(training_data, batch, collate_fn, cfg)
     engine = AMSPDeepSpeedEngine(module=sharded, optimizer=amsp_opt, lr_scheduler=scheduler,
                                  config=cfg, batch=batch, gradient_clipping=clip, settings=settings,
                                  training_dataloader=loader)
     if settings.log_plan and dist.get_rank() == 0:
-        w, plan = sharded.amsp.world, sharded.amsp.plan
-        source = ("planner" if settings.plan.lower() == "auto"
-                  else "" if settings.plan == str(plan) else settings.plan)
-        msg = (f"[amsp] plan {plan}{f' ({source})' if source else ''} "
-               f"on {w.num_nodes} node(s) x {w.gpus_per_node} GPU(s); {prec.precision}; batch "
-               f"{batch.micro_batch_size} x {batch.gradient_accumulation_steps} x {w.size} = "
-               f"{batch.train_batch_size}; clipping {clip or 'off'}; optimizer {opt_source}; "
-               f"scheduler {type(scheduler).__name__ if scheduler is not None else 'none'}")
+        msg = plan_line(sharded, settings, prec, batch, clip, opt_source, scheduler)
         sys.stdout.write(msg + "\n")  # one write: other ranks may share this stdout
         sys.stdout.flush()
-        logger.info(msg)
+        logger.debug(msg)  # debug: a script's logging.basicConfig(INFO) would print it twice
     return engine, amsp_opt, loader, scheduler

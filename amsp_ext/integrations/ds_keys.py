@@ -176,3 +176,49 @@ def walk(config: Mapping[str, Any]) -> Iterator[tuple[str, str, str]]:
 
 def classify(config: Mapping[str, Any], *statuses: str) -> list[tuple[str, str, str]]:
     return [row for row in walk(config) if row[1] in statuses]
+
+
+# [Note: what `amsp migrate` takes out of the written config]
+# Keys that frameworks read *next to* DeepSpeed, so that leaving them in makes the job differ
+# from what AMSP runs: the HF Trainer and Accelerate build DeepSpeed's CPU Adam and move states
+# to the host when they see an offload device, RLHF scripts drive the hybrid engine's generate
+# path. migrate removes them when they
+# are active (a disabled block stays) and lists each; with ``"enabled": false`` DeepSpeed then
+# runs without them too (the listing says so). ZeRO-3's ``deepspeed.zero.Init`` needs no
+# rewrite: ``stage`` stays for ``"enabled": false``, and under AMSP the start-up hook reports
+# stage 0 to transformers and Accelerate (patches/accelerate_amsp_block.py), which migrate lists.
+REMOVED_ON_MIGRATE = {
+    "zero_optimization.offload_optimizer": "the Trainer/Accelerate would build DeepSpeed's CPU Adam; "
+                                           "AMSP shards optimizer states instead (os=...)",
+    "zero_optimization.offload_param": "AMSP keeps parameters on the device; it shards them instead (p=...)",
+    "zero_optimization.cpu_offload": "legacy offload switch; AMSP shards optimizer states instead",
+    "zero_optimization.cpu_offload_param": "legacy offload switch; AMSP shards parameters instead",
+    "zero_optimization.cpu_offload_use_pin_memory": "offload detail",
+    "zero_optimization.zenflow": "ZenFlow offload",
+    "aio": "NVMe offload I/O",
+    "hybrid_engine": "DeepSpeed-Chat's hybrid engine (generate/train switching) has no AMSP counterpart",
+}
+
+
+def strip_unhonoured(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The config without the active keys of ``REMOVED_ON_MIGRATE``, and ``(key, why)`` for
+    each removed one plus the ZeRO-3 ``zero.Init`` row (kept, but not acted on under AMSP)."""
+    import copy
+
+    out = copy.deepcopy(dict(config))
+    rows: list[tuple[str, str]] = []
+    for key, status, _ in walk(config):
+        if key not in REMOVED_ON_MIGRATE or status != "unsupported":
+            continue
+        block, _, sub = key.partition(".")
+        if sub:
+            out[block].pop(sub)
+        else:
+            out.pop(block)
+        rows.append((key, f"removed: {REMOVED_ON_MIGRATE[key]} (with \"enabled\": false DeepSpeed "
+                          f"now runs without it too)"))
+    if (config.get("zero_optimization") or {}).get("stage") == 3:
+        rows.append(("zero_optimization.stage", "kept at 3 for \"enabled\": false; under AMSP "
+                                                "transformers and Accelerate see stage 0, so no "
+                                                "model is built inside deepspeed.zero.Init"))
+    return out, rows

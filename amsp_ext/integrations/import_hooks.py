@@ -9,20 +9,24 @@ A ``sys.meta_path`` finder answers only for the watched names: it asks the other
 real spec and wraps its loader, whose ``exec_module`` runs the module and then the callbacks.
 Everything else about the loader is delegated, so ``importlib.resources`` and friends still see
 the real one. A module already imported gets its callbacks at once.
+
+[Note: no importlib.abc]
+This module is imported by the start-up hook in every interpreter of the environment, so it
+must cost next to nothing: ``importlib.abc`` pulls in ``importlib.resources`` (tens of ms).
+The import system only needs the protocol (``find_spec``; ``create_module``/``exec_module``),
+so the two classes are plain classes.
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
-from typing import Callable
 
 __all__ = ["when_imported"]
 
-_callbacks: dict[str, list[Callable]] = {}
+_callbacks: dict[str, list] = {}  # module name -> callbacks(module)
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     def __init__(self, inner, name: str) -> None:
         self._inner, self._name = inner, name
 
@@ -38,7 +42,7 @@ class _Loader(importlib.abc.Loader):
         return getattr(self._inner, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def find_spec(self, fullname, path, target=None):
         if fullname not in _callbacks:
             return None
@@ -59,7 +63,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 _FINDER = _Finder()
 
 
-def when_imported(name: str, callback: Callable) -> None:
+def when_imported(name: str, callback) -> None:
     """Call ``callback(module)`` once ``name`` has been imported (now, if it already is)."""
     if name in sys.modules and getattr(sys.modules[name], "__spec__", None) is not None:
         module = sys.modules[name]

@@ -1,17 +1,29 @@
 """``amsp_ext.patch_deepspeed()``: route ``deepspeed.initialize`` to AMSP for configs whose
-``amsp.enabled`` is true; with Accelerate installed, also make its DeepSpeed mode see the real
-world on CPU and leave the ``amsp`` block's values (``"plan": "auto"``) alone.
+``amsp.enabled`` is true, and, with Accelerate installed, apply its AMSP fixes.
 
-The patches themselves live under ``patches/`` (each states the versions it was checked against).
+The start-up hook (startup.py) does the same on import of ``deepspeed`` / ``accelerate``; this
+is the explicit way (a dev checkout on ``PYTHONPATH``, or ``AMSP_STARTUP=0``). The patches live
+under ``patches/`` (each states the versions it was checked against) and each acts only for a
+ds_config that carries an ``"amsp"`` block.
 """
 
 from __future__ import annotations
 
-__all__ = ["patch_deepspeed", "unpatch_deepspeed"]
+__all__ = ["patch_accelerate", "patch_deepspeed", "unpatch_deepspeed"]
+
+
+def patch_accelerate() -> dict[str, str]:
+    """Accelerate's fixes under AMSP (idempotent); ``{patch name: what happened}``."""
+    from patches import (accelerate_amsp_block, accelerate_amsp_guard, accelerate_deepspeed_cpu_state,
+                         accelerate_unwrap)
+
+    return {mod.NAME: mod.apply()
+            for mod in (accelerate_deepspeed_cpu_state, accelerate_amsp_block, accelerate_unwrap,
+                        accelerate_amsp_guard)}
 
 
 def patch_deepspeed() -> dict[str, str]:
-    """Apply the routing (and, when Accelerate is installed, its two fixes); idempotent.
+    """Apply the routing (and, when Accelerate is installed, its fixes); idempotent.
 
     Returns ``{patch name: what happened}``.
     """
@@ -22,15 +34,12 @@ def patch_deepspeed() -> dict[str, str]:
         import accelerate  # noqa: F401
     except ImportError:
         return done
-    from patches import accelerate_amsp_block, accelerate_deepspeed_cpu_state
-
-    for mod in (accelerate_deepspeed_cpu_state, accelerate_amsp_block):
-        done[mod.NAME] = mod.apply()
+    done.update(patch_accelerate())
     return done
 
 
 def unpatch_deepspeed() -> None:
-    """Put the original ``deepspeed.initialize`` back (the Accelerate state fix stays)."""
+    """Put the original ``deepspeed.initialize`` back (the Accelerate fixes stay)."""
     from patches import deepspeed_initialize
 
     deepspeed_initialize.restore()

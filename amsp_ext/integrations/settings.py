@@ -24,9 +24,11 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
 Every key is optional but ``enabled``. Errors are one line naming the field (``amsp.<key>``).
 
 [Note: what `enabled` means]
-``enabled`` is the routing switch: ``patch_deepspeed()`` (and the Accelerate start-up hook) send
-``deepspeed.initialize`` to AMSP only when it is true; with false the same file runs DeepSpeed
-unchanged. ``amsp_ext.initialize`` itself always runs AMSP.
+``enabled`` is the routing switch, on every route (the start-up hook, or ``patch_deepspeed()``):
+``false`` runs DeepSpeed unchanged with the same file; ``true`` sends ``deepspeed.initialize`` to
+AMSP - and so does a block whose ``enabled`` is missing or misspelt, so that the validation
+stops it with one line instead of DeepSpeed running silently (``amsp_enabled``).
+``amsp_ext.initialize`` itself always runs AMSP.
 
 This module is pure Python (no torch): ``amsp migrate`` uses it.
 """
@@ -300,9 +302,12 @@ def ds_bucket_bytes(cfg: Mapping[str, Any], precision: str) -> int | None:
 
 
 def amsp_enabled(config: Mapping[str, Any]) -> bool:
-    """True when the config's ``amsp.enabled`` is true (no validation: the routing question)."""
+    """The routing question (no validation): does this config ask for AMSP? Yes when it has an
+    ``"amsp"`` block whose ``enabled`` is anything but ``false``: ``true``, and also a missing or
+    misspelt value (``"yes"``, ``"true"``), which then fails validation with one line instead
+    of DeepSpeed running silently behind a block the user meant to switch on."""
     block = config.get("amsp") if isinstance(config, Mapping) else None
-    return isinstance(block, Mapping) and block.get("enabled") is True
+    return isinstance(block, Mapping) and block.get("enabled") is not False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,6 +329,19 @@ def _batch_value(cfg: Mapping[str, Any], key: str) -> int | None:
     return v
 
 
+def _divide(total: int, total_key: str, parts: list[tuple[str, int]]) -> int:
+    """``total / product(parts)`` when it is a whole number >= 1; else a one-line error naming
+    the keys (never an impossible derived value such as 0 accumulation steps)."""
+    div = 1
+    for _, v in parts:
+        div *= v
+    if total % div or total < div:
+        names = " x ".join(f"{k}={v}" for k, v in parts)
+        raise ConfigError(f"{total_key}={total} is not a multiple of {names} = {div}; change "
+                          f"{total_key} or the others so that it divides")
+    return total // div
+
+
 def resolve_batch(cfg: Mapping[str, Any], world_size: int) -> BatchSettings:
     """DeepSpeed's rules (``DeepSpeedConfig._set_batch_related_parameters``): any two of
     train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps give the
@@ -331,22 +349,23 @@ def resolve_batch(cfg: Mapping[str, Any], world_size: int) -> BatchSettings:
     tbs = _batch_value(cfg, "train_batch_size")
     mbs = _batch_value(cfg, "train_micro_batch_size_per_gpu")
     gas = _batch_value(cfg, "gradient_accumulation_steps")
+    world = ("world size", world_size)
     if tbs is not None and mbs is not None and gas is not None:
         pass
     elif tbs is not None and mbs is not None:
-        gas = tbs // mbs // world_size
+        gas = _divide(tbs, "train_batch_size", [("train_micro_batch_size_per_gpu", mbs), world])
     elif tbs is not None and gas is not None:
-        mbs = tbs // world_size // gas
+        mbs = _divide(tbs, "train_batch_size", [("gradient_accumulation_steps", gas), world])
     elif mbs is not None and gas is not None:
         tbs = mbs * gas * world_size
     elif tbs is not None:
-        gas, mbs = 1, tbs // world_size
+        gas, mbs = 1, _divide(tbs, "train_batch_size", [world])
     elif mbs is not None:
         gas, tbs = 1, mbs * world_size
     else:
         raise ConfigError("train_batch_size or train_micro_batch_size_per_gpu must be given "
                           "(the DeepSpeed batch keys)")
-    if not (mbs and gas) or tbs != mbs * gas * world_size:
+    if tbs != mbs * gas * world_size:
         raise ConfigError(
             f"train_batch_size={tbs} must equal train_micro_batch_size_per_gpu={mbs} x "
             f"gradient_accumulation_steps={gas} x world size {world_size}")

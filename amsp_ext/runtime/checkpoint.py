@@ -16,7 +16,7 @@ hold them, in any layout. So the engine's only job is to express each local tens
 global tensor with the right offsets, and to choose which keys each rank presents.
 
 [Note: the layout as DCP chunks]
-- Parameters: ``model.state_dict()`` as is. For sp > 1 they are FSDP2's DTensors (Shard(0) on
+- Parameters: ``model.sharded_state_dict()`` as is. For sp > 1 they are FSDP2's DTensors (Shard(0) on
   the ``param_shard`` mesh), so DCP sees chunk offsets directly. The ``param_replica`` ranks
   hold the same chunks; DCP's dedup keeps one writer per chunk (balancing bytes per rank).
 - fp32 masters and inner optimizer states exist only on the owner of each local tensor
@@ -217,7 +217,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     staging = staging_path(path)
     C.barrier(None, name="world", timeout=e.config.timeout)  # nobody writes before it is empty
     e.wait_params()
-    sd: dict[str, Any] = {MODEL + k: v for k, v in model.state_dict().items()}
+    sd: dict[str, Any] = {MODEL + k: v for k, v in model.sharded_state_dict().items()}
     group_of = {id(p): g for g in opt.inner.param_groups for p in g["params"]}
     rows = []
     for idx, m in opt.masters.items():
@@ -330,7 +330,7 @@ def _hf_info(model: nn.Module) -> tuple[str, dict | None]:
 def _meta(model: nn.Module, e: "Engine", rng: bool, info: dict | None) -> dict:
     by_id = trainable_by_id(e)
     model_rows = []
-    for k, v in model.state_dict(keep_vars=True).items():
+    for k, v in model.sharded_state_dict(keep_vars=True).items():
         t = by_id.get(id(v))
         model_rows.append({"key": k, "shape": list(v.shape), "dtype": _dtype_name(v.dtype),
                            "param": t.name if t is not None else None})
@@ -410,7 +410,7 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     e = engine_of(model, optimizer)
     opt = e.optimizer
     md = dcp_metadata(path)
-    current = model.state_dict(keep_vars=True)
+    current = model.sharded_state_dict(keep_vars=True)
     _check_model(path, meta, current)
     if optimizer_states:
         _check_optimizer(path, meta, e)

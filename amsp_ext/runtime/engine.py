@@ -37,7 +37,7 @@ from amsp_ext.runtime.units import Unit, decoder_layers, list_units, refresh_par
 from amsp_ext.topology.groups import World
 from amsp_ext.topology.mesh import PlanMesh, build_plan_mesh
 
-__all__ = ["AMSPModule", "Engine", "MismatchError", "shard"]
+__all__ = ["AMSPModule", "Engine", "MismatchError", "full_state_dict", "shard"]
 
 
 class MismatchError(ValueError):
@@ -52,6 +52,8 @@ class Engine:
         self.plan, self.world, self.mesh, self.config = plan, world, mesh, config
         self.units, self.tensors, self.device = units, tensors, device
         self.rank = dist.get_rank()
+        # [Note: state dicts on the integration routes] see AMSPModule.state_dict
+        self.full_state_dict = False
         self.grad_sync: GradSync
         self.param_sync: ParamSync
         self.optimizer: AMSPOptimizer
@@ -114,11 +116,51 @@ class AMSPModule:
     def model_state_bytes(self) -> dict[str, int]:
         return self.amsp.model_state_bytes()
 
-    def state_dict(self, *args, **kwargs):
+    def sharded_state_dict(self, *args, **kwargs):
+        """``nn.Module.state_dict`` of the sharded model: with sp > 1 the parameters are FSDP2's
+        DTensors (what DCP checkpoints are made of). Local, no collective."""
         # After a step, non-owners' parameters are current only once their broadcasts landed
         # (and packed ones were unpacked); a reader outside forward must not see the old values.
         self.amsp.wait_params()
         return super().state_dict(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        """[Note: state dicts on the integration routes]
+        ``shard()`` keeps FSDP2's convention: ``state_dict()`` is the sharded one. The model that
+        DeepSpeed scripts, Accelerate and the HF Trainer get back (``engine.module``,
+        ``accelerator.unwrap_model``) is the user's own model class, and their save code calls
+        ``model.state_dict()`` / ``save_pretrained`` on it expecting full tensors (a DTensor
+        there fails inside safetensors: "invalid python storage"). ``amsp_ext.initialize`` sets
+        ``amsp.full_state_dict``: ``state_dict()`` then returns full tensors in the parameters'
+        dtype (``full_state_dict`` below) - collective when sp > 1, so every rank calls
+        it, as with DeepSpeed ZeRO-3's gathering; local otherwise."""
+        if not self.amsp.full_state_dict:
+            return self.sharded_state_dict(*args, **kwargs)
+        return full_state_dict(self, *args, **kwargs)
+
+
+@torch.no_grad()
+def full_state_dict(model: "AMSPModule", destination=None, prefix: str = "", keep_vars: bool = False):
+    """``nn.Module.state_dict``'s signature and keys, with full tensors: a sharded parameter is
+    gathered (DTensor.full_tensor over ``param_shard``) in its own dtype and device, anything
+    else is returned as the module holds it. Equal to runtime/export's
+    ``consolidated_state_dict(model, dtype=<compute dtype>, rank0_only=False)`` without the
+    copies to CPU. Collective when sp > 1; every rank gets the whole dict. Tied aliases stay
+    one tensor."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = model.sharded_state_dict(keep_vars=True)
+    out = destination if destination is not None else type(sharded)()
+    if hasattr(sharded, "_metadata") and destination is None:
+        out._metadata = sharded._metadata
+    name = model.amsp.name("param_shard")
+    seen: dict[int, torch.Tensor] = {}
+    for k, v in sharded.items():
+        if id(v) not in seen:
+            full = C.full_tensor(v.detach(), name=name)
+            seen[id(v)] = v if (keep_vars and not isinstance(v, DTensor)) else full
+        out[prefix + k] = seen[id(v)]
+    return out
 
 
 def _world(config: ShardConfig) -> World:

@@ -4,6 +4,8 @@ expects).
 
 - ``consolidated_state_dict(model, dtype=None, rank0_only=True)``: from the live sharded model
   (collective).
+- ``model.state_dict()`` on the integration routes gives full tensors too (runtime/engine.py
+  ``full_state_dict``, [Note: state dicts on the integration routes]).
 - ``save_pretrained(model, save_directory, dtype=None)``: the same, written by rank 0 as
   ``model.safetensors`` + ``config.json`` (what ``from_pretrained`` reads).
 - ``export_checkpoint(path, save_directory=None, dtype=None)``: from a saved checkpoint, in one
@@ -62,7 +64,7 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
     by_id = trainable_by_id(e)
     out: dict[str, torch.Tensor] = {}
     seen: dict[int, torch.Tensor | None] = {}  # tied aliases: gathered (and broadcast) once
-    for k, v in model.state_dict(keep_vars=True).items():
+    for k, v in model.sharded_state_dict(keep_vars=True).items():
         if id(v) in seen:
             if keep:
                 out[k] = seen[id(v)]

@@ -40,6 +40,39 @@ def emit(line: str) -> None:
     sys.stdout.flush()
 
 
+def check_saves(accelerator, model, root: str) -> None:
+    """Every way an Accelerate script saves the model, against amsp_ext's consolidated weights
+    (the only place this script imports amsp_ext besides --explicit-amsp)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    import amsp_ext
+
+    unwrapped = accelerator.unwrap_model(model)
+    ref = amsp_ext.consolidated_state_dict(unwrapped, rank0_only=False)  # fp32, collective
+    got = {
+        "get_state_dict": accelerator.get_state_dict(model),
+        "unwrap_model.state_dict": unwrapped.state_dict(),
+    }
+    for name, kwargs in (("save_pretrained", {}),
+                         ("save_pretrained+state_dict", {"state_dict": accelerator.get_state_dict(model)})):
+        out = os.path.join(root, name)
+        unwrapped.save_pretrained(out, is_main_process=accelerator.is_main_process,
+                                  save_function=accelerator.save, **kwargs)
+        accelerator.wait_for_everyone()
+        got[name] = load_file(os.path.join(out, "model.safetensors"))
+    diffs = {}
+    for name, sd in got.items():
+        same_keys = sorted(sd) == sorted(ref)
+        diffs[name] = (max(float((sd[k].float().cpu() - ref[k]).abs().max()) for k in ref)
+                       if same_keys else f"keys differ: {sorted(set(sd) ^ set(ref))[:3]}")
+    if accelerator.is_main_process:
+        emit("SAVES " + json.dumps({"unwrapped_class": type(unwrapped).__name__,
+                                    "is_engine": type(unwrapped).__name__ == "AMSPDeepSpeedEngine",
+                                    "num_keys": len(ref), "max_abs_diff": diffs}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
@@ -50,6 +83,9 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=2)
     ap.add_argument("--explicit-amsp", metavar="JSON", default=None,
                     help="the explicit route instead: amsp_ext.accelerate.Accelerator(amsp=JSON)")
+    ap.add_argument("--check-saves", metavar="DIR", default=None,
+                    help="(with --explicit-amsp) save every way Accelerate users do, compare with "
+                         "amsp_ext.consolidated_state_dict, print SAVES {json}")
     args = ap.parse_args()
 
     if args.explicit_amsp:  # the only place this script may import amsp_ext
@@ -98,6 +134,8 @@ def main() -> None:
                         p.add_(1.0)
                 accelerator.load_state(args.save_dir)
                 accelerator.wait_for_everyone()
+    if args.check_saves:
+        check_saves(accelerator, model, args.check_saves)
     # tear the process group down in step: exiting with a live gloo group can abort at interpreter
     # exit ("terminate called without an active exception", ~1 in 4 DDP runs on this machine)
     accelerator.wait_for_everyone()

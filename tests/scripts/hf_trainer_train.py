@@ -1,8 +1,8 @@
 """A plain HF Trainer script (it never imports amsp_ext): tiny LlamaForCausalLM on real text with
-``TrainingArguments(deepspeed=<ds_config.json>)``. With the ds_config's ``amsp.enabled`` and the
-start-up hook active (``AMSP_PATCH_DEEPSPEED=1``), DeepSpeed is AMSP.
+``TrainingArguments(deepspeed=<ds_config.json>)``. With the ds_config's ``amsp.enabled`` (and
+amsp_ext installed: its start-up hook), DeepSpeed is AMSP; with ``"enabled": false`` it is DeepSpeed.
 
-    AMSP_PATCH_DEEPSPEED=1 torchrun --nproc-per-node 2 tests/scripts/hf_trainer_train.py \\
+    torchrun --nproc-per-node 2 tests/scripts/hf_trainer_train.py \\
         --deepspeed configs/hf_trainer/ds_config.json --output-dir /tmp/run [--resume-from DIR]
 
 Prints ``LOG {json}`` for each logged step (rank 0) and ``DATA {json}`` with the sample indices
