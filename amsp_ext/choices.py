@@ -18,10 +18,12 @@ from typing import Any, Iterable
 __all__ = [
     "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS", "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
+    "reduce_dtypes",
 ]
 
 # compute dtype of parameters and gradients (masters and optimizer states are always fp32)
 PRECISIONS = ("fp32", "bf16", "fp16")
+
 # FSDP unit: each Linear of a decoder layer ("module", the paper's) or the whole layer
 GRANULARITIES = ("module", "layer")
 # inter-tensor optimizer-state ownership (runtime/ownership.py)
@@ -48,6 +50,13 @@ def check_one_of(value: Any, allowed: Iterable[str], name: str, *, error: type =
     allowed = tuple(allowed)
     if value not in allowed:
         raise error(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def reduce_dtypes(precision: str) -> tuple[str, ...]:
+    """The dtypes gradients may be reduced and accumulated in under ``precision``: fp32, or the
+    precision itself (the paper's 2-byte gradients). ShardConfig.reduce_dtype's Note says why
+    fp32 is the default."""
+    return ("fp32",) if precision == "fp32" else ("fp32", precision)
 
 
 def check_bool(value: Any, name: str, *, error: type = ValueError) -> None:

@@ -58,7 +58,7 @@ def shard_config(config: TrainConfig) -> ShardConfig:
     e, b, pl = config.engine, config.batch, config.planner
     return ShardConfig(
         gpus_per_node=config.cluster.gpus_per_node, nodes_per_leaf=config.cluster.nodes_per_leaf,
-        precision=e.precision, grad_bucket_bytes=int(e.bucket_mb * 2**20),
+        precision=e.precision, reduce_dtype=e.reduce_dtype, grad_bucket_bytes=int(e.bucket_mb * 2**20),
         granularity=e.granularity, recompute=e.recompute, timeout=e.timeout,
         overlap=OverlapConfig(**{op: op not in e.no_overlap for op in OVERLAP_OPS}),
         max_bad_steps=e.max_bad_steps, auto=auto_plan_config(config),
@@ -173,7 +173,7 @@ def train(config: TrainConfig) -> dict | None:
         predicted = memory_breakdown(
             ModelSpec.from_hf_config(llama_config_dict(config.model)), plan,
             TrainingSpec(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
-                         num_micro_batches=M, precision=e.precision,
+                         num_micro_batches=M, precision=e.precision, reduce_dtype=e.reduce_dtype,
                          bucket_bytes=engine_config.grad_bucket_bytes,
                          granularity=e.granularity, recompute=e.recompute),
             gpus_per_node=model.amsp.world.gpus_per_node, num_nodes=model.amsp.world.num_nodes)
@@ -182,7 +182,8 @@ def train(config: TrainConfig) -> dict | None:
             "plan_str": str(plan), "world": {"num_nodes": model.amsp.world.num_nodes,
                                              "gpus_per_node": model.amsp.world.gpus_per_node},
             "steps": b.steps, "micro_batches": M, "micro_batch_size": b.micro_batch_size,
-            "seq_len": b.seq_len, "precision": e.precision, "loss": [h["loss"] for h in history],
+            "seq_len": b.seq_len, "precision": e.precision, "reduce_dtype": e.reduce_dtype,
+            "loss": [h["loss"] for h in history],
             "history": history, "samples": samples, "resumed_from": str(resume) if resume else None,
             "restart": restart, "skipped_steps": sum(not h["applied"] for h in history),
             "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amsp_ext.choices import GRANULARITIES, OBJECTIVES, OVERLAP_OPS, PRECISIONS
+from amsp_ext.choices import GRANULARITIES, OBJECTIVES, OVERLAP_OPS, PRECISIONS, check_one_of, reduce_dtypes
 from amsp_ext.models import MODEL_CONFIGS
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size
@@ -107,6 +107,9 @@ class EngineOptions:
 
     precision: str = option("fp32", choices=PRECISIONS,
                             help="compute dtype of parameters and gradients")
+    reduce_dtype: str = option("fp32", choices=PRECISIONS,
+                               help="dtype gradients are reduced and accumulated in: fp32 or the "
+                                    "--precision (the paper's 2-byte gradients)")
     bucket_mb: float = option(1.0, above=0, help="gradient bucket size U in MiB")
     granularity: str = option("module", choices=GRANULARITIES,
                               help="FSDP unit: each Linear of a layer (module) or the layer")
@@ -122,6 +125,8 @@ class EngineOptions:
         check_options(self)
         if int(self.bucket_mb * 2**20) < 1:
             raise ValueError(f"--bucket-mb must be at least one byte ({1 / 2**20:.3g} MiB), got {self.bucket_mb:g}")
+        check_one_of(self.reduce_dtype, reduce_dtypes(self.precision),
+                     f"--reduce-dtype (with --precision {self.precision})")
 
 
 @dataclass(frozen=True, kw_only=True)

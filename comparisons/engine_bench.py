@@ -4,6 +4,7 @@ Table V) and hidden-communication fraction, and the ownership policies.
     python comparisons/engine_bench.py overhead  [--nproc 2] [--model small-llama]
     python comparisons/engine_bench.py overlap   [--nproc 8 --gpus-per-node 4]
     python comparisons/engine_bench.py ownership [--nproc 4]
+    python comparisons/engine_bench.py reduce    [--nproc 4 --gpus-per-node 2]
 
 Each subcommand launches its ranks with torchrun (gloo on CPU) and prints one JSON object.
 Timings on a shared 2-core machine are noisy and CPU-bound (gloo's threads compete with the
@@ -258,7 +259,53 @@ def worker_ownership(a):
                                      "precision": a.precision, "results": res}), flush=True)
 
 
-WORKERS = {"overhead": worker_overhead, "overlap": worker_overlap, "ownership": worker_ownership}
+REDUCE_PLANS = "p=1x1,g=1x1,os=1x1;p=1x1,g=2x2,os=2x2;p=2x1,g=2x1,os=2x2"
+
+
+def worker_reduce(a):
+    """Step time of ``a.precision`` training with gradients reduced in fp32 vs in the compute
+    dtype (ShardConfig.reduce_dtype), per plan; rounds alternate the order of the two."""
+    import torch
+
+    from amsp_ext.models import build_llama
+    from amsp_ext.runtime import ShardConfig, shard
+
+    dist = _setup()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    R = a.gpus_per_node
+    plans = a.plans.split(";")
+    times: dict = {}
+    ratios: dict = {}
+    for rep in range(a.repeats):
+        order = ("fp32", a.precision) if rep % 2 == 0 else (a.precision, "fp32")
+        for plan in plans:
+            med = {}
+            for red in order:
+                model, opt = shard(build_llama(a.model, seed=0), plan,
+                                   lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                   config=ShardConfig(gpus_per_node=R, precision=a.precision,
+                                                      reduce_dtype=red))
+                run = _engine_loop(model, opt, rank, world, a.micro_batches, a.mbs, a.seq)
+                t = _time_steps(run, a.steps, a.warmup)
+                model.amsp.wait_params()
+                model.amsp.grad_sync.remove()
+                model.amsp.param_sync.remove()
+                times.setdefault((plan, red), []).extend(t)
+                med[red] = statistics.median(t)
+            ratios.setdefault(plan, []).append(med["fp32"] / med[a.precision])
+    if rank == 0:
+        out = {plan: {f"reduce_{red}": _summary(times[plan, red]) for red in ("fp32", a.precision)}
+               | {"fp32_over_16bit_per_round": ratios[plan],
+                  "fp32_over_16bit_median": statistics.median(ratios[plan])} for plan in plans}
+        print("BENCH " + json.dumps({"bench": "reduce_dtype", "model": a.model,
+                                     "world": f"{world // R}x{R}", "precision": a.precision,
+                                     "micro_batches": a.micro_batches, "micro_batch_size": a.mbs,
+                                     "seq_len": a.seq, "steps": a.steps, "repeats": a.repeats,
+                                     "results": out}), flush=True)
+
+
+WORKERS = {"overhead": worker_overhead, "overlap": worker_overlap, "ownership": worker_ownership,
+           "reduce": worker_reduce}
 
 
 def main(argv=None) -> int:
@@ -276,6 +323,7 @@ def main(argv=None) -> int:
     p.add_argument("--mbs", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--plans", default=REDUCE_PLANS, help="reduce: plans separated by ';'")
     argv = sys.argv[1:] if argv is None else argv
     if "--worker" in argv:
         argv = [x for x in argv if x != "--worker"]
@@ -288,14 +336,14 @@ def main(argv=None) -> int:
         return 0
     a = p.parse_args(argv)
     defaults = {"overhead": (2, None, "small-llama"), "overlap": (8, 4, "tiny-llama"),
-                "ownership": (4, None, "small-llama")}[a.bench]
+                "ownership": (4, None, "small-llama"), "reduce": (4, 2, "small-llama")}[a.bench]
     a.nproc = a.nproc or defaults[0]
     a.gpus_per_node = a.gpus_per_node or defaults[1] or a.nproc
     a.model = a.model or defaults[2]
     extra = [a.bench, "--gpus-per-node", str(a.gpus_per_node), "--model", a.model,
              "--precision", a.precision, "--steps", str(a.steps), "--warmup", str(a.warmup),
              "--repeats", str(a.repeats), "--micro-batches", str(a.micro_batches),
-             "--mbs", str(a.mbs), "--seq", str(a.seq)]
+             "--mbs", str(a.mbs), "--seq", str(a.seq), "--plans", a.plans]
     return _launch(a, extra)
 
 

@@ -1,10 +1,13 @@
-"""torchrun worker for the engine tests: runs many cases in ONE launch, prints ``RESULT {json}``.
+"""torchrun worker for the engine tests: runs many cases in ONE launch.
 
-Each case shards a fresh tiny-llama under a plan, trains ``steps`` steps of M micro-batches of
-real text and compares per-step losses and final parameters with a single-process reference
-trained on the same global batches (computed once per launch on rank 0 and broadcast).
+Each case shards a fresh tiny-llama under a plan and trains ``STEPS`` steps of M micro-batches
+of real text. The parity suites decide nothing: they write, per case and rank, a file into
+OUTDIR (see tests/parity_check.py: per-step losses, per-step owned fp32 masters of rank 0's
+``optim`` group, final local parameters) and pytest compares them with a single-process
+reference at every step. The other suites print ``RESULT {json}`` lines.
 
-Usage: python -m tests.engine_worker SUITE  (SUITE in parity, extras, guards)
+Usage: python -m tests.engine_worker SUITE [R] [OUTDIR]  (SUITE in parity, extras, guards,
+trace, memory)
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import math
 import os
+import re
 import sys
 import time
 
@@ -22,18 +25,14 @@ import torch.distributed as dist
 
 from amsp_ext.data import micro_batch
 from amsp_ext.models import build_llama, causal_lm_loss
-from amsp_ext.planner.plan import Plan, check_plan, named_plan
+from amsp_ext.planner.plan import Plan, check_plan, named_plan, parse_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config, OverlapConfig, ShardConfig
 from amsp_ext.runtime.engine import shard
-from torch.distributed.tensor import DTensor
 from tests.dist_utils import end_worker
+from tests.parity_check import M, MBS, SEQ, STEPS, adamw
 
-STEPS, M, MBS, SEQ, LR = 5, 2, 1, 32, 1e-3
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+OUTDIR: str | None = None
 
 
 def prefiltered_plans(R, N):
@@ -48,81 +47,23 @@ def prefiltered_plans(R, N):
     return out
 
 
-def batches(step, world):
-    return [torch.cat([micro_batch(step, m, r, world_size=world, num_micro_batches=M,
-                                   micro_batch_size=MBS, seq_len=SEQ) for r in range(world)])
-            for m in range(M)]
-
-
-def reference(world, *, precision="fp32", clip=None, skip=(), sched=False, tied=False):
-    """Single process, whole global batch: fp32 AdamW; under bf16/fp16 the same mixed-precision
-    recipe as the engine (compute-dtype params and grads, fp32 masters and states)."""
-    model = build_llama("tiny-llama", seed=0, **({"tie_word_embeddings": True} if tied else {}))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
-    if dtype != torch.float32:
-        bufs = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
-        model.to(dtype)
-        for m, n, b in bufs:
-            m._buffers[n] = b
-    opt = adamw(masters if dtype != torch.float32 else list(model.parameters()))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)) if sched else None
-    losses, norms = [], []
-    for step in range(STEPS):
-        total = 0.0
-        for b in batches(step, world):
-            loss = causal_lm_loss(model, b) / M
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        if step in skip:  # the engine skips this step (fp16 overflow)
-            opt.zero_grad()
-            for p in model.parameters():
-                p.grad = None
-            continue
-        if dtype != torch.float32:
-            for m, p in zip(masters, model.parameters()):
-                m.grad = p.grad.float()
-                p.grad = None
-        params = masters if dtype != torch.float32 else list(model.parameters())
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        opt.step()
-        opt.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-        if dtype != torch.float32:
-            with torch.no_grad():
-                for m, p in zip(masters, model.parameters()):
-                    p.copy_(m)
-    final = {n: (m if dtype != torch.float32 else p).detach().float().clone()
-             for (n, p), m in zip(model.named_parameters(), masters)}
-    compute = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": final, "compute_params": compute}
-
-
-def shared_reference(world, **kw):
-    """Rank 0 computes, everyone receives (a plain broadcast of the test harness)."""
-    obj = [reference(world, **kw) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(obj, src=0)
-    return obj[0]
-
-
-def full_params(model):
-    out = {}
-    for n, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        out[n] = t.detach().float()
-    return out
+def owned_masters(model, opt):
+    """{name: (shard index, fp32 master)} of this rank's owned tensors, if this rank is in rank 0's
+    ``optim`` group (whose ranks own every local tensor exactly once), else {}."""
+    e = model.amsp
+    if 0 not in e.mesh.ranks["optim"]:
+        return {}
+    return {e.tensors[i].name: (e.tensors[i].shard_index, m.detach().float().clone())
+            for i, m in opt.masters.items()}
 
 
 def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None, sched=False,
-          tied=False):
+          tied=False, after_step=None):
     model = build_llama("tiny-llama", seed=0, **({"tie_word_embeddings": True} if tied else {}))
     model, opt = shard(model, plan, adamw, config=config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)) if sched else None
     rank = dist.get_rank()
-    losses, norms = [], []
+    losses, norms, steps = [], [], []
     for step in range(STEPS):
         total = torch.zeros(1)
         for m in range(M):
@@ -148,53 +89,21 @@ def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None
         opt.zero_grad()
         if scheduler is not None:
             scheduler.step()
+        steps.append(owned_masters(model, opt))
+        if after_step is not None:
+            after_step(model)
     model.amsp.wait_params()
-    return model, opt, losses, norms
+    return model, opt, {"losses": losses, "norms": norms, "masters": steps}
 
 
-def master_diff(ref, model, opt):
-    """(max |owned fp32 master - reference master|, relative L2 error of the update
-    ||master - ref|| / ||ref - init||), over the owned tensors (the owner's shard if sp > 1)."""
+def record(name, model, run, extra=None):
+    """Write this rank's view of case ``name`` for pytest (tests/parity_check.load_cases)."""
     e = model.amsp
-    init = dict(build_llama("tiny-llama", seed=0).named_parameters())
-    d, num, den = 0.0, torch.zeros(1), torch.zeros(1)
-    for idx, m in opt.masters.items():
-        t = e.tensors[idx]
-        full, start = ref["params"][t.name], init[t.name].detach()
-        if e.plan.sp > 1:
-            full = full.chunk(e.plan.sp, dim=0)[t.shard_index]
-            start = start.chunk(e.plan.sp, dim=0)[t.shard_index]
-        d = max(d, float((m.detach() - full).abs().max()))
-        num += float(((m.detach() - full) ** 2).sum())
-        den += float(((full - start) ** 2).sum())
-    both = torch.cat([num, den])
-    dist.all_reduce(both)  # replicas repeat numerator and denominator alike
-    return d, float(both[0].sqrt() / both[1].sqrt())
-
-
-def compare(name, ref, model, losses, norms=(), extra=None, opt=None):
-    got = full_params(model)
-    pdiff = torch.zeros(1)
-    low_precision = next(model.parameters()).dtype != torch.float32
-    rel_update = None
-    if low_precision:
-        d, rel_update = master_diff(ref, model, opt)
-        pdiff = torch.tensor([d])
-    else:
-        for n, t in ref["params"].items():
-            pdiff = torch.maximum(pdiff, (got[n] - t).abs().max().reshape(1))
-    ldiff = torch.tensor([max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])
-                              if math.isfinite(a))])
-    ndiff = torch.tensor([max((abs(a - b) / b for a, b in zip(norms, ref["norms"])), default=0.0)])
-    for t in (pdiff, ldiff, ndiff):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # worst rank
-    res = {"case": name, "param_max_abs_diff": float(pdiff), "loss_max_rel_diff": float(ldiff),
-           "master_update_rel_l2": rel_update,
-           "norm_max_rel_diff": float(ndiff), "losses": losses, "ref_losses": ref["losses"],
-           **(extra or {})}
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(res), flush=True)
-    return res
+    final = {t.name: (t.shard_index, t.local().detach().clone()) for t in e.tensors}
+    out = {"case": name, "rank": dist.get_rank(), "sp": e.plan.sp, "extra": extra or {},
+           "losses": run["losses"], "norms": run["norms"], "masters": run["masters"], "final": final}
+    slug = re.sub(r"[^A-Za-z0-9_.=+-]", "_", name)
+    torch.save(out, os.path.join(OUTDIR, f"{slug}.rank{dist.get_rank()}.pt"))
 
 
 def release(model):
@@ -204,20 +113,23 @@ def release(model):
 
 
 def suite_parity(world, R):
+    """fp32 on every pre-filtered plan; on 2 x 2 also bf16 with fp32 reduction on every one."""
     N = world // R
     plans = prefiltered_plans(R, N)
     named = {n: named_plan(n, gpus_per_node=R, num_nodes=N) for n in ("ddp", "zero1", "zero3", f"mics:{R}")}
     for n, p in named.items():
         assert p in plans, (n, p)  # the named baselines are among the pre-filtered plans
-    ref = shared_reference(world)
     if dist.get_rank() == 0:
         print("PLANS " + json.dumps([str(p) for p in plans]) + " NAMED " +
               json.dumps({k: str(v) for k, v in named.items()}), flush=True)
-    for p in plans:
-        t0 = time.perf_counter()
-        model, opt, losses, _ = train(p, ShardConfig(gpus_per_node=R, timeout=120), world=world)
-        compare(str(p), ref, model, losses, extra={"seconds": time.perf_counter() - t0})
-        release(model)
+    precisions = ("fp32", "bf16") if world == 4 else ("fp32",)
+    for prec in precisions:
+        for p in plans:
+            t0 = time.perf_counter()
+            model, opt, run = train(p, ShardConfig(gpus_per_node=R, timeout=120, precision=prec,
+                                                   reduce_dtype="fp32"), world=world)
+            record(f"{prec}:{p}", model, run, extra={"seconds": time.perf_counter() - t0})
+            release(model)
 
 
 def _bytes(model):
@@ -230,42 +142,35 @@ def _bytes(model):
 
 
 def suite_extras(world, R):
-    """bf16/fp16, recompute, clipping, sg strictly between sp and sos, ablations, APIs."""
+    """16-bit reduction, fp16, recompute, clipping, sg strictly between sp and sos, ablations, APIs."""
     cfg = lambda **kw: ShardConfig(gpus_per_node=R, timeout=120, **kw)  # noqa: E731
-    ref32 = shared_reference(world)
-    refs = {"bf16": shared_reference(world, precision="bf16"),
-            "fp16": shared_reference(world, precision="fp16")}
-    for prec in ("bf16",):
-        for p in ("ddp", "p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2", "zero3"):
-            model, opt, losses, _ = train(p, cfg(precision=prec), world=world)
-            compare(f"{prec}:{p}", refs[prec], model, losses, opt=opt,
-                    extra={"vs_fp32": compare_quiet(ref32, model, losses), **_bytes(model)})
-    for p in ("p=1x1,g=1x1,os=2x2", "p=2x1,g=2x2,os=2x2"):
-        model, opt, losses, _ = train(p, cfg(precision="fp16", fp16=FP16Config(initial_scale=1024.0)), world=world)
-        compare(f"fp16:{p}", refs["fp16"], model, losses, opt=opt, extra={"skipped": opt.skipped_steps})
+    for p in ("ddp", "p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2", "zero3"):
+        model, opt, run = train(p, cfg(precision="bf16", reduce_dtype="bf16"), world=world)
+        record(f"bf16-reduce-bf16:{p}", model, run, extra=_bytes(model))
+    fp16 = FP16Config(initial_scale=1024.0)
+    for p, red in (("p=1x1,g=1x1,os=2x2", "fp16"), ("p=2x1,g=2x2,os=2x2", "fp32")):
+        model, opt, run = train(p, cfg(precision="fp16", reduce_dtype=red, fp16=fp16), world=world)
+        record(f"fp16-reduce-{red}:{p}", model, run, extra={"skipped": opt.skipped_steps})
     # an injected overflow: step 2 is skipped on every rank, the scale backs off
-    ref_skip = shared_reference(world, precision="fp16", skip=(2,))
-    model, opt, losses, _ = train("p=2x1,g=2x2,os=2x2",
-                                  cfg(precision="fp16", fp16=FP16Config(initial_scale=1024.0)),
-                                  world=world, inject=lambda s, m: s == 2 and m == 1)
-    compare("fp16-overflow:p=2x1,g=2x2,os=2x2", ref_skip, model, losses, opt=opt,
-            extra={"skipped": opt.skipped_steps, "scale": opt.loss_scale})
+    model, opt, run = train("p=2x1,g=2x2,os=2x2", cfg(precision="fp16", reduce_dtype="fp16", fp16=fp16),
+                            world=world, inject=lambda s, m: s == 2 and m == 1)
+    record("fp16-overflow:p=2x1,g=2x2,os=2x2", model, run,
+           extra={"skipped": opt.skipped_steps, "scale": opt.loss_scale})
     # recompute keeps the recompute-forward gather for backward: AG count unchanged
     for p in ("p=2x1,g=2x1,os=2x2", "p=2x2,g=2x2,os=2x2"):
         counts = {}
         for rc in (False, True):
             before = C.stats[("all_gather", "param_shard")]
-            model, opt, losses, _ = train(p, cfg(recompute=rc), world=world)
+            model, opt, run = train(p, cfg(recompute=rc), world=world)
             counts[rc] = C.stats[("all_gather", "param_shard")] - before
             units = sum(1 for u in model.amsp.units if u.params)
-        compare(f"recompute:{p}", ref32, model, losses,
-                extra={"ag_per_micro_batch": counts[True] / (STEPS * M),
-                       "ag_per_micro_batch_no_recompute": counts[False] / (STEPS * M),
-                       "num_units": units})
-    ref_clip = shared_reference(world, clip=0.05)
+        record(f"recompute:{p}", model, run,
+               extra={"ag_per_micro_batch": counts[True] / (STEPS * M),
+                      "ag_per_micro_batch_no_recompute": counts[False] / (STEPS * M),
+                      "num_units": units})
     for p in ("ddp", "p=1x1,g=1x1,os=2x2", "p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2", "zero3"):
-        model, opt, losses, norms = train(p, cfg(), world=world, clip=0.05)
-        compare(f"clip:{p}", ref_clip, model, losses, norms, extra={"ref_norms": ref_clip["norms"]})
+        model, opt, run = train(p, cfg(), world=world, clip=0.05)
+        record(f"clip:{p}", model, run)
     cases = [
         ("sg-between:p=1x1,g=2x1,os=2x2", "p=1x1,g=2x1,os=2x2", {}, {}),
         ("overlap-off:p=2x1,g=2x2,os=2x2", "p=2x1,g=2x2,os=2x2",
@@ -275,39 +180,52 @@ def suite_extras(world, R):
         ("layer-granularity:p=2x1,g=2x1,os=2x2", "p=2x1,g=2x1,os=2x2", {"granularity": "layer"}, {}),
     ]
     for name, p, ckw, tkw in cases:
-        model, opt, losses, _ = train(p, cfg(**ckw), world=world, **tkw)
-        compare(name, ref32, model, losses)
+        model, opt, run = train(p, cfg(**ckw), world=world, **tkw)
+        record(name, model, run)
     # packed broadcasts under a budget small enough that only the smallest tensors are packed
     # (tiny-llama's local tensors are 128 B .. 32 KiB at sp = 2, about 250 KiB in all)
-    model, opt, losses, _ = train("p=2x1,g=2x1,os=2x2",
-                                  cfg(ownership="blocks", grad_bucket_bytes=32768), world=world)
+    model, opt, run = train("p=2x1,g=2x1,os=2x2", cfg(ownership="blocks", grad_bucket_bytes=32768),
+                            world=world)
     ps = model.amsp.param_sync
-    compare("coalesced-broadcasts:p=2x1,g=2x1,os=2x2", ref32, model, losses,
-            extra={"num_items": len(ps.items), "num_packed": sum(it.packed for it in ps.items),
-                   "num_packed_tensors": sum(len(it.tensors) for it in ps.items if it.packed),
-                   "num_tensors": len(ps.tensors), "peak_staging": ps.peak_staging,
-                   "staging_limit": ps.staging_limit})
-    ref_tied = shared_reference(world, tied=True)
+    record("coalesced-broadcasts:p=2x1,g=2x1,os=2x2", model, run,
+           extra={"num_items": len(ps.items), "num_packed": sum(it.packed for it in ps.items),
+                  "num_packed_tensors": sum(len(it.tensors) for it in ps.items if it.packed),
+                  "num_tensors": len(ps.tensors), "peak_staging": ps.peak_staging,
+                  "staging_limit": ps.staging_limit})
     for p in ("p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2"):
-        model, opt, losses, _ = train(p, cfg(), world=world, tied=True)
-        compare(f"tied-embeddings:{p}", ref_tied, model, losses,
-                extra={"root_unit_params": len(model.amsp.units[0].params)})
-    ref_sched = shared_reference(world, sched=True)
-    model, opt, losses, _ = train("p=1x1,g=2x2,os=2x2", cfg(), world=world,
-                                  boundary_api="set_boundary", sched=True)
+        model, opt, run = train(p, cfg(), world=world, tied=True)
+        record(f"tied-embeddings:{p}", model, run,
+               extra={"root_unit_params": len(model.amsp.units[0].params)})
+    # torch.optim.swa_utils over a sharded model: an unsharded AveragedModel fed after each step
+    import copy
+
+    from torch.optim import swa_utils
+
+    swa = swa_utils.AveragedModel(build_llama("tiny-llama", seed=0))
+
+    def average(model):
+        model.amsp.wait_params()
+        swa.update_parameters(model)
+
+    model, opt, run = train("p=1x1,g=1x1,os=2x2", cfg(), world=world, after_step=average)
+    try:
+        copy.deepcopy(model)
+        deepcopy_error = None
+    except ValueError as e:
+        deepcopy_error = str(e)
+    record("swa:p=1x1,g=1x1,os=2x2", model, run,
+           extra={"swa": {n: p.detach().clone() for n, p in swa.module.named_parameters()},
+                  "n_averaged": int(swa.n_averaged), "deepcopy_error": deepcopy_error})
+    model, opt, run = train("p=1x1,g=2x2,os=2x2", cfg(), world=world, boundary_api="set_boundary",
+                            sched=True)
     sd = opt.state_dict()
     opt.load_state_dict(sd)  # same plan: round trip, re-broadcast
     meta_ok = all(set(m) == {"name", "global_shape", "local_shape", "shard_index", "owner"}
-                  for m in sd["tensors"])
-    compare("boundary-api+lr-schedule+state-dict:p=1x1,g=2x2,os=2x2", ref_sched, model, losses,
-            extra={"metadata_ok": meta_ok, "num_owned": len(sd["tensors"])})
-
-
-def compare_quiet(ref, model, losses):
-    got = full_params(model)
-    pdiff = max(float((got[n] - t).abs().max()) for n, t in ref["params"].items())
-    ldiff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
-    return {"param_max_abs_diff": pdiff, "loss_max_rel_diff": ldiff}
+                  for m in sd["amsp"]["tensors"])
+    run["masters"][-1] = owned_masters(model, opt)  # what the round trip left
+    record("boundary-api+lr-schedule+state-dict:p=1x1,g=2x2,os=2x2", model, run,
+           extra={"metadata_ok": meta_ok, "num_owned": len(sd["amsp"]["tensors"]),
+                  "num_steps": opt.num_steps})
 
 
 def _emit(obj):
@@ -383,8 +301,8 @@ def suite_guards(world, R):
         missing_err = None
     except PlanError as e:
         missing_err = str(e)
-    model, opt, losses, _ = train("auto", ShardConfig(gpus_per_node=R, timeout=60, auto=auto),
-                                  world=world)
+    model, opt, run = train("auto", ShardConfig(gpus_per_node=R, timeout=60, auto=auto), world=world)
+    losses = run["losses"]
     direct = plan_for(build_llama("tiny-llama").config.to_dict(),
                       ClusterSpec(num_nodes=world // R, gpus_per_node=R, gpu_memory_bytes=4 * 2**30),
                       TrainingSpec(seq_len=SEQ, micro_batch_size=MBS, num_micro_batches=M,
@@ -481,26 +399,31 @@ def suite_trace(world, R):
 
 def suite_memory(world, R):
     """Measured model-state bytes per rank vs the planner's memory model (amsp_ext.planner.memory)
-    for every pre-filtered plan, in bf16 (the paper's 2/2/12 bytes) and fp32 (4/4/8)."""
+    for every pre-filtered plan, in bf16 with bf16 reduction (the paper's 2/2/12 bytes) and fp32
+    (4/4/8), and on four plans (one per gradient mode) bf16 with fp32 reduction (2/4/12)."""
     from amsp_ext.planner.memory import memory_breakdown
     from amsp_ext.planner.model_spec import ModelSpec
     from amsp_ext.planner.specs import TrainingSpec
 
     spec = ModelSpec.from_hf_config(build_llama("tiny-llama").config.to_dict())
-    for precision in ("bf16", "fp32"):
+    every = prefiltered_plans(R, world // R)
+    some = [parse_plan(t) for t in ("p=1x1,g=1x1,os=1x1", "p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2",
+                                    "p=2x2,g=2x2,os=2x2")]
+    for precision, reduce_dtype, plans in (("bf16", "bf16", every), ("fp32", "fp32", every),
+                                           ("bf16", "fp32", some)):
         training = TrainingSpec(seq_len=SEQ, micro_batch_size=MBS, num_micro_batches=M,
-                                precision=precision)
-        for p in prefiltered_plans(R, world // R):
-            model, opt, losses, _ = train(p, ShardConfig(gpus_per_node=R, precision=precision),
-                                          world=world)
+                                precision=precision, reduce_dtype=reduce_dtype)
+        for p in plans:
+            model, opt, _ = train(p, ShardConfig(gpus_per_node=R, precision=precision,
+                                                 reduce_dtype=reduce_dtype), world=world)
             b = model.model_state_bytes()
             pred = memory_breakdown(spec, p, training, gpus_per_node=R, num_nodes=world // R)
             rel = torch.tensor([abs(b["total"] / pred.model_states - 1)])
             dist.all_reduce(rel, op=dist.ReduceOp.MAX)
             if dist.get_rank() == 0:
                 print("RESULT " + json.dumps({
-                    "case": f"{precision}:{p}", "predicted": {"params": pred.params, "grads": pred.grads,
-                                                              "optim": pred.optim},
+                    "case": f"{precision}-reduce-{reduce_dtype}:{p}",
+                    "predicted": {"params": pred.params, "grads": pred.grads, "optim": pred.optim},
                     "measured_rank0": b, "worst_rank_rel_err": float(rel)}), flush=True)
             release(model)
 
@@ -510,11 +433,13 @@ SUITES = {"memory": suite_memory, "parity": suite_parity, "extras": suite_extras
 
 
 def main():
+    global OUTDIR
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     torch.manual_seed(0)
     suite = sys.argv[1]
     world = dist.get_world_size()
     R = int(os.environ["LOCAL_WORLD_SIZE"]) if len(sys.argv) < 3 else int(sys.argv[2])
+    OUTDIR = sys.argv[3] if len(sys.argv) > 3 else None
     t0 = time.perf_counter()
     SUITES[suite](world, R)
     end_worker(t0)

@@ -1,89 +1,133 @@
 """Engine parity: every pre-filtered plan (and DDP / ZeRO-1 / ZeRO-3 / MiCS as plans) matches a
 single-process reference on the same global batches: 5 steps of tiny-llama on real text,
 M = 2 micro-batches, AdamW. One torchrun launch per world size (the worker loops over plans),
-plus one launch for bf16/fp16, recompute, clipping, sg strictly between sp and sos, ablations.
+plus one launch for 16-bit reduction, fp16, recompute, clipping, sg strictly between sp and
+sos, ablations and APIs.
+
+The workers only write what they saw (tests/parity_check.py); the reference runs here, in this
+process, and every comparison is made here at EVERY step: the loss of each step, and the fp32
+masters after each step (rebuilt from the owners' shards), plus, after the last step, every
+rank's local parameters against the owners' masters (every broadcast landed). A non-finite
+loss fails a case, except at the one step where the fp16-overflow case injects it.
 
 [Note: tolerances]
-fp32: losses within 1e-5 relative, parameters within 1e-5 absolute (the spec). Observed: <1e-7
-and <3e-6; the parameter gap comes from Adam dividing by sqrt(v) for near-zero gradients.
-bf16/fp16: the reference is the same mixed-precision recipe in one process (compute-dtype
-params and grads, fp32 masters and AdamW states); the engine differs in how the per-rank
-compute-dtype gradients are summed (per rank, then across ranks, in the compute dtype).
-Losses: 1e-3 relative (observed ~3e-5 bf16, ~5e-6 fp16). Parameters: a max-abs bound is
-meaningless here, because Adam turns gradient noise on near-zero gradients into +-lr steps
-(a single-process simulation of the per-rank split gives 2.2e-3 max-abs, the same as the
-engine). We bound the relative L2 error of the update, ||master - ref|| / ||ref - init||, by
-2.5e-2: observed 1.1e-2 (bf16), below the 2.9e-2 that separates the bf16 recipe from fp32,
-while dropping ONE rank's micro-batch in ONE of the 5 steps gives 7.8e-2 (measured with the
-same simulation), so the bound catches a lost or doubled gradient.
+fp32: losses within 1e-5 relative, parameters within 1e-5 absolute, every step (the spec).
+Observed: < 1e-7 and < 2e-6; the parameter gap comes from Adam dividing by sqrt(v) for
+near-zero gradients. Replicas equal their owners bit for bit.
+
+bf16 with reduce_dtype="fp32" (the default) on every pre-filtered plan of 2 x 2: losses within
+5e-3 relative of the fp32 reference at every step (the acceptance bound of issue 13; observed
+2.28e-4 worst), and the fp32 masters against the single-process bf16 recipe by the update bound
+below. On this small run (4 ranks, M = 2) the summation dtype is not what separates bf16 from
+fp32: with bf16 reduction the loss is 2.35e-4 from fp32 too; the gap is the bf16 forward and
+backward themselves.
+
+16-bit reduction (reduce_dtype = the precision) keeps its documented bound: losses 1e-3 relative
+of the same mixed-precision recipe run in one process (compute-dtype params and grads, fp32
+masters and AdamW states); the engine differs in how per-rank compute-dtype gradients are
+summed. Parameters: a max-abs bound is meaningless here, because Adam turns gradient noise on
+near-zero gradients into +-lr steps. We bound the relative L2 error of the update,
+||master - ref|| / ||ref - init||, at step s (1-based) by 2.5e-2 * sqrt(5 / s): Adam's
+per-step noise is independent across steps while the update grows linearly, so the relative
+error shrinks like 1/sqrt(s); at s = 5 it is the 2.5e-2 bound this file always had (observed
+1.2e-2 to 1.3e-2 with bf16 reduction, 1.0e-2 to 1.2e-2 with fp32; dropping ONE rank's micro-batch in ONE of the 5 steps gives 7.8e-2,
+measured with a single-process simulation, so the bound catches a lost or doubled gradient).
+Observed per step with fp32 reduction: 3.5e-2, 2.2e-2, 1.7e-2, 1.4e-2, 1.2e-2 (bounds 5.6e-2,
+4.0e-2, 3.2e-2, 2.8e-2, 2.5e-2).
 """
 
 from __future__ import annotations
 
-import json
+import math
 
 import pytest
+import torch
 
 from dist_utils import run_torchrun
+from parity_check import (DTYPES, initial_params, load_cases, loss_rel_diffs, master_update_rel_l2,
+                          param_max_abs_diffs, reference, replicas_match_owners)
 
 pytestmark = pytest.mark.distributed
 
 
-def _results(proc):
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT "):])
-            out[r["case"]] = r
-    return out
+def update_bound(step: int) -> float:
+    return 2.5e-2 * math.sqrt(5 / (step + 1))
+
+
+def check_fp32(case, ref):
+    losses = loss_rel_diffs(case["losses"], ref["losses"])
+    params = param_max_abs_diffs(case, ref)
+    assert max(losses) <= 1e-5, losses
+    assert max(params) <= 1e-5, params
+    assert replicas_match_owners(case, torch.float32) == 0.0
+
+
+def check_mixed(case, ref, precision, *, nonfinite_ok=(), tied=False):
+    losses = loss_rel_diffs(case["losses"], ref["losses"], nonfinite_ok=nonfinite_ok)
+    assert max(losses) <= 1e-3, losses
+    updates = master_update_rel_l2(case, ref, initial_params(tied))
+    for s, u in enumerate(updates):
+        assert u <= update_bound(s), (s, updates)
+    assert replicas_match_owners(case, DTYPES[precision]) == 0.0
 
 
 def _plans_line(proc):
     line = next(l for l in proc.stdout.splitlines() if l.startswith("PLANS "))
     plans, named = line[len("PLANS "):].split(" NAMED ")
+    import json
     return json.loads(plans), json.loads(named)
 
 
 @pytest.mark.parametrize("nproc,R,num_plans", [(4, 2, 9), (8, 4, 16)])
-def test_fp32_parity_every_prefiltered_plan(nproc, R, num_plans):
-    proc = run_torchrun(nproc, "tests.engine_worker", "parity", str(R), timeout=600)
+def test_parity_every_prefiltered_plan(nproc, R, num_plans, tmp_path):
+    proc = run_torchrun(nproc, "tests.engine_worker", "parity", str(R), str(tmp_path), timeout=600)
     plans, named = _plans_line(proc)
     assert len(plans) == num_plans
     assert set(named.values()) <= set(plans)  # DDP, ZeRO-1, ZeRO-3, MiCS are in the set
-    res = _results(proc)
-    assert sorted(res) == sorted(plans)
-    for plan, r in res.items():
-        assert r["loss_max_rel_diff"] <= 1e-5, (plan, r)
-        assert r["param_max_abs_diff"] <= 1e-5, (plan, r)
+    cases = load_cases(tmp_path)
+    precisions = ("fp32", "bf16") if nproc == 4 else ("fp32",)
+    assert sorted(cases) == sorted(f"{prec}:{p}" for prec in precisions for p in plans)
+    ref32 = reference(nproc)
+    worst_bf16 = 0.0
+    for name, case in cases.items():
+        if name.startswith("fp32:"):
+            check_fp32(case, ref32)
+        else:  # bf16 with fp32 reduction: the fp32 reference's loss within 5e-3, every step
+            vs32 = loss_rel_diffs(case["losses"], ref32["losses"])
+            assert max(vs32) <= 5e-3, (name, vs32)
+            worst_bf16 = max(worst_bf16, max(vs32))
+            check_mixed(case, reference(nproc, precision="bf16"), "bf16")
+    print(f"bf16 reduce fp32: worst loss rel diff vs fp32 reference {worst_bf16:.2e}")
 
 
 @pytest.fixture(scope="module")
-def extras():
-    return _results(run_torchrun(4, "tests.engine_worker", "extras", "2", timeout=600))
+def extras(tmp_path_factory):
+    out = tmp_path_factory.mktemp("extras")
+    run_torchrun(4, "tests.engine_worker", "extras", "2", str(out), timeout=600)
+    return load_cases(out)
 
 
-def test_mixed_precision(extras):
-    cases = [c for c in extras if c.startswith(("bf16:", "fp16:"))]
+def test_sixteen_bit_reduction_keeps_its_bound(extras):
+    cases = [c for c in extras if c.startswith(("bf16-reduce-", "fp16-reduce-"))]
     assert len(cases) == 6
     for c in cases:
-        r = extras[c]
-        assert r["loss_max_rel_diff"] <= 1e-3, (c, r)
-        assert r["master_update_rel_l2"] <= 2.5e-2, (c, r)  # fp32 masters
-        if c.startswith("fp16:"):
-            assert r["skipped"] == 0, (c, r)
+        prec = c[:4]
+        check_mixed(extras[c], reference(4, precision=prec), prec)
+        if prec == "fp16":
+            assert extras[c]["extra"]["skipped"] == 0, c
 
 
 def test_fp16_overflow_skips_the_step_everywhere(extras):
-    r = extras["fp16-overflow:p=2x1,g=2x2,os=2x2"]
-    assert r["skipped"] == 1 and r["scale"] == 512.0, r
-    # the reference skipped the same step: everything else still matches
-    assert r["loss_max_rel_diff"] <= 1e-3 and r["master_update_rel_l2"] <= 2.5e-2, r
+    case = extras["fp16-overflow:p=2x1,g=2x2,os=2x2"]
+    assert case["extra"]["skipped"] == 1 and case["extra"]["scale"] == 512.0, case["extra"]
+    # the reference skipped the same step: everything else still matches, every step
+    check_mixed(case, reference(4, precision="fp16", skip=(2,)), "fp16", nonfinite_ok=(2,))
 
 
 def test_recompute_keeps_the_gathered_params_for_backward(extras):
     for c in ("recompute:p=2x1,g=2x1,os=2x2", "recompute:p=2x2,g=2x2,os=2x2"):
-        r = extras[c]
-        assert r["loss_max_rel_diff"] <= 1e-5 and r["param_max_abs_diff"] <= 1e-5, r
+        check_fp32(extras[c], reference(4))
+        r = extras[c]["extra"]
         # one AG per unit in forward and one in backward, with or without recompute
         # (without keeping, recompute would need a third)
         assert r["ag_per_micro_batch"] == 2 * r["num_units"], r
@@ -93,11 +137,12 @@ def test_recompute_keeps_the_gathered_params_for_backward(extras):
 def test_global_clipping_is_exact(extras):
     cases = [c for c in extras if c.startswith("clip:")]
     assert len(cases) == 5
+    ref = reference(4, clip=0.05)
+    assert min(ref["norms"]) > 0.05  # clipping was active on every step
     for c in cases:
-        r = extras[c]
-        assert min(r["ref_norms"]) > 0.05  # clipping was active on every step
-        assert r["norm_max_rel_diff"] <= 1e-5, (c, r)
-        assert r["loss_max_rel_diff"] <= 1e-5 and r["param_max_abs_diff"] <= 1e-5, (c, r)
+        norms = [abs(a - b) / b for a, b in zip(extras[c]["norms"], ref["norms"], strict=True)]
+        assert len(norms) == 5 and max(norms) <= 1e-5, (c, norms)
+        check_fp32(extras[c], ref)
 
 
 @pytest.mark.parametrize("case", [
@@ -112,10 +157,11 @@ def test_global_clipping_is_exact(extras):
     "coalesced-broadcasts:p=2x1,g=2x1,os=2x2",
 ])
 def test_variants_match_reference(extras, case):
-    r = extras[case]
-    assert r["loss_max_rel_diff"] <= 1e-5 and r["param_max_abs_diff"] <= 1e-5, r
+    ref = reference(4, sched="lr-schedule" in case, tied="tied" in case)
+    check_fp32(extras[case], ref)
+    r = extras[case]["extra"]
     if "state-dict" in case:
-        assert r["metadata_ok"] and r["num_owned"] > 0, r
+        assert r["metadata_ok"] and r["num_owned"] > 0 and r["num_steps"] == 5, r
     if "tied" in case:
         assert r["root_unit_params"] == 1, r
     if "coalesced" in case:  # the smallest tensors went out packed, one broadcast per pack; the
@@ -125,10 +171,33 @@ def test_variants_match_reference(extras, case):
         assert 0 < r["peak_staging"] <= r["staging_limit"], r
 
 
+def test_swa_averaged_model_fed_from_a_sharded_model(extras):
+    case = extras["swa:p=1x1,g=1x1,os=2x2"]
+    ref = reference(4)
+    check_fp32(case, ref)
+    r = case["extra"]
+    assert r["n_averaged"] == 5
+    for name, got in r["swa"].items():  # the average of the reference's five steps
+        want = torch.stack([s[name] for s in ref["steps"]]).mean(0)
+        assert float((got - want).abs().max()) <= 1e-5, name
+    assert "cannot be deep-copied" in r["deepcopy_error"] and "\n" not in r["deepcopy_error"]
+
+
 def test_model_state_bytes_match_the_planners_memory_model():
     """Measured params + grads + masters + optimizer states per rank within 10% of
-    amsp_ext.planner.memory for every pre-filtered plan on 2 x 2 (bf16 and fp32)."""
-    res = _results(run_torchrun(4, "tests.engine_worker", "memory", "2", timeout=600))
-    assert len(res) == 18
+    amsp_ext.planner.memory for every pre-filtered plan on 2 x 2 (bf16 with bf16 reduction and
+    fp32), and bf16 with fp32 reduction on four plans."""
+    import json
+
+    proc = run_torchrun(4, "tests.engine_worker", "memory", "2", timeout=600)
+    res = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            res[r["case"]] = r
+    assert len(res) == 22
     for case, r in res.items():
         assert r["worst_rank_rel_err"] <= 0.10, (case, r)
+    # fp32 reduction doubles the gradient bytes the planner charges (2 -> 4 per element)
+    a, b = res["bf16-reduce-bf16:p=1x1,g=2x2,os=2x2"], res["bf16-reduce-fp32:p=1x1,g=2x2,os=2x2"]
+    assert b["predicted"]["grads"] == 2 * a["predicted"]["grads"], (a, b)

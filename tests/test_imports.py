@@ -12,11 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "amsp_ext"
 
 # Cycles that another change removes; each names its issue. Delete the entry with the cycle.
-KNOWN_CYCLES = {
-    # issue 13: AMSPOptimizer reads the Engine's internals (TYPE_CHECKING import of Engine); the
-    # optimizer rewrite takes its collaborators as arguments instead.
-    frozenset({"amsp_ext.runtime.engine", "amsp_ext.runtime.optimizer"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 _ABOVE_RUNTIME = ("amsp_ext.cli", "amsp_ext.integrations", "amsp_ext.compare", "amsp_ext.train",
                   "amsp_ext.train_config", "amsp_ext.cluster")

@@ -67,3 +67,7 @@ def test_train_refuses_a_plan_that_does_not_fit_before_launching():
     assert len(lines) == 1 and "plan" in lines[0] and "s0_os=4 > R=2" in lines[0]
     proc = amsp("train", "--steps", "0")
     assert proc.returncode == 2 and "--steps must be an integer >= 1, got 0" in proc.stderr
+    proc = amsp("train", "--precision", "bf16", "--reduce-dtype", "fp16")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--reduce-dtype (with --precision bf16) must be one of fp32, bf16, got 'fp16'" in lines[0], lines

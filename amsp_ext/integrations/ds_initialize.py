@@ -133,7 +133,8 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
     o = settings.overlap
     return ShardConfig(
         gpus_per_node=settings.cluster.gpus_per_node, nodes_per_leaf=settings.cluster.nodes_per_leaf,
-        precision=prec.precision, granularity=settings.granularity, recompute=settings.recompute,
+        precision=prec.precision, reduce_dtype=prec.reduce_dtype,
+        granularity=settings.granularity, recompute=settings.recompute,
         overlap=OverlapConfig(allgather=o.allgather, allreduce=o.allreduce, broadcast=o.broadcast),
         ownership=settings.ownership, timeout=float(settings.timeout),
         max_bad_steps=settings.max_bad_steps,
@@ -163,7 +164,8 @@ def plan_line(sharded, settings: AMSPSettings, prec: PrecisionSettings, batch: B
     per_node = (f"{w.gpus_per_node} GPU(s)" if device.type == "cuda"
                 else f"{w.gpus_per_node} rank(s) on {device.type.upper()} ({backend})")
     return (f"[amsp] plan {plan}{f' ({source})' if source else ''} "
-            f"on {w.num_nodes} node(s) x {per_node}; {prec.precision}; batch "
+            f"on {w.num_nodes} node(s) x {per_node}; {prec.precision} (gradients reduced in "
+            f"{prec.reduce_dtype}); batch "
             f"{batch.micro_batch_size} x {batch.gradient_accumulation_steps} x {w.size} = "
             f"{batch.train_batch_size}; clipping {clip or 'off'}; optimizer {opt_source}; "
             f"scheduler {type(scheduler).__name__ if scheduler is not None else 'none'}")

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OWNERSHIPS, check_bool,
-                              check_int, check_one_of, is_int)
+                              check_int, check_one_of, is_int, reduce_dtypes)
 
 __all__ = [
     "AMSPSettings",
@@ -377,6 +378,7 @@ class PrecisionSettings:
     """``bf16`` / ``fp16`` blocks. Dynamic loss scaling follows DeepSpeed's keys."""
 
     precision: str = "fp32"
+    reduce_dtype: str = "fp32"  # ShardConfig.reduce_dtype; see reduce_dtype_from_ds
     initial_scale: float = 2.0**16
     growth_interval: int = 1000
     min_scale: float = 1.0
@@ -384,6 +386,11 @@ class PrecisionSettings:
 
     @classmethod
     def from_ds(cls, cfg: Mapping[str, Any]) -> "PrecisionSettings":
+        prec = cls._from_ds_blocks(cfg)
+        return dataclasses.replace(prec, reduce_dtype=reduce_dtype_from_ds(cfg, prec.precision))
+
+    @classmethod
+    def _from_ds_blocks(cls, cfg: Mapping[str, Any]) -> "PrecisionSettings":
         def enabled(block: str) -> bool:
             b = cfg.get(block)
             if b is None:
@@ -457,6 +464,35 @@ def check_optimizer_block(cfg: Mapping[str, Any]) -> None:
         if k == "betas" and not (isinstance(v, (list, tuple)) and len(v) == 2 and all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in v)):
             raise ConfigError(f"optimizer.params.betas must be a list of 2 numbers in [0, 1), got {v!r}")
+
+
+def reduce_dtype_from_ds(cfg: Mapping[str, Any], precision: str) -> str:
+    """``communication_data_type`` (else ``data_types.grad_accum_dtype``) as ShardConfig's
+    reduce_dtype: AMSP reduces and accumulates gradients in one dtype, fp32 or the precision.
+    Absent, AMSP's default fp32 (DeepSpeed's is the compute dtype; the note in
+    runtime/config.py says why AMSP differs, and ``amsp_ext.initialize`` prints the choice)."""
+    allowed = reduce_dtypes(precision)
+    got = {}
+    comm = cfg.get("communication_data_type")
+    if comm is not None:
+        got["communication_data_type"] = comm
+    types = cfg.get("data_types")
+    if types is not None:
+        if not isinstance(types, Mapping):
+            raise ConfigError(f"data_types must be an object like {{\"grad_accum_dtype\": \"fp32\"}}, got {types!r}")
+        _check_keys(types, ("grad_accum_dtype",), "data_types")
+        if types.get("grad_accum_dtype") is not None:
+            got["data_types.grad_accum_dtype"] = types["grad_accum_dtype"]
+    for key, v in got.items():
+        if not isinstance(v, str) or v.lower() not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)} with {precision} training "
+                              f"(AMSP reduces in fp32 or the compute dtype), got {v!r}")
+    values = {v.lower() for v in got.values()}
+    if len(values) > 1:
+        raise ConfigError("communication_data_type and data_types.grad_accum_dtype differ "
+                          f"({', '.join(f'{k}={v!r}' for k, v in got.items())}); AMSP accumulates "
+                          "gradients in the dtype it reduces them in: give one value")
+    return values.pop() if values else "fp32"
 
 
 def gradient_clipping(cfg: Mapping[str, Any]) -> float:

@@ -3,7 +3,7 @@
 ``amsp_ext.shard(model, "auto", config=ShardConfig(auto=AutoPlanConfig(...)))`` calls
 ``plan_auto`` on every rank with its ShardConfig's settings; ``amsp compare`` calls it once in
 the launcher with the settings its AMSP rows run with. Both therefore plan for the bucket size,
-precision, granularity and recompute the engine really uses.
+precision, reduce dtype, granularity and recompute the engine really uses.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class AutoPlanConfig:
 
 def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, *, num_nodes: int,
               gpus_per_node: int, gpu_memory_bytes: int, nodes_per_leaf: int | None = None,
-              precision: str, grad_bucket_bytes: int, granularity: str, recompute: bool) -> Plan:
+              precision: str, grad_bucket_bytes: int, granularity: str, recompute: bool,
+              reduce_dtype: str | None = None) -> Plan:
     """The planner's plan for ``model`` (a ModelSpec, a Hugging Face config dict or a preset)
     trained as ``auto`` says on ``num_nodes`` x ``gpus_per_node``, by an engine with these
     settings (ShardConfig's names). Raises NoFeasiblePlan or another one-line ValueError."""
@@ -64,7 +65,8 @@ def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, 
     training = TrainingSpec(seq_len=auto.seq_len, micro_batch_size=auto.micro_batch_size,
                             num_micro_batches=auto.num_micro_batches, recompute=recompute,
                             precision=precision, optimizer=auto.optimizer,
-                            bucket_bytes=grad_bucket_bytes, granularity=granularity)
+                            bucket_bytes=grad_bucket_bytes, granularity=granularity,
+                            reduce_dtype=reduce_dtype)
     reserve = {} if auto.memory_reserve_bytes is None else {"memory_reserve_bytes": auto.memory_reserve_bytes}
     return plan_for(model, cluster, training, auto.profile, objective=auto.objective,
                     missing=auto.missing, **reserve)

@@ -1,12 +1,13 @@
 """Communication time of one training step: Tp, Tg, T0_os and T1_os (paper Sec. IV-C, Eq. 1).
 
 With M micro-batches, Phi_i the parameters of sharding unit i, Phi = sum_i Phi_i, e the bytes
-of a parameter or gradient (2 in bf16/fp16 as in the paper, 4 in fp32), U the bucket size, and
-t(op, v, p0 x p1) from the profile (contention-aware, see profile.py):
+of a parameter (2 in bf16/fp16 as in the paper, 4 in fp32), e_g the bytes of a gradient as it
+is reduced (the reduce dtype's: 4 for reduce_dtype "fp32", else e as in the paper), U the
+bucket size, and t(op, v, p0 x p1) from the profile (contention-aware, see profile.py):
 
-    Tp    = M * sum_i [ 2 t(AG, e*Phi_i, s0_p x s1_p) + t(RS, e*Phi_i, s0_p x s1_p) ]
-    Tg    = (M - 1) * e*Phi / (U*sp) * t(AR, U, (s0_g/s0_p) x (s1_g/s1_p))
-    T0_os = e*Phi / (U*sp) * t(AR, U, (R/s0_p) x (N/s1_p))
+    Tp    = M * sum_i [ 2 t(AG, e*Phi_i, s0_p x s1_p) + t(RS, e_g*Phi_i, s0_p x s1_p) ]
+    Tg    = (M - 1) * e_g*Phi / (U*sp) * t(AR, U, (s0_g/s0_p) x (s1_g/s1_p))
+    T0_os = e_g*Phi / (U*sp) * t(AR, U, (R/s0_p) x (N/s1_p))
     T1_os = (sos/sp) * t(BC, e*Phi/sos, (s0_os/s0_p) x (s1_os/s1_p))
     Tcomm = Tp + Tg + T0_os + T1_os
 
@@ -15,7 +16,7 @@ The paper writes Tp as M * L * sum over the K modules of a layer. The engine als
 units outside the layers (embedding, final norm, lm_head), and Phi in the other three terms and
 in the memory model counts them, so Tp sums over every unit: M * (L * sum over a layer's units
 + sum over the outside units). Without the outside units it is exactly the paper's sum. The
-bucket counts e*Phi/(U*sp) are kept fractional, as in the paper.
+bucket counts e_g*Phi/(U*sp) are kept fractional, as in the paper.
 
 Pure Python.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amsp_ext.planner.memory import param_bytes
+from amsp_ext.planner.memory import grad_bytes, param_bytes
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.profile import CommTimer
@@ -53,17 +54,16 @@ def param_gather_time(
     spec: ModelSpec, training: TrainingSpec, timer: CommTimer, mesh: tuple[int, int],
     *, num_gathers: int = 2, reduce_scatter: bool = True,
 ) -> float:
-    """One micro-batch's ``sum_i [num_gathers * t(AG, e*Phi_i) + t(RS, e*Phi_i)]`` on ``mesh``."""
+    """One micro-batch's ``sum_i [num_gathers * t(AG, e*Phi_i) + t(RS, e_g*Phi_i)]`` on ``mesh``."""
     p0, p1 = mesh
     if p0 * p1 == 1:
         return 0.0
-    e = param_bytes(training.precision)
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
 
     def per_unit(n: int) -> float:
-        v = e * n
-        t = num_gathers * timer.time("allgather", v, p0, p1)
+        t = num_gathers * timer.time("allgather", e * n, p0, p1)
         if reduce_scatter:
-            t += timer.time("reducescatter", v, p0, p1)
+            t += timer.time("reducescatter", e_g * n, p0, p1)
         return t
 
     layer = sum(per_unit(n) for _, n in spec.layer_units(training.granularity))
@@ -79,10 +79,9 @@ def comm_cost(
     """The paper's four terms for ``plan`` (seconds per step). ``t_p_per_micro_batch`` may pass
     a cached ``param_gather_time`` of the plan's parameter mesh."""
     M, R, N = num_micro_batches, gpus_per_node, num_nodes
-    e = param_bytes(training.precision)
-    grad_bytes = e * spec.num_params
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
     U = training.bucket_bytes
-    num_buckets = grad_bytes / (U * plan.sp)
+    num_buckets = e_g * spec.num_params / (U * plan.sp)
 
     if t_p_per_micro_batch is None:
         t_p_per_micro_batch = param_gather_time(spec, training, timer, plan.mesh("p"))
@@ -92,5 +91,5 @@ def comm_cost(
     r0, r1 = plan.replica_mesh(R, N)
     t0 = num_buckets * timer.time("allreduce", U, r0, r1)
     b0, b1 = plan.bcast_mesh()
-    t1 = (plan.sos / plan.sp) * timer.time("broadcast", grad_bytes / plan.sos, b0, b1)
+    t1 = (plan.sos / plan.sp) * timer.time("broadcast", e * spec.num_params / plan.sos, b0, b1)
     return CommCost(t_p=t_p, t_g=t_g, t0_os=t0, t1_os=t1)

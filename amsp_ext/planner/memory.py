@@ -9,7 +9,9 @@ The paper writes D_modelstate = 2Phi/sp + 2Phi/sg + 12Phi/sos for mixed-precisio
 its shape, ``P*Phi/sp + G*Phi/sg + K*Phi/sos``, and take the bytes per parameter from the
 precision and the optimizer:
 
-* P (parameters) and G (gradients): 2 bytes in bf16/fp16, 4 in fp32.
+* P (parameters): 2 bytes in bf16/fp16, 4 in fp32. G (gradients): the bytes of the dtype they
+  are reduced and accumulated in (``TrainingSpec.grad_dtype``: the engine's reduce_dtype, 4 for
+  "fp32"; the precision's when not given, as in the paper).
 * K (optimizer states, everything the owner keeps to step its parameters):
 
   ============  =======================================  =======================
@@ -92,6 +94,7 @@ __all__ = [
     "activation_bytes",
     "memory_breakdown",
     "optimizer_bytes_per_param",
+    "grad_bytes",
     "param_bytes",
 ]
 
@@ -107,6 +110,11 @@ _STATE_BYTES = {  # optimizer state bytes per parameter, master copy excluded
 def param_bytes(precision: str) -> int:
     """Bytes of one parameter (and one gradient, one activation element) in ``precision``."""
     return 4 if precision == "fp32" else 2
+
+
+def grad_bytes(training: TrainingSpec) -> int:
+    """Bytes of one reduced or accumulated gradient element (``training.grad_dtype``)."""
+    return param_bytes(training.grad_dtype)
 
 
 def optimizer_bytes_per_param(optimizer: str, precision: str) -> float:
@@ -152,8 +160,8 @@ def activation_bytes(spec: ModelSpec, training: TrainingSpec) -> int:
 
 def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
                gpus_per_node: int, num_nodes: int) -> dict[str, int]:
-    e = param_bytes(training.precision)
-    U = min(training.bucket_bytes, e * spec.num_params // plan.sp)
+    e, g = param_bytes(training.precision), grad_bytes(training)
+    U = min(training.bucket_bytes, g * spec.num_params // plan.sp)
     replica = (gpus_per_node // plan.s0_p) * (num_nodes // plan.s1_p)
     grad_group = plan.sg // plan.sp
     parts = {"buckets": 2 * U if (replica > 1 or grad_group > 1) else 0}
@@ -163,7 +171,7 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
         unit_sizes += [n for _, n in spec.outside_params()]
         largest = max(unit_sizes)
         held = spec.params_per_layer if training.recompute else largest
-        gathered = e * (held + largest) + e * 2 * largest
+        gathered = e * (held + largest) + g * 2 * largest  # reduce-scatter inputs: reduce dtype
     parts["gathered_params"] = gathered
     mixed = training.precision != "fp32"
     parts["owned_fp32_grads"] = int(4 * spec.num_params / plan.sos) if mixed else 0
@@ -176,7 +184,7 @@ def memory_breakdown(
 ) -> MemoryBreakdown:
     """Per-GPU bytes of ``plan``."""
     phi = spec.num_params
-    e = param_bytes(training.precision)
+    e, g = param_bytes(training.precision), grad_bytes(training)
     k = optimizer_bytes_per_param(training.optimizer, training.precision)
     parts = _tmp_parts(spec, plan, training, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
     act = activation_bytes(spec, training)
@@ -185,7 +193,7 @@ def memory_breakdown(
     parts["peak_phase"] = "backward" if act + backward >= step else "optimizer step"
     return MemoryBreakdown(
         params=int(e * phi / plan.sp),
-        grads=int(e * phi / plan.sg),
+        grads=int(g * phi / plan.sg),
         optim=int(k * phi / plan.sos),
         activations=act,
         tmp=max(backward, step - act),

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from amsp_ext.choices import OBJECTIVES
 from amsp_ext.planner.cost import CommCost, comm_cost, param_gather_time
-from amsp_ext.planner.memory import MemoryBreakdown, memory_breakdown, param_bytes
+from amsp_ext.planner.memory import MemoryBreakdown, grad_bytes, memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan, PlanError
 from amsp_ext.planner.prefilter import Prefiltered, legal_plans, prefilter
@@ -158,7 +158,7 @@ def evaluate(problem: Problem, plan: Plan, *, with_step: bool | None = None) -> 
     comm = comm_cost(plan, spec, training, timer, gpus_per_node=R, num_nodes=N,
                      num_micro_batches=M, t_p_per_micro_batch=per_mb_gather)
     U = training.bucket_bytes
-    buckets = param_bytes(training.precision) * spec.num_params / (U * plan.sp)
+    buckets = grad_bytes(training) * spec.num_params / (U * plan.sp)
     growth = per_mb_gather + buckets * timer.time("allreduce", U, *plan.grad_mesh())
     feasible = mem.total <= problem.memory_limit
     if with_step is None:

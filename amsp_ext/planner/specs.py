@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from amsp_ext.choices import GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of
+from amsp_ext.choices import GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, reduce_dtypes
 
 __all__ = [
     "ClusterSpec",
@@ -109,6 +109,8 @@ class TrainingSpec:
     Give exactly one of ``global_batch_tokens``, ``global_batch_size`` (sequences) or
     ``num_micro_batches``; M then follows from the data-parallel world size and must be exact.
     ``bucket_bytes`` is the gradient all-reduce bucket size U of Eq. Tg / T0_os.
+    ``reduce_dtype`` is the dtype gradients are reduced and accumulated in (the engine's
+    ShardConfig.reduce_dtype); None = the precision, the paper's 2-byte gradients in bf16.
     """
 
     seq_len: int
@@ -121,6 +123,7 @@ class TrainingSpec:
     optimizer: str = "adamw"
     bucket_bytes: int = 128 * 2**20
     granularity: str = "module"
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "bucket_bytes"):
@@ -143,6 +146,13 @@ class TrainingSpec:
         for name, allowed in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS),
                               ("granularity", GRANULARITIES)):
             check_one_of(getattr(self, name), allowed, name, error=SpecError)
+        if self.reduce_dtype is not None:
+            check_one_of(self.reduce_dtype, reduce_dtypes(self.precision), "reduce_dtype", error=SpecError)
+
+    @property
+    def grad_dtype(self) -> str:
+        """The dtype gradients are reduced and accumulated in."""
+        return self.reduce_dtype or self.precision
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -44,7 +44,7 @@ from functools import lru_cache
 import numpy as np
 
 from amsp_ext.planner.cost import CommCost
-from amsp_ext.planner.memory import param_bytes
+from amsp_ext.planner.memory import grad_bytes, param_bytes
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.profile import CommTimer
@@ -234,7 +234,7 @@ def step_estimate(
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     M, T = num_micro_batches, training.tokens_per_micro_batch
-    e = param_bytes(training.precision)
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
     params, flops, layer_of = _units(spec, training.seq_len, training.granularity)
     rate = cluster.peak_flops * efficiency
     c_f = T * flops / rate
@@ -245,7 +245,7 @@ def step_estimate(
     sizes = {n: None for n in params.tolist()}
     ag = {n: timer.time("allgather", e * n, p0, p1) for n in sizes}
     ag_b = {n: timer.time("allgather", e * n, q0, q1) for n in sizes}
-    rs = {n: timer.time("reducescatter", e * n, p0, p1) for n in sizes}
+    rs = {n: timer.time("reducescatter", e_g * n, p0, p1) for n in sizes}
     g = np.array([ag[n] for n in params.tolist()])
     g_b = np.array([ag_b[n] for n in params.tolist()])
     r = np.array([rs[n] for n in params.tolist()])
@@ -285,9 +285,9 @@ def step_estimate(
         grad_ready = done
 
     # -- all-reduce buckets -----------------------------------------------------------------
-    grad_bytes = e * params[units_bwd] / plan.sp
+    unit_grad_bytes = e_g * params[units_bwd] / plan.sp
     U = training.bucket_bytes
-    b_ready, b_bytes = _bucket_ready(grad_bytes, grad_ready, U)
+    b_ready, b_bytes = _bucket_ready(unit_grad_bytes, grad_ready, U)
     g0, g1 = plan.grad_mesh()
     t_ar_g = timer.time("allreduce", U, g0, g1)
     t_ar_last = comm.t0_os / b_bytes.sum() * U if comm.t0_os > 0 else 0.0

@@ -77,6 +77,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.checkpoint_files import (DCP_METADATA, FORMAT, META_FILE, CheckpointError, begin_staging,
                                                damage, file_digest, publish, rank_files, read_meta,
@@ -286,12 +287,7 @@ def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:
 
 
 def _chunk_offset(t: "LocalTensor") -> list[int]:
-    p = t.param
-    if not isinstance(p, DTensor):
-        return [0] * len(t.global_shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    return list(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
+    return compat.local_chunk_offset(t.param)
 
 
 def _rng_state(device: torch.device) -> dict:

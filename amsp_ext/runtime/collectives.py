@@ -24,6 +24,7 @@ how many collectives a step issues.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import time
 from typing import Any
@@ -105,12 +106,18 @@ def _finish(work: Any, op: str, name: str, tensor: torch.Tensor, async_op: bool,
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, name: str,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = True,
-               timeout=None) -> _Pending | None:
-    """Sum (or ``op``) ``tensor`` in place over ``group``."""
-    with record_function(f"amsp::all_reduce::{_kind(name)}"):
-        _issue("all_reduce", name)
-        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return _finish(work, "all_reduce", name, tensor, async_op, timeout)
+               timeout=None, stream: torch.Stream | None = None) -> _Pending | None:
+    """Sum (or ``op``) ``tensor`` in place over ``group``. ``stream``: issue (and, if not
+    ``async_op``, wait) on this accelerator stream rather than the current one."""
+    with _on_stream(stream):
+        with record_function(f"amsp::all_reduce::{_kind(name)}"):
+            _issue("all_reduce", name)
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        return _finish(work, "all_reduce", name, tensor, async_op, timeout)
+
+
+def _on_stream(stream: torch.Stream | None):
+    return contextlib.nullcontext() if stream is None else stream
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, *, name: str,

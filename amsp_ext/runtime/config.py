@@ -62,6 +62,22 @@ def _local_world_size() -> int | None:
     return int(v) if v and v.isdigit() else None
 
 
+# [Note: reduce_dtype defaults to fp32]
+# A careful user wants gradients that are the sum they claim to be. In bf16 the sum of R*N/sp
+# per-rank gradients (and of M micro-batches) is rounded at every addition to 8 mantissa bits,
+# so its error grows with the number of summands: for tiny-llama's bf16 gradients the relative
+# error of a rank-by-rank bf16 sum is 2.5e-3 over 4 ranks, 7.8e-3 over 64 and 1.7e-2 over 256,
+# against 1e-10..2e-8 in fp32 (comparisons/bf16_sum_error.py). torchtitan reduces in fp32 by
+# default (MixedPrecisionPolicy(reduce_dtype=float32)), Megatron-LM accumulates and all-reduces
+# in fp32 under bf16, and DeepSpeed's bf16 optimizer keeps an fp32 gradient accumulator. The
+# cost is bytes: Tg and T0_os move 4 bytes per gradient instead of 2 and kept gradients take 4
+# bytes per element; the planner charges both (so plan "auto" accounts for it) and
+# comparisons/results/reduce_dtype.md measures it (+3-6% per step on loopback, +20-31% across
+# the lab's 1 Gbit/s link for all-reduce-bound plans). At the parity tests' scale (4 ranks,
+# M = 2) both dtypes stay far inside the tests' bounds; the difference grows with the world.
+# Who wants the paper's 2-byte gradient traffic asks for it: reduce_dtype="bf16" (or "fp16").
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardConfig:
     """Everything but the plan. ``gpus_per_node`` None = the launcher's ``LOCAL_WORLD_SIZE``."""
@@ -69,6 +85,8 @@ class ShardConfig:
     gpus_per_node: int | None = None
     nodes_per_leaf: int | None = None
     precision: str = "fp32"  # compute dtype of params/grads; masters and states are fp32
+    # dtype gradients are reduced and accumulated in: "fp32" or the precision (see the Note)
+    reduce_dtype: str = "fp32"
     grad_bucket_bytes: int = 25 * 2**20  # U in the paper (T0_os, Tg)
     # packed parameter broadcasts in flight (see param_sync.py); None = U, 0 = one per tensor
     broadcast_bucket_bytes: int | None = None
@@ -97,6 +115,7 @@ class ShardConfig:
         ):
             raise ValueError(f"config.nodes_per_leaf must be an integer >= 1 or None, got {self.nodes_per_leaf!r}")
         check_one_of(self.precision, PRECISIONS, "config.precision")
+        check_one_of(self.reduce_dtype, choices.reduce_dtypes(self.precision), "config.reduce_dtype")
         if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 1:
             raise ValueError(f"config.grad_bucket_bytes must be an integer >= 1, got {self.grad_bucket_bytes!r}")
         if self.broadcast_bucket_bytes is not None and (
@@ -128,6 +147,10 @@ class ShardConfig:
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.reduce_dtype]
 
     def fingerprint_fields(self) -> dict:
         """Every field that must agree across ranks (all of them but the timeout)."""

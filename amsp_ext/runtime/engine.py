@@ -3,7 +3,7 @@
 [Note: order of construction]
 1. Resolve the plan and check it against the world (PlanError, before any collective).
 2. Compare plan/config/model fingerprints across ranks (one small all-gather).
-3. Build the plan's process groups once (topology.mesh.build_plan_mesh).
+3. Build the plan's process groups once (runtime/mesh.py, build_plan_mesh).
 4. List the units in forward order; with sp > 1 ``fully_shard`` each on ``param_shard``.
 5. Lay out the local tensors, assign owners, and make the owners' fp32 masters from the fp32
    weights, *then* convert the parameters to the compute dtype (so masters never lose bits).
@@ -26,16 +26,18 @@ import torch.nn as nn
 
 from amsp_ext.planner.auto import plan_auto
 from amsp_ext.planner.plan import Plan, PlanError, resolve_plan, validate_plan
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.grad_sync import GradSync
 from amsp_ext.runtime.layout import LocalTensor, build_layout
-from amsp_ext.runtime.optimizer import AMSPOptimizer
+from amsp_ext.runtime.nonfinite import NonFiniteGuard
+from amsp_ext.runtime.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.param_sync import ParamSync
 from amsp_ext.runtime.units import Unit, decoder_layers, list_units, refresh_params
 from amsp_ext.topology.groups import World
-from amsp_ext.topology.mesh import PlanMesh, build_plan_mesh
+from amsp_ext.runtime.mesh import PlanMesh, build_plan_mesh
 
 __all__ = ["AMSPModule", "Engine", "MismatchError", "full_state_dict", "shard"]
 
@@ -98,6 +100,15 @@ class AMSPModule:
 
     amsp: Engine
 
+    def __deepcopy__(self, memo):
+        # copy.deepcopy would try to pickle the plan's process groups (a TypeError deep inside);
+        # say what to do instead, e.g. for torch.optim.swa_utils.AveragedModel(model)
+        raise ValueError(
+            "amsp: a sharded model cannot be deep-copied (its process groups and hooks belong to "
+            "its engine); for swa_utils.AveragedModel build it on an unsharded model of the same "
+            "architecture and call averaged.update_parameters(model) after model.amsp.wait_params() "
+            "(plans with sp = 1), or average amsp_ext.consolidated_state_dict(model)")
+
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches inside are not the accumulation boundary (Tg still runs if sg > sp)."""
@@ -151,8 +162,8 @@ def full_state_dict(model: "AMSPModule", destination=None, prefix: str = "", kee
 
     sharded = model.sharded_state_dict(keep_vars=True)
     out = destination if destination is not None else type(sharded)()
-    if hasattr(sharded, "_metadata") and destination is None:
-        out._metadata = sharded._metadata
+    if destination is None:
+        compat.copy_state_dict_metadata(sharded, out)
     name = model.amsp.name("param_shard")
     seen: dict[int, torch.Tensor] = {}
     for k, v in sharded.items():
@@ -197,7 +208,7 @@ def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
                      gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node),
                      nodes_per_leaf=config.nodes_per_leaf, precision=config.precision,
                      grad_bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
-                     recompute=config.recompute)
+                     recompute=config.recompute, reduce_dtype=config.reduce_dtype)
 
 
 def _device_memory(gpus_per_node: int) -> int:
@@ -288,10 +299,10 @@ def _enable_recompute(model: nn.Module) -> None:
 
 def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
     """Parameters to the compute dtype; buffers (e.g. rotary inv_freq) keep their precision."""
-    saved = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    saved = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
     model.to(dtype)
     for m, n, b in saved:
-        m._buffers[n] = b
+        setattr(m, n, b)  # nn.Module.__setattr__ puts a tensor back into its buffer slot
 
 
 def shard(model: nn.Module, plan: "Plan | str",
@@ -339,7 +350,8 @@ def shard(model: nn.Module, plan: "Plan | str",
     units = list_units(model, config.granularity)
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.submeshes["param_shard"], name=mesh.name("param_shard"),
-                   timeout=config.timeout, overlap_allgather=config.overlap.allgather)
+                   timeout=config.timeout, overlap_allgather=config.overlap.allgather,
+                   reduce_dtype=config.reduce_torch_dtype)
         refresh_params(units, model)
     rank = dist.get_rank()
     tensors = build_layout(units, plan=plan, world=world, rank=rank,
@@ -368,7 +380,8 @@ def shard(model: nn.Module, plan: "Plan | str",
         dp_size=world.size,
         replica=(mesh.group("param_replica"), mesh.name("param_replica"), mesh.size("param_replica")),
         grad=(mesh.group("grad"), mesh.name("grad"), mesh.size("grad")),
-        overlap=config.overlap.allreduce, timeout=config.timeout)
+        overlap=config.overlap.allreduce, timeout=config.timeout,
+        reduce_dtype=config.reduce_torch_dtype)
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
     engine.param_sync = ParamSync(
         tensors, units, group=mesh.group("optim_bcast"), name=mesh.name("optim_bcast"),
@@ -377,7 +390,14 @@ def shard(model: nn.Module, plan: "Plan | str",
         bucket_bytes=config.broadcast_staging_bytes)
     if plan.sp > 1 and device.type != "cpu":
         engine.param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
-    engine.optimizer = AMSPOptimizer(engine, masters, optimizer_factory)
+    engine.optimizer = AMSPOptimizer(
+        masters, optimizer_factory, tensors=tensors, grads=engine.grad_sync,
+        params=engine.param_sync, device=device, precision=config.precision, fp16=config.fp16,
+        # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
+        norm_group=NormGroup(group=dist.group.WORLD, name="world", timeout=config.timeout,
+                             replicas=world.size // mesh.size("optim")),
+        guard=NonFiniteGuard(max_bad_steps=config.max_bad_steps),
+        run_info={"plan": str(plan), "world": [world.num_nodes, world.gpus_per_node]})
     engine.grad_sync.install()
     engine.param_sync.install()
     cls = type(model)

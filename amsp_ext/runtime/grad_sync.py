@@ -26,11 +26,44 @@ its last reduce-scatters land before our flush.
   for sp = 1, FSDP2's sharded-grad accumulation for sp > 1) and the boundary hook sees the sum.
 The sum is exact: every micro-batch's gradient of every rank enters the final replica
 AllReduce exactly once (directly, or through exactly one keeper per gradient group).
+
+[Note: reduce dtype]
+Buckets are allocated in ``reduce_dtype`` (ShardConfig.reduce_dtype), so a compute-dtype
+gradient is upcast as it is copied into its slot, the AllReduce sums in that dtype, and what
+is kept (Tg) and owned after the boundary stays in it. Under "fp32" with a 16-bit compute
+dtype, the local mode (sg == sp) also accumulates in fp32: each hook adds ``.grad`` into an
+fp32 copy it keeps and frees ``.grad``, instead of letting autograd (or FSDP2) sum 16-bit
+gradients. So no sum of gradients across micro-batches or ranks is ever rounded to 16 bits;
+the only 16-bit values are each rank's per-micro-batch gradient as autograd computed it (and,
+for sp > 1, FSDP2's reduce-scatter output, reduced in fp32 and rounded once, param_shard.py).
+The price: twice the bytes on the wire for Tg and T0_os, buckets of U bytes hold half the
+elements, and kept gradients take 4 bytes per element (the planner charges all three, see
+planner/cost.py and planner/memory.py). An fp16 reduction divides every contribution by the
+data-parallel size before summing (fp16 sums overflow at 65504); the other dtypes divide once,
+after the sum.
+
+[Note: streams (GPU; CPU/gloo has none)]
+FSDP2 calls the parameter's post-accumulate-grad hooks inside its reduce-scatter stream
+context (``foreach_reduce`` runs them under ``stream(post_reduce_stream)``); for sp = 1
+autograd calls them on the backward stream of the op. Allocating buckets and issuing the
+AllReduce "wherever the hook happens to run" would put our buffers in FSDP2's stream pool and
+order our collectives behind its reduce-scatters by accident. So every gradient operation of
+this file runs on one side stream of its own (``self.stream``), entered explicitly: on entry
+it waits for the hook's current stream (the gradient has been produced there), the gradient
+is ``record_stream``-ed on it before ``.grad`` is dropped (its memory must not be reused
+before our copy ran), the AllReduce is issued on it (collectives.all_reduce(stream=...)) and
+select & drop run on it. Every tensor we keep (buckets, kept, owned) is therefore allocated
+and last written on the side stream. At the end of backward the current stream waits for the
+side stream, so the optimizer step and clipping (current stream) read finished gradients;
+when they are freed (zero_grad) a reuse by the side stream is ordered after them because the
+side stream's next use waits for the then-current stream first, which is ordered after the
+step. On CPU ``self.stream`` is None and all of this is a no-op.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -38,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.layout import LocalTensor
 
@@ -70,18 +104,23 @@ class GradSync:
     def __init__(self, tensors: Sequence[LocalTensor], *, rank: int, dtype: torch.dtype,
                  device: torch.device, bucket_bytes: int, dp_size: int,
                  replica: tuple[dist.ProcessGroup, str, int], grad: tuple[dist.ProcessGroup, str, int],
-                 overlap: bool, timeout: float) -> None:
+                 overlap: bool, timeout: float, reduce_dtype: torch.dtype | None = None) -> None:
         self.tensors = list(tensors)
         self.rank, self.dtype, self.device = rank, dtype, device
+        self.reduce_dtype = reduce_dtype or dtype  # see [Note: reduce dtype]
         self.dp_size = dp_size
         self.replica_group, self.replica_name, self.replica_size = replica
         self.grad_group, self.grad_name, self.grad_size = grad
         self.overlap, self.timeout = overlap, timeout
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=self.reduce_dtype).element_size()
         self.buckets = _plan_buckets(self.tensors, max(1, bucket_bytes // elem))
         self.slot_of = {idx: (b, off, n) for b, bk in enumerate(self.buckets) for idx, off, n in bk.slots}
         # fp16 sums can overflow: divide each contribution before reducing; else divide once after
-        self.predivide = dtype == torch.float16
+        self.predivide = self.reduce_dtype == torch.float16
+        # local accumulation (sg == sp) in the reduce dtype when it is wider than the compute dtype
+        self.upcast_local = self.reduce_dtype != dtype
+        # see [Note: streams]; None on CPU
+        self.stream = torch.Stream(device=device) if device.type != "cpu" else None
         self.is_boundary = True  # set by the engine (no_sync / set_gradient_accumulation_boundary)
         self.owned: dict[int, torch.Tensor] = {}  # boundary result: owned tensors' averaged grads
         self.kept: dict[int, torch.Tensor] = {}  # Tg result: kept grads, accumulated
@@ -119,39 +158,71 @@ class GradSync:
             self.mode = "grad"
         else:
             self.mode = "local"
-        torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        compat.queue_backward_callback(self._flush)
+
+    @contextlib.contextmanager
+    def _on_side_stream(self):
+        """See [Note: streams]: run on our own stream, after whatever produced the gradient."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with self.stream:
+            yield
+
+    def _take_grad(self, t: LocalTensor) -> torch.Tensor | None:
+        grad = t.local_grad()
+        if grad is not None and self.stream is not None:
+            grad.record_stream(self.stream)  # read on our stream after .grad is dropped
+        return grad
 
     def _on_grad(self, index: int) -> None:
         if self.mode is None:
             self._begin_pass()
         if self.mode == "local":
+            if self.upcast_local:
+                self._accumulate_local(index)
             return
         t = self.tensors[index]
-        with record_function(f"amsp::grad_hook::{'param_replica' if self.mode == 'replica' else 'grad'}"):
+        with (record_function(f"amsp::grad_hook::{'param_replica' if self.mode == 'replica' else 'grad'}"),
+              self._on_side_stream(), torch.no_grad()):
             b, off, n = self.slot_of[index]
             if index in self.filled[b]:
                 raise RuntimeError(f"amsp: parameter {t.name} received two gradients in one backward pass")
-            grad = t.local_grad()
+            grad = self._take_grad(t)
             view = self._buffer(b)[off : off + n]
-            with torch.no_grad():
-                if grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(grad.reshape(-1))
-                    if self.predivide:
-                        view.div_(self.dp_size)
-                if self.mode == "replica" and index in self.kept:
-                    view.add_(self.kept.pop(index).reshape(-1))
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad.reshape(-1))  # upcasts to the reduce dtype
+                if self.predivide:
+                    view.div_(self.dp_size)
+            if self.mode == "replica" and index in self.kept:
+                view.add_(self.kept.pop(index).reshape(-1))
             t.param.grad = None  # its content lives in the bucket now
             self.filled[b].add(index)
             if len(self.filled[b]) == len(self.buckets[b].slots):
                 self.ready[b] = True
                 self._launch_ready()
 
+    def _accumulate_local(self, index: int) -> None:
+        """Local mode, reduce dtype wider than the compute dtype: keep the running sum in it."""
+        t = self.tensors[index]
+        with record_function("amsp::grad_hook::local"), self._on_side_stream(), torch.no_grad():
+            grad = self._take_grad(t)
+            if grad is None:
+                return
+            prev = self.kept.get(index)
+            if prev is None:
+                self.kept[index] = grad.to(self.reduce_dtype, copy=True)
+            else:
+                prev.add_(grad)
+            t.param.grad = None
+
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self.buffers.get(b)
         if buf is None:
-            buf = torch.empty(self.buckets[b].numel, dtype=self.dtype, device=self.device)
+            buf = torch.empty(self.buckets[b].numel, dtype=self.reduce_dtype, device=self.device)
             self.buffers[b] = buf
         return buf
 
@@ -167,7 +238,8 @@ class GradSync:
                                  (self.grad_group, self.grad_name, self.grad_size))
             pending = None
             if size > 1:
-                pending = C.all_reduce(self.buffers[b], group, name=name, async_op=True)
+                pending = C.all_reduce(self.buffers[b], group, name=name, async_op=True,
+                                       stream=self.stream)
             if self.overlap:
                 self.in_flight.append((b, pending))
             else:
@@ -193,7 +265,7 @@ class GradSync:
         if self.mode == "local":
             self._end_pass()
             return
-        with record_function("amsp::flush_buckets"):
+        with record_function("amsp::flush_buckets"), self._on_side_stream(), torch.no_grad():
             for b, bk in enumerate(self.buckets):
                 if self.ready[b]:
                     continue
@@ -207,6 +279,8 @@ class GradSync:
             self._launch_ready()
             while self.in_flight:
                 self._complete(*self.in_flight.popleft())
+        if self.stream is not None:  # the step reads what the side stream produced
+            torch.accelerator.current_stream(self.device).wait_stream(self.stream)
         self._end_pass()
 
     def _end_pass(self) -> None:
@@ -214,11 +288,16 @@ class GradSync:
         self._reset_pass()
 
     # -- state -----------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop owned and kept gradients; the parameters' ``.grad`` (only set in the local mode,
+        between micro-batches) to None or, with ``set_to_none=False``, zeroed in place."""
         self.owned.clear()
         self.kept.clear()
         for t in self.tensors:
-            t.param.grad = None
+            if set_to_none or t.param.grad is None:
+                t.param.grad = None
+            else:
+                t.param.grad.zero_()
 
     def grad_bytes(self) -> int:
         """Gradient bytes held now: owned + kept + not-yet-reduced local ``.grad`` (no buckets)."""

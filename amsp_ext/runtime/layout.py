@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime.ownership import assign_owners
 from amsp_ext.runtime.units import Unit
 from amsp_ext.topology.groups import MESH_AXES, mesh_ranks
@@ -43,14 +44,13 @@ class LocalTensor:
 
     def local(self) -> torch.Tensor:
         """The tensor this rank stores (re-read each time: FSDP2 may re-pad and swap it)."""
-        p = self.param
-        return p._local_tensor if isinstance(p, DTensor) else p.data
+        return compat.dtensor_local(self.param)
 
     def local_grad(self) -> torch.Tensor | None:
         g = self.param.grad
         if g is None:
             return None
-        return g._local_tensor if isinstance(g, DTensor) else g
+        return compat.dtensor_local(g) if isinstance(g, DTensor) else g
 
     def metadata(self) -> dict:
         return {"name": self.name, "global_shape": list(self.global_shape),
@@ -65,7 +65,7 @@ def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: 
         for name, p in u.params:
             if not p.requires_grad:  # frozen: no gradient, no optimizer state, never changes
                 continue
-            local = p._local_tensor if isinstance(p, DTensor) else p
+            local = compat.dtensor_local(p)
             entries.append((ui, name, p, tuple(p.shape), tuple(local.shape)))
     numels = [int(torch.Size(e[4]).numel()) for e in entries]
     owners = assign_owners(numels, len(bcast_ranks), policy)

@@ -5,69 +5,123 @@ A rank keeps fp32 master weights and the inner optimizer's states only for the l
 it owns (ownership.py); the inner optimizer (``optimizer_factory``) is built over those masters
 alone, so ``param_groups`` (and LR schedulers) work as usual. With ``precision="fp32"`` the
 master *is* the local parameter storage (a second Parameter object on the same memory), so no
-copy and no extra 4 bytes per parameter. Gradients of owned tensors stay in the compute dtype
-until the step, which upcasts them one tensor at a time (D_tmp, not model state).
+copy and no extra 4 bytes per parameter. Owned gradients arrive in the reduce dtype
+(ShardConfig.reduce_dtype): under "fp32" they are used as they are; a compute-dtype gradient
+is upcast one tensor at a time (D_tmp, not model state).
+
+[Note: an Optimizer by torch's rules]
+``AMSPOptimizer`` runs ``torch.optim.Optimizer.__init__`` over the inner optimizer's param
+groups: the group dicts are shared (one object, reachable from both), and ``param_groups`` and
+``state`` read through to the inner optimizer, so an LR scheduler that sets ``lr`` here sets it
+where the step reads it, even after ``inner.load_state_dict`` replaced the group dicts. Because
+``__init__`` ran, torch wraps ``step`` like every optimizer's: instance and global step
+pre/post hooks fire around it, and schedulers see it called. ``state_dict``/``load_state_dict``
+run their four hook kinds too. The inner optimizer is a real optimizer stepped from inside ours
+(as ``ZeroRedundancyOptimizer`` does): a *global* hook therefore also sees the inner one;
+filter on ``isinstance(opt, AMSPOptimizer)`` to count training steps. ``add_param_group`` is
+refused: every parameter here is an owned master the engine laid out. Between ``step`` and
+``zero_grad`` each master's ``.grad`` holds the (unscaled, clipped) fp32 gradient it was stepped
+with, as in torch; ``zero_grad(set_to_none=False)`` zeroes those in place.
+
+[Note: collaborators, not the engine]
+The optimizer is given what it uses and nothing else: the local tensors (to write masters
+back and describe them in a state dict), a gradient source (``owned``: the averaged gradients
+of owned tensors after the boundary backward; ``zero_grad``), a parameter broadcaster
+(``broadcast_all`` after the step, ``wait_all`` before anything reads parameters) and the
+group over which gradient norms and overflow flags are reduced (``NormGroup``; ``group=None``:
+this process holds every gradient, no collective). The engine passes its GradSync, ParamSync
+and ``optim`` group; a unit test passes a local gradient source and no process group at all.
 
 [Note: exact global clipping]
 The ``optim`` group (sos ranks = sp shard positions x sos/sp owners) holds every local tensor of
 the model exactly once across its ranks, so the sum of squares of owned gradients over one
-``optim`` group is the global squared norm. It is all-reduced over the world (every ``optim``
-group contributes the same sum: divided by world / sos), so that the non-finite guard's
-decision, which rides on it, is one for all ranks (nonfinite.py). The clip coefficient is
-applied to the fp32 gradients at step time (with the fp16 loss-scale division).
+``optim`` group is the global squared norm. The engine has it all-reduced over the world (every
+``optim`` group contributes the same sum: ``NormGroup.replicas`` = world / sos divides it back)
+so that the non-finite guard's decision, which rides on it, is one for all ranks
+(nonfinite.py). The clip coefficient is applied to the fp32 gradients at step time (with the
+fp16 loss-scale division).
 """
 
 from __future__ import annotations
 
-import collections
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.config import FP16Config
+from amsp_ext.runtime.layout import LocalTensor
 from amsp_ext.runtime.loss_scale import DynamicLossScaler
 from amsp_ext.runtime.nonfinite import NonFiniteGuard
 
-if TYPE_CHECKING:
-    from amsp_ext.runtime.engine import Engine
+__all__ = ["AMSPOptimizer", "GradSource", "NormGroup", "ParamBroadcaster"]
 
-__all__ = ["AMSPOptimizer"]
+
+class GradSource(Protocol):
+    """The averaged gradients of owned tensors (tensor index -> local-shaped tensor)."""
+
+    owned: Mapping[int, torch.Tensor]
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
+class ParamBroadcaster(Protocol):
+    def broadcast_all(self) -> None: ...
+
+    def wait_all(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormGroup:
+    """Where gradient norms (and the non-finite decision riding on them) are reduced (None:
+    this process alone); ``replicas``: how many times the group holds each gradient (its sum of
+    squares is divided by it)."""
+
+    group: dist.ProcessGroup | None = None
+    name: str = "local"
+    timeout: float = 600.0
+    replicas: int = 1
 
 
 class AMSPOptimizer(torch.optim.Optimizer):
-    # Optimizer.__init__ is not called: it would register the model's parameters, while ours are
-    # the owned masters, handed to the inner optimizer. We set what schedulers and hooks read.
-    def __init__(self, engine: "Engine", masters: dict[int, nn.Parameter],
-                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
-        self._engine = engine
-        self.masters = masters  # tensor index -> fp32 master (owned only), forward order
-        self._aliased = engine.config.dtype == torch.float32
-        params = list(masters.values())
-        if not params:  # a rank that owns nothing still has param_groups for schedulers
-            params = [nn.Parameter(torch.zeros(0, device=engine.device))]
-        inner = optimizer_factory(params)
+    def __init__(self, masters: Mapping[int, nn.Parameter],
+                 optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+                 tensors: Sequence[LocalTensor], grads: GradSource, params: ParamBroadcaster,
+                 norm_group: NormGroup, device: torch.device, precision: str = "fp32",
+                 fp16: FP16Config | None = None, run_info: Mapping[str, Any] | None = None,
+                 guard: NonFiniteGuard | None = None) -> None:
+        self.masters = dict(masters)  # tensor index -> fp32 master (owned only), forward order
+        self.tensors = list(tensors)
+        self._grads, self._params, self._norm_group = grads, params, norm_group
+        self.device = device
+        self._aliased = precision == "fp32"  # masters share the parameters' storage
+        self.run_info = dict(run_info or {})  # plan / world, saved in and checked by state dicts
+        owned = list(self.masters.values())
+        if not owned:  # a rank that owns nothing still has param_groups for schedulers
+            owned = [nn.Parameter(torch.zeros(0, device=device))]
+        inner = optimizer_factory(owned)
         if not isinstance(inner, torch.optim.Optimizer):
             raise ValueError(f"optimizer_factory must return a torch.optim.Optimizer, got {type(inner).__name__}")
         self.inner = inner
-        self.defaults = inner.defaults
-        self._optimizer_step_pre_hooks = collections.OrderedDict()
-        self._optimizer_step_post_hooks = collections.OrderedDict()
-        self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
-        self._optimizer_state_dict_post_hooks = collections.OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
-        self.scaler = DynamicLossScaler(engine.config.fp16) if engine.config.precision == "fp16" else None
+        self._constructed = False
+        # the list object, not a copy: __init__ rebinds inner.param_groups (through our setter)
+        # and then adds these same dicts back one by one
+        super().__init__(inner.param_groups, inner.defaults)
+        self._constructed = True
+        self.scaler = DynamicLossScaler(fp16 or FP16Config()) if precision == "fp16" else None
         self._grad_coef = 1.0
         self.last_grad_norm: float | None = None
         # set by clip_grad_norm_: a non-finite global norm is exactly "some gradient overflowed",
         # so step() needs no second all-reduce (and no per-tensor isfinite sync) to find out
         self._found_inf: bool | None = None
         self.num_steps = 0
-        self.guard = NonFiniteGuard(engine.config.max_bad_steps)  # see nonfinite.py
+        self.guard = guard or NonFiniteGuard(max_bad_steps=0)  # nonfinite.py (0: off)
         self._skipped = 0
 
     # -- what LR schedulers and user code read ---------------------------------------------------
@@ -87,6 +141,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def state(self, value):
         self.inner.state = value
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._constructed:
+            raise ValueError("AMSPOptimizer.add_param_group: the parameters are the owned fp32 masters "
+                             "the engine laid out; build param groups in optimizer_factory instead")
+        super().add_param_group(param_group)
+
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
@@ -97,7 +157,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         return self._skipped
 
     def __repr__(self) -> str:
-        return f"AMSPOptimizer(plan={self._engine.plan}, owned={len(self.masters)}, inner={self.inner!r})"
+        where = ", ".join(f"{k}={v}" for k, v in self.run_info.items())
+        return f"AMSPOptimizer({where + ', ' if where else ''}owned={len(self.masters)}, inner={self.inner!r})"
 
     # -- training loop ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -107,37 +168,34 @@ class AMSPOptimizer(torch.optim.Optimizer):
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
 
-    def _owned_grads(self) -> dict[int, torch.Tensor]:
-        return self._engine.grad_sync.owned
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        g = self._norm_group
+        if g.group is not None:
+            C.all_reduce(t, g.group, name=g.name, op=op, async_op=False, timeout=g.timeout)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm (of the unscaled, averaged gradients); clip to ``max_norm``."""
-        e = self._engine
         if norm_type not in (2.0, 2, math.inf):
             raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, got {norm_type}")
-        with record_function("amsp::clip_grad_norm::optim"):
-            grads = list(self._owned_grads().values())
-            # [amsp nonfinite] over the world, with this rank's loss verdict folded in: every
-            # rank gets the same (non-)finite norm (nonfinite.py: [Note: one decision...])
-            world = dist.group.WORLD
+        with record_function(f"amsp::clip_grad_norm::{self._norm_group.name.split('[', 1)[0]}"):
+            grads = list(self._grads.owned.values())
             if norm_type == math.inf:
                 local = max((g.detach().abs().max().float() for g in grads if g.numel()),
-                            default=torch.zeros((), device=e.device))
-                total = torch.as_tensor(local, dtype=torch.float32, device=e.device).reshape(1)
-                total = self.guard.fold(total).nan_to_num(nan=math.inf)  # MAX of NaN is unordered
-                C.all_reduce(total, world, name="world", op=dist.ReduceOp.MAX,
-                             async_op=False, timeout=e.config.timeout)
+                            default=torch.zeros((), device=self.device))
+                total = torch.as_tensor(local, dtype=torch.float32, device=self.device).reshape(1)
+                # [amsp nonfinite] this rank's loss verdict folded in; MAX of NaN is unordered
+                total = self.guard.fold(total).nan_to_num(nan=math.inf)
+                self._all_reduce(total, op=dist.ReduceOp.MAX)
                 norm = total[0]
             else:
                 # one fp32 norm per tensor, computed without an fp32 copy of the gradient
-                total = torch.zeros(1, dtype=torch.float32, device=e.device)
+                total = torch.zeros(1, dtype=torch.float32, device=self.device)
                 if grads:
                     norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]
                     total += torch.stack(norms).square().sum()
-                total = self.guard.fold(total)
-                C.all_reduce(total, world, name="world", async_op=False, timeout=e.config.timeout)
-                # each optim group holds every gradient once: the world counts it world/sos times
-                norm = (total[0] / (e.world.size // e.size("optim"))).sqrt()
+                total = self.guard.fold(total)  # [amsp nonfinite] NaN if this rank's loss was
+                self._all_reduce(total)
+                norm = (total[0] / self._norm_group.replicas).sqrt()
             if self.scaler is not None:
                 norm = norm / self.scaler.scale
             coef = float(max_norm) / (float(norm) + 1e-6)
@@ -147,11 +205,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
             return norm
 
     @torch.no_grad()
-    def step(self, closure: Callable | None = None):  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
+        loss = None
         if closure is not None:
-            raise ValueError("AMSPOptimizer.step does not take a closure")
-        e = self._engine
-        e.param_sync.wait_all()
+            with torch.enable_grad():
+                loss = closure()
+        self._params.wait_all()
         with record_function("amsp::optimizer_step"):
             checked = self.scaler is not None or self.guard.enabled
             if checked and self._found_inf is None:  # no clip this step: the guard needs the norm
@@ -159,91 +218,117 @@ class AMSPOptimizer(torch.optim.Optimizer):
             found_inf, self._found_inf = self._found_inf, None
             if checked and found_inf:  # [amsp nonfinite] the same decision on every rank
                 self._skip_step()
-                return None
+                return loss
             self.guard.after_step(step=self.num_steps + self._skipped, bad=False, counts=False,
-                                  ranks=None, norm=self.last_grad_norm, rank=e.rank)
+                                  ranks=None, norm=self.last_grad_norm, rank=_rank())
             factor = self._grad_coef / (self.scaler.scale if self.scaler else 1.0)
-            owned = self._owned_grads()
+            owned = self._grads.owned
             for idx, m in self.masters.items():
                 g = owned.get(idx)
                 if g is None:
                     m.grad = None
                     continue
-                g = g.to(torch.float32).view(m.shape)  # aliases the buffer under fp32
+                # fp32 already (reduce_dtype="fp32", or an fp32 run): no copy, scaled in place
+                g = g.to(torch.float32).view(m.shape)
                 if factor != 1.0:
-                    g = g * factor
+                    g.mul_(factor)
                 m.grad = g
             self.inner.step()
-            for idx, m in self.masters.items():
-                if not self._aliased:
-                    e.tensors[idx].local().copy_(m)
-                m.grad = None
+            if not self._aliased:
+                for idx, m in self.masters.items():
+                    self.tensors[idx].local().copy_(m)
             self._grad_coef = 1.0
             if self.scaler is not None:
                 self.scaler.update(False)
             self.num_steps += 1
-        e.param_sync.broadcast_all()
-        return None
+        self._params.broadcast_all()
+        return loss
 
     def _skip_step(self) -> None:
         """A non-finite step: nothing is applied, on any rank (see nonfinite.py)."""
-        e = self._engine
         step = self.num_steps + self._skipped
         counts = self.scaler is None or self.scaler.scale <= self.scaler.cfg.min_scale
         if self.scaler is not None:
             self.scaler.update(True)
         self._skipped += 1
         self._grad_coef = 1.0
-        e.grad_sync.zero_grad()
+        self._grads.zero_grad()
         ranks = None
-        if self.guard.enabled and counts:  # rare: one small all-gather names the ranks
-            flags = C.all_gather_bytes(b"1" if self.guard.loss_was_bad() else b"0", None, name="world",
-                                       timeout=e.config.timeout)
+        g = self._norm_group
+        if self.guard.enabled and counts and g.group is not None:  # rare: name the ranks
+            flags = C.all_gather_bytes(b"1" if self.guard.loss_was_bad() else b"0", g.group,
+                                       name=g.name, timeout=g.timeout)
             ranks = [r for r, f in enumerate(flags) if f == b"1"]
         if self.guard.enabled:
             self.guard.after_step(step=step, bad=True, counts=counts, ranks=ranks,
-                                  norm=self.last_grad_norm, rank=e.rank)
+                                  norm=self.last_grad_norm, rank=_rank())
         self.guard.reset_loss()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        self._found_inf = None
-        self.guard.reset_loss()
-        self._engine.grad_sync.zero_grad()
-        for m in self.masters.values():
-            m.grad = None
+        with record_function("amsp::zero_grad"):
+            self._found_inf = None
+            self.guard.reset_loss()
+            self._grads.zero_grad(set_to_none)
+            for m in self.masters.values():
+                if m.grad is None:
+                    continue
+                if set_to_none:
+                    m.grad = None
+                else:
+                    m.grad.zero_()
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        e = self._engine
-        return {
-            "inner": self.inner.state_dict(),
-            "tensors": [e.tensors[i].metadata() for i in self.masters],
-            "masters": {e.tensors[i].name: m.detach().clone() for i, m in self.masters.items()},
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-            "plan": str(e.plan),
-            "world": [e.world.num_nodes, e.world.gpus_per_node],
+        """torch's layout (``state``, ``param_groups`` of the inner optimizer, over this rank's
+        owned masters) plus ``amsp``: the masters, their tensors, the loss scaler and the step."""
+        for hook in compat.optimizer_hooks(self, "state_dict_pre"):
+            hook(self)
+        inner = self.inner.state_dict()
+        sd = {
+            "state": inner["state"],
+            "param_groups": inner["param_groups"],
+            "amsp": {
+                "tensors": [self.tensors[i].metadata() for i in self.masters],
+                "masters": {self.tensors[i].name: m.detach().clone() for i, m in self.masters.items()},
+                "scaler": self.scaler.state_dict() if self.scaler else None,
+                "num_steps": self.num_steps,
+                **self.run_info,
+            },
         }
+        for hook in compat.optimizer_hooks(self, "state_dict_post"):
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state saved under the same plan and world (collective: re-broadcasts)."""
-        e = self._engine
-        mine = [e.tensors[i].metadata() for i in self.masters]
-        if state_dict.get("tensors") != mine:
+        for hook in compat.optimizer_hooks(self, "load_state_dict_pre"):
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        a = state_dict.get("amsp") if isinstance(state_dict, Mapping) else None
+        mine = [self.tensors[i].metadata() for i in self.masters]
+        if a is None or a.get("tensors") != mine:
+            saved = {k: v for k, v in (a or {}).items() if k not in ("tensors", "masters", "scaler")}
             raise ValueError(
-                f"optimizer state_dict was saved under plan {state_dict.get('plan')} on "
-                f"{state_dict.get('world')} and owns other tensors than this rank under plan "
-                f"{e.plan}; use amsp_ext.save_checkpoint / load_checkpoint to change plans"
+                f"optimizer state_dict was saved with {saved or 'no AMSP layout'} and owns other "
+                f"tensors than this rank with {self.run_info}; use amsp_ext.save_checkpoint / "
+                f"load_checkpoint to change plans"
             )
         for i, m in self.masters.items():
-            m.copy_(state_dict["masters"][e.tensors[i].name])
+            m.copy_(a["masters"][self.tensors[i].name])
             if not self._aliased:
-                e.tensors[i].local().copy_(m)
-        self.inner.load_state_dict(state_dict["inner"])
-        if self.scaler is not None and state_dict.get("scaler"):
-            self.scaler.load_state_dict(state_dict["scaler"])
-        e.param_sync.broadcast_all()
-        e.param_sync.wait_all()
+                self.tensors[i].local().copy_(m)
+        self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        if self.scaler is not None and a.get("scaler"):
+            self.scaler.load_state_dict(a["scaler"])
+        self.num_steps = int(a.get("num_steps", self.num_steps))
+        self._params.broadcast_all()
+        self._params.wait_all()
+        for hook in compat.optimizer_hooks(self, "load_state_dict_post"):
+            hook(self)
 
     def state_bytes(self) -> tuple[int, int]:
         """(fp32 master bytes not aliased to the parameters, inner optimizer state bytes)."""
@@ -254,3 +339,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(v):
                     states += v.numel() * v.element_size()
         return master, states
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

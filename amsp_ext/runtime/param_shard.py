@@ -15,10 +15,7 @@
   the backward uses: one AG per unit in backward, as without recompute (tested).
 - All of FSDP2's AG/RS go through collectives.py via ``set_custom_all_gather`` /
   ``set_custom_reduce_scatter``, so they carry ``amsp::all_gather::param_shard`` labels and
-  the collective timeout. On CPU (gloo) the custom all-gather is always issued async and its
-  work returned, which FSDP2 then waits for in ``wait_for_unshard``: a prefetched gather really
-  runs while the current unit computes. On GPU we keep FSDP2's own stream design (the
-  ``async_op`` it asks for).
+  the collective timeout. See [Note: FSDP2's async_op contract] for what they return.
 - Limits on CPU (gloo has no streams): FSDP2 asks for a synchronous reduce-scatter and reads
   its output right away, so on CPU the RS blocks the backward thread; only on GPU does it run
   on FSDP2's reduce-scatter stream, decoupled from the backward compute. The all-gather is
@@ -29,8 +26,26 @@
 - Reduction: FSDP2 is told to SUM (``set_force_sum_reduction_for_comms`` plus a divide factor
   of 1; gloo has no PREMUL_SUM) and grad_sync.py divides by the data-parallel size once.
 - Mixed precision: the model is converted to the compute dtype after ``fully_shard`` (FSDP2's
-  ``_apply`` re-pads the shards), so the sharded parameters are 2 bytes (2 Phi / sp) and no
-  FSDP MixedPrecisionPolicy is needed; the fp32 masters live with the optimizer-state owners.
+  ``_apply`` re-pads the shards), so the sharded parameters are 2 bytes (2 Phi / sp); the fp32
+  masters live with the optimizer-state owners. FSDP2's MixedPrecisionPolicy carries only
+  ``reduce_dtype`` (ShardConfig.reduce_dtype): under "fp32" the reduce-scatter input and output
+  are fp32, and FSDP2 casts the reduced shard back to the parameter dtype before handing it to
+  grad_sync.py (one rounding of an exactly reduced sum per micro-batch; grad_sync.py then
+  reduces and accumulates in fp32). See [Note: reduce dtype] in grad_sync.py.
+
+[Note: FSDP2's async_op contract]
+FSDP2 calls the custom all-gather with ``async_op`` and decides from the return value (Work or
+None) how it frees the gathered buffer (``wait_for_unshard``: a None result in forward keeps
+it until the next copy-out, for overlap). So we return a Work exactly when it asked for
+``async_op=True``, and otherwise wait before returning None. On GPU FSDP2 asks for
+``async_op=False`` and gets its overlap from running the call on its all-gather stream: the
+wait there only makes that stream wait (collectives.wait). On CPU (gloo) there are no
+streams, so a synchronous gather would block the prefetch on the CPU thread; with
+``overlap.allgather`` we therefore tell FSDP2 to ask for ``async_op=True``
+(``_set_unshard_async_op``, via _torch_compat): its pre-forward/pre-backward unshards and
+explicit prefetches then issue async and ``wait_for_unshard`` waits on the Work, so a
+prefetched gather runs while the current unit computes, within FSDP2's own protocol. FSDP2
+calls the reduce-scatter synchronously (``async_op`` left False) and ignores its result.
 """
 
 from __future__ import annotations
@@ -38,9 +53,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.units import Unit
 
@@ -58,14 +73,13 @@ class _Comm:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class AMSPAllGather(_Comm, AllGather):
+class AMSPAllGather(_Comm, compat.FSDPAllGatherBase):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        always_async = output_tensor.device.type == "cpu" and self.overlap
         pending = C.all_gather_into_tensor(output_tensor, input_tensor, group, name=self.name,
                                            async_op=True)
-        if async_op or always_async:
-            # FSDP2 waits via ``Work.wait()`` in wait_for_unshard; the gloo group timeout
-            # still applies there.
+        if async_op:
+            # FSDP2 waits via ``Work.wait()`` in wait_for_unshard; the group timeout still
+            # applies there. See [Note: FSDP2's async_op contract].
             return pending.work
         C.wait(pending, timeout=self.timeout)
         _serialize_if_no_overlap(output_tensor, self.overlap)
@@ -81,15 +95,15 @@ def _serialize_if_no_overlap(t: torch.Tensor, overlap: bool) -> None:
 
 def fsdp_streams_wait_current(root: torch.nn.Module) -> None:
     """Make FSDP2's all-gather streams wait for the current stream (see param_sync.py)."""
-    ctx = getattr(root._get_fsdp_state(), "_comm_ctx", None)  # type: ignore[operator]
-    if ctx is None or not hasattr(ctx, "all_gather_copy_in_stream"):
+    streams = compat.fsdp_all_gather_streams(root)
+    if not streams:
         return
     current = torch.accelerator.current_stream()
-    ctx.all_gather_copy_in_stream.wait_stream(current)
-    ctx.all_gather_stream.wait_stream(current)
+    for s in streams:
+        s.wait_stream(current)
 
 
-class AMSPReduceScatter(_Comm, ReduceScatter):
+class AMSPReduceScatter(_Comm, compat.FSDPReduceScatterBase):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         pending = C.reduce_scatter_tensor(output_tensor, input_tensor, group, name=self.name,
                                           op=op, async_op=True)
@@ -131,12 +145,16 @@ def prefetch_targets(units: Sequence[Unit]) -> tuple[dict[int, int], dict[int, i
 
 
 def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, *, name: str,
-               timeout: float, overlap_allgather: bool) -> None:
-    """``fully_shard`` every unit (children first), then the root; wire comms and prefetch."""
+               timeout: float, overlap_allgather: bool,
+               reduce_dtype: torch.dtype | None = None) -> None:
+    """``fully_shard`` every unit (children first), then the root; wire comms and prefetch.
+
+    ``reduce_dtype``: the reduce-scatter's dtype (None: the parameters' dtype)."""
     order = [u for u in units if u.kind == "linear"] + [u for u in units if u.kind not in ("linear", "root")]
+    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for u in order:
-        fully_shard(u.module, mesh=shard_mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=shard_mesh, reshard_after_forward=False)
+        fully_shard(u.module, mesh=shard_mesh, reshard_after_forward=True, mp_policy=mp)
+    fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, mp_policy=mp)
     modules: list[FSDPModule] = [u.module for u in units]  # type: ignore[misc]
     ag = AMSPAllGather(name, timeout, overlap_allgather)
     rs = AMSPReduceScatter(name, timeout, overlap_allgather)
@@ -146,6 +164,9 @@ def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, *, nam
         m.set_force_sum_reduction_for_comms(True)
         m.set_gradient_divide_factor(1.0)
     fwd, bwd = prefetch_targets(units)
+    if overlap_allgather and shard_mesh.device_type == "cpu":
+        for m in modules:  # see [Note: FSDP2's async_op contract]
+            compat.set_fsdp_unshard_async_op(m, True)
     if overlap_allgather:
         for a, b in fwd.items():
             modules[a].set_modules_to_forward_prefetch([modules[b]])

@@ -10,6 +10,11 @@ Both run the engine contract of docs/DESIGN.md unchanged: ``no_sync()`` on micro
 
 ``RunSpec.amsp_overlap`` maps to the engine's Table V switches (``OverlapConfig``); the
 ablation mode runs ``amsp-plan`` once per setting.
+
+Gradients are reduced in the compute dtype (``reduce_dtype=spec.precision``), not the engine's
+fp32 default: the DeepSpeed rows reduce in their compute dtype (DeepSpeed's default
+``communication_data_type``), and the paper's comparison is of the same bytes moved by two
+engines. comparisons/results/reduce_dtype.md measures what fp32 reduction costs on top.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 def engine_settings(spec) -> dict:
     """The ShardConfig settings of the AMSP rows that the planner charges (torch-free: the
     launcher passes them to amsp_ext.planner.auto.plan_auto)."""
-    return dict(precision=spec.precision, granularity=spec.amsp_granularity, recompute=False,
-                grad_bucket_bytes=GRAD_BUCKET_BYTES)
+    return dict(precision=spec.precision, reduce_dtype=spec.precision,
+                granularity=spec.amsp_granularity, recompute=False, grad_bucket_bytes=GRAD_BUCKET_BYTES)
 
 
 def shard_config(spec, gpus_per_node: int, *, auto=None):

@@ -1,4 +1,5 @@
-"""Build the plan's process groups once, with torch's DeviceMesh.
+"""Build the plan's process groups once, with torch's DeviceMesh (the torch half of the
+topology: the rank lists themselves are pure Python, in amsp_ext.topology.groups).
 
 The eight-axis mesh of :mod:`amsp_ext.topology.groups` becomes one ``DeviceMesh``; each group
 kind is a flattened sub-mesh over its axes. We cross-check every group against the pure-Python
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from amsp_ext.planner.plan import Plan
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.topology.groups import GROUP_AXES, GROUP_KINDS, MESH_AXES, World, axis_sizes, mesh_ranks, rank_groups
 
 __all__ = ["PlanMesh", "build_plan_mesh"]
@@ -46,17 +48,7 @@ def _backend_override(timeout: datetime.timedelta | None):
     The group timeout bounds every collective on the group, including the waits that
     torch (FSDP2) does itself, and on NCCL it arms the watchdog that aborts a hung collective.
     """
-    if timeout is None:
-        return None
-    backend = dist.get_backend()
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
-        opts = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    opts._timeout = timeout
-    return (backend, opts)
+    return None if timeout is None else compat.backend_options(timeout)
 
 
 def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
@@ -82,7 +74,7 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
     ranks: dict[str, list[int]] = {}
     for kind in GROUP_KINDS:
         axes = GROUP_AXES[kind]
-        sub = (mesh[axes]._flatten(kind, backend_override=_backend_override(timeout))
+        sub = (compat.flatten_mesh(mesh[axes], kind, backend_override=_backend_override(timeout))
                if len(axes) > 1 else mesh[axes[0]])
         pg = sub.get_group()
         got = sorted(dist.get_process_group_ranks(pg))

@@ -1,0 +1,152 @@
+"""Every access amsp_ext makes to a private part of torch, in one file.
+
+[Note: why a compat file]
+FSDP2, DTensor, DeviceMesh and autograd expose a few things only privately that the engine
+needs: the comm base classes of ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, the
+all-gather streams and the unshard ``async_op`` switch of an FSDP module, the local tensor of a
+DTensor without autograd, a chunk's global offset, a flattened sub-mesh with its own timeout,
+and the autograd engine's end-of-backward callback. Private names move between releases
+without notice. Keeping them here means one file to re-check on a torch upgrade, and
+``tests/test_torch_compat.py`` fails if a private ``torch`` attribute shows up anywhere else in
+amsp_ext.
+
+[Note: versions]
+Each access below was read in the torch source and exercised by the test suite on the
+versions in ``CHECKED_TORCH`` (major.minor). On any other version ``check_torch_version``
+(run when this module is imported, i.e. when the engine is) raises a one-line error naming
+the version and the checked ones; ``AMSP_ALLOW_UNCHECKED_TORCH=1`` turns that into one
+warning, for whoever is doing the re-check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = [
+    "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
+    "backend_options", "copy_state_dict_metadata", "check_torch_version", "dtensor_local", "flatten_mesh",
+    "fsdp_all_gather_streams", "local_chunk_offset", "optimizer_hooks", "queue_backward_callback",
+    "set_fsdp_unshard_async_op",
+]
+
+CHECKED_TORCH = ("2.13",)
+ALLOW_ENV = "AMSP_ALLOW_UNCHECKED_TORCH"
+
+
+class UncheckedTorchError(RuntimeError):
+    """torch is a version the private accesses of this file were not checked against."""
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_torch_version(version: str | None = None) -> None:
+    v = _major_minor(version or torch.__version__)
+    if v in CHECKED_TORCH:
+        return
+    msg = (f"amsp_ext: torch {version or torch.__version__} is not a version amsp_ext's private "
+           f"torch accesses (amsp_ext/runtime/_torch_compat.py) were checked against "
+           f"({', '.join(CHECKED_TORCH)}); install one of those, or set {ALLOW_ENV}=1 to run unchecked")
+    if os.environ.get(ALLOW_ENV) == "1":
+        warnings.warn(msg, stacklevel=2)
+        return
+    raise UncheckedTorchError(msg)
+
+
+check_torch_version()
+
+# -- FSDP2 (torch/distributed/fsdp/_fully_shard) ---------------------------------------------
+# The base classes FSDP2 expects from set_custom_all_gather / set_custom_reduce_scatter.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGatherBase  # noqa: E402
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatterBase  # noqa: E402
+
+
+def fsdp_all_gather_streams(root: nn.Module) -> list:
+    """The all-gather copy-in and all-gather streams FSDP2 shares across a root's modules
+    (``FSDPState._comm_ctx``); empty before FSDP2's lazy init or on CPU."""
+    ctx = getattr(root._get_fsdp_state(), "_comm_ctx", None)  # type: ignore[operator]
+    if ctx is None:
+        return []
+    return [getattr(ctx, n) for n in ("all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+
+
+def set_fsdp_unshard_async_op(module: nn.Module, async_op: bool) -> None:
+    """``FSDPModule._set_unshard_async_op``: FSDP2 then asks the custom all-gather for
+    ``async_op=async_op`` in its pre-forward/pre-backward unshards and prefetches, and waits
+    for the returned Work itself in ``wait_for_unshard``."""
+    module._set_unshard_async_op(async_op)  # type: ignore[operator]
+
+
+# -- DTensor ---------------------------------------------------------------------------------
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor, as stored (no autograd view; ``to_local()`` is one under
+    grad mode); a plain tensor's own data."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t.data  # type: ignore[attr-defined]
+
+
+def local_chunk_offset(t: torch.Tensor) -> list[int]:
+    """The global offset of this rank's chunk of a DTensor (zeros for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return [0] * t.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return list(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
+
+
+# -- process groups and DeviceMesh -----------------------------------------------------------
+def backend_options(timeout: datetime.timedelta):
+    """(backend, options) carrying ``timeout`` for the default backend, for DeviceMesh's
+    ``backend_override``; None where the backend has no options object."""
+    backend = dist.get_backend()
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        opts = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    opts._timeout = timeout
+    return (backend, opts)
+
+
+def flatten_mesh(mesh, name: str, backend_override=None):
+    """``DeviceMesh._flatten``: one 1-D mesh (and process group) over several mesh axes."""
+    return mesh._flatten(name, backend_override=backend_override)
+
+
+# -- nn.Module state dicts ---------------------------------------------------------------------
+def copy_state_dict_metadata(src, dst) -> None:
+    """``nn.Module.state_dict`` attaches the modules' versions as ``_metadata`` (which
+    ``load_state_dict`` reads back); carry it over to a state dict built from ``src``."""
+    if hasattr(src, "_metadata"):
+        dst._metadata = src._metadata
+
+
+# -- torch.optim.Optimizer -------------------------------------------------------------------
+_OPTIMIZER_HOOKS = ("state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post")
+
+
+def optimizer_hooks(opt: torch.optim.Optimizer, kind: str) -> list[Callable]:
+    """The hooks registered with ``register_<kind>_hook`` on ``opt`` (``Optimizer`` keeps them
+    in ``_optimizer_<kind>_hooks``), in the order they run, for an optimizer that overrides
+    ``state_dict``/``load_state_dict`` and must still run them."""
+    if kind not in _OPTIMIZER_HOOKS:
+        raise ValueError(f"kind must be one of {', '.join(_OPTIMIZER_HOOKS)}, got {kind!r}")
+    return list(getattr(opt, f"_optimizer_{kind}_hooks").values())
+
+
+# -- autograd ------------------------------------------------------------------------------
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once when the current backward pass ends (what FSDP2 and DDP use too)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
