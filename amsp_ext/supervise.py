@@ -104,6 +104,8 @@ class Job:
         """Run torchrun with ``torchrun_args`` under the agent; its exit status (128 + N when
         the launcher got signal N)."""
         env = {**env, JOB_DIR_ENV: str(self.dir), LAUNCHER_ENV: str(os.getpid()), "TMPDIR": str(self.dir)}
+        if self.signal is not None:  # interrupted before anything started
+            return 128 + self.signal
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "amsp_ext.supervise", *torchrun_args], env=env, stdout=stdout,
             process_group=0, preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM))
