@@ -9,7 +9,7 @@ The engine (and so torch) is imported lazily: ``amsp_ext.planner`` stays torch-f
 __all__ = [
     "AutoPlanConfig", "CheckpointError", "FP16Config", "OverlapConfig", "ShardConfig",
     "consolidated_state_dict", "export_checkpoint", "load_checkpoint", "save_checkpoint",
-    "save_pretrained", "shard",
+    "save_pretrained", "shard", "verify_checkpoint", "wait_for_save",
 ]
 
 # DeepSpeed-compatible entry points (amsp_ext.integrations), also lazy

@@ -16,7 +16,7 @@ import math
 from typing import Any, Iterable
 
 __all__ = [
-    "GRANULARITIES", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS", "OWNERSHIPS",
+    "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS", "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
     "reduce_dtypes",
 ]
@@ -28,6 +28,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 GRANULARITIES = ("module", "layer")
 # inter-tensor optimizer-state ownership (runtime/ownership.py)
 OWNERSHIPS = ("greedy", "blocks")
+# initial weights: rank 0's broadcast to all (as DDP), or compared and refused when they differ
+INIT_WEIGHTS = ("broadcast", "check")
 # what plan "auto" minimises: the paper's Eq. 1 communication time or the modelled step time
 OBJECTIVES = ("comm", "step")
 # a mesh the bandwidth profile lacks: refuse, or fit it from the profile's other meshes

@@ -14,7 +14,7 @@ import torch
 
 from amsp_ext.models import VOCAB_SIZE
 
-__all__ = ["VOCAB_SIZE", "corpus_tokens", "global_batch", "micro_batch"]
+__all__ = ["VOCAB_SIZE", "corpus_tokens", "global_batch", "micro_batch", "micro_batch_at"]
 
 @functools.lru_cache(maxsize=1)
 def corpus_tokens() -> torch.Tensor:
@@ -55,8 +55,20 @@ def micro_batch(
     the same global batch.
     """
     num_sequences = num_micro_batches * world_size * micro_batch_size
+    return micro_batch_at(step * num_sequences, micro, rank, world_size=world_size,
+                          num_micro_batches=num_micro_batches, micro_batch_size=micro_batch_size,
+                          seq_len=seq_len)
+
+
+def micro_batch_at(
+    first_sample: int, micro: int, rank: int, *, world_size: int, num_micro_batches: int,
+    micro_batch_size: int, seq_len: int,
+) -> torch.Tensor:
+    """Like :func:`micro_batch`, for the global batch that starts at sample (window)
+    ``first_sample``: a resumed job continues at the next sample whatever its world size."""
+    num_sequences = num_micro_batches * world_size * micro_batch_size
     if num_sequences < 1 or seq_len < 1:
         raise ValueError(f"num_sequences and seq_len must be >= 1, got {num_sequences}, {seq_len}")
     start = (micro * world_size + rank) * micro_batch_size
-    # only this slice's windows (the rows of global_batch(step) it would cut out)
-    return _windows(step * num_sequences + start, micro_batch_size, seq_len)
+    # only this slice's windows (the rows of the global batch it would cut out)
+    return _windows(first_sample + start, micro_batch_size, seq_len)

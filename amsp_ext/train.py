@@ -4,6 +4,10 @@
 amsp_ext/train_config.py); ``amsp cluster run -- python -m amsp_ext.train --steps 5 ...`` takes
 the same flags as ``amsp train``. Rank 0 prints progress, and writes the JSON summary to
 ``--result-file`` when given.
+
+The job is resumable: it starts from ``--resume`` (or, after an elastic restart, from the newest
+checkpoint in ``--save-dir``), counts its data position in samples (amsp_ext/train_state.py:
+[Note: the data position is a number of samples]) and saves every ``--save-every`` steps.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,17 +28,22 @@ import torch.distributed as dist
 import amsp_ext
 from amsp_ext import metrics, schema
 from amsp_ext.choices import OVERLAP_OPS
-from amsp_ext.data import micro_batch
+from amsp_ext.supervise import die_with_parent, report_error
+from amsp_ext.data import micro_batch_at
+from amsp_ext.faults import faults, kill_now, nan_now
 from amsp_ext.models import build_llama, causal_lm_loss, llama_config_dict
 from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec
 from amsp_ext.runtime import collectives
+from amsp_ext.runtime.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
+from amsp_ext.runtime.config import OverlapConfig, ShardConfig
+from amsp_ext.runtime.nonfinite import NonFiniteError
 from amsp_ext.runtime.peak import device_peak
-from amsp_ext.runtime.config import AutoPlanConfig, OverlapConfig, ShardConfig
 from amsp_ext.runtime.profiler import pick_device
 from amsp_ext.train_config import (BatchOptions, ClusterOptions, EngineOptions, OptimOptions,
-                                    PlannerOptions, TrainConfig)
+                                    PlannerOptions, TrainConfig, auto_plan_config_of)
+from amsp_ext.train_state import checkpoint_name, prune, resolve_resume
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -58,11 +68,7 @@ def engine_shard_config(cluster: ClusterOptions, pl: PlannerOptions, b: BatchOpt
         precision=e.precision, reduce_dtype=e.reduce_dtype, grad_bucket_bytes=int(e.bucket_mb * 2**20),
         granularity=e.granularity, recompute=e.recompute, timeout=e.timeout,
         overlap=OverlapConfig(**{op: op not in e.no_overlap for op in OVERLAP_OPS}),
-        auto=AutoPlanConfig(
-            seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
-            num_micro_batches=b.micro_batches, profile=pl.profile, objective=pl.objective,
-            missing="fit",
-            gpu_memory_bytes=pl.gpu_memory_bytes, memory_reserve_bytes=pl.memory_reserve_bytes),
+        max_bad_steps=e.max_bad_steps, auto=auto_plan_config_of(b, pl),
     )
 
 
@@ -95,44 +101,78 @@ def train(config: TrainConfig) -> dict | None:
     log(f"amsp train: {config.model} ({num_params / 1e6:.2f}M params) on {world_size} ranks "
         f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}), plan {plan}")
 
-    # -- 3. the peak for MFU (metrics.py [Note: one MFU]) ------------------------------------
+    # -- 3. where to start: fresh, or a checkpoint (after a restart: the newest one) --------
+    ck = config.checkpoint
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    M = b.micro_batches
+    global_batch = M * b.micro_batch_size * world_size  # sequences (samples) per step
+    samples, history = 0, []  # the data position, and every step the model has taken
+    resume = _agreed_resume("auto" if restart else ck.resume, ck.save_dir, e.timeout)
+    if resume is not None:
+        state = load_checkpoint(model, optimizer, resume, lr_scheduler=scheduler)
+        samples, history = state["samples"], state["history"]
+        log(f"resumed from {resume}{f' (restart {restart})' if restart else ''}: {samples} samples "
+            f"consumed in {len(history)} steps; global batch {state['global_batch']} then, "
+            f"{global_batch} now")
+    elif restart or ck.resume == "auto":
+        log(f"no checkpoint in {ck.save_dir} yet: a fresh start")
+    injected = faults()
+
+    # -- 4. the peak for MFU (metrics.py [Note: one MFU]) ---------------------------------
     dtype = engine_config.dtype
     peak = device_peak(device, dtype, timeout=e.timeout)
     flops_per_token = metrics.flops_per_token(llama_config_dict(config.model), b.seq_len)
 
-    # -- 4. the loop -----------------------------------------------------------------------
-    M = b.micro_batches
+    # -- 5. the loop: global batch after global batch, until steps x global batch samples ---
     tokens_per_rank_step = M * b.micro_batch_size * b.seq_len
-    losses, step_times = [], []
-    for step in range(b.steps):
+    step_times = []
+    while samples < b.steps * global_batch:
+        step = len(history)
+        kill_now(injected, rank=rank, step=step)
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=device)
         for micro in range(M):
-            batch = micro_batch(step, micro, rank, world_size=world_size, num_micro_batches=M,
-                                micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
+            batch = micro_batch_at(samples, micro, rank, world_size=world_size, num_micro_batches=M,
+                                   micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
             with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
                 loss = causal_lm_loss(model, batch) / M
+                if nan_now(injected, rank=rank, step=step):
+                    loss = loss * float("nan")
                 optimizer.backward(loss)
             step_loss += loss.detach().float()
         clip = config.optim.clip
         grad_norm = optimizer.clip_grad_norm_(clip) if clip > 0 else None
-        optimizer.step()
+        skipped = optimizer.skipped_steps
+        optimizer.step()  # skipped on every rank if the loss or the norm is not finite
         scheduler.step()
         optimizer.zero_grad()
         # the logged loss is the global-batch mean: average over the data-parallel world
         collectives.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
                                timeout=e.timeout)
-        losses.append(step_loss.item() / world_size)
+        history.append({"step": step, "first_sample": samples, "num_samples": global_batch,
+                        "loss": step_loss.item() / world_size,
+                        "applied": optimizer.skipped_steps == skipped})
+        samples += global_batch
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - t0)
-        log(f"step {step:3d}  loss {losses[-1]:.4f}  "
+        log(f"step {step:3d}  loss {history[-1]['loss']:.4f}  "
             f"grad-norm {float(grad_norm) if grad_norm is not None else float('nan'):.3f}  "
-            f"{tokens_per_rank_step / step_times[-1]:8.0f} tok/rank/s")
+            f"{tokens_per_rank_step / step_times[-1]:8.0f} tok/rank/s"
+            f"{'' if history[-1]['applied'] else '  (skipped)'}")
+        done = samples >= b.steps * global_batch
+        if ck.save_dir and ((ck.save_every and (step + 1) % ck.save_every == 0) or done):
+            _save(model, optimizer, scheduler, ck, step=step + 1, samples=samples,
+                  global_batch=global_batch, history=history, rank=rank)
+    if ck.save_dir:
+        wait_for_save(model)
+        if rank == 0:
+            prune(Path(ck.save_dir), ck.keep)
 
     # -- 5. summary ------------------------------------------------------------------------
     model.amsp.wait_params()  # the last step's broadcasts, before measuring memory
-    tokens_per_gpu_per_s = tokens_per_rank_step / metrics.median_after_warmup(step_times)
+    tokens_per_gpu_per_s = (tokens_per_rank_step / metrics.median_after_warmup(step_times)
+                            if step_times else 0.0)
     mine = {"peak_memory_bytes": metrics.peak_memory_bytes(device),
             "model_state_bytes": model.model_state_bytes()}
     per_rank = [json.loads(r) for r in collectives.all_gather_bytes(
@@ -152,7 +192,9 @@ def train(config: TrainConfig) -> dict | None:
                                              "gpus_per_node": model.amsp.world.gpus_per_node},
             "steps": b.steps, "micro_batches": M, "micro_batch_size": b.micro_batch_size,
             "seq_len": b.seq_len, "precision": e.precision, "reduce_dtype": e.reduce_dtype,
-            "loss": losses,
+            "loss": [h["loss"] for h in history],
+            "history": history, "samples": samples, "resumed_from": str(resume) if resume else None,
+            "restart": restart, "skipped_steps": sum(not h["applied"] for h in history),
             "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,
             "mfu": metrics.mfu(flops_per_token=flops_per_token,
                                tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak.flops),
@@ -173,10 +215,42 @@ def train(config: TrainConfig) -> dict | None:
     return result
 
 
+def _agreed_resume(resume: str | None, save_dir: str | None, timeout: float) -> Path | None:
+    """The checkpoint to start from, as rank 0 resolves it (every rank takes the same)."""
+    mine = resolve_resume(resume, save_dir) if dist.get_rank() == 0 else None
+    got = collectives.all_gather_bytes(str(mine or "").encode(), dist.group.WORLD, name="world",
+                                       width=4096, timeout=timeout)[0].decode()
+    return Path(got) if got else None
+
+
+def _save(model, optimizer, scheduler, ck, *, step: int, samples: int, global_batch: int,
+          history: list[dict], rank: int) -> None:
+    """Checkpoint ``save-dir/step-N`` (atomic, checksummed; async with --async-save) and keep
+    the ``--keep`` newest published ones."""
+    wait_for_save(model)  # the previous async save is published before the next starts
+    if rank == 0:
+        prune(Path(ck.save_dir), ck.keep)
+    save_checkpoint(model, optimizer, Path(ck.save_dir) / checkpoint_name(step), lr_scheduler=scheduler,
+                    extra={"samples": samples, "history": list(history), "global_batch": global_batch},
+                    info={"samples": samples, "step": step, "global_batch": global_batch},
+                    async_save=ck.async_save)
+    if rank == 0 and not ck.async_save:
+        prune(Path(ck.save_dir), ck.keep)
+
+
 def run_worker(config: TrainConfig, result_file: str | None = None) -> int:
     """One rank of the job: train, then rank 0 writes the summary to ``result_file`` (or
     prints it under ``--json``)."""
-    result = train(config)
+    die_with_parent()  # never outlive the launcher's agent (amsp_ext/supervise.py)
+    try:
+        result = train(config)
+    except (ValueError, NonFiniteError, collectives.CollectiveTimeout) as err:  # one line
+        if report_error(err):
+            return 1
+        raise
+    except Exception as err:
+        report_error(err)
+        raise
     if result is not None:
         if result_file:
             with open(result_file, "w") as f:

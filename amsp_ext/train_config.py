@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 from amsp_ext.choices import GRANULARITIES, OBJECTIVES, OVERLAP_OPS, PRECISIONS, check_one_of, reduce_dtypes
 from amsp_ext.models import MODEL_CONFIGS
+from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size
 from amsp_ext.schema import check_options, option, section
 
-__all__ = ["DEFAULT_PLAN", "BatchOptions", "ClusterOptions", "EngineOptions", "OptimOptions",
+__all__ = ["auto_plan_config", "DEFAULT_PLAN", "BatchOptions", "CheckpointOptions", "ClusterOptions", "EngineOptions", "OptimOptions",
            "OutputOptions", "PlannerOptions", "TrainConfig"]
 
 DEFAULT_PLAN = "p=1x1,g=1x1,os=2x1"
@@ -116,11 +117,45 @@ class EngineOptions:
     no_overlap: tuple[str, ...] = option((), choices=OVERLAP_OPS, metavar="OPS",
                                          help="overlaps to turn off")
     timeout: float = option(300.0, above=0, help="seconds before a collective times out")
+    max_bad_steps: int = option(
+        3, minimum=0, help="consecutive steps with a non-finite loss or gradient norm (each skipped "
+                           "on every rank) before the job stops; 0: no guard")
 
     def __post_init__(self) -> None:
         check_options(self)
+        if int(self.bucket_mb * 2**20) < 1:
+            raise ValueError(f"--bucket-mb must be at least one byte ({1 / 2**20:.3g} MiB), got {self.bucket_mb:g}")
         check_one_of(self.reduce_dtype, reduce_dtypes(self.precision),
                      f"--reduce-dtype (with --precision {self.precision})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """Durable, resumable runs (amsp_ext/train_state.py): where checkpoints go, how often, how
+    many stay, what to resume from, and how many times torchrun may replace failed ranks."""
+
+    save_dir: str | None = option(None, metavar="DIR", help="directory of the job's checkpoints "
+                                  "(one step-NNNNNNNN/ each, published whole)")
+    save_every: int = option(0, minimum=0, help="save every N steps (0: at the end only)")
+    keep: int = option(2, minimum=1, help="newest checkpoints kept in --save-dir")
+    resume: str | None = option(
+        None, metavar="auto|PATH", help="auto: the newest complete checkpoint in --save-dir (none "
+                                        "yet: a fresh start, logged); PATH: that checkpoint")
+    async_save: bool = option(False, help="write checkpoints in the background (training stalls "
+                                          "only for the copy of the state)")
+    max_restarts: int = option(
+        0, minimum=0, help="torchrun --max-restarts: a failed rank is replaced and the job resumes "
+                           "from its last checkpoint by itself")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        for flag, used in (("--save-every", self.save_every > 0), ("--async-save", self.async_save),
+                           ("--resume auto", self.resume == "auto")):
+            if used and not self.save_dir:
+                raise ValueError(f"{flag} needs --save-dir")
+        if self.max_restarts and not (self.save_dir and self.save_every):
+            raise ValueError("--max-restarts needs --save-dir and --save-every (a replaced rank "
+                             "resumes from the job's last checkpoint)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,6 +182,7 @@ class TrainConfig:
     batch: BatchOptions = section(BatchOptions)
     optim: OptimOptions = section(OptimOptions)
     engine: EngineOptions = section(EngineOptions)
+    checkpoint: CheckpointOptions = section(CheckpointOptions)
     output: OutputOptions = section(OutputOptions)
 
     def __post_init__(self) -> None:
@@ -154,3 +190,17 @@ class TrainConfig:
         max_pos = MODEL_CONFIGS[self.model]["max_position_embeddings"]
         if self.batch.seq_len > max_pos:
             raise ValueError(f"--seq-len must be <= {max_pos} for {self.model}, got {self.batch.seq_len}")
+
+
+def auto_plan_config(config: TrainConfig) -> AutoPlanConfig:
+    """What ``--plan auto`` plans for: this run's step shape and the planner options (the
+    launcher plans with it before starting any rank, and the ranks with it otherwise)."""
+    return auto_plan_config_of(config.batch, config.planner)
+
+
+def auto_plan_config_of(b: BatchOptions, pl: PlannerOptions) -> AutoPlanConfig:
+    """:func:`auto_plan_config` from the two sections it reads (``amsp tune`` has no TrainConfig)."""
+    return AutoPlanConfig(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
+                          num_micro_batches=b.micro_batches, profile=pl.profile, objective=pl.objective,
+                          missing="fit", gpu_memory_bytes=pl.gpu_memory_bytes,
+                          memory_reserve_bytes=pl.memory_reserve_bytes)

@@ -260,6 +260,13 @@ def suite_errors(root: Path, R):
              ("other-optimizer", sgd_model, sgd_opt, root / "fp32-A"),
              ("optimizer-of-another-model", model, other_opt, root / "fp32-A"),
              ("per-shard-state-other-sp", ada_model, ada_opt, root / "adafactor")]
+    for how, name in (("flipped", "amsp.json"), ("truncated", "amsp.json"), ("flipped", ".metadata"),
+                      ("truncated", ".metadata"), ("flipped", "__2_0.distcp"), ("truncated", "__0_0.distcp")):
+        case = f"{how}-{name}"
+        if dist.get_rank() == 0:
+            damaged_copy(root / "fp32-A", root / case, name, how)
+        cases.append((case, model, opt, root / case))
+    dist.barrier()
     for case, m, o, path in cases:
         issued = sum(C.stats.values())
         try:
@@ -271,6 +278,18 @@ def suite_errors(root: Path, R):
               "collectives_issued": sum(C.stats.values()) - issued}, all_ranks=True)
     for m in (model, other, fewer, sgd_model, ada_model):
         release(m)
+
+
+def damaged_copy(src: Path, dst: Path, name: str, how: str) -> None:
+    import shutil
+
+    shutil.copytree(src, dst)
+    data = bytearray((dst / name).read_bytes())
+    if how == "flipped":
+        data[len(data) // 3] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    (dst / name).write_bytes(bytes(data))
 
 
 def suite_cross8(root: Path, R):

@@ -267,6 +267,28 @@ def suite_guards(world, R):
         except MismatchError as e:
             err = str(e)
         _emit({"case": f"mismatch:{what}", "error": err})
+    # 2b. a rank-dependent seed: rank 0's weights everywhere (broadcast), or refused (check)
+    from amsp_ext.runtime.export import consolidated_state_dict
+
+    model, _ = shard(build_llama("tiny-llama", seed=rank), "p=2x1,g=2x1,os=2x2", adamw,
+                     config=ShardConfig(gpus_per_node=R, timeout=30))
+    got = consolidated_state_dict(model, rank0_only=False)
+    ref = build_llama("tiny-llama", seed=0).state_dict()
+    other = build_llama("tiny-llama", seed=1).state_dict()
+    release(model)
+    errors = {}
+    for same, seed in ((False, rank), (True, 0)):
+        try:
+            m, _ = shard(build_llama("tiny-llama", seed=seed), "p=1x1,g=1x1,os=2x2", adamw,
+                         config=ShardConfig(gpus_per_node=R, timeout=30, init_weights="check"))
+            release(m)
+            errors[same] = None
+        except MismatchError as e:
+            errors[same] = str(e)
+    _emit({"case": "init-weights", "keys": len(got),
+           "max_abs_diff_to_rank0_seed": max(float((got[k] - ref[k]).abs().max()) for k in got),
+           "max_abs_diff_between_seeds": max(float((other[k] - ref[k]).abs().max()) for k in got),
+           "check_error_rank_seed": errors[False], "check_error_same_seed": errors[True]})
     # 3. plan "auto": the planner's choice, the same on every rank, and it trains
     from amsp_ext.planner.search import plan_for
     from amsp_ext.planner.specs import ClusterSpec, TrainingSpec

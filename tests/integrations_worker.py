@@ -18,6 +18,7 @@ import copy
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -356,6 +357,25 @@ def suite_checkpoint(_args):
              global_steps=b.global_steps, tag=os.path.basename(path or ""),
              latest=open(os.path.join(root, "latest")).read().strip())
         release(b)
+    # a flipped byte in one rank's data file: every rank refuses with one line naming the file
+    if dist.get_rank() == 0:
+        shutil.copytree(root, root + "-damaged")
+        f = os.path.join(root + "-damaged", "global_step3", "__1_0.distcp")
+        data = bytearray(open(f, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(f, "wb").write(bytes(data))
+    dist.barrier()
+    d, _, _, _ = initialize(cfg, seed=5)
+    try:
+        d.load_checkpoint(root + "-damaged")
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        err = f"{type(e).__name__}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, err)
+    emit("damaged", {"losses": [], "norms": []}, {"losses": [], "norms": []}, errors=errors,
+         listing=sorted(os.listdir(root)))
+    release(d)
 
 
 SUITES = {"ds": suite_ds, "migrated": suite_migrated, "checkpoint": suite_checkpoint}

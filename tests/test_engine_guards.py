@@ -41,6 +41,22 @@ def test_mismatched_ranks_detected_at_init(guards):
     assert "p=1x1,g=1x1,os=2x2" in plan_err and "p=1x1,g=1x1,os=2x1" in plan_err
 
 
+def test_config_mismatch_names_the_field(guards):
+    err = next(r for r in guards if r["case"] == "mismatch:config")["error"]
+    assert "field precision: 'fp32' on rank 0, 'bf16' on rank 1" in err and "\n" not in err, err
+
+
+def test_initial_weights_agree(guards):
+    rows = [r for r in guards if r["case"] == "init-weights"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["keys"] == 21 and r["max_abs_diff_between_seeds"] > 0.01, r  # the seeds differ
+        assert r["max_abs_diff_to_rank0_seed"] == 0.0, r  # every rank trains rank 0's model
+        assert r["check_error_same_seed"] is None, r
+        err = r["check_error_rank_seed"]
+        assert err and "initial weights differ (rank(s) 1, 2, 3 vs rank 0)" in err and "\n" not in err, r
+
+
 def test_auto_plan_is_the_planners_choice(guards):
     rows = [r for r in guards if r["case"] == "auto"]
     assert len(rows) == 4

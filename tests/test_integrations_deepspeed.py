@@ -129,3 +129,11 @@ def test_checkpoint_save_load_continue(results, plan, tol):
     assert r["client_state"] == {"epoch": 7} and r["global_steps"] == 5
     assert r["loss_max_rel_diff"] <= tol and r["norm_max_rel_diff"] <= tol, r
     assert r["lr_max_abs_diff"] == 0.0  # the WarmupLR state came back
+
+
+def test_checkpoint_with_a_flipped_byte_is_refused(results):
+    r = results["damaged"]
+    assert len(r["errors"]) == 4 and len(set(r["errors"])) == 1, r  # the same line on every rank
+    err = r["errors"][0]
+    assert err.startswith("CheckpointError: ") and "file __1_0.distcp is damaged" in err and "\n" not in err, r
+    assert r["listing"] == ["global_step3", "latest"]  # published whole: no staging directory left

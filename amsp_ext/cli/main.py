@@ -24,8 +24,15 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="amsp",
         description="AMSP: per-component sharding of parameters, gradients and optimizer states.",
     )
@@ -44,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except ValueError as e:  # config / plan / profile errors: one line, no traceback
         print(f"amsp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file that cannot be read or written: one line naming it
+        print(f"amsp {args.command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
 
 

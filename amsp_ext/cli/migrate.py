@@ -164,7 +164,8 @@ def _column(c, plan_text: str, note: str = "") -> dict[str, Any]:
 def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(migrated ds_config, report)``."""
     from amsp_ext.integrations import ds_keys
-    from amsp_ext.integrations.settings import AMSPSettings, ds_bucket_bytes, load_ds_config
+    from amsp_ext.integrations.settings import (AMSPSettings, check_optimizer_block, ds_bucket_bytes,
+                                                load_ds_config)
     from amsp_ext.planner.baselines import baselines
     from amsp_ext.planner.plan import resolve_plan, validate_plan
     from amsp_ext.planner.search import evaluate, make_problem, search
@@ -176,6 +177,10 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
     cfg = load_ds_config(args.config)
+    check_optimizer_block(cfg)
+    out_path = Path(args.output) if args.output else Path(args.config).with_suffix(".amsp.json")
+    if not out_path.parent.is_dir():  # refuse before planning, not after
+        raise ValueError(f"-o/--output: directory {out_path.parent} does not exist")
     spec = _model_spec(args)
     R, N = args.gpus_per_node, args.nodes
     cluster = ClusterSpec(num_nodes=N, gpus_per_node=R,

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 from amsp_ext import schema
 from amsp_ext.train_config import TrainConfig
@@ -27,14 +26,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     schema.add_arguments(p, TrainConfig)
 
 
-def _check_plan_fits(plan: str, *, gpus_per_node: int, num_nodes: int) -> None:
-    """Refuse a plan that cannot run on this world before any rank starts (one line)."""
+def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: int) -> str:
+    """The plan the ranks will run, checked against this world before any rank starts: a plan
+    that cannot run, and every ``--plan auto`` error (a bad profile, nothing fits), is one line
+    from here. ``auto`` is planned here (the ranks get the factors) unless the device memory
+    has to be read from a GPU."""
     from amsp_ext.planner.plan import resolve_plan, validate_plan
 
-    if plan.strip().lower() == "auto":
+    if config.plan.strip().lower() != "auto":
+        validate_plan(resolve_plan(config.plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes),
+                      gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=True)
+        return config.plan
+    from amsp_ext.models import llama_config_dict
+    from amsp_ext.planner.auto import plan_auto
+    from amsp_ext.train_config import auto_plan_config
+
+    memory = config.planner.gpu_memory_bytes
+    if memory is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return config.plan  # the ranks read their device's memory
+        import psutil
+
+        memory = psutil.virtual_memory().total // gpus_per_node  # what a CPU rank assumes
+    e = config.engine
+    plan = plan_auto(llama_config_dict(config.model), auto_plan_config(config), num_nodes=num_nodes,
+                     gpus_per_node=gpus_per_node, gpu_memory_bytes=memory,
+                     nodes_per_leaf=config.cluster.nodes_per_leaf, precision=e.precision,
+                     grad_bucket_bytes=int(e.bucket_mb * 2**20), granularity=e.granularity,
+                     recompute=e.recompute)
+    return str(plan)
+
+
+def _check_resume(config: TrainConfig) -> None:
+    """A checkpoint to resume from is checked (every file against its checksum) here, once."""
+    ck = config.checkpoint
+    if not ck.resume:
         return
-    validate_plan(resolve_plan(plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes),
-                  gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=True)
+    from amsp_ext.train_state import resolve_resume, verify
+
+    path = resolve_resume(ck.resume, ck.save_dir)
+    if path is not None:
+        verify(path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,24 +84,33 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--gpus-per-node={gpus} must divide --nproc-per-node={args.nproc_per_node}"
         )
-    _check_plan_fits(config.plan, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
+    plan = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
+    _check_resume(config)
     config = dataclasses.replace(
-        config, cluster=dataclasses.replace(config.cluster, gpus_per_node=gpus))
-    with tempfile.TemporaryDirectory(prefix="amsp-train-") as tmp:
-        config_file = os.path.join(tmp, "config.json")
-        result_file = os.path.join(tmp, "result.json")
-        with open(config_file, "w") as f:
-            f.write(schema.to_json(config))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc_per_node}", "-m", "amsp_ext.train",
-               "--config", config_file, "--result-file", result_file]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE if config.output.json else None)
-        if proc.returncode != 0:
-            print(f"amsp train: error: ranks exited with status {proc.returncode}", file=sys.stderr)
-            return proc.returncode
+        config, plan=plan, cluster=dataclasses.replace(config.cluster, gpus_per_node=gpus))
+    return launch(config, nproc_per_node=args.nproc_per_node)
+
+
+def launch(config: TrainConfig, *, nproc_per_node: int) -> int:
+    """Run the ranks under torchrun (amsp_ext/supervise.py: no orphans, one line on
+    failure), each reading ``config`` from one JSON file; under ``--json``, print rank 0's
+    summary."""
+    from amsp_ext.supervise import Job
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+           # a fresh TCP store per attempt: with torchrun's shared one, the ranks of an elastic
+           # restart can read the dead ranks' gloo addresses (same keys) and fail to connect
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with Job("amsp-train-") as job:
+        config_file, result_file = job.dir / "config.json", job.dir / "result.json"
+        config_file.write_text(schema.to_json(config))
+        rc = job.run(["--standalone", f"--nproc-per-node={nproc_per_node}",
+                      f"--max-restarts={config.checkpoint.max_restarts}", "-m", "amsp_ext.train",
+                      "--config", str(config_file), "--result-file", str(result_file)],
+                     env=env, stdout=subprocess.DEVNULL if config.output.json else None)
+        if rc != 0:
+            print(f"amsp train: error: {job.error_line(rc)}", file=sys.stderr)
+            return rc
         if config.output.json:
-            with open(result_file) as f:
-                print(json.dumps(json.load(f)))
+            print(json.dumps(json.loads(result_file.read_text())))
     return 0

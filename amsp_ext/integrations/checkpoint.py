@@ -2,7 +2,10 @@
 
     save_dir/
       latest            <- the tag of the newest checkpoint (text), as DeepSpeed writes it
-      global_step42/    <- one AMSP checkpoint (amsp_ext.save_checkpoint: DCP shards + amsp.json)
+      global_step42/    <- one AMSP checkpoint (amsp_ext.save_checkpoint: DCP shards + amsp.json),
+                           written next to itself and published by one rename once every rank
+                           finished; ``latest`` is replaced after that, so it never names a
+                           partial checkpoint. Loading verifies every file's checksum.
 
 The HF Trainer resumes from a ``checkpoint-N`` directory when it finds ``global_step*`` in it
 and then calls ``engine.load_checkpoint(dir)``, which reads ``latest``; Accelerate's
@@ -58,9 +61,7 @@ def save_ds_checkpoint(engine, save_dir, tag=None, client_state=None,
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _check_same_tag(tag, engine.amsp_settings.timeout)
     save_dir = Path(save_dir)
-    path = save_dir / tag
-    if engine.global_rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
+    path = save_dir / tag  # staged next to itself and published whole (amsp_ext save_checkpoint)
     extra = {"format": FORMAT, "client_state": dict(client_state or {}),
              "engine": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                         "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps}}

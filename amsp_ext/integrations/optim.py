@@ -31,6 +31,8 @@ DeepSpeed calls it with its basic optimizer).
 
 from __future__ import annotations
 
+import inspect
+import math
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
@@ -125,9 +127,9 @@ def _from_block(block: Mapping[str, Any]) -> tuple[type, dict[str, Any]]:
                               "(torch Adam/AdamW always correct the bias)")
         params.setdefault("weight_decay", 0.0)  # DeepSpeed's FusedAdam default
         cls = torch.optim.AdamW if (low == "adamw" or adam_w_mode) else torch.optim.Adam
-        return cls, params
+        return cls, _checked(cls, params)
     if low == "adagrad":
-        return torch.optim.Adagrad, params
+        return torch.optim.Adagrad, _checked(torch.optim.Adagrad, params)
     if low in _DS_CUDA_ONLY:
         raise ConfigError(f"optimizer.type {name!r} is a DeepSpeed CUDA optimizer AMSP does not run; "
                           f"use Adam, AdamW, Adagrad or a torch.optim class name")
@@ -135,7 +137,41 @@ def _from_block(block: Mapping[str, Any]) -> tuple[type, dict[str, Any]]:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"optimizer.type {name!r} is neither a DeepSpeed optimizer AMSP runs (Adam, "
                           f"AdamW, Adagrad) nor a torch.optim class")
-    return cls, params
+    return cls, _checked(cls, params)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _checked(cls: type, params: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.params`` checked against ``cls``'s signature, one line naming the key, before
+    any rank starts: a number where the default is a number, a list of numbers where it is a
+    tuple of them (betas), true/false where it is a bool; then the optimizer's own checks."""
+    sig = inspect.signature(cls.__init__)
+    takes = [n for n in sig.parameters if n not in ("self", "params")]
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    for k, v in params.items():
+        if k not in takes:
+            if open_kwargs:
+                continue
+            raise ConfigError(f"optimizer.params.{k}: {cls.__name__} takes no such argument; it takes "
+                              f"{', '.join(takes)}")
+        d = sig.parameters[k].default
+        if isinstance(d, bool):
+            if not isinstance(v, bool):
+                raise ConfigError(f"optimizer.params.{k} must be true or false, got {v!r}")
+        elif isinstance(d, (int, float)):
+            if not _is_number(v):
+                raise ConfigError(f"optimizer.params.{k} must be a finite number, got {v!r}")
+        elif isinstance(d, tuple) and d and all(isinstance(x, (int, float)) for x in d):
+            if not (isinstance(v, (list, tuple)) and len(v) == len(d) and all(_is_number(x) for x in v)):
+                raise ConfigError(f"optimizer.params.{k} must be a list of {len(d)} numbers, got {v!r}")
+    try:  # the optimizer's own range checks (a negative lr, betas outside [0, 1), ...)
+        cls([torch.zeros(1, requires_grad=True)], **params)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"optimizer.params: {cls.__name__} refuses them: {str(e).splitlines()[0]}") from None
+    return params
 
 
 def build_optimizer_factory(model: nn.Module, *, client_optimizer: Any, model_parameters: Any,

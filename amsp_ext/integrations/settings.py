@@ -16,6 +16,8 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
       "overlap": {"allgather": true, "allreduce": true, "broadcast": true},
       "bucket_size": "25MiB",               # gradient bucket U; null: DeepSpeed's reduce_bucket_size
       "granularity": "module", "recompute": false, "ownership": "greedy", "timeout": 600,
+      "max_bad_steps": 3,                   # consecutive non-finite steps (skipped) before the
+                                            #   job stops; 0: no guard (ShardConfig.max_bad_steps)
       "log_plan": true
     }
 
@@ -51,6 +53,7 @@ __all__ = [
     "OverlapSettings",
     "PrecisionSettings",
     "amsp_enabled",
+    "check_optimizer_block",
     "ds_bucket_bytes",
     "load_ds_config",
     "resolve_batch",
@@ -165,6 +168,7 @@ class AMSPSettings:
     recompute: bool = False
     ownership: str = "greedy"
     timeout: float = 600.0
+    max_bad_steps: int = 3
     log_plan: bool = True
 
     def __post_init__(self) -> None:
@@ -184,8 +188,10 @@ class AMSPSettings:
         _size(self.bucket_size, "amsp.bucket_size")
         _bool(self.recompute, "amsp.recompute")
         _bool(self.log_plan, "amsp.log_plan")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
+                0 < self.timeout < float("inf")):
             raise ConfigError(f"amsp.timeout must be a number of seconds > 0, got {self.timeout!r}")
+        check_int(self.max_bad_steps, "amsp.max_bad_steps (0: no guard)", minimum=0, error=ConfigError)
         if self.plan.lower() == "auto" and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner sizes "
                               "activations by it); or give amsp.plan as factors or a baseline name")
@@ -261,26 +267,39 @@ def load_ds_config(config: Any) -> dict[str, Any]:
         path = Path(config)
         if path.is_file():
             try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"ds_config {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+                return _json_object(json.loads(path.read_text()), f"ds_config {path}")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"ds_config {path}: not valid JSON "
+                                  f"({getattr(e, 'msg', e)}, line {getattr(e, 'lineno', '?')})") from None
         text = str(config).strip()
         if text.startswith("{"):
             try:
-                return json.loads(text)
+                return _json_object(json.loads(text), "ds_config")
             except json.JSONDecodeError as e:
                 raise ConfigError(f"ds_config: not valid JSON ({e.msg})") from None
         raise ConfigError(f"ds_config: no such file {str(config)!r}")
     raise ConfigError(f"ds_config must be a dict, a path or a JSON string, got {type(config).__name__}")
 
 
+def _json_object(v: Any, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where}: must be a JSON object ({{...}}), got a JSON {type(v).__name__}")
+    return v
+
+
 def ds_bucket_bytes(cfg: Mapping[str, Any], precision: str) -> int | None:
     """The config's explicit ``zero_optimization.reduce_bucket_size`` in bytes (DeepSpeed counts
-    elements), or None when it is absent or not a positive number (e.g. "auto")."""
-    v = (cfg.get("zero_optimization") or {}).get("reduce_bucket_size")
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1:
-        return int(v) * (4 if precision == "fp32" else 2)
-    return None
+    elements), or None when it is absent or "auto"; anything else is a ConfigError."""
+    zero = cfg.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        raise ConfigError(f"zero_optimization must be an object, got {zero!r}")
+    v = zero.get("reduce_bucket_size")
+    if v is None or v == "auto":
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 1 or v == float("inf"):
+        raise ConfigError(f"zero_optimization.reduce_bucket_size must be a number of elements >= 1 "
+                          f"or 'auto', got {v!r}")
+    return int(v) * (4 if precision == "fp32" else 2)
 
 
 def amsp_enabled(config: Mapping[str, Any]) -> bool:
@@ -420,6 +439,31 @@ class PrecisionSettings:
                          f"overflow (hysteresis 1)")
         return cls(precision="fp16", initial_scale=initial, growth_interval=window,
                    min_scale=float(min_scale), notes=tuple(notes))
+
+
+_NUMBER_PARAMS = ("lr", "weight_decay", "eps", "momentum", "dampening", "alpha", "lr_decay")
+
+
+def check_optimizer_block(cfg: Mapping[str, Any]) -> None:
+    """The ``optimizer`` block's shape and its common numeric params, torch-free (``amsp
+    migrate``); ``integrations.optim`` checks every param against the optimizer class."""
+    block = cfg.get("optimizer")
+    if block is None:
+        return
+    if not isinstance(block, Mapping) or not isinstance(block.get("type"), str):
+        raise ConfigError("optimizer must be an object with 'type' (a string) and 'params'")
+    params = block.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"optimizer.params must be an object, got {params!r}")
+    for k, v in params.items():
+        if v == "auto":
+            continue  # the launcher fills it
+        if k in _NUMBER_PARAMS and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                    or v != v or v in (float("inf"), float("-inf"))):
+            raise ConfigError(f"optimizer.params.{k} must be a finite number, got {v!r}")
+        if k == "betas" and not (isinstance(v, (list, tuple)) and len(v) == 2 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in v)):
+            raise ConfigError(f"optimizer.params.betas must be a list of 2 numbers in [0, 1), got {v!r}")
 
 
 def reduce_dtype_from_ds(cfg: Mapping[str, Any], precision: str) -> str:

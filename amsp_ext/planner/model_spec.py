@@ -237,6 +237,9 @@ def load_model_spec(model: str | None = None, config_path: str | Path | None = N
         config = json.loads(path.read_text())
     except OSError as e:
         raise ModelSpecError(f"model config {path}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise ModelSpecError(f"model config {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelSpecError(f"model config {path}: not valid JSON "
+                             f"({getattr(e, 'msg', e)}, line {getattr(e, 'lineno', '?')})") from None
+    if not isinstance(config, dict):
+        raise ModelSpecError(f"model config {path}: must be a JSON object, got {type(config).__name__}")
     return ModelSpec.from_hf_config(config, name=path.parent.name or path.name)

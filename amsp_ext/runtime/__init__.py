@@ -1,7 +1,7 @@
 """The AMSP engine: ``shard(model, plan, optimizer_factory, config=ShardConfig(...))``."""
 
-from amsp_ext.runtime.checkpoint import (CheckpointError, checkpoint_step, load_checkpoint, read_checkpoint_meta,
-                                         save_checkpoint)
+from amsp_ext.runtime.checkpoint import (CheckpointError, PendingSave, checkpoint_step, load_checkpoint,
+                                         read_checkpoint_meta, save_checkpoint, verify_checkpoint, wait_for_save)
 from amsp_ext.runtime.collectives import CollectiveTimeout
 from amsp_ext.runtime.config import AutoPlanConfig, FP16Config, OverlapConfig, ShardConfig
 from amsp_ext.runtime.engine import AMSPModule, Engine, MismatchError, shard
@@ -12,6 +12,6 @@ from amsp_ext.runtime.units import list_units, unit_param_counts
 __all__ = [
     "AMSPModule", "AMSPOptimizer", "AutoPlanConfig", "CheckpointError", "CollectiveTimeout", "checkpoint_step", "Engine",
     "FP16Config", "MismatchError", "OverlapConfig", "ShardConfig", "consolidated_state_dict",
-    "export_checkpoint", "list_units", "load_checkpoint", "read_checkpoint_meta", "save_checkpoint", "save_pretrained", "shard",
-    "unit_param_counts",
+    "export_checkpoint", "list_units", "load_checkpoint", "PendingSave", "read_checkpoint_meta", "save_checkpoint",
+    "save_pretrained", "shard", "unit_param_counts", "verify_checkpoint", "wait_for_save",
 ]

@@ -29,10 +29,19 @@ global tensor with the right offsets, and to choose which keys each rank present
   only be reloaded under the same sp (checked before any collective).
 - Non-tensor values (param-group hyper-parameters per tensor, step counter, loss scaler,
   LR scheduler, ``extra``, RNG per rank) are pickled bytes; ``amsp.state`` comes from rank 0.
-- ``amsp.json`` (rank 0, written after DCP finished: it marks the checkpoint complete) is the
-  human-readable table: plan, world, precision, every model tensor (name, shape, dtype), and
-  every optimizer chunk (name, global and local shape, shard index, offset, owner ranks).
-  Loading validates the model against it on every rank before any collective.
+- ``amsp.json`` (rank 0, written after every rank finished: it marks the checkpoint complete) is
+  the human-readable table: plan, world, precision, every model tensor (name, shape, dtype),
+  every optimizer chunk (name, global and local shape, shard index, offset, owner ranks), the
+  size and SHA-256 of every file, and the caller's ``info``. Loading validates the model
+  against it on every rank before any collective. The directory is staged next to ``path``
+  and published by one rename (see checkpoint_files.py: [Note: atomic publish]).
+
+[Note: async save]
+``save_checkpoint(..., async_save=True)`` stalls training only for DCP's staging (a copy of
+every tensor this rank writes, into fresh CPU memory); the files are written, hashed and
+published by a background thread, which coordinates over a separate gloo group (collectives
+of two threads must never share a group). It returns a :class:`PendingSave`; the next save or
+load of the same model waits for it first, and a training loop waits before it exits.
 
 [Note: precision]
 Under fp32 the master *is* the parameter (aliased), so only ``model.*`` is written and every
@@ -58,8 +67,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import random
+import threading
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,25 +79,23 @@ from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.checkpoint_files import (DCP_METADATA, FORMAT, META_FILE, CheckpointError, begin_staging,
+                                               damage, file_digest, publish, rank_files, read_meta,
+                                               resolve, staging_path, verify_files, write_meta)
 
 if TYPE_CHECKING:
     from amsp_ext.runtime.engine import Engine
     from amsp_ext.runtime.layout import LocalTensor
 
-__all__ = ["CheckpointError", "checkpoint_step", "load_checkpoint", "read_checkpoint_meta", "save_checkpoint"]
+__all__ = ["CheckpointError", "PendingSave", "checkpoint_step", "load_checkpoint", "read_checkpoint_meta",
+           "save_checkpoint", "verify_checkpoint", "wait_for_save"]
 
-FORMAT = "amsp-checkpoint/1"
-META_FILE = "amsp.json"
 MODEL = "model."  # + state_dict key
 MASTER = "optim.master."  # + tensor name (mixed precision only)
 STATE = "optim.state."  # + tensor name + "." + state key
 GROUP = "optim.param_groups."  # + tensor name: the hyper-parameters of its param group
 GLOBAL = "amsp.state"
 RNG = "amsp.rng."  # + rank
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be saved or loaded here (missing, incomplete, or another model)."""
 
 
 # -- shared helpers (also used by export.py) -------------------------------------------------------
@@ -126,19 +133,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def read_checkpoint_meta(path) -> dict:
-    """The ``amsp.json`` table of a complete checkpoint (no collective)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"amsp checkpoint: {path} does not exist")
-    if not path.is_dir():
-        raise CheckpointError(f"amsp checkpoint: {path} is not a directory")
-    meta_file = path / META_FILE
-    if not meta_file.is_file() or not (path / ".metadata").is_file():
-        raise CheckpointError(f"amsp checkpoint: {path} is not a complete amsp checkpoint "
-                              f"(no {META_FILE} or .metadata: another format, or the save did not finish)")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"amsp checkpoint: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    """The ``amsp.json`` table of a complete checkpoint, its own checksum verified (no collective)."""
+    return read_meta(Path(path), format=FORMAT)
+
+
+def verify_checkpoint(path) -> dict:
+    """Check every file of the checkpoint against its recorded size and SHA-256 in this process
+    (no collective); return its ``amsp.json`` table. Raises a one-line CheckpointError naming
+    the first damaged file."""
+    path = resolve(Path(path))
+    meta = read_checkpoint_meta(path)
+    verify_files(path, meta)
     return meta
 
 
@@ -154,20 +159,64 @@ def trainable_by_id(e: "Engine") -> dict[int, "LocalTensor"]:
 
 
 # -- save ------------------------------------------------------------------------------------------
+class PendingSave:
+    """An async save in flight (see [Note: async save]). ``wait()`` returns once the checkpoint
+    is published (re-raising what went wrong); ``done()`` does not block."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _run(self, fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            self._error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+
+def wait_for_save(model: nn.Module) -> None:
+    """Wait for the model's async save in flight, if any (every rank)."""
+    e = engine_of(model)
+    pending = getattr(e, "pending_save", None)
+    if pending is not None:
+        e.pending_save = None
+        pending.wait()
+
+
 @torch.no_grad()
 def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, extra: Any = None,
-                    rng: bool = True) -> None:
+                    rng: bool = True, info: dict | None = None,
+                    async_save: bool = False) -> PendingSave | None:
     """Write a sharded checkpoint of ``model`` + ``optimizer`` into the directory ``path``.
 
     Collective. ``extra``: any picklable object (rank 0's is saved), returned by
     ``load_checkpoint``. ``rng``: also save each rank's RNG states (restored under the same
-    world size). Call between steps; pending parameter broadcasts are awaited first.
+    world size). ``info``: a small JSON-able dict recorded in ``amsp.json`` (readable without
+    torch). Call between steps; pending parameter broadcasts are awaited first. ``path`` is
+    replaced atomically: until the new checkpoint is complete on every rank, the previous one
+    of that name stays as it was. ``async_save``: return a :class:`PendingSave` as soon as the
+    state is staged (see [Note: async save]).
     """
     e = engine_of(model, optimizer)
+    wait_for_save(model)  # one save at a time; the staging directory is reused
     opt = e.optimizer
     path = Path(path)
-    if e.rank == 0 and (path / META_FILE).exists():
-        (path / META_FILE).unlink()  # a half-overwritten checkpoint must not look complete
+    if e.rank == 0:
+        begin_staging(path)
+    staging = staging_path(path)
+    C.barrier(None, name="world", timeout=e.config.timeout)  # nobody writes before it is empty
     e.wait_params()
     sd: dict[str, Any] = {MODEL + k: v for k, v in model.sharded_state_dict().items()}
     group_of = {id(p): g for g in opt.inner.param_groups for p in g["params"]}
@@ -190,11 +239,36 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
                             "extra": extra})
     if rng:
         sd[RNG + str(e.rank)] = _pack(_rng_state(e.device))
-    table = C.gather_objects(rows, None, name="world")
-    C.checkpoint_save(sd, path)
-    if e.rank == 0:
-        _write_meta(path, _meta(model, e, table, rng))
-    C.barrier(None, name="world", timeout=e.config.timeout)  # amsp.json exists on return, on every rank
+    meta = _meta(model, e, rng, info) if e.rank == 0 else None
+
+    def finish(group, name: str) -> None:
+        # every rank hashes the files it wrote; rank 0 records them and publishes
+        mine = {f: file_digest(staging / f) for f in rank_files(staging, e.rank)}
+        table = C.gather_objects((rows, mine), group, name=name)
+        if e.rank == 0:
+            files = {DCP_METADATA: file_digest(staging / DCP_METADATA)}
+            for _, digests in table:
+                files.update(digests)
+            write_meta(staging, {**meta, "tensors": _chunks([r for r, _ in table])}, files)
+            publish(staging, path)
+
+    if not async_save:
+        C.checkpoint_save(sd, staging)
+        finish(None, "world")
+        C.barrier(None, name="world", timeout=e.config.timeout)  # published when any rank returns
+        return None
+    group, name = C.checkpoint_group(e.config.timeout)
+    written = C.checkpoint_async_save(sd, staging, group=group, name=name)  # staged on return
+    pending = PendingSave(path)
+
+    def background() -> None:
+        written.result()
+        finish(group, name)
+        C.barrier(group, name=name, timeout=e.config.timeout)
+
+    threading.Thread(target=pending._run, args=(background,), name="amsp-async-save", daemon=True).start()
+    e.pending_save = pending
+    return pending
 
 
 def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:
@@ -249,18 +323,13 @@ def _hf_info(model: nn.Module) -> tuple[str, dict | None]:
     return cls.__name__, hf
 
 
-def _meta(model: nn.Module, e: "Engine", table: list, rng: bool) -> dict:
+def _meta(model: nn.Module, e: "Engine", rng: bool, info: dict | None) -> dict:
     by_id = trainable_by_id(e)
     model_rows = []
     for k, v in model.sharded_state_dict(keep_vars=True).items():
         t = by_id.get(id(v))
         model_rows.append({"key": k, "shape": list(v.shape), "dtype": _dtype_name(v.dtype),
                            "param": t.name if t is not None else None})
-    chunks: dict[tuple[str, int], dict] = {}
-    for rank, rows in enumerate(table):
-        for r in rows:
-            c = chunks.setdefault((r["name"], r["shard_index"]), {**r, "owners": []})
-            c["owners"].append(rank)
     cls, hf = _hf_info(model)
     return {
         "format": FORMAT, "plan": str(e.plan), "sp": e.plan.sp,
@@ -269,15 +338,19 @@ def _meta(model: nn.Module, e: "Engine", table: list, rng: bool) -> dict:
         "precision": e.config.precision, "ownership": e.config.ownership,
         "step": e.optimizer.num_steps, "optimizer": type(e.optimizer.inner).__name__,
         "masters": not e.optimizer._aliased, "rng": rng, "torch": torch.__version__,
+        "info": json.loads(json.dumps(info or {})),
         "model_class": cls, "hf_config": hf, "model": model_rows,
-        "tensors": sorted(chunks.values(), key=lambda c: (c["index"], c["shard_index"])),
     }
 
 
-def _write_meta(path: Path, meta: dict) -> None:
-    tmp = path / (META_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, path / META_FILE)
+def _chunks(table: list) -> list[dict]:
+    """Every optimizer chunk once, with the ranks that own it."""
+    chunks: dict[tuple[str, int], dict] = {}
+    for rank, rows in enumerate(table):
+        for r in rows:
+            c = chunks.setdefault((r["name"], r["shard_index"]), {**r, "owners": []})
+            c["owners"].append(rank)
+    return sorted(chunks.values(), key=lambda c: (c["index"], c["shard_index"]))
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -314,7 +387,7 @@ def _check_optimizer(path: Path, meta: dict, e: "Engine") -> None:
 
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng: bool = True,
-                    optimizer_states: bool = True) -> Any:
+                    optimizer_states: bool = True, verify: bool = True) -> Any:
     """Load a checkpoint written by ``save_checkpoint`` under any plan and world size.
 
     Collective. Restores parameters, fp32 masters, inner optimizer states and param-group
@@ -323,10 +396,13 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     ``optimizer_states=False``: weights (parameters and masters) only; the optimizer keeps its
     fresh state, step counter and loss scale, and may be of another class.
     Raises CheckpointError (before any collective) for a missing or incomplete checkpoint, or
-    one of another model (first mismatched tensor named) or optimizer class.
+    one of another model (first mismatched tensor named) or optimizer class; and, after one
+    small all-gather, for a damaged file (``verify``: every file's size and SHA-256 checked
+    against ``amsp.json``, each rank reading its share; the error names the file).
     """
-    path = Path(path)
+    path = resolve(Path(path))
     meta = read_checkpoint_meta(path)
+    verify_files(path, meta, [DCP_METADATA] if verify else [])  # every rank reads it
     e = engine_of(model, optimizer)
     opt = e.optimizer
     md = dcp_metadata(path)
@@ -335,6 +411,9 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     if optimizer_states:
         _check_optimizer(path, meta, e)
     # -- no collective above this line ------------------------------------------------------
+    wait_for_save(model)
+    if verify:
+        _verify_shared(path, meta, e)
     e.wait_params()  # no broadcast may land after the load
     _reshard(model)
     opt.zero_grad()
@@ -372,6 +451,25 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
         warnings.warn(f"amsp checkpoint {path}: saved on {meta['world']['size']} ranks, loaded on "
                       f"{e.world.size}: RNG states not restored")
     return glob["extra"]
+
+
+def _verify_shared(path: Path, meta: dict, e: "Engine") -> None:
+    """Every data file checked once across the ranks (rank r reads files r, r + W, ...); one
+    all-gather of the findings, so every rank refuses with the same line, naming the file."""
+    names = sorted(n for n in meta["files"] if n != DCP_METADATA)
+    found = ""
+    for i in range(e.rank, len(names), e.world.size):
+        what = damage(path, names[i], meta["files"][names[i]])
+        if what is not None:
+            found = f"{i}:{what}"
+            break
+    got = [g.decode() for g in C.all_gather_bytes(found.encode()[:128], None, name="world",
+                                                  timeout=e.config.timeout)]
+    bad = sorted((int(g.split(":", 1)[0]), g.split(":", 1)[1]) for g in got if g)
+    if bad:
+        i, what = bad[0]
+        raise CheckpointError(f"amsp checkpoint {path}: file {names[i]} {what}; the checkpoint "
+                              f"cannot be used (load an older one)")
 
 
 def _reshard(model: nn.Module) -> None:

@@ -48,6 +48,8 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "broadcast",
+    "checkpoint_async_save",
+    "checkpoint_group",
     "checkpoint_load",
     "checkpoint_save",
     "full_tensor",
@@ -188,14 +190,13 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: s
     size = dist.get_world_size(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    mine = torch.zeros(width + 1, dtype=torch.uint8, device=device)
-    mine[0] = len(payload)
-    if payload:
-        mine[1 : 1 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    out = torch.empty(size * (width + 1), dtype=torch.uint8, device=device)
+    row = len(payload).to_bytes(4, "little") + payload + bytes(width - len(payload))  # length, bytes
+    mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(device)
+    out = torch.empty(size * (width + 4), dtype=torch.uint8, device=device)
     all_gather_into_tensor(out, mine, group, name=name, async_op=False, timeout=timeout)
-    rows = out.view(size, width + 1).cpu()
-    return [bytes(r[1 : 1 + int(r[0])].tolist()) for r in rows]
+    data = out.cpu().numpy().tobytes()
+    rows = [data[i * (width + 4): (i + 1) * (width + 4)] for i in range(size)]
+    return [r[4: 4 + int.from_bytes(r[:4], "little")] for r in rows]
 
 
 def barrier(group: dist.ProcessGroup | None, *, name: str, timeout=None) -> None:
@@ -253,6 +254,31 @@ def checkpoint_save(state_dict: dict, path, *, name: str = "world") -> None:
     with record_function(f"amsp::checkpoint_save::{_kind(name)}"):
         _issue("checkpoint_save", name)
         dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)))
+
+
+_checkpoint_group: tuple[dist.ProcessGroup, str] | None = None
+
+
+def checkpoint_group(timeout) -> tuple[dist.ProcessGroup, str]:
+    """A gloo group over the whole world for the async-save thread (created once, on first use,
+    by every rank): the training thread keeps the default group and the plan's groups."""
+    global _checkpoint_group
+    if _checkpoint_group is None:
+        group = dist.new_group(backend="gloo", timeout=_as_timedelta(timeout))
+        _checkpoint_group = (group, f"checkpoint[0..{dist.get_world_size() - 1}]")
+    return _checkpoint_group
+
+
+def checkpoint_async_save(state_dict: dict, path, *, group: dist.ProcessGroup, name: str):
+    """DCP's ``async_save`` (background thread, coordinating over ``group``): returns once the
+    state is staged in CPU memory, with a future that completes when every rank's files and
+    ``.metadata`` are written."""
+    import torch.distributed.checkpoint as dcp
+
+    with record_function(f"amsp::checkpoint_async_save::{_kind(name)}"):
+        _issue("checkpoint_async_save", name)
+        return dcp.async_save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)),
+                              process_group=group)
 
 
 def checkpoint_load(state_dict: dict, path, *, name: str = "world", no_dist: bool = False) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from amsp_ext import choices
-from amsp_ext.choices import GRANULARITIES, OWNERSHIPS, check_one_of
+from amsp_ext.choices import GRANULARITIES, INIT_WEIGHTS, OWNERSHIPS, check_int, check_one_of
 from amsp_ext.planner.auto import AutoPlanConfig  # torch-free, so the planner owns it
 
 __all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
@@ -97,6 +97,10 @@ class ShardConfig:
     timeout: float = 600.0  # seconds a wait may take before CollectiveTimeout
     fp16: FP16Config = field(default_factory=FP16Config)
     auto: AutoPlanConfig | None = None  # needed by plan="auto"
+    # rank 0's initial weights broadcast to all ("broadcast", as DDP) or compared ("check")
+    init_weights: str = "broadcast"
+    # consecutive non-finite steps (skipped on every rank) before the job stops; 0: guard off
+    max_bad_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.gpus_per_node is None:
@@ -130,7 +134,10 @@ class ShardConfig:
             raise ValueError(f"config.fp16 must be an FP16Config, got {type(self.fp16).__name__}")
         if self.auto is not None and not isinstance(self.auto, AutoPlanConfig):
             raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+        check_int(self.max_bad_steps, "config.max_bad_steps (0: no guard)", minimum=0)
+        check_one_of(self.init_weights, INIT_WEIGHTS, "config.init_weights")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
+                0 < self.timeout < float("inf")):
             raise ValueError(f"config.timeout must be a number of seconds > 0, got {self.timeout!r}")
 
     @property
@@ -145,8 +152,11 @@ class ShardConfig:
     def reduce_torch_dtype(self) -> torch.dtype:
         return PRECISIONS[self.reduce_dtype]
 
-    def fingerprint(self) -> str:
-        """Hash of every field that must agree across ranks (all of them but the timeout)."""
+    def fingerprint_fields(self) -> dict:
+        """Every field that must agree across ranks (all of them but the timeout)."""
         d = dataclasses.asdict(self)
         d.pop("timeout")
-        return hashlib.sha256(repr(sorted(d.items())).encode()).hexdigest()[:16]
+        return d
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(repr(sorted(self.fingerprint_fields().items())).encode()).hexdigest()[:16]

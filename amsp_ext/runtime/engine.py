@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import json
 from typing import Callable
 
 import torch
@@ -30,6 +31,7 @@ from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.grad_sync import GradSync
 from amsp_ext.runtime.layout import LocalTensor, build_layout
+from amsp_ext.runtime.nonfinite import NonFiniteGuard
 from amsp_ext.runtime.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.param_sync import ParamSync
@@ -224,8 +226,8 @@ def _fingerprint(plan: Plan, config: ShardConfig, world: World, model: nn.Module
     return f"{plan.fingerprint()}:{config.fingerprint()}:{shapes}:{world.num_nodes}x{world.gpus_per_node}|{plan}".encode()
 
 
-def _check_same_everywhere(payload: bytes, timeout: float) -> None:
-    got = C.all_gather_bytes(payload, None, name="world", timeout=timeout)
+def _check_same_everywhere(payload: bytes, config: ShardConfig) -> None:
+    got = C.all_gather_bytes(payload, None, name="world", timeout=config.timeout)
     if any(g != got[0] for g in got):
         bad = next(r for r, g in enumerate(got) if g != got[0])
         what = []
@@ -233,11 +235,47 @@ def _check_same_everywhere(payload: bytes, timeout: float) -> None:
         for field, x, y in zip(("plan", "config", "model", "world"), a, b):
             if x != y:
                 what.append(field)
+        if "config" in what:  # every rank is here: one more gather names the field
+            what[what.index("config")] = _config_difference(config, bad)
         raise MismatchError(
             f"amsp: ranks disagree on the {', '.join(what) or 'setup'}: rank 0 has plan "
             f"{got[0].decode().split('|')[1]}, rank {bad} has plan {got[bad].decode().split('|')[1]} "
             f"(fingerprints {got[0].decode().split('|')[0]} vs {got[bad].decode().split('|')[0]})"
         )
+
+
+def _config_difference(config: ShardConfig, bad: int) -> str:
+    mine = json.dumps({k: repr(v) for k, v in config.fingerprint_fields().items()}).encode()
+    got = [json.loads(g) for g in C.all_gather_bytes(mine, None, name="world", width=4096,
+                                                    timeout=config.timeout)]
+    fields = [k for k in got[0] if got[0][k] != got[bad].get(k)]
+    return "config (" + ", ".join(f"field {k}: {got[0][k]} on rank 0, {got[bad][k]} on rank {bad}"
+                                  for k in fields) + ")"
+
+
+@torch.no_grad()
+def _same_initial_weights(model: nn.Module, config: ShardConfig) -> None:
+    """[Note: initial weights agree]
+    Every rank must start from the same weights, or the replicas silently train a mix (a
+    rank-dependent seed is enough). ``init_weights="broadcast"`` (default, as DDP): rank 0's
+    parameters and buffers are broadcast to the others before sharding. ``"check"``: a SHA-256
+    of each rank's weights is compared, and differing ranks are refused with one line (for
+    users who want to know that their ranks built different models)."""
+    tensors = list({id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+    if config.init_weights == "broadcast":
+        pending = [C.broadcast(t.detach(), 0, None, name="world", timeout=config.timeout) for t in tensors]
+        for p in pending:
+            C.wait(p, timeout=config.timeout)
+        return
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    got = C.all_gather_bytes(h.digest()[:16], None, name="world", timeout=config.timeout)
+    differ = [r for r, g in enumerate(got) if g != got[0]]
+    if differ:
+        raise MismatchError(
+            f"amsp: ranks' initial weights differ (rank(s) {', '.join(map(str, differ))} vs rank 0): build "
+            f"the model with the same seed on every rank, or use ShardConfig(init_weights='broadcast')")
 
 
 def _device() -> torch.device:
@@ -270,13 +308,24 @@ def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 def shard(model: nn.Module, plan: "Plan | str",
           optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
           config: ShardConfig | None = None) -> tuple[nn.Module, AMSPOptimizer]:
-    """Shard ``model`` (fp32, identical on every rank) under ``plan``; return it and its optimizer.
+    """Shard ``model`` (fp32) under ``plan``; return it and its optimizer. Rank 0's initial
+    weights are broadcast to the others (``config.init_weights``).
 
     ``plan``: a Plan, a factor string ``"p=2x1,g=2x1,os=2x2"``, a name (``ddp``, ``zero1``,
     ``zero2``, ``zero3``, ``mics:K``) or ``"auto"``. ``optimizer_factory(masters)`` builds the
     inner optimizer over the fp32 masters this rank owns (a list, forward order; each master
     has ``.amsp_name``, the model's parameter name, to build param groups from).
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"amsp_ext.shard: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
+        raise ValueError(
+            f"amsp_ext.shard: optimizer_factory must be a callable that builds the optimizer from a "
+            f"list of parameters (e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)), got "
+            f"{type(optimizer_factory).__name__}")
+    if not isinstance(plan, (str, Plan)):
+        raise ValueError(f"amsp_ext.shard: plan must be a Plan or a string ('auto', 'zero3', "
+                         f"'p=2x1,g=2x1,os=2x2', ...), got {type(plan).__name__}")
     config = config or ShardConfig()
     if not isinstance(config, ShardConfig):
         raise ValueError(f"config must be a ShardConfig, got {type(config).__name__}")
@@ -289,12 +338,13 @@ def shard(model: nn.Module, plan: "Plan | str",
     validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
                   structural_only=True)
     # -- first collective ------------------------------------------------------------------
-    _check_same_everywhere(_fingerprint(plan, config, world, model), config.timeout)
+    _check_same_everywhere(_fingerprint(plan, config, world, model), config)
     device = _device()
-    mesh = build_plan_mesh(plan, world, device_type=device.type,
-                           timeout=datetime.timedelta(seconds=config.timeout))
     if device.type != "cpu":
         model.to(device)
+    _same_initial_weights(model, config)
+    mesh = build_plan_mesh(plan, world, device_type=device.type,
+                           timeout=datetime.timedelta(seconds=config.timeout))
     if config.recompute:
         _enable_recompute(model)
     units = list_units(model, config.granularity)
@@ -343,7 +393,10 @@ def shard(model: nn.Module, plan: "Plan | str",
     engine.optimizer = AMSPOptimizer(
         masters, optimizer_factory, tensors=tensors, grads=engine.grad_sync,
         params=engine.param_sync, device=device, precision=config.precision, fp16=config.fp16,
-        norm_group=NormGroup(group=mesh.group("optim"), name=mesh.name("optim"), timeout=config.timeout),
+        # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
+        norm_group=NormGroup(group=dist.group.WORLD, name="world", timeout=config.timeout,
+                             replicas=world.size // mesh.size("optim")),
+        guard=NonFiniteGuard(max_bad_steps=config.max_bad_steps),
         run_info={"plan": str(plan), "world": [world.num_nodes, world.gpus_per_node]})
     engine.grad_sync.install()
     engine.param_sync.install()

@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.checkpoint import (MASTER, MODEL, _dtype_name, _hf_info, as_global, dcp_metadata,
-                                         engine_of, read_checkpoint_meta, trainable_by_id)
+                                         engine_of, trainable_by_id, verify_checkpoint)
+from amsp_ext.runtime.checkpoint_files import resolve
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "save_pretrained"]
 
@@ -126,8 +127,10 @@ def save_pretrained(model: nn.Module, save_directory, *, dtype: torch.dtype | No
 def export_checkpoint(path, save_directory=None, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Consolidate a saved checkpoint in this process (no process group needed): full tensors
     keyed by the model's ``state_dict`` names, fp32 masters when the checkpoint has them. With
-    ``save_directory``, also write ``model.safetensors`` + ``config.json`` there."""
-    meta = read_checkpoint_meta(path)
+    ``save_directory``, also write ``model.safetensors`` + ``config.json`` there. Every file is
+    checked against its checksum first."""
+    path = resolve(Path(path))
+    meta = verify_checkpoint(path)
     md = dcp_metadata(path)
     dtype = dtype or torch.float32
     src_of: dict[str, str] = {}

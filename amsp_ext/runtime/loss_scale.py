@@ -1,6 +1,6 @@
 """Dynamic loss scaling for fp16 (the usual scheme: back off on overflow, grow after a run of
-good steps). The overflow decision is global: the caller reduces the flag over the ``optim``
-group, whose ranks together hold every gradient exactly once."""
+good steps). The overflow decision is global: a non-finite gradient norm, all-reduced over the
+world (optimizer.py, nonfinite.py)."""
 
 from __future__ import annotations
 

@@ -34,9 +34,12 @@ and ``optim`` group; a unit test passes a local gradient source and no process g
 
 [Note: exact global clipping]
 The ``optim`` group (sos ranks = sp shard positions x sos/sp owners) holds every local tensor of
-the model exactly once across its ranks, so the sum of squares of owned gradients all-reduced
-over ``optim`` is the global squared norm with no replica counted twice. The clip coefficient is
-applied to the fp32 gradients at step time (with the fp16 loss-scale division).
+the model exactly once across its ranks, so the sum of squares of owned gradients over one
+``optim`` group is the global squared norm. The engine has it all-reduced over the world (every
+``optim`` group contributes the same sum: ``NormGroup.replicas`` = world / sos divides it back)
+so that the non-finite guard's decision, which rides on it, is one for all ranks
+(nonfinite.py). The clip coefficient is applied to the fp32 gradients at step time (with the
+fp16 loss-scale division).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config
 from amsp_ext.runtime.layout import LocalTensor
 from amsp_ext.runtime.loss_scale import DynamicLossScaler
+from amsp_ext.runtime.nonfinite import NonFiniteGuard
 
 __all__ = ["AMSPOptimizer", "GradSource", "NormGroup", "ParamBroadcaster"]
 
@@ -75,11 +79,14 @@ class ParamBroadcaster(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class NormGroup:
-    """Where gradient norms and overflow flags are reduced (None: this process alone)."""
+    """Where gradient norms (and the non-finite decision riding on them) are reduced (None:
+    this process alone); ``replicas``: how many times the group holds each gradient (its sum of
+    squares is divided by it)."""
 
     group: dist.ProcessGroup | None = None
     name: str = "local"
     timeout: float = 600.0
+    replicas: int = 1
 
 
 class AMSPOptimizer(torch.optim.Optimizer):
@@ -87,7 +94,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
                  optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                  tensors: Sequence[LocalTensor], grads: GradSource, params: ParamBroadcaster,
                  norm_group: NormGroup, device: torch.device, precision: str = "fp32",
-                 fp16: FP16Config | None = None, run_info: Mapping[str, Any] | None = None) -> None:
+                 fp16: FP16Config | None = None, run_info: Mapping[str, Any] | None = None,
+                 guard: NonFiniteGuard | None = None) -> None:
         self.masters = dict(masters)  # tensor index -> fp32 master (owned only), forward order
         self.tensors = list(tensors)
         self._grads, self._params, self._norm_group = grads, params, norm_group
@@ -113,6 +121,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # so step() needs no second all-reduce (and no per-tensor isfinite sync) to find out
         self._found_inf: bool | None = None
         self.num_steps = 0
+        self.guard = guard or NonFiniteGuard(max_bad_steps=0)  # nonfinite.py (0: off)
+        self._skipped = 0
 
     # -- what LR schedulers and user code read ---------------------------------------------------
     @property
@@ -143,7 +153,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps if self.scaler else 0
+        """Steps skipped so far (fp16 overflows and non-finite steps)."""
+        return self._skipped
 
     def __repr__(self) -> str:
         where = ", ".join(f"{k}={v}" for k, v in self.run_info.items())
@@ -152,6 +163,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
     # -- training loop ---------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by the dynamic loss scale under fp16."""
+        self.guard.note_loss(loss)  # [amsp nonfinite] lazy flag, no sync
         if self.scaler is not None:
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
@@ -171,6 +183,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 local = max((g.detach().abs().max().float() for g in grads if g.numel()),
                             default=torch.zeros((), device=self.device))
                 total = torch.as_tensor(local, dtype=torch.float32, device=self.device).reshape(1)
+                # [amsp nonfinite] this rank's loss verdict folded in; MAX of NaN is unordered
+                total = self.guard.fold(total).nan_to_num(nan=math.inf)
                 self._all_reduce(total, op=dist.ReduceOp.MAX)
                 norm = total[0]
             else:
@@ -179,8 +193,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 if grads:
                     norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]
                     total += torch.stack(norms).square().sum()
+                total = self.guard.fold(total)  # [amsp nonfinite] NaN if this rank's loss was
                 self._all_reduce(total)
-                norm = total[0].sqrt()
+                norm = (total[0] / self._norm_group.replicas).sqrt()
             if self.scaler is not None:
                 norm = norm / self.scaler.scale
             coef = float(max_norm) / (float(norm) + 1e-6)
@@ -188,15 +203,6 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = float(norm)
             self._found_inf = not math.isfinite(self.last_grad_norm)
             return norm
-
-    def _overflow(self) -> bool:
-        bad = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for g in self._grads.owned.values():
-            if g.numel() and not torch.isfinite(g).all():
-                bad.fill_(1.0)
-                break
-        self._all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
@@ -206,13 +212,15 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._params.wait_all()
         with record_function("amsp::optimizer_step"):
-            found_inf = self._found_inf
-            self._found_inf = None
-            if self.scaler is not None and (self._overflow() if found_inf is None else found_inf):
-                self.scaler.update(True)
-                self._grad_coef = 1.0
-                self._grads.zero_grad()
+            checked = self.scaler is not None or self.guard.enabled
+            if checked and self._found_inf is None:  # no clip this step: the guard needs the norm
+                self.clip_grad_norm_(math.inf)
+            found_inf, self._found_inf = self._found_inf, None
+            if checked and found_inf:  # [amsp nonfinite] the same decision on every rank
+                self._skip_step()
                 return loss
+            self.guard.after_step(step=self.num_steps + self._skipped, bad=False, counts=False,
+                                  ranks=None, norm=self.last_grad_norm, rank=_rank())
             factor = self._grad_coef / (self.scaler.scale if self.scaler else 1.0)
             owned = self._grads.owned
             for idx, m in self.masters.items():
@@ -236,9 +244,30 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self._params.broadcast_all()
         return loss
 
+    def _skip_step(self) -> None:
+        """A non-finite step: nothing is applied, on any rank (see nonfinite.py)."""
+        step = self.num_steps + self._skipped
+        counts = self.scaler is None or self.scaler.scale <= self.scaler.cfg.min_scale
+        if self.scaler is not None:
+            self.scaler.update(True)
+        self._skipped += 1
+        self._grad_coef = 1.0
+        self._grads.zero_grad()
+        ranks = None
+        g = self._norm_group
+        if self.guard.enabled and counts and g.group is not None:  # rare: name the ranks
+            flags = C.all_gather_bytes(b"1" if self.guard.loss_was_bad() else b"0", g.group,
+                                       name=g.name, timeout=g.timeout)
+            ranks = [r for r, f in enumerate(flags) if f == b"1"]
+        if self.guard.enabled:
+            self.guard.after_step(step=step, bad=True, counts=counts, ranks=ranks,
+                                  norm=self.last_grad_norm, rank=_rank())
+        self.guard.reset_loss()
+
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         with record_function("amsp::zero_grad"):
             self._found_inf = None
+            self.guard.reset_loss()
             self._grads.zero_grad(set_to_none)
             for m in self.masters.values():
                 if m.grad is None:
@@ -310,3 +339,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 if torch.is_tensor(v):
                     states += v.numel() * v.element_size()
         return master, states
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

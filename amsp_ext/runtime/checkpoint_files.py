@@ -1,0 +1,200 @@
+"""A checkpoint directory on disk: staged in a temporary sibling, published by one rename,
+checksummed file by file and verified before anything is read. It needs no process group, so the
+launcher checks a checkpoint before it starts any rank.
+
+[Note: atomic publish]
+``save_checkpoint(path)`` never writes into ``path``. Rank 0 empties the sibling
+``.<name>.amsp-staging`` (what a killed save left behind), every rank writes its files there,
+rank 0 writes ``amsp.json`` last and then publishes the directory in one step:
+``renameat2(RENAME_EXCHANGE)`` swaps it with an existing ``path`` (the old checkpoint lands in
+the staging name and is removed afterwards), or a plain ``rename`` when ``path`` is new. So at
+every instant ``path`` is either the complete previous checkpoint or the complete new one; a
+kill at any point loses at most the save in progress. Where the file system lacks
+RENAME_EXCHANGE (checked on first use), the old directory is first renamed to
+``.<name>.amsp-previous``; a save cut between the two renames leaves ``path`` missing and the
+previous checkpoint there, which readers (:func:`resolve`) use and the next save puts back.
+
+[Note: checksums]
+``amsp.json`` records the size and SHA-256 of every other file of the checkpoint (each rank
+hashes the files it wrote, from the page cache, right after writing them) and a SHA-256 of its
+own content (canonical JSON without the ``checksum`` field). Loading checks all of them before
+DCP reads a byte, and refuses a damaged checkpoint with one line naming the file. A single
+flipped byte in ``amsp.json`` either breaks the JSON (a byte of its whitespace or punctuation)
+or changes its content, so it is caught too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+__all__ = ["CheckpointError", "FORMAT", "META_FILE", "begin_staging", "file_digest", "publish", "rank_files",
+           "read_meta", "resolve", "staging_path", "verify_files", "write_meta"]
+
+FORMAT = "amsp-checkpoint/2"  # /2: atomic publish, checksums of every file
+META_FILE = "amsp.json"
+DCP_METADATA = ".metadata"
+_CHUNK = 8 << 20
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved or loaded here (missing, incomplete, damaged, or another model)."""
+
+
+def staging_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.amsp-staging")
+
+
+def aside_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.amsp-previous")
+
+
+def resolve(path: Path) -> Path:
+    """``path``, or the previous checkpoint a publish without RENAME_EXCHANGE left aside when
+    it was cut between its two renames (see [Note: atomic publish])."""
+    path = Path(path)
+    if not path.exists() and aside_path(path).is_dir():
+        return aside_path(path)
+    return path
+
+
+def begin_staging(path: Path) -> Path:
+    """Rank 0, before any rank writes: an empty staging directory next to ``path``."""
+    path = Path(path)
+    aside = aside_path(path)
+    if aside.is_dir():  # a fallback publish was cut: put the previous checkpoint back first
+        if path.exists():
+            shutil.rmtree(aside)
+        else:
+            os.rename(aside, path)
+    staging = staging_path(path)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def file_digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def rank_files(directory: Path, rank: int) -> list[str]:
+    """The data files DCP's FileSystemWriter wrote for ``rank`` (``__<rank>_<i>.distcp``)."""
+    return sorted(p.name for p in Path(directory).glob(f"__{rank}_*.distcp"))
+
+
+def _self_checksum(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_meta(directory: Path, meta: dict, files: dict[str, dict]) -> None:
+    """Write ``amsp.json`` (the table plus ``files`` and its own checksum) durably."""
+    meta = {**meta, "files": dict(sorted(files.items()))}
+    meta["checksum"] = _self_checksum(meta)
+    tmp = Path(directory) / (META_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(directory) / META_FILE)
+    _fsync_dir(Path(directory))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2); False where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this file system cannot
+        return False
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def publish(staging: Path, path: Path) -> None:
+    """Make the complete ``staging`` directory visible as ``path`` in one rename."""
+    staging, path = Path(staging), Path(path)
+    _fsync_dir(staging)
+    sys.audit("amsp.checkpoint.publish", str(staging), str(path))  # a kill point for the tests
+    if not path.exists():
+        os.rename(staging, path)
+    elif _exchange(staging, path):
+        shutil.rmtree(staging)  # now the previous checkpoint
+    else:
+        aside = aside_path(path)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(path, aside)
+        os.rename(staging, path)
+        shutil.rmtree(aside)
+    _fsync_dir(path.parent)
+
+
+def read_meta(path: Path, *, format: str) -> dict:
+    """The ``amsp.json`` of a complete checkpoint, its own checksum verified (no collective)."""
+    path = resolve(Path(path))
+    if not path.exists():
+        raise CheckpointError(f"amsp checkpoint: {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"amsp checkpoint: {path} is not a directory")
+    meta_file = path / META_FILE
+    if not meta_file.is_file() or not (path / DCP_METADATA).is_file():
+        raise CheckpointError(f"amsp checkpoint: {path} is not a complete amsp checkpoint "
+                              f"(no {META_FILE} or {DCP_METADATA}: another format, or the save did not finish)")
+    try:
+        meta = json.loads(meta_file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"amsp checkpoint {path}: file {META_FILE} is damaged "
+                              f"(not valid JSON: {str(e).splitlines()[0]})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"amsp checkpoint {path}: file {META_FILE} is damaged (not a JSON object)")
+    if meta.get("format") != format:
+        raise CheckpointError(f"amsp checkpoint: {path} has format {meta.get('format')!r}, expected {format!r}")
+    if meta.get("checksum") != _self_checksum(meta) or not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"amsp checkpoint {path}: file {META_FILE} is damaged (checksum mismatch)")
+    return meta
+
+
+def damage(path: Path, name: str, expected: dict) -> str | None:
+    """What is wrong with file ``name`` of the checkpoint (None if it matches its record)."""
+    f = Path(path) / name
+    if not f.is_file():
+        return "is missing"
+    size = f.stat().st_size
+    if size != expected.get("bytes"):
+        return f"has {size} bytes, {expected.get('bytes')} were written (truncated or overwritten)"
+    if file_digest(f)["sha256"] != expected.get("sha256"):
+        return "is damaged (sha256 mismatch)"
+    return None
+
+
+def verify_files(path: Path, meta: dict, names=None) -> None:
+    """Check ``names`` (default: every file ``amsp.json`` records) against their checksums."""
+    files = meta["files"]
+    for name in (sorted(files) if names is None else names):
+        what = damage(path, name, files[name])
+        if what is not None:
+            raise CheckpointError(f"amsp checkpoint {path}: file {name} {what}; the checkpoint "
+                                  f"cannot be used (load an older one)")
