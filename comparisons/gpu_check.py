@@ -169,7 +169,7 @@ def check_calibration(device, quick: bool) -> dict:
             "forward_efficiency": fwd_flops / f / peak.flops,
             "backward_efficiency": 2 * fwd_flops / b / peak.flops,
         }
-        del model, opt, masters, params
+        model = opt = masters = params = None  # free before the next shape (the closure holds the names)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     name = "llama-7b-2layers" if "llama-7b-2layers" in out["shapes"] else next(iter(out["shapes"]))

@@ -177,3 +177,43 @@ def test_tune_flags_fail_in_one_line_before_any_rank():
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and match in lines[0], proc.stderr
+
+
+@pytest.mark.distributed
+def test_tune_end_to_end_two_ranks(tmp_path):
+    """``amsp tune`` for real on 2 gloo ranks (2 plans, 1 round): the files, a validated
+    calibration that ``amsp plan`` then uses, MFU within (0, 1], and the measured model-state
+    bytes against the planner's memory model (an independent count: planner/memory.py)."""
+    from amsp_ext.planner.profile import BandwidthProfile
+    from dist_utils import run_torchrun
+
+    out, cal = tmp_path / "out", tmp_path / "cal.json"
+    plans = "p=1x1,g=1x1,os=1x1;p=2x1,g=2x1,os=2x1"
+    proc = run_torchrun(2, "amsp_ext.cli", "tune", "--model", "tiny-llama", "--seq-len", "32",
+                        "--micro-batch-size", "1", "--profile", LAB_PROFILE, "--gpus-per-node", "2",
+                        "--memory-reserve", "0B", "--steps", "1", "--warmup-steps", "1",
+                        "--repeats", "1", "--probe-steps", "2", "--plans", plans,
+                        "--out", str(out), "--calibrate-out", str(cal), timeout=240)
+    d = json.loads((out / "tune.json").read_text())
+    assert (out / "tune.md").is_file() and (out / "predicted_vs_measured.png").stat().st_size > 0
+    assert [r["key"] for r in d["plans"]] == plans.split(";")
+    for r in d["plans"]:
+        m = r["measured"]
+        assert m["step_s"]["median"] > 0
+        assert 0 < m["mfu"] <= 1, (r["key"], m["mfu"])
+        # the engine's sharded states vs the planner's count: equal up to small non-parameter extras
+        pred = r["predicted"]["uncalibrated"]["model_state_bytes"]
+        assert abs(m["model_state_bytes"] - pred) <= 0.001 * pred, (r["key"], m["model_state_bytes"], pred)
+    assert d["winner"] in plans.split(";")
+    assert f"amsp train --plan {d['winner']}" in proc.stdout and '"amsp": {"enabled": true' in proc.stdout
+    prof = BandwidthProfile.from_dict(json.loads(cal.read_text()), source=str(cal))
+    assert prof.calibration is not None
+    doc = json.loads(cal.read_text())["calibration"]
+    assert doc["source"].startswith("amsp tune, tiny-llama") and doc["date"] == d["meta"]["date"]
+    planned = subprocess.run(
+        [sys.executable, "-m", "amsp_ext.cli", "plan", "--profile", str(cal), "--model", "tiny-llama",
+         "--seq-len", "32", "--micro-batch-size", "1", "--objective", "step", "--nodes", "1",
+         "--gpus-per-node", "2", "--gpu-memory", "8GiB", "--micro-batches", "1"],
+        capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    assert "uncalibrated" not in planned.stdout and "calibrated" in planned.stdout, planned.stdout[-2000:]

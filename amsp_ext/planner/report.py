@@ -142,7 +142,7 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
     conc = ("cross-node times x R/p0 for concurrent groups" if pr["concurrency"] == "single_group"
             else "measured with all groups active")
     lines = [
-        f"model    {m['name']}: {m['num_params'] / 1e9:.2f}B parameters, {m['num_layers']} layers",
+        f"model    {m['name']}: {_count(m['num_params'])} parameters, {m['num_layers']} layers",
         f"cluster  {cl['num_nodes']} nodes x {cl['gpus_per_node']} GPUs, "
         f"{_gib(cl['gpu_memory_bytes'])} GiB and {cl['peak_flops'] / 1e12:.3g} TFLOP/s per GPU",
         f"profile  {pr['name']} ({pr['concurrency']}: {conc})",
@@ -208,3 +208,8 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
 
 def _s(plan: dict[str, int], c: str) -> int:
     return plan[f"s0_{c}"] * plan[f"s1_{c}"]
+
+
+def _count(n: int) -> str:
+    """7.00B, 3.02M: billions unless the model is smaller than one."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 from amsp_ext.planner.calibration import KINDS
 from amsp_ext.planner.search import Problem, evaluate, search
 from amsp_ext.planner.step import kind_times, model_flops_per_token
-from amsp_ext.tune.candidates import Candidate, Problems
+from amsp_ext.tune.candidates import Candidate
 
 __all__ = ["aggregate", "predictions", "ranks", "regret", "spearman", "summarize_variant"]
 
