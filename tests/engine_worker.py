@@ -107,13 +107,15 @@ def record(name, model, run, extra=None):
     torch.save(out, os.path.join(OUTDIR, f"{slug}.rank{dist.get_rank()}.pt"))
 
 
-def release(model):
+def release(model, *, free_groups=True):
     """End of a case: detach the engine's hooks and free its plan's process groups, so a launch
-    can loop over many plans (tests/dist_utils.free_plan_groups)."""
+    can loop over many plans (tests/dist_utils.free_plan_groups). The trace and guard suites
+    (a handful of cases) keep their groups: freeing them there made the next case fail."""
     model.amsp.wait_params()
     model.amsp.grad_sync.remove()
     model.amsp.param_sync.remove()
-    free_plan_groups(model)
+    if free_groups:
+        free_plan_groups(model)
 
 
 def suite_parity(world, R, num_steps=STEPS):
@@ -298,13 +300,13 @@ def suite_guards(world, R):
     got = consolidated_state_dict(model, rank0_only=False)
     ref = build_llama("tiny-llama", seed=0).state_dict()
     other = build_llama("tiny-llama", seed=1).state_dict()
-    release(model)
+    release(model, free_groups=False)
     errors = {}
     for same, seed in ((False, rank), (True, 0)):
         try:
             m, _ = shard(build_llama("tiny-llama", seed=seed), "p=1x1,g=1x1,os=2x2", adamw,
                          config=ShardConfig(gpus_per_node=R, timeout=30, init_weights="check"))
-            release(m)
+            release(m, free_groups=False)
             errors[same] = None
         except MismatchError as e:
             errors[same] = str(e)
@@ -332,7 +334,7 @@ def suite_guards(world, R):
                                    precision="fp32"), "paper-a800")
     _emit({"case": "auto", "plan": str(model.amsp.plan), "planner_direct": str(direct),
            "losses": losses, "missing_config_error": missing_err})
-    release(model)
+    release(model, free_groups=False)
     dist.barrier()
     # 4. a rank that skips its broadcasts: the others time out with the group's name
     model, opt = shard(build_llama("tiny-llama"), "p=1x1,g=1x1,os=2x1", adamw,
@@ -416,7 +418,7 @@ def suite_trace(world, R):
                              "num_tensors": len(model.amsp.param_sync.tensors),
                              "issued_before_first_wait": sum(1 for k, _ in log[:first_wait] if k == "issue")
                              if first_wait is not None else None}
-        release(model)
+        release(model, free_groups=False)
     if rank == 0:
         print("RESULT " + json.dumps({"case": "trace", **out}), flush=True)
 
