@@ -110,10 +110,12 @@ def test_a_failing_rank_fails_the_job_fast(lab, tmp_path):
         assert pids.strip() == "", f"processes left in {LAB}-n{i}: {pids}"
 
 
-def test_a_hung_job_times_out(lab):
+def test_a_hung_job_times_out(lab, tmp_path):
     proc = amsp("cluster", "run", "--name", LAB, "--master-port", "29543", "--timeout", "8",
-                "--", "tests/lab_worker.py", "hang", "3", env=lab)
+                "--", "tests/lab_worker.py", "hang", "3", env={**lab, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 124 and "timed out after 8s" in proc.stdout
+    logs = list(tmp_path.glob("amsp-cluster-run-*"))  # kept after a timeout, and named
+    assert len(logs) == 1 and f"(logs: {logs[0]})" in proc.stdout, (logs, proc.stdout[-2000:])
     for i in range(2):
         pids = subprocess.run(["ip", "netns", "pids", f"{LAB}-n{i}"], capture_output=True, text=True).stdout
         assert pids.strip() == "", f"processes left in {LAB}-n{i}: {pids}"
