@@ -62,6 +62,7 @@ def shard_config(config: TrainConfig) -> ShardConfig:
         granularity=e.granularity, recompute=e.recompute, timeout=e.timeout,
         overlap=OverlapConfig(**{op: op not in e.no_overlap for op in OVERLAP_OPS}),
         max_bad_steps=e.max_bad_steps, auto=auto_plan_config(config),
+        adaptive=config.adaptive.config(),
     )
 
 
