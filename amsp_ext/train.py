@@ -13,6 +13,7 @@ checkpoint in ``--save-dir``), counts its data position in samples (amsp_ext/tra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import datetime
 import json
@@ -39,8 +40,10 @@ from amsp_ext.runtime import collectives
 from amsp_ext.runtime.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
 from amsp_ext.runtime.config import OverlapConfig, ShardConfig
 from amsp_ext.runtime.nonfinite import NonFiniteError
+from amsp_ext.runtime.peak import device_peak
 from amsp_ext.runtime.profiler import pick_device
-from amsp_ext.train_config import TrainConfig, auto_plan_config
+from amsp_ext.train_config import (BatchOptions, ClusterOptions, EngineOptions, OptimOptions,
+                                    PlannerOptions, TrainConfig, auto_plan_config_of)
 from amsp_ext.train_state import checkpoint_name, prune, resolve_resume
 
 
@@ -55,19 +58,28 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 def shard_config(config: TrainConfig) -> ShardConfig:
     """The engine's configuration of this run (plan "auto" plans for the same batch shape)."""
-    e, b, pl = config.engine, config.batch, config.planner
+    return dataclasses.replace(
+        engine_shard_config(config.cluster, config.planner, config.batch, config.engine),
+        adaptive=config.adaptive.config())
+
+
+def engine_shard_config(cluster: ClusterOptions, pl: PlannerOptions, b: BatchOptions,
+                        e: EngineOptions) -> ShardConfig:
+    """ShardConfig from the config sections (``amsp tune`` shares them with ``amsp train``)."""
     return ShardConfig(
-        gpus_per_node=config.cluster.gpus_per_node, nodes_per_leaf=config.cluster.nodes_per_leaf,
+        gpus_per_node=cluster.gpus_per_node, nodes_per_leaf=cluster.nodes_per_leaf,
         precision=e.precision, reduce_dtype=e.reduce_dtype, grad_bucket_bytes=int(e.bucket_mb * 2**20),
         granularity=e.granularity, recompute=e.recompute, timeout=e.timeout,
         overlap=OverlapConfig(**{op: op not in e.no_overlap for op in OVERLAP_OPS}),
-        max_bad_steps=e.max_bad_steps, auto=auto_plan_config(config),
-        adaptive=config.adaptive.config(),
+        max_bad_steps=e.max_bad_steps, auto=auto_plan_config_of(b, pl),
     )
 
 
 def optimizer_factory(config: TrainConfig):
-    o = config.optim
+    return adamw_factory(config.optim)
+
+
+def adamw_factory(o: OptimOptions):
     return lambda params: torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2),
                                             weight_decay=o.weight_decay)
 
@@ -109,10 +121,9 @@ def train(config: TrainConfig) -> dict | None:
         log(f"no checkpoint in {ck.save_dir} yet: a fresh start")
     injected = faults()
 
-    # -- 4. the peak for MFU, measured with every rank busy ---------------------------------
+    # -- 4. the peak for MFU (metrics.py [Note: one MFU]) ---------------------------------
     dtype = engine_config.dtype
-    collectives.barrier(dist.group.WORLD, name="world", timeout=e.timeout)
-    peak_flops = metrics.matmul_peak_flops(device, dtype)
+    peak = device_peak(device, dtype, timeout=e.timeout)
     flops_per_token = metrics.flops_per_token(llama_config_dict(config.model), b.seq_len)
 
     # -- 5. the loop: global batch after global batch, until steps x global batch samples ---
@@ -189,9 +200,8 @@ def train(config: TrainConfig) -> dict | None:
             "restart": restart, "skipped_steps": sum(not h["applied"] for h in history),
             "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,
             "mfu": metrics.mfu(flops_per_token=flops_per_token,
-                               tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak_flops),
-            "peak_flops_per_gpu": peak_flops,
-            "peak_flops_source": f"measured: {e.precision} 1024x1024 matmul on {device.type}, all ranks at once",
+                               tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak.flops),
+            **peak.as_dict(),
             "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
             "peak_memory_source": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS of each rank (ru_maxrss)",
             "model_state_bytes": {"measured": [r["model_state_bytes"] for r in per_rank],
@@ -199,8 +209,10 @@ def train(config: TrainConfig) -> dict | None:
                                                 "optim": predicted.optim,
                                                 "total": predicted.model_states}},
         }
+        result["mfu_check"] = metrics.mfu_check(result["mfu"])
         log(f"done: {tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {result['mfu']:.1%} "
-            f"(peak {peak_flops / 1e9:.1f} GFLOP/s per rank, measured)")
+            f"(peak {peak.flops / 1e9:.1f} GFLOP/s per rank, {peak.source})"
+            + (f"; {result['mfu_check']}" if result["mfu_check"] else ""))
     collectives.barrier(dist.group.WORLD, name="world", timeout=e.timeout)
     dist.destroy_process_group()
     return result

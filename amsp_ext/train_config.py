@@ -231,7 +231,11 @@ class TrainConfig:
 def auto_plan_config(config: TrainConfig) -> AutoPlanConfig:
     """What ``--plan auto`` plans for: this run's step shape and the planner options (the
     launcher plans with it before starting any rank, and the ranks with it otherwise)."""
-    b, pl = config.batch, config.planner
+    return auto_plan_config_of(config.batch, config.planner)
+
+
+def auto_plan_config_of(b: BatchOptions, pl: PlannerOptions) -> AutoPlanConfig:
+    """:func:`auto_plan_config` from the two sections it reads (``amsp tune`` has no TrainConfig)."""
     return AutoPlanConfig(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
                           num_micro_batches=b.micro_batches, profile=pl.profile, objective=pl.objective,
                           missing="fit", gpu_memory_bytes=pl.gpu_memory_bytes,

@@ -18,6 +18,14 @@ What CPU machines cannot tell us, each written to ``<out>/gpu_check.json`` as it
    (the hook overhead on a GPU, where kernels are fast and Python costs show).
 4. ``nccl``: every collective of ``runtime/collectives.py`` on a 1-rank NCCL group, async + wait
    (the stream-ordered wait path that gloo never takes), with the results checked.
+5. ``calibration``: the compute part of the step model's calibration (planner/calibration.py)
+   as ``amsp tune`` measures it, per model shape: forward and backward time of one micro-batch
+   separately -> ``forward_flops_per_s`` / ``backward_flops_per_s`` (the planner's FLOPs count),
+   an AdamW step on fp32 masters with the bf16 copy-back -> ``optimizer_bytes_per_s`` (the
+   planner's 30 bytes per parameter), and the MFU peak (runtime/peak.py: the device table, and
+   the measured matmul rate beside it). ``section`` can be pasted into a profile's calibration.
+   A 1-GPU run has no collectives, so the overlap and communication constants stay for a
+   multi-GPU ``amsp tune``.
 """
 
 from __future__ import annotations
@@ -93,6 +101,87 @@ def check_compute(device, dtype, peak_flops: float, quick: bool) -> dict:
         achieved = fpt * seq / t
         out["recompute" if recompute else "no_recompute"] = {
             "step_s": t, "model_tflops": achieved / 1e12, "efficiency": achieved / peak_flops}
+    return out
+
+
+def check_calibration(device, quick: bool) -> dict:
+    """The compute constants of a calibration (item 5 of the module doc)."""
+    import datetime
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from amsp_ext.models import llama_config_dict
+    from amsp_ext.planner.model_spec import ModelSpec
+    from amsp_ext.planner.step import forward_flops_per_token
+    from amsp_ext.runtime.peak import device_peak
+
+    dtype = torch.bfloat16
+    peak = device_peak(device, dtype)
+    shapes = {"small-llama": (llama_config_dict("small-llama"), 512, 8)}
+    if quick:
+        shapes = {"tiny-llama": (llama_config_dict("tiny-llama"), 128, 4)}
+    else:  # LLaMA-7B's layer shape, 2 layers (fits with fp32 masters and AdamW states)
+        shapes["llama-7b-2layers"] = (dict(
+            llama_config_dict("small-llama"), hidden_size=4096, intermediate_size=11008,
+            num_attention_heads=32, num_key_value_heads=32, num_hidden_layers=2,
+            vocab_size=32000, max_position_embeddings=4096), 4096, 1)
+    out = {"peak": peak.as_dict(), "shapes": {}}
+    for name, (cfg, seq, mbs) in shapes.items():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"},
+                                             attn_implementation="sdpa")).to(device, dtype)
+        model.train()
+        tokens = torch.randint(0, cfg["vocab_size"], (mbs, seq), device=device)
+        fwd_flops = forward_flops_per_token(ModelSpec.from_hf_config(cfg), seq) * mbs * seq
+        f_times, b_times = [], []
+        for i in range(3 if quick else 8):
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = model(input_ids=tokens, labels=tokens).loss
+            _sync(device)
+            t1 = time.perf_counter()
+            loss.backward()
+            _sync(device)
+            t2 = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            if i:  # the first is warm-up
+                f_times.append(t1 - t0)
+                b_times.append(t2 - t1)
+        masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+        for m in masters:
+            m.grad = torch.randn_like(m)
+        opt = torch.optim.AdamW(masters, lr=1e-4)
+        params = list(model.parameters())
+
+        def opt_step():
+            opt.step()
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)  # the bf16 copy the engine keeps
+
+        o_times = _timed(opt_step, device, reps=3 if quick else 10)
+        n = sum(p.numel() for p in params)
+        f, b, o = statistics.median(f_times), statistics.median(b_times), statistics.median(o_times)
+        out["shapes"][name] = {
+            "seq_len": seq, "micro_batch_size": mbs, "num_params": n,
+            "forward_s": f, "backward_s": b, "optimizer_s": o,
+            "forward_flops_per_s": fwd_flops / f, "backward_flops_per_s": 2 * fwd_flops / b,
+            "optimizer_bytes_per_s": 30 * n / o,
+            "forward_efficiency": fwd_flops / f / peak.flops,
+            "backward_efficiency": 2 * fwd_flops / b / peak.flops,
+        }
+        model = opt = masters = params = None  # free before the next shape (the closure holds the names)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    name = "llama-7b-2layers" if "llama-7b-2layers" in out["shapes"] else next(iter(out["shapes"]))
+    sh = out["shapes"][name]
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out["section"] = {  # the compute part of a profile's "calibration" (1 GPU: no overlap figures)
+        "source": f"comparisons/gpu_check.py, {name} seq {sh['seq_len']} x {sh['micro_batch_size']}, bf16",
+        "date": datetime.date.today().isoformat(), "device": dev, "peak_flops": peak.flops,
+        "forward_flops_per_s": sh["forward_flops_per_s"],
+        "backward_flops_per_s": sh["backward_flops_per_s"],
+        "optimizer_bytes_per_s": sh["optimizer_bytes_per_s"],
+    }
     return out
 
 
@@ -194,7 +283,8 @@ def main(argv=None) -> int:
              ("peak", lambda: check_peak(device, torch.bfloat16, a.quick)),
              ("compute", lambda: check_compute(device, torch.bfloat16,
                                                max(result["peak"].values()) * 1e12, a.quick)),
-             ("engine", lambda: check_engine(device, a.quick))]
+             ("engine", lambda: check_engine(device, a.quick)),
+             ("calibration", lambda: check_calibration(device, a.quick))]
     for key, fn in steps:
         t0 = time.perf_counter()
         try:

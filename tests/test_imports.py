@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "amsp_ext"
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
 _ABOVE_RUNTIME = ("amsp_ext.cli", "amsp_ext.integrations", "amsp_ext.compare", "amsp_ext.train",
-                  "amsp_ext.train_config", "amsp_ext.cluster")
+                  "amsp_ext.train_config", "amsp_ext.cluster", "amsp_ext.tune")
 # module prefix -> prefixes it must not import (a prefix ending in "." covers everything under it)
 FORBIDDEN = {
     "amsp_ext.choices": ("amsp_ext.",),
@@ -35,8 +35,10 @@ FORBIDDEN = {
     "amsp_ext.compare": ("amsp_ext.cli", "amsp_ext.train"),
     "amsp_ext.compare.harness": ("amsp_ext.runtime",),  # it plans "auto" with the planner alone
     "amsp_ext.train": ("amsp_ext.cli",),
+    "amsp_ext.tune": ("amsp_ext.cli", "amsp_ext.compare.harness"),
 }
-NEVER_TORCH = ("amsp_ext.planner", "amsp_ext.choices", "amsp_ext.schema", "amsp_ext.train_config")
+NEVER_TORCH = ("amsp_ext.planner", "amsp_ext.choices", "amsp_ext.schema", "amsp_ext.train_config",
+               "amsp_ext.tune.spec", "amsp_ext.tune.candidates", "amsp_ext.tune.analysis")
 
 
 def _modules() -> dict[str, Path]:

@@ -32,3 +32,48 @@ def test_tiny_llama_by_hand():
 def test_median_after_warmup():
     assert median_after_warmup([9.0, 1.0, 3.0, 2.0]) == 2.0
     assert median_after_warmup([5.0]) == 5.0
+
+
+def test_mfu_of_a_run_whose_peak_was_measured_never_exceeds_one():
+    # The run's own peak (runtime/peak.py: best of trials of 1024^2 matmuls, timed by the
+    # slowest rank; here one process) and a few real training steps of tiny-llama at the
+    # shape `amsp train` uses: MFU = planner FLOPs/token x tokens/s / peak must be in (0, 1].
+    import time
+
+    import torch
+
+    from amsp_ext.data import micro_batch
+    from amsp_ext.metrics import mfu_check
+    from amsp_ext.models import build_llama, causal_lm_loss
+    from amsp_ext.runtime.peak import device_peak
+
+    torch.manual_seed(0)
+    peak = device_peak(torch.device("cpu"), torch.float32)
+    assert peak.measured and peak.flops > 0 and "slowest rank" in peak.source
+    model = build_llama("tiny-llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times = []
+    for step in range(4):
+        batch = micro_batch(step, 0, 0, world_size=1, num_micro_batches=1, micro_batch_size=8,
+                            seq_len=128)
+        t0 = time.perf_counter()
+        causal_lm_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    tgs = 8 * 128 / min(times[1:])  # the fastest step: the strongest test of the bound
+    value = mfu(flops_per_token=flops_per_token(llama_config_dict("tiny-llama"), 128),
+                tokens_per_gpu_per_s=tgs, peak_flops=peak.flops)
+    assert 0 < value <= 1, (value, peak)
+    assert mfu_check(value) is None
+
+
+def test_mfu_above_one_is_flagged_and_gpu_peaks_come_from_the_table():
+    from amsp_ext.metrics import mfu_check, table_peak
+
+    assert "exceeds 100%" in mfu_check(1.3) and mfu_check(0.4) is None and mfu_check(None) is None
+    assert table_peak("NVIDIA H100 80GB HBM3") == 989e12
+    assert table_peak("NVIDIA H100 PCIe") == 756e12
+    assert table_peak("NVIDIA A100-SXM4-80GB") == 312e12
+    assert table_peak("NVIDIA H200") == 989e12
+    assert table_peak("Some Future GPU") is None

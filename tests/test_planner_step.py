@@ -109,9 +109,12 @@ def test_timeline_helpers_by_hand():
     c = np.array([2.0, 1.0, 3.0])
     g = np.array([1.0, 4.0, 1.0])
     # prefetch: start0 = g0 = 1; start1 = 1 + max(c0, g1) = 5; start2 = 5 + max(c1, g2) = 6
-    assert _chain(c, g, True).tolist() == [1.0, 5.0, 6.0]
-    # no overlap: gather after the previous compute: 1, 1 + 2 + 4 = 7, 7 + 1 + 1 = 9
-    assert _chain(c, g, False).tolist() == [1.0, 7.0, 9.0]
+    assert _chain(c, g, np.zeros(3)).tolist() == [1.0, 5.0, 6.0]
+    # no overlap (each gather takes the compute thread for all its time): gather after the
+    # previous compute: 1, 1 + 2 + 4 = 7, 7 + 1 + 1 = 9
+    assert _chain(c, g, g).tolist() == [1.0, 7.0, 9.0]
+    # half of each gather on the compute thread: 1, 1 + max(2 + 2, 4) = 5, 5 + max(1 + 0.5, 1)
+    assert _chain(c, g, g / 2).tolist() == [1.0, 5.0, 6.5]
     # FIFO stream: ready 0, 1, 10 with durations 3, 3, 1 -> ends 3, 6, 11
     assert _stream_end(np.array([0.0, 1.0, 10.0]), np.array([3.0, 3.0, 1.0])) == 11.0
     # buckets of 10 bytes over grads of 4, 8, 3 bytes ready at 1, 2, 3:

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train": "train",
     "migrate": "migrate",
     "config": "config",
+    "tune": "tune",
 }
 
 

@@ -19,7 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from amsp_ext.planner.model_spec import MODEL_PRESETS
 
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help=f"preset: {', '.join(MODEL_PRESETS)}")
+    from amsp_ext.models import MODEL_CONFIGS
+
+    model.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])} "
+                                       "(the last ones are amsp train's built-in models)")
     model.add_argument("--model-config", metavar="PATH",
                        help="a Hugging Face config.json of a Llama-style model")
 
@@ -31,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
                    help="memory the model cannot use: CUDA context, NCCL buffers, allocator "
                         "slack (default 2GiB)")
-    c.add_argument("--peak-tflops", type=float, default=312.0,
-                   help="dense 16-bit peak per GPU (default 312, A100/A800)")
+    c.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense 16-bit peak per GPU, the MFU denominator (default: the profile's "
+                        "calibration peak when it has one, else 312, A100/A800)")
     c.add_argument("--nodes-per-leaf", type=int, default=None,
                    help="nodes under one leaf switch (report which groups cross leaves)")
     c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
@@ -82,23 +86,40 @@ def _check_positive(args: argparse.Namespace) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
-    if args.peak_tflops <= 0:
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
 
 
+def _model_spec(model: str | None, config_path: str | None):
+    """A paper preset, one of ``amsp train``'s built-in models (so a plan can be made for the
+    job ``amsp tune`` measured), or a config.json."""
+    from amsp_ext.models import MODEL_CONFIGS, llama_config_dict
+    from amsp_ext.planner.model_spec import ModelSpec, load_model_spec
+
+    if model in MODEL_CONFIGS:
+        return ModelSpec.from_hf_config(llama_config_dict(model), name=model)
+    return load_model_spec(model, config_path)
+
+
 def run(args: argparse.Namespace) -> int:
-    from amsp_ext.planner.model_spec import load_model_spec
     from amsp_ext.planner.report import build_report, format_text
     from amsp_ext.planner.search import make_problem, search
     from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, parse_size
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
 
+    from amsp_ext.planner.profile import load_profile
+
     _check_positive(args)
-    spec = load_model_spec(args.model, args.model_config)
+    spec = _model_spec(args.model, args.model_config)
+    profile = load_profile(args.profile)
+    if args.peak_tflops is not None:
+        peak = args.peak_tflops * 1e12
+    else:  # a calibrated profile's MFU peak is the device it was measured on
+        peak = profile.calibration.peak_flops if profile.calibration else 312e12
     cluster = ClusterSpec(
         num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
-        peak_flops=args.peak_tflops * 1e12, nodes_per_leaf=args.nodes_per_leaf,
+        peak_flops=peak, nodes_per_leaf=args.nodes_per_leaf,
     )
     training = TrainingSpec(
         seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
@@ -110,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     )
     off = set(args.no_overlap)
     problem = make_problem(
-        spec, cluster, training, args.profile, objective=args.objective,
+        spec, cluster, training, profile, objective=args.objective,
         missing=args.missing_mesh,
         efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
         tie_tolerance=args.tie_tolerance,

@@ -18,9 +18,10 @@ METHOD = """\
   the warm-up steps.
 - **MFU**: model FLOPs per token by the Megatron-LM formula (Narayanan et al. 2021), counting
   Llama's real matmul weights (GQA, SwiGLU) in place of GPT's 24h^2; attention is **not** halved
-  for causal masking, as in the paper; no recomputation. The peak is **measured**: a dense
-  {n}x{n} matmul in the run's compute dtype on every rank at once, best of 5, median over all
-  ranks of all runs: **{peak}**. On a shared CPU each rank's peak is its share of the cores.
+  for causal masking, as in the paper; no recomputation. The peak is **measured** once per run
+  before training (metrics.device_peak): {n}x{n} matmuls in the run's compute dtype on every
+  rank at once, timed by the slowest rank, best of 5 trials; median over all runs: **{peak}**.
+  On a shared CPU each rank's peak is its share of the cores.
 - **Memory per rank** (CPU, no caching allocator): *peak RSS delta* = the kernel's resident
   high-water mark (VmHWM, reset just before the model is built) minus RSS at that point - all
   allocations incl. activations, buffers and allocator slack; *live tensors* = bytes of all live

@@ -4,11 +4,11 @@
         --spec spec.json --system zero3 --out DIR
     amsp cluster run -- -m amsp_ext.compare.worker --spec spec.json --system zero3 --out DIR
 
-Every rank: init gloo (CPU), measure the matmul peak, build the same model, hand it to
-the system's runner, train ``num_steps`` steps timing each, profile one more step, measure
-memory, then all ranks' records are gathered and rank 0 writes ``DIR/result.json``. A rank that
-fails writes ``DIR/error-rank<r>.json`` (reason on one line, traceback) and exits 1, so the
-launcher can put the reason in the row.
+Every rank: init gloo (CPU), measure the MFU peak (metrics.device_peak: every rank at once),
+build the same model, hand it to the system's runner, train ``num_steps`` steps timing each,
+profile one more step, measure memory, then all ranks' records are gathered and rank 0 writes
+``DIR/result.json``. A rank that fails writes ``DIR/error-rank<r>.json`` (reason on one line,
+traceback) and exits 1, so the launcher can put the reason in the row.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def run(system: str, spec, out: Path) -> dict:
     import torch.distributed as dist
 
     from amsp_ext.compare import memory, trace
-    from amsp_ext.metrics import matmul_peak_flops
+    from amsp_ext.runtime.peak import device_peak
     from amsp_ext.runtime import collectives as C
     from amsp_ext.compare.config import resolve_topology
     from amsp_ext.compare.systems import SYSTEMS, runner
@@ -91,9 +91,8 @@ def run(system: str, spec, out: Path) -> dict:
 
         patches_applied = patches.apply_needed()
 
-    C.barrier(dist.group.WORLD, name="world")
-    peak_flops = matmul_peak_flops(torch.device("cpu"), ctx.param_dtype)
-    C.barrier(dist.group.WORLD, name="world")
+    # the MFU denominator: metrics.py [Note: one MFU] (every rank at once, best of trials)
+    peak_flops = device_peak(torch.device("cpu"), ctx.param_dtype).flops
 
     _warm_process(ctx)
     live0 = memory.live_tensor_bytes()

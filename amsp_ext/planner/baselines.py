@@ -59,7 +59,8 @@ def _zeropp(problem: Problem, hpz: int) -> Baseline:
     mem = replace(base.memory, params=base.memory.params + secondary)
     step = step_estimate(plan, spec, training, problem.cluster, timer, comm,
                          num_micro_batches=M, efficiency=problem.efficiency,
-                         overlap=problem.overlap, bwd_gather_mesh=hpz_mesh)
+                         overlap=problem.overlap, bwd_gather_mesh=hpz_mesh,
+                         calibration=problem.calibration)
     cand = Candidate(plan=plan, comm=comm, memory=mem,
                      feasible=mem.total <= problem.memory_limit, growth_s=per_mb, step=step)
     return Baseline(key="zero++", label=f"ZeRO++ (hpZ {hpz})", plan=plan, candidate=cand,

@@ -54,6 +54,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from amsp_ext.choices import MISSING_MESH
+from amsp_ext.planner.calibration import Calibration, CalibrationError, parse_calibration
 
 __all__ = [
     "CONCURRENCY",
@@ -88,6 +89,7 @@ class BandwidthProfile:
     metadata: Mapping[str, Any]
     curves: Mapping[tuple[str, int, int], _Curve]
     source: str = "<memory>"
+    calibration: Calibration | None = None  # the step model's measured constants (calibration.py)
 
     @property
     def gpus_per_node(self) -> int | None:
@@ -129,7 +131,14 @@ class BandwidthProfile:
                     f"{where}: entries[{i}] repeats op={key[0]} mesh {key[1]}x{key[2]}"
                 )
             curves[key] = curve
-        return cls(name=name, concurrency=conc, metadata=dict(meta), curves=curves, source=source)
+        calibration = None
+        if "calibration" in doc:
+            try:
+                calibration = parse_calibration(doc["calibration"])
+            except CalibrationError as e:
+                raise ProfileError(f"{where}: {e}") from None
+        return cls(name=name, concurrency=conc, metadata=dict(meta), curves=curves, source=source,
+                   calibration=calibration)
 
 
 def _parse_entry(e: Any, where: str) -> tuple[tuple[str, int, int], _Curve]:

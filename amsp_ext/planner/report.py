@@ -87,6 +87,8 @@ def build_report(result: SearchResult, *, with_pareto: bool = False,
                         "concurrency": prof.concurrency, "missing_mesh": prob.timer.missing},
             "efficiency": prob.efficiency,
             "tie_tolerance": prob.tie_tolerance,
+            "step_model": step_model_text(prob),
+            "calibration": prob.calibration.as_dict() if prob.calibration else None,
         },
         "extrapolated": result.extrapolated,
         "prefilter": {"considered": pf.num_considered, "accepted": len(pf.accepted),
@@ -112,6 +114,16 @@ def build_report(result: SearchResult, *, with_pareto: bool = False,
     return out
 
 
+UNCALIBRATED = ("uncalibrated: compute at --efficiency of --peak-tflops, the optimizer at the "
+                "GPU's memory bandwidth, every overlap as the paper describes; `amsp tune "
+                "--calibrate-out` measures them")
+
+
+def step_model_text(prob) -> str:
+    """What the step objective's constants are: the profile's calibration, or the defaults."""
+    return prob.calibration.describe() if prob.calibration else UNCALIBRATED
+
+
 def _sens_json(c: SensitivityCase) -> dict[str, Any]:
     return {"intra_bw": c.intra, "inter_bw": c.inter, "plan": str(c.plan), "changed": c.changed,
             "nominal_plan_regret_s": c.regret_s if c.regret_s != float("inf") else None}
@@ -130,9 +142,9 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
     conc = ("cross-node times x R/p0 for concurrent groups" if pr["concurrency"] == "single_group"
             else "measured with all groups active")
     lines = [
-        f"model    {m['name']}: {m['num_params'] / 1e9:.2f}B parameters, {m['num_layers']} layers",
+        f"model    {m['name']}: {_count(m['num_params'])} parameters, {m['num_layers']} layers",
         f"cluster  {cl['num_nodes']} nodes x {cl['gpus_per_node']} GPUs, "
-        f"{_gib(cl['gpu_memory_bytes'])} GiB and {cl['peak_flops'] / 1e12:.0f} TFLOP/s per GPU",
+        f"{_gib(cl['gpu_memory_bytes'])} GiB and {cl['peak_flops'] / 1e12:.3g} TFLOP/s per GPU",
         f"profile  {pr['name']} ({pr['concurrency']}: {conc})",
         f"training seq {tr['seq_len']} x micro-batch {tr['micro_batch_size']}, "
         f"M = {report['num_micro_batches']} per step, {tr['precision']}, {tr['optimizer']}, "
@@ -152,6 +164,7 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
         f"communication; MFU {st['mfu']:.1%}, {st['tokens_per_gpu_per_s']:.0f} tokens/GPU/s "
         f"(compute efficiency {st['efficiency']:.2f})",
     ]
+    lines.append(f"  step model: {inp['step_model']}")
     ext = report["extrapolated"]
     if ext:
         shown = ", ".join(ext[:4]) + (f", ... ({len(ext)} in all; see --json)" if len(ext) > 4 else "")
@@ -195,3 +208,8 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
 
 def _s(plan: dict[str, int], c: str) -> int:
     return plan[f"s0_{c}"] * plan[f"s1_{c}"]
+
+
+def _count(n: int) -> str:
+    """7.00B, 3.02M: billions unless the model is smaller than one."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"

@@ -92,6 +92,11 @@ class Problem:
         """What the plan may use: the GPU's memory minus the reserve (see the Note)."""
         return self.cluster.gpu_memory_bytes - self.memory_reserve_bytes
 
+    @property
+    def calibration(self):
+        """The profile's measured step-model constants, or None (planner/calibration.py)."""
+        return self.timer.profile.calibration
+
     def with_timer(self, timer: CommTimer) -> "Problem":
         return replace(self, timer=timer, _cache={})
 
@@ -167,7 +172,7 @@ def evaluate(problem: Problem, plan: Plan, *, with_step: bool | None = None) -> 
     if with_step:
         step = step_estimate(plan, spec, training, problem.cluster, timer, comm,
                              num_micro_batches=M, efficiency=problem.efficiency,
-                             overlap=problem.overlap)
+                             overlap=problem.overlap, calibration=problem.calibration)
     return Candidate(plan=plan, comm=comm, memory=mem, feasible=feasible, growth_s=growth,
                      step=step)
 

@@ -234,7 +234,8 @@ def _zero12_allgather(problem: Problem, plan: Plan) -> tuple[StepEstimate, dict[
     t_ag = problem.timer.time("allgather", nbytes, R, N)
     est = step_estimate(plan, problem.spec, problem.training, problem.cluster, problem.timer, comm,
                         num_micro_batches=problem.num_micro_batches,
-                        efficiency=problem.efficiency, overlap=problem.overlap)
+                        efficiency=problem.efficiency, overlap=problem.overlap,
+                        calibration=problem.calibration)
     return _with_blocking(est, t_ag), {**_terms(comm), "t_allgather": t_ag}
 
 

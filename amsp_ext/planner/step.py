@@ -27,6 +27,26 @@ Recomputation adds one more forward of every layer to the *time* but not to the 
   the start of the step; a unit (or, when sp > 1, its all-gather) waits for its own broadcasts.
 * The step ends when compute and every stream are done, plus the optimizer step, which is
   memory-bound: (bytes touched per owned parameter) x Phi/sos / HBM bandwidth.
+[Note: calibrated constants]
+With a ``Calibration`` (calibration.py, the profile's ``calibration`` section, measured by
+``amsp tune``) the free constants above are replaced by measured ones: forward and backward
+FLOP/s of this model on this device instead of peak x efficiency, the optimizer's measured
+bytes/s instead of the HBM bandwidth, a fixed per-step overhead, a per-kind factor on the
+profile's collective times, and a per-kind overlap share o_k in [0, 1]. A kind-k collective of
+time d then occupies the compute thread for (1 - o_k) d when it is issued and completes d after
+issue, so o_k = 1 is the rule above and o_k = 0 a blocking collective:
+* AG: unit u+1 starts at max(start_u + c_u + (1 - o) g_{u+1}, start_u + g_{u+1}) (prefetched);
+* RS: each backward task is longer by (1 - o) r_u; the reduce-scatter stream runs as above;
+* AR: the compute of a micro-batch is longer by (1 - o) x its buckets' time;
+* BC: the first forward starts after (1 - o) T1_os; each unit still waits for its broadcasts.
+The calibrated model also follows two rules of the engine (grad_sync.py) that the paper's
+description leaves out: a backward pass ends only when its all-reduce buckets (and
+reduce-scatters) are complete, so they never run into the next micro-batch or the optimizer
+step; and at most ``ar_buckets_in_flight`` buckets are in flight, so launching one more first
+waits, on the backward thread, for the oldest. Both matter when the all-reduces are slower than
+the backward (a CPU cluster), not on the paper's testbed.
+Without a calibration the uncalibrated constants (and o_k = 1) are used, as before.
+
 Streams are independent: two collectives that share links at the same moment are each timed at
 their profiled speed (optimistic when both cross nodes; the contention *within* one shape is in
 the profile lookup). Switching a rule off makes that collective blocking, as the paper's Table V
@@ -43,7 +63,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from amsp_ext.planner.calibration import KINDS, Calibration
 from amsp_ext.planner.cost import CommCost
+from amsp_ext.planner.issued import broadcast_items, grad_buckets
 from amsp_ext.planner.memory import grad_bytes, param_bytes
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
@@ -52,10 +74,16 @@ from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
+    "Issued",
+    "KindTimes",
+    "issued_profile_times",
+    "kind_times",
     "OverlapRules",
     "StepEstimate",
     "model_flops_per_token",
+    "forward_flops_per_token",
     "optimizer_step_time",
+    "optimizer_traffic_bytes",
     "step_estimate",
 ]
 
@@ -125,11 +153,22 @@ def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     return 3.0 * fwd
 
 
-def optimizer_step_time(spec: ModelSpec, plan: Plan, training: TrainingSpec,
-                        cluster: ClusterSpec) -> float:
+def forward_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Forward FLOPs per token (a third of the training count): what a calibration's
+    ``forward_flops_per_s`` divides; the backward does twice as many."""
+    return model_flops_per_token(spec, seq_len) / 3.0
+
+
+def optimizer_traffic_bytes(spec: ModelSpec, plan: Plan, training: TrainingSpec) -> float:
+    """Bytes one rank's optimizer step reads and writes (its Phi / sos owned parameters)."""
     mixed = training.precision != "fp32"
-    traffic = _OPT_TRAFFIC[(training.optimizer, mixed)]
-    return traffic * spec.num_params / plan.sos / cluster.memory_bandwidth
+    return _OPT_TRAFFIC[(training.optimizer, mixed)] * spec.num_params / plan.sos
+
+
+def optimizer_step_time(spec: ModelSpec, plan: Plan, training: TrainingSpec,
+                        cluster: ClusterSpec, calibration: Calibration | None = None) -> float:
+    bandwidth = calibration.optimizer_bytes_per_s if calibration else cluster.memory_bandwidth
+    return optimizer_traffic_bytes(spec, plan, training) / bandwidth
 
 
 @lru_cache(maxsize=32)
@@ -175,15 +214,23 @@ def _backward_order(layer_of: tuple[int, ...], recompute: bool
     return order_a, bwd_a, need_gather
 
 
-def _gated_forward(c: list[float], g: list[float], bc_end: list[float], *, sharded: bool,
-                   prefetch: bool) -> float:
-    """End of the first forward of a step: unit u (or, when sharded, its gather) waits for its
-    own broadcasts to end at ``bc_end[u]``; gathers are prefetched one unit ahead."""
-    start, ag_end, prev_c, s_prev = 0.0, 0.0, 0.0, None
+def _gated_forward(c: list[float], g: list[float], h: list[float], bc_end: list[float], *,
+                   sharded: bool, blocking: bool, t0: float = 0.0) -> float:
+    """End of the first forward of a step that starts computing at ``t0``: unit u (or, when
+    sharded, its gather) waits for its own broadcasts to end at ``bc_end[u]``; gathers are
+    prefetched one unit ahead and each takes ``h[u]`` of the compute thread (``blocking``: no
+    prefetch, each issued when the unit before ends)."""
+    start, ag_end, prev_c, s_prev = t0, 0.0, 0.0, None
     for u in range(len(c)):
-        ready = 0.0 if s_prev is None else s_prev + prev_c
+        ready = t0 if s_prev is None else s_prev + prev_c
         if sharded:
-            issue = bc_end[u] if s_prev is None else max(s_prev if prefetch else ready, bc_end[u])
+            if s_prev is None:
+                issue = max(t0, bc_end[u])
+            elif not blocking:
+                issue = max(s_prev, bc_end[u])
+                ready += h[u]
+            else:
+                issue = max(ready, bc_end[u])
             ag_end = max(issue, ag_end) + g[u]
             start = max(ready, ag_end)
         else:
@@ -192,13 +239,11 @@ def _gated_forward(c: list[float], g: list[float], bc_end: list[float], *, shard
     return start + prev_c
 
 
-def _chain(c: np.ndarray, g: np.ndarray, overlap: bool) -> np.ndarray:
+def _chain(c: np.ndarray, g: np.ndarray, h: np.ndarray) -> np.ndarray:
     """Start times of tasks with compute ``c`` that each need gather ``g`` first; the gather of
-    task k+1 is issued when task k starts (prefetch depth 1) or, without overlap, when it ends."""
-    if overlap:
-        steps = np.maximum(c[:-1], g[1:])
-    else:
-        steps = c[:-1] + g[1:]
+    task k+1 is issued when task k starts (prefetch depth 1) and takes ``h[k+1]`` of the compute
+    thread (h = 0: a stream of its own; h = g: a gather issued when task k ends)."""
+    steps = np.maximum(c[:-1] + h[1:], g[1:])
     return g[0] + np.concatenate(([0.0], np.cumsum(steps)))
 
 
@@ -223,120 +268,337 @@ def _bucket_ready(grad_bytes: np.ndarray, ready: np.ndarray, bucket: float
     return ready[np.minimum(idx, ready.size - 1)], sizes
 
 
+def _paper_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
+                         b_ready: np.ndarray, b_bytes: np.ndarray, U: int, t_ar_g: float,
+                         t_ar_last: float, ar_overlap: float,
+                         rs: tuple[np.ndarray, np.ndarray] | None) -> tuple[float, float, float]:
+    """The paper's rules: micro-batches back to back on the compute thread; reduce-scatters and
+    all-reduce buckets on streams of their own, unbounded, that may run past the backward into
+    the next micro-batch. (compute end, reduce-scatter stream end, all-reduce stream end)."""
+    compute_mb = fwd + bwd  # compute chain of one micro-batch (gathers on the critical path incl.)
+    first_mb = first_fwd + bwd
+    offsets = first_mb - compute_mb + compute_mb * np.arange(M)  # start of each micro-batch
+    compute_end = first_mb + compute_mb * (M - 1)
+    bwd_starts = offsets + fwd  # offsets[0] + fwd == first_fwd
+    rs_tail = 0.0
+    if rs is not None:
+        done, r_bwd = rs
+        rs_ready = (bwd_starts[:, None] + done[None, :]).ravel()
+        rs_tail = _stream_end(rs_ready, np.tile(r_bwd, M))
+    ar_ready, ar_dur = [], []
+    for m in range(M):
+        t_full = t_ar_last if m == M - 1 else t_ar_g
+        if t_full <= 0:
+            continue
+        ar_ready.append(bwd_starts[m] + b_ready)
+        ar_dur.append(t_full * b_bytes / U)
+    ar_tail = 0.0
+    if ar_ready:
+        ready = np.concatenate(ar_ready)
+        dur = np.concatenate(ar_dur)
+        # the all-reduces' share of the compute thread (all of it when blocking: each
+        # micro-batch's all-reduces then run after its backward)
+        compute_end += (1.0 - ar_overlap) * float(dur.sum())
+        if ar_overlap > 0:
+            ar_tail = _stream_end(ready, dur)
+    return float(compute_end), rs_tail, ar_tail
+
+
+def _engine_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
+                          b_ready: np.ndarray, ar: list[np.ndarray], in_flight: int | None,
+                          rs: tuple[np.ndarray, np.ndarray] | None) -> float:
+    """The engine's own sequencing (calibrated model, see [Note: calibrated constants]): a
+    backward pass ends only when its buckets' all-reduces (and reduce-scatters) are complete
+    (grad_sync's end-of-backward flush), and launching bucket k first waits for bucket
+    k - ``in_flight`` on the backward thread. ``ar[m]``: (duration, compute-thread time) of
+    each bucket of micro-batch m, in launch order. Returns the end of the last micro-batch."""
+    t = 0.0
+    for m in range(M):
+        bwd_start = t + (first_fwd if m == 0 else fwd)
+        dur, cost = (ar[m][:, 0], ar[m][:, 1]) if len(ar[m]) else (np.zeros(0), np.zeros(0))
+        delay, ends = 0.0, []  # delay: backward-thread time lost to the all-reduces so far
+        for k in range(len(dur) if dur.sum() > 0 else 0):
+            launch = bwd_start + b_ready[k] + delay
+            if in_flight is not None and k >= in_flight and ends[k - in_flight] > launch:
+                delay += ends[k - in_flight] - launch
+                launch = ends[k - in_flight]
+            ends.append(max(launch, ends[-1] if ends else launch) + dur[k])
+            delay += cost[k]  # its time on the thread, right at launch
+        end = bwd_start + bwd + delay
+        if ends:
+            end = max(end, ends[-1])
+        if rs is not None:
+            issue, r_bwd = rs
+            end = max(end, _stream_end(bwd_start + issue, r_bwd))
+        t = end
+    return t
+
+
+@dataclass(frozen=True)
+class _Pricer:
+    """(duration, compute-thread time) of one collective: the profile's time, or with a
+    calibration its time under load (scale x profile + bytes x s_per_byte + latency) and the
+    compute time it costs (bytes x compute_s_per_byte, at most its duration). A collective
+    whose overlap is switched off costs the thread its whole duration; ``drop`` prices a kind
+    at zero (``kind_times``)."""
+
+    timer: CommTimer
+    calibration: Calibration | None
+    on: dict
+    drop: str | None = None
+
+    def __call__(self, kind: str, op: str, nbytes: float, mesh: tuple[int, int]
+                 ) -> tuple[float, float]:
+        t = self.timer.time(op, nbytes, *mesh)
+        if t <= 0 or kind == self.drop:
+            return 0.0, 0.0
+        cal = self.calibration
+        if cal is None:
+            return t, (0.0 if self.on[kind] else t)
+        d = (cal.comm_time_scale[kind] * t + cal.comm_s_per_byte[kind] * nbytes
+             + cal.comm_latency_s[kind])
+        if not self.on[kind] or kind in cal.blocking:
+            return d, d
+        return d, min(d, cal.compute_s_per_byte[kind] * nbytes)
+
+
+def _switches(overlap: OverlapRules) -> dict[str, bool]:
+    return {"AG": overlap.ag_rs, "RS": overlap.rs_async, "AR": overlap.ar, "BC": overlap.bc}
+
+
 def step_estimate(
     plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
     timer: CommTimer, comm: CommCost, *, num_micro_batches: int,
     efficiency: float = DEFAULT_EFFICIENCY, overlap: OverlapRules = OverlapRules(),
-    bwd_gather_mesh: tuple[int, int] | None = None,
+    bwd_gather_mesh: tuple[int, int] | None = None, calibration: Calibration | None = None,
+    drop_kind: str | None = None,
 ) -> StepEstimate:
     """Time one step of ``plan`` (see the module notes). ``comm`` supplies T0_os and T1_os.
-    ``bwd_gather_mesh`` gathers for backward on another mesh (ZeRO++'s secondary shard)."""
+    ``bwd_gather_mesh`` gathers for backward on another mesh (ZeRO++'s secondary shard).
+    ``calibration`` replaces the free constants by measured ones ([Note: calibrated constants]);
+    ``drop_kind`` (AG, RS, AR or BC) prices that kind's collectives at zero (``kind_times``)."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     M, T = num_micro_batches, training.tokens_per_micro_batch
     e, e_g = param_bytes(training.precision), grad_bytes(training)
     params, flops, layer_of = _units(spec, training.seq_len, training.granularity)
-    rate = cluster.peak_flops * efficiency
-    c_f = T * flops / rate
-    c_b = 2.0 * c_f
+    on = _switches(overlap)
+    price = _Pricer(timer, calibration, on, drop_kind)
+    if calibration is not None:
+        c_f = T * flops / calibration.forward_flops_per_s
+        c_b = 2.0 * T * flops / calibration.backward_flops_per_s
+    else:
+        c_f = T * flops / (cluster.peak_flops * efficiency)
+        c_b = 2.0 * c_f
 
     p0, p1 = plan.mesh("p")
     q0, q1 = bwd_gather_mesh or (p0, p1)
     sizes = {n: None for n in params.tolist()}
-    ag = {n: timer.time("allgather", e * n, p0, p1) for n in sizes}
-    ag_b = {n: timer.time("allgather", e * n, q0, q1) for n in sizes}
-    rs = {n: timer.time("reducescatter", e_g * n, p0, p1) for n in sizes}
-    g = np.array([ag[n] for n in params.tolist()])
-    g_b = np.array([ag_b[n] for n in params.tolist()])
-    r = np.array([rs[n] for n in params.tolist()])
+    ag = {n: price("AG", "allgather", e * n, (p0, p1)) for n in sizes}
+    ag_b = {n: price("AG", "allgather", e * n, (q0, q1)) for n in sizes}
+    rs = {n: price("RS", "reducescatter", e_g * n, (p0, p1)) for n in sizes}
+    g, hg = (np.array([ag[n][i] for n in params.tolist()]) for i in (0, 1))
+    g_b, hg_b = (np.array([ag_b[n][i] for n in params.tolist()]) for i in (0, 1))
+    r, hr = (np.array([rs[n][i] for n in params.tolist()]) for i in (0, 1))
     phi = params.sum()
+    U = training.bucket_bytes
+    if calibration is None:  # the paper's T1_os, spread over the units in proportion to bytes
+        t1_os = 0.0 if drop_kind == "BC" else comm.t1_os
+        h1_os = 0.0 if on["BC"] else t1_os
+        bc_end = np.cumsum(t1_os * params / phi)
+    else:  # the engine's broadcasts, one by one (issued.py), in forward order
+        items = broadcast_items(spec, plan, granularity=training.granularity, bucket_bytes=U,
+                                elem_bytes=e)
+        priced = [price("BC", "broadcast", b, plan.bcast_mesh()) for b, _ in items]
+        t1_os = float(sum(d for d, _ in priced))
+        h1_os = float(sum(h for _, h in priced))
+        bc_end = np.zeros(len(params))
+        done_at = 0.0
+        for (b, unit), (d, _) in zip(items, priced):
+            done_at += d
+            bc_end[unit] = done_at
+        bc_end = np.maximum.accumulate(bc_end)
 
     # -- first forward of the step, gated by the broadcasts of updated parameters ------------
-    s = _chain(c_f, g, overlap.ag_rs)
+    s = _chain(c_f, g, hg)
     fwd = s[-1] + c_f[-1]
-    if comm.t1_os <= 0:
+    if t1_os <= 0:
         first_fwd = fwd
-    elif overlap.bc:
-        bc_end = np.cumsum(comm.t1_os * params / phi)
-        if plan.sp > 1:
-            first_fwd = _gated_forward(c_f.tolist(), g.tolist(), bc_end.tolist(), sharded=True,
-                                       prefetch=overlap.ag_rs)
-        else:  # start_u = max(start_{u-1} + c_{u-1}, bc_end_u), solved in closed form
-            c_before = np.concatenate(([0.0], np.cumsum(c_f)[:-1]))
-            starts = c_before + np.maximum.accumulate(bc_end - c_before)
-            first_fwd = float(starts[-1] + c_f[-1])
     else:
-        first_fwd = comm.t1_os + fwd
+        t0 = h1_os  # the broadcasts' time on the compute thread, right after the step
+        if plan.sp > 1:
+            first_fwd = _gated_forward(c_f.tolist(), g.tolist(), hg.tolist(), bc_end.tolist(),
+                                       sharded=True, blocking=not on["AG"], t0=t0)
+        else:  # start_u = max(start_{u-1} + c_{u-1}, bc_end_u), solved in closed form
+            c_before = t0 + np.concatenate(([0.0], np.cumsum(c_f)[:-1]))
+            starts = c_before + np.maximum.accumulate(np.maximum(bc_end - c_before, 0.0))
+            first_fwd = float(starts[-1] + c_f[-1])
 
     # -- backward: tasks in execution order -------------------------------------------------
     order, is_bwd, need_gather = _backward_order(tuple(layer_of.tolist()), training.recompute)
     tc = np.where(is_bwd, c_b[order], c_f[order])
     tg = np.where(need_gather, g_b[order], 0.0)
-    if plan.sp > 1 and not overlap.rs_async:
-        tc = tc + np.where(is_bwd, r[order], 0.0)  # blocking reduce-scatter
-    bs = _chain(tc, tg, overlap.ag_rs)
+    th = np.where(need_gather, hg_b[order], 0.0)
+    if plan.sp > 1:  # a reduce-scatter's time on the compute thread (all of it when blocking)
+        tc = tc + np.where(is_bwd, hr[order], 0.0)
+    bs = _chain(tc, tg, th)
     bwd = bs[-1] + tc[-1]
+    if calibration is not None:
+        bwd += calibration.micro_batch_overhead_s
     done = (bs + tc)[is_bwd]  # gradient of each unit computed (backward order)
     units_bwd = order[is_bwd]
-    if plan.sp > 1 and overlap.rs_async:  # a bucket waits for its units' reduce-scatters
+    # a reduce-scatter is issued when its unit's gradient is computed, before its time on the
+    # compute thread; calibrated, it always runs on a stream of its own (continuous in h)
+    rs_async = plan.sp > 1 and (on["RS"] or calibration is not None)
+    rs_issue = done - hr[units_bwd] if plan.sp > 1 else done
+    if rs_async:  # a bucket waits for its units' reduce-scatters
         d_cum = np.cumsum(r[units_bwd])
-        grad_ready = np.maximum.accumulate(done - (d_cum - r[units_bwd])) + d_cum
+        grad_ready = np.maximum.accumulate(rs_issue - (d_cum - r[units_bwd])) + d_cum
     else:
         grad_ready = done
 
     # -- all-reduce buckets -----------------------------------------------------------------
-    unit_grad_bytes = e_g * params[units_bwd] / plan.sp
-    U = training.bucket_bytes
-    b_ready, b_bytes = _bucket_ready(unit_grad_bytes, grad_ready, U)
     g0, g1 = plan.grad_mesh()
-    t_ar_g = timer.time("allreduce", U, g0, g1)
-    t_ar_last = comm.t0_os / b_bytes.sum() * U if comm.t0_os > 0 else 0.0
+    if calibration is None:
+        unit_grad_bytes = e_g * params[units_bwd] / plan.sp
+        b_ready, b_bytes = _bucket_ready(unit_grad_bytes, grad_ready, U)
+        t_ar_g, t_ar_last = 0.0, 0.0
+        if drop_kind != "AR":
+            t_ar_g = timer.time("allreduce", U, g0, g1)
+            t_ar_last = comm.t0_os / b_bytes.sum() * U if comm.t0_os > 0 else 0.0
+        compute_end, rs_tail, ar_tail = _paper_micro_batches(
+            M, first_fwd=first_fwd, fwd=fwd, bwd=bwd, b_ready=b_ready, b_bytes=b_bytes, U=U,
+            t_ar_g=t_ar_g, t_ar_last=t_ar_last, ar_overlap=1.0 if on["AR"] else 0.0,
+            rs=(done, r[units_bwd]) if rs_async else None)
+    else:  # the engine's buckets (issued.py), each ready when its units' gradients are
+        buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
+                               elem_bytes=e_g)
+        ready_of = dict(zip(units_bwd.tolist(), grad_ready.tolist()))
+        b_ready = np.array([max(ready_of[u] for u in units) for _, units in buckets])
+        replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
+        order_b = np.argsort(b_ready, kind="stable")
+        last = np.array([price("AR", "allreduce", b, replica) for b, _ in buckets])[order_b]
+        other = np.array([price("AR", "allreduce", b, (g0, g1)) for b, _ in buckets])[order_b]
+        compute_end = _engine_micro_batches(
+            M, first_fwd=first_fwd, fwd=fwd, bwd=bwd, b_ready=b_ready[order_b],
+            ar=[last if m == M - 1 else other for m in range(M)],
+            in_flight=calibration.ar_buckets_in_flight,
+            rs=(rs_issue, r[units_bwd]) if rs_async else None)
+        rs_tail = ar_tail = 0.0
 
-    compute_mb = fwd + bwd  # compute chain of one micro-batch (gathers on the critical path incl.)
-    first_mb = first_fwd + bwd
-    offsets = first_mb - compute_mb + compute_mb * np.arange(M)  # start of each micro-batch
-    compute_end = first_mb + compute_mb * (M - 1)
-
-    bwd_starts = offsets + fwd  # offsets[0] + fwd == first_fwd
-    rs_tail = 0.0
-    if plan.sp > 1 and overlap.rs_async:
-        rs_ready = (bwd_starts[:, None] + done[None, :]).ravel()
-        rs_tail = _stream_end(rs_ready, np.tile(r[units_bwd], M))
-
-    ar_ready, ar_dur = [], []
-    for m in range(M):
-        bwd_start = bwd_starts[m]
-        last = m == M - 1
-        t_full = t_ar_last if last else t_ar_g
-        if t_full <= 0:
-            continue
-        ar_ready.append(bwd_start + b_ready)
-        ar_dur.append(t_full * b_bytes / U)
-    if ar_ready:
-        ready = np.concatenate(ar_ready)
-        dur = np.concatenate(ar_dur)
-        if overlap.ar:
-            ar_tail = _stream_end(ready, dur)
-        else:  # blocking: each micro-batch's all-reduces run after its backward
-            ar_tail = 0.0
-            compute_end += float(dur.sum())
-    else:
-        ar_tail = 0.0
-
-    t_opt = optimizer_step_time(spec, plan, training, cluster)
-    step = max(compute_end, rs_tail, ar_tail) + t_opt
+    t_opt = optimizer_step_time(spec, plan, training, cluster, calibration)
+    overhead = calibration.step_overhead_s if calibration else 0.0
+    step = max(compute_end, rs_tail, ar_tail) + t_opt + overhead
     compute = M * (c_f.sum() + c_b.sum())
     if training.recompute:
         compute += M * c_f[layer_of >= 0].sum()
     tokens = M * T
     useful = model_flops_per_token(spec, training.seq_len) * tokens
+    peak = cluster.peak_flops
     step, compute = float(step), float(compute)
     return StepEstimate(
         step_s=step,
         compute_s=compute,
         optimizer_s=t_opt,
-        exposed_comm_s=max(0.0, step - compute - t_opt),
-        mfu=useful / (step * cluster.peak_flops),
+        exposed_comm_s=max(0.0, step - compute - t_opt - overhead),
+        mfu=useful / (step * peak),
         tokens_per_gpu_per_s=tokens / step,
-        efficiency=efficiency,
+        efficiency=useful / (compute * peak) if calibration else efficiency,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class KindTimes:
+    """Per collective kind: the time the step model gives its collectives in one step
+    (``busy_s``, no overlap) and what they add to the step (``exposed_s``: the step time minus
+    the step time with that kind priced at zero)."""
+
+    busy_s: dict[str, float]
+    exposed_s: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Issued:
+    """The collectives of one kind the engine issues in one step: the profile's time for them
+    (summed), how many, and their bytes (the trace's v: AG output, RS input, AR/BC buffer)."""
+
+    time_s: float = 0.0
+    count: int = 0
+    nbytes: float = 0.0
+
+
+def issued_profile_times(plan: Plan, spec: ModelSpec, training: TrainingSpec,
+                         cluster: ClusterSpec, timer: CommTimer, *, num_micro_batches: int,
+                         bwd_gather_mesh: tuple[int, int] | None = None) -> dict[str, Issued]:
+    """Per kind, the collectives the engine issues in one step (issued.py) and the profile's
+    time for them: what a calibration is fitted against."""
+    M, U = num_micro_batches, training.bucket_bytes
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
+    params, _, _ = _units(spec, training.seq_len, training.granularity)
+    p_mesh = plan.mesh("p")
+    out = {k: Issued() for k in KINDS}
+    if plan.sp > 1:
+        q_mesh = bwd_gather_mesh or p_mesh
+        ag = sum(timer.time("allgather", e * n, *p_mesh) + timer.time("allgather", e * n, *q_mesh)
+                 for n in params.tolist())
+        rs = sum(timer.time("reducescatter", e_g * n, *p_mesh) for n in params.tolist())
+        phi = float(params.sum())
+        out["AG"] = Issued(time_s=M * ag, count=2 * M * len(params), nbytes=2 * M * e * phi)
+        out["RS"] = Issued(time_s=M * rs, count=M * len(params), nbytes=M * e_g * phi)
+    buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
+                           elem_bytes=e_g)
+    replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
+    t_ar, n_ar, v_ar = 0.0, 0, 0.0
+    for mesh, times in ((replica, 1), (plan.grad_mesh(), M - 1)):
+        if mesh[0] * mesh[1] > 1 and times > 0:
+            t_ar += times * sum(timer.time("allreduce", b, *mesh) for b, _ in buckets)
+            n_ar += times * len(buckets)
+            v_ar += times * sum(b for b, _ in buckets)
+    out["AR"] = Issued(time_s=t_ar, count=n_ar, nbytes=v_ar)
+    items = broadcast_items(spec, plan, granularity=training.granularity, bucket_bytes=U,
+                            elem_bytes=e)
+    out["BC"] = Issued(time_s=sum(timer.time("broadcast", b, *plan.bcast_mesh()) for b, _ in items),
+                       count=len(items), nbytes=sum(b for b, _ in items))
+    return out
+
+
+def kind_times(
+    plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+    timer: CommTimer, comm: CommCost, *, num_micro_batches: int, step: StepEstimate,
+    **options,
+) -> KindTimes:
+    """The model's per-kind times for ``plan`` (AG: forward + backward gathers, RS, AR: Tg +
+    T0_os, BC: T1_os; calibrated: the engine's collectives at their time under load), to
+    compare with a measured trace. ``options`` are ``step_estimate``'s (efficiency, overlap,
+    calibration, bwd_gather_mesh)."""
+    cal: Calibration | None = options.get("calibration")
+    M = num_micro_batches
+    if cal is not None:  # the engine's collectives, as the calibrated model prices them
+        issued = issued_profile_times(plan, spec, training, cluster, timer, num_micro_batches=M,
+                                      bwd_gather_mesh=options.get("bwd_gather_mesh"))
+        busy = {k: cal.comm_time_scale[k] * i.time_s + cal.comm_s_per_byte[k] * i.nbytes
+                + cal.comm_latency_s[k] * i.count for k, i in issued.items()}
+        return KindTimes(busy_s=busy, exposed_s=_exposed(plan, spec, training, cluster, timer,
+                                                         comm, M, step, busy, options))
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
+    params, _, _ = _units(spec, training.seq_len, training.granularity)
+    p0, p1 = plan.mesh("p")
+    q0, q1 = options.get("bwd_gather_mesh") or (p0, p1)
+    ag = sum(timer.time("allgather", e * n, p0, p1) + timer.time("allgather", e * n, q0, q1)
+             for n in params.tolist())
+    rs = sum(timer.time("reducescatter", e_g * n, p0, p1) for n in params.tolist())
+    busy = {"AG": M * ag, "RS": M * rs, "AR": comm.t_g + comm.t0_os, "BC": comm.t1_os}
+    return KindTimes(busy_s=busy, exposed_s=_exposed(plan, spec, training, cluster, timer, comm,
+                                                     M, step, busy, options))
+
+
+def _exposed(plan, spec, training, cluster, timer, comm, M, step, busy, options) -> dict[str, float]:
+    exposed = {}
+    for k in KINDS:
+        if busy[k] <= 0:
+            exposed[k] = 0.0
+            continue
+        without = step_estimate(plan, spec, training, cluster, timer, comm,
+                                num_micro_batches=M, drop_kind=k, **options)
+        exposed[k] = max(0.0, step.step_s - without.step_s)
+    return exposed

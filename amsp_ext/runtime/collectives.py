@@ -19,6 +19,14 @@ process-group timeout (the NCCL watchdog), whose error carries the group descrip
 ``stats`` counts the collectives issued per (op, group kind). The guard-rail tests use it to
 show that a bad plan is refused before any collective, and the benchmarks use it to report
 how many collectives a step issues.
+
+[Note: observer]
+``observer(event, op, name, info)`` sees every collective: ``"issue"`` before it is started,
+``"issued"`` right after with ``info`` = the pending handle (``.work``, ``.nbytes``: the
+collective's v as the planner counts it), ``"wait_begin"`` / ``"wait_end"`` (same handle)
+around every blocking wait. runtime/comm_trace.py turns these into measured and exposed time per kind. A
+handle given to FSDP2 is a ``WorkHandle`` (a ``dist.Work``), so FSDP2's own waits for its
+all-gathers also pass through ``wait`` and are seen (and time out naming their group).
 """
 
 from __future__ import annotations
@@ -50,12 +58,13 @@ __all__ = [
     "reduce_scatter_tensor",
     "stats",
     "wait",
+    "WorkHandle",
 ]
 
 # (op, group kind) -> number of collectives issued by this process
 stats: collections.Counter = collections.Counter()
-# Optional observer ``fn(event, op, name, info)`` with event in {"issue", "wait_begin",
-# "wait_end"}; the profiler/benchmarks hook in here. Keep it cheap.
+# Optional observer ``fn(event, op, name, info)`` with event in {"issue", "issued", "wait_begin",
+# "wait_end"} (see [Note: observer]); comm_trace.py and the benchmarks hook in here. Keep it cheap.
 observer = None
 
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -86,23 +95,46 @@ def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timede
 class _Pending:
     """A work handle plus what ``wait`` needs to name it in a timeout."""
 
-    __slots__ = ("work", "op", "name", "on_accelerator")
+    __slots__ = ("work", "op", "name", "on_accelerator", "nbytes")
 
-    def __init__(self, work: Any, op: str, name: str, on_accelerator: bool) -> None:
+    def __init__(self, work: Any, op: str, name: str, on_accelerator: bool, nbytes: int = 0) -> None:
         self.work, self.op, self.name = work, op, name
         self.on_accelerator = on_accelerator
+        self.nbytes = nbytes
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
 
 
 def _finish(work: Any, op: str, name: str, tensor: torch.Tensor, async_op: bool,
-            timeout) -> _Pending | None:
-    pending = _Pending(work, op, name, tensor.device.type != "cpu")
+            timeout, nbytes: int) -> _Pending | None:
+    pending = _Pending(work, op, name, tensor.device.type != "cpu", nbytes)
+    if observer is not None:
+        observer("issued", op, name, pending)
     if async_op:
         return pending
     wait(pending, timeout=timeout)
     return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class WorkHandle(dist.Work):
+    """A ``dist.Work`` whose ``wait()`` is :func:`wait`: for code that waits on its own (FSDP2),
+    so its waits are timed by the observer and time out naming the group."""
+
+    def __init__(self, pending: _Pending, timeout=None) -> None:
+        super().__init__()
+        self._pending, self._timeout = pending, timeout
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - ours is the group's timeout
+        wait(self._pending, timeout=self._timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._pending.is_completed()
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, name: str,
@@ -114,7 +146,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, name: str,
         with record_function(f"amsp::all_reduce::{_kind(name)}"):
             _issue("all_reduce", name)
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-        return _finish(work, "all_reduce", name, tensor, async_op, timeout)
+        return _finish(work, "all_reduce", name, tensor, async_op, timeout, _nbytes(tensor))
 
 
 def _on_stream(stream: torch.Stream | None):
@@ -127,7 +159,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, *, name:
     with record_function(f"amsp::broadcast::{_kind(name)}"):
         _issue("broadcast", name)
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return _finish(work, "broadcast", name, tensor, async_op, timeout)
+    return _finish(work, "broadcast", name, tensor, async_op, timeout, _nbytes(tensor))
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
@@ -135,7 +167,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dis
     with record_function(f"amsp::all_gather::{_kind(name)}"):
         _issue("all_gather", name)
         work = dist.all_gather_single(output, input, group=group, async_op=True)
-    return _finish(work, "all_gather", name, output, async_op, timeout)
+    return _finish(work, "all_gather", name, output, async_op, timeout, _nbytes(output))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
@@ -144,7 +176,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist
     with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
         _issue("reduce_scatter", name)
         work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
-    return _finish(work, "reduce_scatter", name, output, async_op, timeout)
+    return _finish(work, "reduce_scatter", name, output, async_op, timeout, _nbytes(input))
 
 
 def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: str,
@@ -197,7 +229,7 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
     label = name or pending.name
     with record_function(f"amsp::wait::{pending.op}::{_kind(label)}"):
         if observer is not None:
-            observer("wait_begin", pending.op, label, pending.is_completed())
+            observer("wait_begin", pending.op, label, pending)
         work = pending.work
         if pending.on_accelerator:
             work.wait()  # stream-ordered; see [Note: timeouts that name their group]
@@ -216,7 +248,7 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
                 ) from e
         pending.work = None
         if observer is not None:
-            observer("wait_end", pending.op, label, None)
+            observer("wait_end", pending.op, label, pending)
 
 
 # -- checkpoint I/O ------------------------------------------------------------------------------

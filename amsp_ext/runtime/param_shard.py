@@ -78,9 +78,10 @@ class AMSPAllGather(_Comm, compat.FSDPAllGatherBase):
         pending = C.all_gather_into_tensor(output_tensor, input_tensor, group, name=self.name,
                                            async_op=True)
         if async_op:
-            # FSDP2 waits via ``Work.wait()`` in wait_for_unshard; the group timeout still
-            # applies there. See [Note: FSDP2's async_op contract].
-            return pending.work
+            # FSDP2 waits via ``Work.wait()`` in wait_for_unshard (see [Note: FSDP2's async_op
+            # contract]); a WorkHandle routes that wait through collectives.wait: timed by the
+            # observer, and a timeout that names the group.
+            return C.WorkHandle(pending, self.timeout)
         C.wait(pending, timeout=self.timeout)
         _serialize_if_no_overlap(output_tensor, self.overlap)
         return None

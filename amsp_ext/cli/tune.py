@@ -1,0 +1,44 @@
+"""``amsp tune``: measure the candidate plans on the real cluster, check the planner against them,
+and optionally calibrate its step model. Runs on every rank, like ``amsp profile``:
+
+    amsp cluster run -- -m amsp_ext.cli tune --model small-llama --profile lab.json \\
+        --seq-len 128 --micro-batch-size 4 --micro-batches 1 --granularity layer \\
+        --repeats 2 --out comparisons/results/tune-A --calibrate-out lab.calibrated.json
+    torchrun --nproc-per-node 8 -m amsp_ext.cli tune --model-config config.json ...
+
+The job-shape flags are ``amsp train``'s (one schema, amsp_ext/train_config.py); the rest are
+TuneOptions (amsp_ext/tune/spec.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from amsp_ext import schema
+from amsp_ext.tune.spec import TuneConfig
+
+HELP = "measure the candidate plans on this cluster; planner vs measured, calibration"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    schema.add_arguments(p, TuneConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from amsp_ext.planner.profile import load_profile
+
+    config = schema.from_namespace(TuneConfig, args)  # one-line error before any rank talks
+    config.hf_config()  # an unreadable --model-config too
+    load_profile(config.planner.profile)  # and a bad profile
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR") if k not in os.environ]
+    if missing:
+        raise ValueError(
+            "amsp tune runs on every rank; start it with torchrun or the lab, e.g. `amsp cluster "
+            f"run -- -m amsp_ext.cli tune ...` (missing {', '.join(missing)})")
+    from amsp_ext.tune.run import run_tune
+
+    command = "amsp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return run_tune(config, command=command)

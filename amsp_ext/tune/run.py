@@ -1,0 +1,108 @@
+"""``amsp tune`` on every rank, top to bottom: peak, candidates, rounds, gather; then on rank 0
+the analysis, the report, the calibration and the winner."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_tune"]
+
+
+def _device_memory(device, gpus_per_node: int) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil
+
+    return psutil.virtual_memory().total // gpus_per_node
+
+
+def _progress(total: int):
+    """A tqdm bar on rank 0: plans measured / left, with an ETA."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="amsp tune", unit="plan", file=sys.stderr, ascii=True,
+                mininterval=0, dynamic_ncols=False, ncols=100)
+
+
+def run_tune(config, *, command: str) -> int:
+    """Every rank: measure; rank 0 also analyses and writes (see the module doc)."""
+    import torch
+    import torch.distributed as dist
+
+    from amsp_ext.runtime.peak import device_peak
+    from amsp_ext.runtime import collectives as C
+    from amsp_ext.runtime.profiler import pick_device
+    from amsp_ext.tune.candidates import choose_plans, make_problems
+    from amsp_ext.tune.worker import run_rounds
+
+    t_begin = time.time()
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = pick_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
+    t = config.tune
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.engine.timeout),
+                            device_id=device if device.type == "cuda" else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    R = config.cluster.gpus_per_node or local_world
+    if world % R:
+        raise ValueError(f"--gpus-per-node={R} must divide the world size {world}")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    num_nodes = world // R
+    load_start = list(os.getloadavg())
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.engine.precision]
+    peak = device_peak(device, dtype, timeout=config.engine.timeout,
+                               override_flops=t.peak_tflops * 1e12 if t.peak_tflops else None)
+    gpu_memory = config.planner.gpu_memory_bytes or _device_memory(device, R)
+    problems = make_problems(config, num_nodes=num_nodes, gpus_per_node=R,
+                             gpu_memory_bytes=gpu_memory, peak_flops=peak.flops)
+    candidates = choose_plans(config, problems)
+    if rank == 0:
+        print(f"amsp tune: {len(candidates)} plans x {t.repeats} rounds on {num_nodes} x {R} "
+              f"({backend}); peak {peak.flops / 1e9:.1f} GFLOP/s per rank ({peak.source})",
+              file=sys.stderr, flush=True)
+    bar = _progress(t.repeats * len(candidates)) if rank == 0 else None
+
+    def on_done(done: int, total: int, cand, rec) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"{cand.key} {rec['steps'][len(rec['steps']) // 2]['step_s']:.3f}s",
+                                refresh=False)
+            bar.update(1)
+
+    mine = run_rounds(config, candidates, gpus_per_node=R, device=device, on_done=on_done)
+    records = C.gather_objects(mine, dist.group.WORLD, name="world")
+    C.barrier(dist.group.WORLD, name="world", timeout=config.engine.timeout)
+    dist.destroy_process_group()
+    if bar is not None:
+        bar.close()
+    if rank != 0:
+        return 0
+
+    from amsp_ext.tune.report import build_result, print_winner, write_report
+
+    meta: dict[str, Any] = {
+        "command": command, "date": datetime.date.today().isoformat(),
+        "world": {"num_nodes": num_nodes, "gpus_per_node": R}, "backend": backend,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "peak": peak.as_dict(), "gpu_memory_bytes": gpu_memory,
+        "load": {"start": load_start, "end": list(os.getloadavg())},
+        "cluster_link": os.environ.get("AMSP_CLUSTER_LINK"),
+        "torch": torch.__version__,
+    }
+    result = build_result(config, problems, candidates, records, meta)
+    if t.calibrate_out:
+        from amsp_ext.tune.calibrate import calibrate_from_result
+
+        calibrate_from_result(result, config, problems, candidates, Path(t.calibrate_out))
+    result["meta"]["wall_s"] = time.time() - t_begin
+    path = write_report(result, Path(t.out))
+    print_winner(result, sys.stdout)
+    print(f"amsp tune: wrote {path} ({result['meta']['wall_s']:.0f} s)", file=sys.stderr)
+    return 0

@@ -1,0 +1,109 @@
+"""TuneConfig: one ``amsp tune`` run, on the training schema.
+
+The job shape is ``amsp train``'s: the same sections (train_config.py: cluster, planner, batch,
+engine) give the same flags, defaults and validation, and the engine is configured from them by
+the same function (train.py ``engine_shard_config``), so a plan measured here runs as
+``amsp train --plan P`` with the same flags would. ``TuneOptions`` adds what only tuning has.
+``--steps`` are the timed steps of every plan in every round and ``--warmup-steps`` the untimed
+ones before them (the optimizer runs at ``amsp train``'s default settings; no LR schedule).
+
+Pure Python (no torch), like train_config.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from amsp_ext.models import MODEL_CONFIGS, llama_config_dict
+from amsp_ext.schema import check_options, option, section
+from amsp_ext.train_config import BatchOptions, ClusterOptions, EngineOptions, PlannerOptions
+
+__all__ = ["TuneConfig", "TuneOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOptions:
+    """Which plans, how often, and what to write."""
+
+    warmup_steps: int = option(2, minimum=0, help="untimed steps of a plan before its timed ones")
+    repeats: int = option(2, minimum=1, help="rounds over all plans, in alternated order "
+                                             "(amsp compare's rounds); figures are medians over them")
+    probe_steps: int = option(5, minimum=2, help="steps of the compute probe per round (the "
+                                                 "first is dropped)")
+    top: int | None = option(None, minimum=1, help="the planner's top K per objective plus the "
+                             "baselines that fit (default: every legal plan that fits when there "
+                             "are at most 16, else 8)")
+    plans: str | None = option(None, metavar="P;P;...", help="measure these plans instead, "
+                               "separated by ';' (factors or ddp, zero1, zero2, zero3, mics:K)")
+    peak_tflops: float | None = option(None, above=0, help="MFU peak per GPU (default: the device "
+                                       "table on GPU, measured on CPU)")
+    out: str = option("tune-out", metavar="DIR", help="folder for tune.json, tune.md and the plot")
+    calibrate_out: str | None = option(None, metavar="PATH", help="fit the step model on this run "
+                                       "and write the profile with a calibration section here")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @property
+    def plan_list(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in (self.plans or "").split(";") if p.strip())
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneConfig:
+    model: str = option("tiny-llama", choices=sorted(MODEL_CONFIGS), help="built-in Llama")
+    model_config: str | None = option(None, metavar="PATH", help="a Llama-style Hugging Face "
+                                      "config.json instead of --model")
+    seed: int = option(0, minimum=0, help="model initialisation seed")
+    cluster: ClusterOptions = section(ClusterOptions)
+    planner: PlannerOptions = section(PlannerOptions)
+    batch: BatchOptions = section(BatchOptions)
+    engine: EngineOptions = section(EngineOptions)
+    tune: TuneOptions = section(TuneOptions)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        max_pos = self.hf_config().get("max_position_embeddings")
+        if isinstance(max_pos, int) and self.batch.seq_len > max_pos:
+            raise ValueError(f"--seq-len must be <= {max_pos} for {self.model_name}, got "
+                             f"{self.batch.seq_len}")
+
+    def hf_config(self) -> dict[str, Any]:
+        """The model's Hugging Face config (read from --model-config, else the built-in's)."""
+        if self.model_config is None:
+            return llama_config_dict(self.model)
+        try:
+            with open(self.model_config) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--model-config {self.model_config}: cannot read a JSON object "
+                             f"({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--model-config {self.model_config}: must hold a JSON object")
+        return data
+
+    @property
+    def model_name(self) -> str:
+        return self.model if self.model_config is None else self.model_config
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.engine.bucket_mb * 2**20)
+
+    @property
+    def tokens_per_rank_per_step(self) -> int:
+        b = self.batch
+        return b.seq_len * b.micro_batch_size * b.micro_batches
+
+    def job(self, memory_reserve_bytes: int) -> dict[str, Any]:
+        """The job's shape as one flat object, for the report."""
+        b, e, t = self.batch, self.engine, self.tune
+        return {"model": self.model_name, "seq_len": b.seq_len,
+                "micro_batch_size": b.micro_batch_size, "micro_batches": b.micro_batches,
+                "precision": e.precision, "reduce_dtype": e.reduce_dtype,
+                "granularity": e.granularity,
+                "bucket_bytes": self.bucket_bytes, "recompute": e.recompute,
+                "no_overlap": list(e.no_overlap), "memory_reserve_bytes": memory_reserve_bytes,
+                "steps": b.steps, "warmup_steps": t.warmup_steps, "repeats": t.repeats}

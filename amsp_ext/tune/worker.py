@@ -1,0 +1,284 @@
+"""The measuring side of ``amsp tune``: every rank runs this, inside torchrun or the lab.
+
+    1. the MFU peak (metrics.device_peak), once, every rank at once;
+    2. per round: the compute probe, then every candidate plan in the round's order
+       (compare/rounds.py: alternated, so load drifts hit every plan alike);
+    3. all ranks' records gathered on rank 0.
+
+[Note: one plan, one rank]
+Build the model (same seed on every rank), shard it with the plan (``amsp_ext.shard``), run
+``warmup_steps`` untimed and ``steps`` timed steps of the ordinary loop (M micro-batches,
+clip, step, the loss all-reduce of ``amsp train``), with a ``CommTrace`` recording every
+collective. Per step: wall time, forward / backward / optimizer phase times, and per collective
+kind the measured busy and exposed time (runtime/comm_trace.py). Then the rank's model-state
+bytes (the engine's own count) and peak RSS delta (VmHWM reset just before the model is built).
+The hooks are removed and the model dropped before the next plan.
+
+[Note: the compute probe]
+The step model's compute constants must be this model's forward and backward speed on this
+device *while every rank computes* (on a shared CPU a rank gets a share of the cores). The
+probe runs the unsharded model's forward, backward and AdamW step on this rank's micro-batches,
+each phase started on every rank at once (a barrier before it, none inside): the compute a plan
+would do with nothing else going on. Without the barriers the ranks drift apart, and a rank
+computing while another runs its optimizer step or waits got up to 1.7x the speed it gets in
+training (small-llama on the 2 x 2 lab: a forward at 56 GFLOP/s per rank, above the shared
+matmul peak of 36). Its median forward/backward/optimizer times feed the calibration
+(planner/fit.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.comm_trace import CommTrace
+from amsp_ext.train import adamw_factory, engine_shard_config
+from amsp_ext.train_config import OptimOptions
+from amsp_ext.tune.candidates import Candidate
+from amsp_ext.tune.spec import TuneConfig
+
+__all__ = ["build_model", "compute_probe", "measure_plan", "run_rounds"]
+
+_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_model(config: TuneConfig):
+    from amsp_ext.models import build_llama
+
+    if config.model_config is None:
+        return build_llama(config.model, seed=config.seed)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in config.hf_config().items() if k not in ("architectures",)}
+    hf = LlamaConfig(**cfg)
+    hf._attn_implementation = "eager"
+    torch.manual_seed(config.seed)
+    return LlamaForCausalLM(hf)
+
+
+def _batch(config: TuneConfig, step: int, micro: int, rank: int, world: int, device) -> torch.Tensor:
+    from amsp_ext.data import micro_batch
+
+    b = config.batch
+    return micro_batch(step, micro, rank, world_size=world, num_micro_batches=b.micro_batches,
+                       micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compute_probe(config: TuneConfig, device) -> dict[str, float]:
+    """Median forward, backward and optimizer-step seconds of the unsharded model (see the Note);
+    call on every rank at once."""
+    from amsp_ext.models import causal_lm_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    e, M, timeout = config.engine, config.batch.micro_batches, config.engine.timeout
+    model = build_model(config).to(device)
+    if e.recompute:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = model.to(_PRECISIONS[e.precision]) if e.precision != "fp32" else model
+    opt = adamw_factory(OptimOptions())(list(model.parameters()))
+    fwd, bwd, step_t = [], [], []
+    world_group = dist.group.WORLD
+
+    def together() -> None:  # every rank starts the next phase at once, as in training
+        C.barrier(world_group, name="world", timeout=timeout)
+
+    for step in range(config.tune.probe_steps):
+        f = b = 0.0
+        for micro in range(M):
+            batch = _batch(config, step, micro, rank, world, device)
+            together()
+            t0 = time.perf_counter()
+            loss = causal_lm_loss(model, batch) / M
+            _sync(device)
+            f += time.perf_counter() - t0
+            together()
+            t1 = time.perf_counter()
+            loss.backward()
+            _sync(device)
+            b += time.perf_counter() - t1
+        together()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        fwd.append(f)
+        bwd.append(b)
+        step_t.append(time.perf_counter() - t2)
+    C.barrier(dist.group.WORLD, name="world", timeout=timeout)
+    del model, opt
+    gc.collect()
+    return {"forward_s": statistics.median(fwd[1:]) / M, "backward_s": statistics.median(bwd[1:]) / M,
+            "optimizer_s": statistics.median(step_t[1:])}
+
+
+def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, device) -> dict[str, Any]:
+    """One plan on this rank (see [Note: one plan, one rank]): its record."""
+    import amsp_ext
+    from amsp_ext.compare import memory
+    from amsp_ext.metrics import peak_memory_bytes
+    from amsp_ext.models import causal_lm_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    M, timeout, optim = config.batch.micro_batches, config.engine.timeout, OptimOptions()
+    cluster = dataclasses.replace(config.cluster, gpus_per_node=gpus_per_node)
+    engine_config = engine_shard_config(cluster, config.planner, config.batch, config.engine)
+    gc.collect()
+    _trim_heap()  # the previous plan's freed memory back to the OS, so its reuse shows in RSS
+    C.barrier(dist.group.WORLD, name="world", timeout=timeout)
+    rss0 = memory.rss_bytes()
+    hwm_reset = memory.reset_peak_rss() and device.type == "cpu"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cpu0 = cpu_counters()
+    groups_before = set(c10d._world.pg_map)
+    t_setup = time.perf_counter()
+    model, opt = amsp_ext.shard(build_model(config), cand.plan, adamw_factory(optim),
+                                config=engine_config)
+    setup_s = time.perf_counter() - t_setup
+    steps: list[dict[str, Any]] = []
+    with CommTrace() as trace:
+        for step in range(config.tune.warmup_steps + config.batch.steps):
+            phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
+            t_start = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for micro in range(M):
+                batch = _batch(config, step, micro, rank, world, device)
+                with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    loss = causal_lm_loss(model, batch) / M
+                    _sync(device)
+                    t1 = time.perf_counter()
+                    opt.backward(loss)
+                    _sync(device)
+                    t2 = time.perf_counter()
+                phases["forward"].append((t0, t1))
+                phases["backward"].append((t1, t2))
+                step_loss += loss.detach().float()
+            t_opt = time.perf_counter()
+            if optim.clip > 0:
+                opt.clip_grad_norm_(optim.clip)
+            opt.step()
+            opt.zero_grad()
+            _sync(device)
+            t_opt_end = time.perf_counter()
+            C.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
+                         timeout=timeout)
+            t_end = time.perf_counter()
+            phases["optimizer"] = [(t_opt, t_opt_end)]
+            phases["loss_sync"] = [(t_opt_end, t_end)]
+            if step < config.tune.warmup_steps:
+                continue
+            steps.append({"step_s": t_end - t_start, "loss": float(step_loss.item()),
+                          "window": (t_start, t_end), "phases": phases})
+        model.amsp.wait_params()  # the last broadcasts complete before the trace is read
+        C.barrier(dist.group.WORLD, name="world", timeout=timeout)
+    for st in steps:  # a step's collectives: issued in its window (completed whenever)
+        t_start, t_end = st.pop("window")
+        st["comm"] = trace.summary(t_start, t_end)
+        st["phases"] = _phase_times(trace, st["phases"])
+    record = {
+        "rank": rank, "setup_s": setup_s, "steps": steps, "cpu": cpu_delta(cpu0),
+        "model_state_bytes": model.model_state_bytes(),
+        "peak_memory_bytes": (peak_memory_bytes(device) if device.type == "cuda" else
+                              (memory.peak_rss_bytes() - rss0) if hwm_reset and rss0 else None),
+    }
+    model.amsp.grad_sync.remove()
+    model.amsp.param_sync.remove()
+    del model, opt
+    gc.collect()
+    # [Note: one plan's process groups] Every shard() builds its plan's groups (13 on 2 x 2, each
+    # with gloo threads). Kept, they pile up over the rounds (hundreds of groups, thousands of
+    # threads) and the system time they cost slowed the later plans of a 54-plan run 4x; so
+    # each plan's groups go with it. Every rank destroys the same groups in the same order.
+    for group in [g for g in c10d._world.pg_map if g not in groups_before]:
+        dist.destroy_process_group(group)
+    return record
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0): return freed heap pages to the OS (CPU peak-memory figures)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the figure is an upper bound of reuse
+        pass
+
+
+def cpu_counters() -> dict[str, Any]:
+    """This host's busy CPU seconds (/proc/stat) and this process's CPU seconds, now."""
+    import resource
+    import socket
+
+    busy = None
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (sum(fields) - fields[3] - fields[4]) / hz  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        pass
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"t": time.perf_counter(), "host_busy_s": busy, "own_s": ru.ru_utime + ru.ru_stime,
+            "host": socket.gethostname(), "cores": os.cpu_count()}
+
+
+def cpu_delta(before: dict[str, Any]) -> dict[str, Any]:
+    """CPU use since ``before``: the host's busy seconds and this process's, over the wall time.
+    Rank 0 subtracts every local rank's own seconds to get what other jobs used."""
+    now = cpu_counters()
+    busy = (None if before["host_busy_s"] is None or now["host_busy_s"] is None
+            else now["host_busy_s"] - before["host_busy_s"])
+    return {"wall_s": now["t"] - before["t"], "host_busy_s": busy,
+            "own_s": now["own_s"] - before["own_s"], "host": now["host"], "cores": now["cores"]}
+
+
+def _phase_times(trace: CommTrace, phases: dict[str, list[tuple[float, float]]]
+                 ) -> dict[str, dict[str, float]]:
+    """Per phase: wall seconds, and seconds blocked in waits for collectives (any kind)."""
+    out = {}
+    for name, spans in phases.items():
+        blocked = sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in spans
+                      for _, a, b in trace.waits)
+        out[name] = {"wall_s": sum(t1 - t0 for t0, t1 in spans), "blocked_s": blocked}
+    return out
+
+
+def run_rounds(config: TuneConfig, candidates: list[Candidate], *, gpus_per_node: int, device,
+               on_done: Callable[[int, int, Candidate, dict], None] | None = None
+               ) -> dict[str, Any]:
+    """Every round (probe, then every plan in the round's order); this rank's records."""
+    from amsp_ext.compare.rounds import round_order
+
+    probes, runs = [], []
+    total = config.tune.repeats * len(candidates)
+    done = 0
+    for r in range(config.tune.repeats):
+        load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+        probes.append({"round": r + 1, **compute_probe(config, device), "load": load})
+        for position, cand in enumerate(round_order(candidates, r)):
+            t0 = time.time()
+            rec = measure_plan(config, cand, gpus_per_node=gpus_per_node, device=device)
+            rec.update(plan=cand.key, round=r + 1, position=position + 1, started_at=t0,
+                       load=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
+            runs.append(rec)
+            done += 1
+            if on_done is not None:
+                on_done(done, total, cand, rec)
+    return {"rank": dist.get_rank(), "probes": probes, "runs": runs}
