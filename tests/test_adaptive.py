@@ -140,3 +140,27 @@ def test_a_cut_link_switches_once_within_the_window(lab_problem):
     # the profile was re-fit to the cut link: the new plan is what the planner picks there
     truth = lab_problem.with_timer(lab_problem.timer.scaled(inter=0.05))
     assert after == str(replan(truth, parse_plan(after), (1.0, 1.0))[0])
+
+
+def test_trace_kinds_cross_nodes_follow_the_plans_meshes():
+    from amsp_ext.planner.adaptive import trace_kinds_cross_nodes
+    from amsp_ext.planner.plan import parse_plan
+
+    # ZeRO-3 over 2 x 2: gathers and reduce-scatters span nodes; no all-reduce, no broadcast
+    assert trace_kinds_cross_nodes(parse_plan("p=2x2,g=2x2,os=2x2"), 2, 2, 2) == {
+        "AG": True, "RS": True, "AR": False, "BC": False}
+    # shards inside a node: only the replicas' all-reduce crosses (the last micro-batch's)
+    assert trace_kinds_cross_nodes(parse_plan("p=2x1,g=2x1,os=2x1"), 2, 2, 1) == {
+        "AG": False, "RS": False, "AR": True, "BC": False}
+
+
+def test_slow_fault_parses_and_bad_ones_are_one_line():
+    from amsp_ext.faults import faults, slow_factor
+
+    fs = faults("slow:rank=1:step=5-9:x=100;nan:rank=0:step=2")
+    assert slow_factor(fs, rank=1, step=5) == 100.0 and slow_factor(fs, rank=1, step=10) == 1.0
+    assert slow_factor(fs, rank=0, step=6) == 1.0
+    for bad in ("slow:rank=1:step=5", "slow:rank=1:step=5:x=0", "slow:rank=1:step=5:x=abc"):
+        with pytest.raises(ValueError, match="AMSP_FAULTS") as err:
+            faults(bad)
+        assert "\n" not in str(err.value)

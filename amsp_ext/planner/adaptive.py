@@ -22,7 +22,8 @@ from typing import Any
 from amsp_ext.choices import check_bool, check_int, check_number
 
 __all__ = ["AdaptiveConfig", "Decision", "KIND_TERMS", "Monitor", "check_replannable", "decide",
-           "crosses_nodes", "predicted_by_kind", "refit_scales", "replan"]
+           "crosses_nodes", "predicted_by_kind", "refit_scales", "replan", "trace_kinds_cross_nodes",
+           "predicted_trace_kinds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,3 +224,39 @@ def replan(problem: Any, current: Any, scales: tuple[float, float]) -> tuple[Any
     best = result.best
     mine = evaluate(scaled, current, with_step=scaled.objective == "step")
     return best.plan, result.objective(mine), result.objective(best)
+
+
+# [Note: the kinds amsp train monitors]
+# ``amsp train --adaptive`` (runtime/adaptive.py) feeds the Monitor the kinds of the collectives
+# trace (runtime/comm_trace.py: AG, RS, AR, BC), not the group kinds above: they are what
+# ``amsp tune`` checked the step model against, and their prediction is the step model's
+# ``kind_times(...).busy_s`` (planner/step.py; calibrated when the profile carries a
+# calibration): the time of the kind's collectives with nothing overlapping them. The measured
+# side is the trace's ``busy_s`` (the union of the kind's in-flight intervals), the same pairing
+# as ``amsp tune``'s report. AR mixes the gradient all-reduces of M-1 micro-batches over the
+# ``grad`` group with the last one over ``param_replica``: it counts as crossing nodes when either
+# of them does (a cut link then shows as the AR drift of the crossing part, diluted by the other).
+
+
+def trace_kinds_cross_nodes(plan: Any, gpus_per_node: int, num_nodes: int,
+                            num_micro_batches: int) -> dict[str, bool]:
+    """Which trace kinds (AG, RS, AR, BC) of ``plan`` span nodes (see the Note above)."""
+    g = crosses_nodes(plan, gpus_per_node, num_nodes)
+    return {"AG": g["param_shard"], "RS": g["param_shard"],
+            "AR": g["param_replica"] or (num_micro_batches > 1 and g["grad"]),
+            "BC": g["optim_bcast"]}
+
+
+def predicted_trace_kinds(problem: Any, plan: Any, scales: tuple[float, float] = (1.0, 1.0)) -> dict[str, float]:
+    """The step model's per-step busy seconds per trace kind for ``plan`` once the profile's
+    bandwidths are scaled by ``scales`` (what ``amsp tune`` predicts, planner/step.py)."""
+    from amsp_ext.planner.search import evaluate
+    from amsp_ext.planner.step import kind_times
+
+    scaled = problem.with_timer(problem.timer.scaled(intra=scales[0], inter=scales[1]))
+    c = evaluate(scaled, plan, with_step=True)
+    kt = kind_times(plan, scaled.spec, scaled.training, scaled.cluster, scaled.timer, c.comm,
+                    num_micro_batches=scaled.num_micro_batches, step=c.step,
+                    efficiency=scaled.efficiency, overlap=scaled.overlap,
+                    calibration=scaled.calibration)
+    return {k: float(v) for k, v in kt.busy_s.items()}
