@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 from amsp_ext.choices import GRANULARITIES, OBJECTIVES, OVERLAP_OPS, PRECISIONS, check_one_of, reduce_dtypes
 from amsp_ext.models import MODEL_CONFIGS
+from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size
 from amsp_ext.schema import check_options, option, section
 
-__all__ = ["auto_plan_config", "DEFAULT_PLAN", "BatchOptions", "CheckpointOptions", "ClusterOptions", "EngineOptions", "OptimOptions",
+__all__ = ["auto_plan_config", "DEFAULT_PLAN", "AdaptiveOptions", "BatchOptions", "CheckpointOptions", "ClusterOptions", "EngineOptions", "OptimOptions",
            "OutputOptions", "PlannerOptions", "TrainConfig"]
 
 DEFAULT_PLAN = "p=1x1,g=1x1,os=2x1"
@@ -159,6 +160,36 @@ class CheckpointOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AdaptiveOptions:
+    """Adaptive AMSP (amsp_ext/planner/adaptive.py): re-plan and switch plans in memory when the
+    measured collective times leave the band around the profile's prediction. Off by default."""
+
+    adaptive: bool = option(False, help="re-plan and switch plans mid-run when the network changes")
+    adaptive_band_low: float = option(0.67, above=0, help="measured/predicted below this is out of band")
+    adaptive_band_high: float = option(1.5, above=0, help="measured/predicted above this is out of band")
+    adaptive_window: int = option(20, minimum=1, help="consecutive out-of-band steps before re-planning")
+    adaptive_min_steps_between: int = option(50, minimum=0, help="steps between two switches, at least")
+    adaptive_hysteresis: float = option(0.1, minimum=0, help="switch only if the predicted gain exceeds "
+                                                             "(1 + this) x the measured switch cost")
+    adaptive_allow_replan: bool = option(True, help="may a --plan given as factors or a name be replaced")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if not self.adaptive_band_low < 1 < self.adaptive_band_high:
+            raise ValueError(f"--adaptive-band-low and --adaptive-band-high must satisfy low < 1 < high "
+                             f"(a non-empty band), got {self.adaptive_band_low:g} and {self.adaptive_band_high:g}")
+
+    def config(self) -> AdaptiveConfig | None:
+        """The engine's AdaptiveConfig, or None when --adaptive is off."""
+        if not self.adaptive:
+            return None
+        return AdaptiveConfig(band=(self.adaptive_band_low, self.adaptive_band_high),
+                              window=self.adaptive_window,
+                              min_steps_between_switches=self.adaptive_min_steps_between,
+                              hysteresis=self.adaptive_hysteresis, allow_replan=self.adaptive_allow_replan)
+
+
+@dataclass(frozen=True, kw_only=True)
 class OutputOptions:
     json: bool = option(False, help="print one JSON object instead of a log")
 
@@ -183,6 +214,7 @@ class TrainConfig:
     optim: OptimOptions = section(OptimOptions)
     engine: EngineOptions = section(EngineOptions)
     checkpoint: CheckpointOptions = section(CheckpointOptions)
+    adaptive: AdaptiveOptions = section(AdaptiveOptions)
     output: OutputOptions = section(OutputOptions)
 
     def __post_init__(self) -> None:
@@ -190,6 +222,10 @@ class TrainConfig:
         max_pos = MODEL_CONFIGS[self.model]["max_position_embeddings"]
         if self.batch.seq_len > max_pos:
             raise ValueError(f"--seq-len must be <= {max_pos} for {self.model}, got {self.batch.seq_len}")
+        if self.adaptive.adaptive and not self.adaptive.adaptive_allow_replan and self.plan.strip().lower() != "auto":
+            raise ValueError(f"--adaptive with --no-adaptive-allow-replan on --plan {self.plan} leaves "
+                             f"adaptive nothing it may change: use --plan auto, drop "
+                             f"--no-adaptive-allow-replan, or drop --adaptive")
 
 
 def auto_plan_config(config: TrainConfig) -> AutoPlanConfig:

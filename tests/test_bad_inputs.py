@@ -117,6 +117,15 @@ CLI = [
      "not valid JSON"),
     ("migrate:no-model", ["migrate", "{ds_ok}", "--gpus-per-node", "2"], "--model"),
     ("amsp:unknown-command", ["trian"], "invalid choice: 'trian'"),
+    ("train:adaptive-band-empty", TRAIN + ["--adaptive", "--adaptive-band-low", "1.2"],
+     "--adaptive-band-low and --adaptive-band-high must satisfy low < 1 < high"),
+    ("train:adaptive-band-below-1", TRAIN + ["--adaptive", "--adaptive-band-high", "0.9"],
+     "--adaptive-band-low and --adaptive-band-high must satisfy low < 1 < high"),
+    ("train:adaptive-window-0", TRAIN + ["--adaptive", "--adaptive-window", "0"],
+     "--adaptive-window must be an integer >= 1, got 0"),
+    ("train:adaptive-no-replan-explicit-plan", TRAIN + ["--adaptive", "--no-adaptive-allow-replan",
+                                                        "--plan", "zero1"],
+     "--adaptive with --no-adaptive-allow-replan on --plan zero1 leaves adaptive nothing it may change"),
     ("train:bucket-1e-9", TRAIN + ["--bucket-mb", "1e-9"], "--bucket-mb must be at least one byte"),
     ("train:timeout-negative", TRAIN + ["--timeout", "-5"], "--timeout"),
     ("train:lr-nan", TRAIN + ["--lr", "nan"], "--lr"),
@@ -196,6 +205,12 @@ def _auto(**kw):
     return AutoPlanConfig(**kw)
 
 
+def _adaptive(**kw):
+    from amsp_ext.runtime.config import AdaptiveConfig
+
+    return AdaptiveConfig(**kw)
+
+
 def _overlap(**kw):
     from amsp_ext.runtime.config import OverlapConfig
 
@@ -239,6 +254,22 @@ PY = [
     ("ShardConfig:max-bad-steps", lambda f: _cfg(max_bad_steps=1.5), "config.max_bad_steps (0: no guard) must be an integer >= 0"),
     ("amsp-block:missing-mesh", lambda f: _amsp_block({"enabled": True, "plan": "ddp", "missing_mesh": "guess"}),
      "amsp.missing_mesh must be one of error, fit"),
+    ("AdaptiveConfig:band-empty", lambda f: _adaptive(band=(1.0, 1.0)),
+     "adaptive.band must be two numbers (low, high) with 0 < low < 1 < high"),
+    ("AdaptiveConfig:window-0", lambda f: _adaptive(window=0), "adaptive.window (steps) must be an integer >= 1, got 0"),
+    ("AdaptiveConfig:hysteresis-negative", lambda f: _adaptive(hysteresis=-0.1), "adaptive.hysteresis must be a number >= 0"),
+    ("ShardConfig:adaptive-dict", lambda f: _cfg(adaptive={"window": 3}), "config.adaptive must be an AdaptiveConfig or None"),
+    ("shard:adaptive-no-replan", lambda f: _shard(plan="zero1", config=_cfg(adaptive=_adaptive(allow_replan=False))),
+     "config.adaptive.allow_replan: false with plan zero1"),
+    ("amsp-block:adaptive-band-empty", lambda f: _amsp_block({"enabled": True, "plan": "ddp", "adaptive": {"band": [2, 3]}}),
+     "amsp.adaptive.band must be two numbers (low, high) with 0 < low < 1 < high"),
+    ("amsp-block:adaptive-window-0", lambda f: _amsp_block({"enabled": True, "plan": "ddp", "adaptive": {"window": 0}}),
+     "amsp.adaptive.window (steps) must be an integer >= 1, got 0"),
+    ("amsp-block:adaptive-no-replan", lambda f: _amsp_block({"enabled": True, "plan": "p=1x1,g=1x1,os=2x1",
+                                                            "adaptive": {"allow_replan": False}}),
+     "amsp.adaptive.allow_replan: false with plan p=1x1,g=1x1,os=2x1"),
+    ("amsp-block:adaptive-unknown-key", lambda f: _amsp_block({"enabled": True, "plan": "ddp", "adaptive": {"windw": 3}}),
+     "amsp.adaptive.windw is not an adaptive setting (allowed: band, window"),
     ("ds:clipping-negative", lambda f: _ds({"gradient_clipping": -1}, "gradient_clipping"), "gradient_clipping must be a number >= 0"),
     ("ds:config-list", lambda f: _ds(str(f["list_json"]), "load_ds_config"), "must be a JSON object"),
     ("ds:config-int", lambda f: _ds(3, "load_ds_config"), "ds_config must be a dict, a path or a JSON string"),

@@ -275,3 +275,37 @@ def test_cli_one_line_error(capsys, monkeypatch):
     assert main(["cluster", "up", "--nodes", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("amsp cluster: error:") and "--gpus-per-node" in err and "\n" not in err
+
+
+def test_set_changes_every_node_link_both_ways_and_the_state(state_dir):
+    ip = FakeIp()
+    netns.up(spec(latency="1ms"), runner=ip)
+    ip.calls.clear()
+    state = netns.set_bandwidth("amsp", "50mbit", runner=ip)
+    # hand-worked: 2 nodes x (node side, fabric side), tbf changed in place, netem untouched;
+    # burst = max(32 KiB, 50e6 / 8 / 1000 = 6250 B) = 32768
+    tail = ["root", "handle", "1:", "tbf", "rate", "50000000bit", "burst", "32768", "latency", "50ms"]
+    assert ip.calls == [
+        ["tc", "-n", "amsp-n0", "qdisc", "change", "dev", "amsp-eth0", *tail],
+        ["tc", "-n", "amsp-fab", "qdisc", "change", "dev", "amsp-v0", *tail],
+        ["tc", "-n", "amsp-n1", "qdisc", "change", "dev", "amsp-eth0", *tail],
+        ["tc", "-n", "amsp-fab", "qdisc", "change", "dev", "amsp-v1", *tail],
+    ]
+    saved = json.loads((state_dir / "amsp.json").read_text())
+    assert saved["spec"]["inter_node_bandwidth"] == "50mbit" == state["spec"]["inter_node_bandwidth"]
+    assert saved["link"]["inter_node_bandwidth_bits"] == 50_000_000
+    netns.down("amsp", runner=ip)
+
+
+@pytest.mark.parametrize("name,rate,msg", [
+    ("nolab", "50mbit", "lab 'nolab' is not up"),
+    ("amsp", "fast", "--inter-node-bandwidth: cannot read 'fast'"),
+    ("amsp", "1kbit", "below 8kbit"),
+])
+def test_set_one_line_errors(state_dir, name, rate, msg):
+    ip = FakeIp()
+    netns.up(spec(), runner=ip)
+    with pytest.raises(LabError) as e:
+        netns.set_bandwidth(name, rate, runner=ip)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+    netns.down("amsp", runner=ip)

@@ -146,6 +146,29 @@ def test_quick_profile_on_the_lab(lab, tmp_path):
     check_with_planner_loader(out)
 
 
+def test_set_changes_a_running_labs_links(lab):
+    def rates():
+        node = subprocess.run(["tc", "-n", f"{LAB}-n1", "qdisc", "show", "dev", f"{LAB}-eth0"],
+                              capture_output=True, text=True).stdout
+        fab = subprocess.run(["tc", "-n", f"{LAB}-fab", "qdisc", "show", "dev", f"{LAB}-v1"],
+                             capture_output=True, text=True).stdout
+        return node, fab
+
+    try:
+        proc = amsp("cluster", "set", "--name", LAB, "--inter-node-bandwidth", "50mbit", env=lab, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert all("rate 50Mbit" in r for r in rates()), rates()
+        status = json.loads(amsp("cluster", "status", "--name", LAB, env=lab, timeout=60).stdout)
+        assert status["state"]["link"]["inter_node_bandwidth_bits"] == 50_000_000
+    finally:
+        back = amsp("cluster", "set", "--name", LAB, "--inter-node-bandwidth", "1gbit", env=lab, timeout=60)
+        assert back.returncode == 0, back.stderr
+    assert all("rate 1Gbit" in r for r in rates())
+    bad = amsp("cluster", "set", "--name", "amspnone", "--inter-node-bandwidth", "50mbit", env=lab, timeout=60)
+    assert bad.returncode == 2 and "lab 'amspnone' is not up" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
 def check_with_planner_loader(path: Path) -> None:
     """The planner's loader accepts the profile and `amsp plan` uses it."""
     from amsp_ext.planner.profile import load_profile

@@ -1,4 +1,4 @@
-"""``amsp cluster up|run|down|status``: a multi-node lab on one machine (root, iproute2)."""
+"""``amsp cluster up|run|set|down|status``: a multi-node lab on one machine (root, iproute2)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     down = sub.add_parser("down", help="remove everything `up` created (idempotent, clears crash leftovers)")
     down.add_argument("--name", default="amsp")
+
+    set_ = sub.add_parser("set", help="change a running lab's links (e.g. degrade them mid-run)")
+    set_.add_argument("--name", default="amsp")
+    set_.add_argument("--inter-node-bandwidth", required=True,
+                      help="new rate of each node link, each direction, tc units: 50mbit, 1gbit")
 
     status = sub.add_parser("status", help="show the lab's settings and what exists")
     status.add_argument("--name", default="amsp")
@@ -103,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
         removed = netns.down(args.name, log=say)
         print("removed: " + (", ".join(removed) if removed else f"nothing (lab {args.name!r} was not up)"))
         return 0
+    if args.action == "set":
+        state = netns.set_bandwidth(args.name, args.inter_node_bandwidth, log=say)
+        print(f"lab {args.name}: {state['link']['inter']}")
+        return 0
     if args.action == "status":
         netns.preflight()
         state = netns.load_state(args.name)
@@ -125,4 +134,4 @@ def run(args: argparse.Namespace) -> int:
         spec = LabSpec.from_dict(state["spec"])
         return run_on_lab(spec, command, state_file=str(netns.state_path(args.name)),
                           master_port=args.master_port, timeout_s=args.timeout, log_dir=args.log_dir)
-    raise LabError(f"cluster: unknown action {args.action!r}; use up, run, down or status")
+    raise LabError(f"cluster: unknown action {args.action!r}; use up, run, set, down or status")

@@ -45,6 +45,7 @@ __all__ = [
     "Lab",
     "down_commands",
     "parse_rate",
+    "set_rate_commands",
     "parse_duration_us",
     "up_commands",
 ]
@@ -264,12 +265,16 @@ def validate_names(lab: Lab) -> None:
             )
 
 
-def _shape(ns: str, dev: str, bits: int, latency_us: float | None) -> list[list[str]]:
-    """tbf at ``bits``/s on ``dev``'s egress, with netem delay underneath when asked."""
+def _tbf(ns: str, dev: str, bits: int, verb: str) -> list[str]:
     # Burst: 1 ms of traffic, at least 32 KiB (a few MTUs, and above rate/HZ at HZ=1000).
     burst = max(32 * 1024, bits // 8 // 1000)
-    cmds = [["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-             "rate", f"{bits}bit", "burst", str(burst), "latency", "50ms"]]
+    return ["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "handle", "1:", "tbf",
+            "rate", f"{bits}bit", "burst", str(burst), "latency", "50ms"]
+
+
+def _shape(ns: str, dev: str, bits: int, latency_us: float | None) -> list[list[str]]:
+    """tbf at ``bits``/s on ``dev``'s egress, with netem delay underneath when asked."""
+    cmds = [_tbf(ns, dev, bits, "add")]
     if latency_us is not None:
         cmds.append(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                      "netem", "delay", f"{latency_us / 2:g}us", "limit", "100000"])
@@ -315,6 +320,17 @@ def up_commands(lab: Lab) -> list[list[str]]:
         ]
         cmds += _shape(ns, eth, s.inter_node_bits, s.latency_us)  # what node i sends
         cmds += _shape(fab, peer, s.inter_node_bits, s.latency_us)  # what node i receives
+    return cmds
+
+
+def set_rate_commands(lab: Lab, bits: int) -> list[list[str]]:
+    """``amsp cluster set --inter-node-bandwidth``: ``tc qdisc change`` of every node link's tbf,
+    both directions, on a running lab (the netem delay under it, if any, stays). Traffic in
+    flight keeps flowing: a job running on the lab sees its links slow down or speed up."""
+    cmds = []
+    for i in range(lab.spec.num_nodes):
+        cmds.append(_tbf(lab.node_ns(i), lab.node_ifname, bits, "change"))  # what node i sends
+        cmds.append(_tbf(lab.fabric_ns, lab.node_peer(i), bits, "change"))  # what node i receives
     return cmds
 
 

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from amsp_ext.cluster.lab import NAME_RE, Lab, LabError, LabSpec, down_commands, lab_namespace_re, up_commands
+from amsp_ext.cluster.lab import (NAME_RE, Lab, LabError, LabSpec, down_commands, lab_namespace_re, parse_rate,
+                                  set_rate_commands, up_commands)
 
-__all__ = ["Runner", "down", "find_leftovers", "load_state", "preflight", "state_path", "up"]
+__all__ = ["Runner", "down", "find_leftovers", "load_state", "preflight", "set_bandwidth", "state_path", "up"]
 
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess]
 STATE_DIR_ENV = "AMSP_CLUSTER_STATE_DIR"
@@ -165,6 +166,26 @@ def up(spec: LabSpec, *, runner: Runner = run_command, log: Callable[[str], None
     _write_state(spec.name, state)
     log(f"lab {spec.name!r} up: {spec.num_nodes} node(s) x {spec.gpus_per_node} rank(s), "
         f"{state['link']['inter']}" + (f"; spine {state['link']['spine']}" if "spine" in state["link"] else ""))
+    return state
+
+
+def set_bandwidth(name: str, rate: str, *, runner: Runner = run_command,
+                  log: Callable[[str], None] = lambda s: None) -> dict:
+    """Change a running lab's node-link rate (``tc qdisc change``); the state file follows."""
+    bits = parse_rate(rate, "--inter-node-bandwidth")
+    preflight()
+    state = load_state(name)
+    if state is None or state.get("status") != "up":
+        raise LabError(f"cluster set: lab {name!r} is not up; start it with `amsp cluster up --name {name} ...`")
+    spec = LabSpec.from_dict({**state["spec"], "inter_node_bandwidth": rate})
+    lab = Lab(spec=spec)
+    for argv in set_rate_commands(lab, bits):
+        proc = runner(argv)
+        if proc.returncode != 0:
+            raise LabError(f"cluster set: {_explain(argv, proc)}")
+    state["spec"], state["link"] = spec.as_dict(), lab.link_settings()
+    _write_state(name, state)
+    log(f"lab {name!r}: {state['link']['inter']}")
     return state
 
 

@@ -137,7 +137,7 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
         granularity=settings.granularity, recompute=settings.recompute,
         overlap=OverlapConfig(allgather=o.allgather, allreduce=o.allreduce, broadcast=o.broadcast),
         ownership=settings.ownership, timeout=float(settings.timeout),
-        max_bad_steps=settings.max_bad_steps,
+        max_bad_steps=settings.max_bad_steps, adaptive=settings.adaptive,
         fp16=FP16Config(initial_scale=prec.initial_scale, growth_interval=prec.growth_interval,
                         min_scale=prec.min_scale),
         auto=auto, **kw)

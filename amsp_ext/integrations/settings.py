@@ -18,6 +18,9 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
       "granularity": "module", "recompute": false, "ownership": "greedy", "timeout": 600,
       "max_bad_steps": 3,                   # consecutive non-finite steps (skipped) before the
                                             #   job stops; 0: no guard (ShardConfig.max_bad_steps)
+      "adaptive": {"band": [0.67, 1.5], "window": 20, "min_steps_between_switches": 50,
+                   "hysteresis": 0.1, "allow_replan": true},   # absent or null: off
+                                            #   (ShardConfig.adaptive, planner/adaptive.py)
       "log_plan": true
     }
 
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from amsp_ext.planner.adaptive import AdaptiveConfig, check_replannable
 from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OWNERSHIPS, check_bool,
                               check_int, check_one_of, is_int, reduce_dtypes)
 
@@ -169,6 +173,7 @@ class AMSPSettings:
     ownership: str = "greedy"
     timeout: float = 600.0
     max_bad_steps: int = 3
+    adaptive: AdaptiveConfig | None = None
     log_plan: bool = True
 
     def __post_init__(self) -> None:
@@ -192,6 +197,12 @@ class AMSPSettings:
                 0 < self.timeout < float("inf")):
             raise ConfigError(f"amsp.timeout must be a number of seconds > 0, got {self.timeout!r}")
         check_int(self.max_bad_steps, "amsp.max_bad_steps (0: no guard)", minimum=0, error=ConfigError)
+        if self.adaptive is not None and not isinstance(self.adaptive, AdaptiveConfig):
+            raise ConfigError(f"amsp.adaptive must be an object or null, got {self.adaptive!r}")
+        try:
+            check_replannable(self.plan, self.adaptive, flag="amsp.adaptive.allow_replan")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.plan.lower() == "auto" and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner sizes "
                               "activations by it); or give amsp.plan as factors or a baseline name")
@@ -244,6 +255,12 @@ class AMSPSettings:
                     raise ConfigError(f"{where} must be an object, got {v!r}")
                 _check_keys(v, tuple(f.name for f in fields(klass)), where)
                 kw[key] = klass(**v)
+        if kw.get("adaptive") is not None:
+            try:
+                kw["adaptive"] = AdaptiveConfig.from_dict(kw["adaptive"], where="amsp.adaptive")
+            except ValueError as e:
+                msg = str(e)
+                raise ConfigError(msg if msg.startswith("amsp.") else f"amsp.{msg}") from None
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,8 +268,10 @@ class AMSPSettings:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, (ClusterSettings, OverlapSettings)):
+            if isinstance(v, (ClusterSettings, OverlapSettings, AdaptiveConfig)):
                 v = {g.name: getattr(v, g.name) for g in fields(v)}
+                if "band" in v:
+                    v["band"] = list(v["band"])
             out[f.name] = v
         return out
 

@@ -150,3 +150,48 @@ def optimizer_hooks(opt: torch.optim.Optimizer, kind: str) -> list[Callable]:
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once when the current backward pass ends (what FSDP2 and DDP use too)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+# -- undoing fully_shard (runtime/switch.py) -----------------------------------------------------
+def fsdp_remove(module: nn.Module) -> None:
+    """Undo ``fully_shard`` on ``module`` (FSDP2 has no public inverse): remove the forward
+    hooks of its FSDPState, the state-dict hooks of its param group(s), each FSDPParam's
+    load-state-dict post-hook, its entries in the composable-API registry and the module-state
+    map, FSDP's marker attributes, and its ``FSDP<cls>`` class. The parameters registered on
+    the modules stay what they are (the sharded DTensors after ``reshard()``): the caller
+    replaces them. Read in torch 2.13's ``_fully_shard/_fully_shard.py``, ``_fsdp_state.py``,
+    ``_fsdp_param_group.py``, ``_fsdp_param.py``, ``_composable/contract.py`` and
+    ``_composable_state.py``."""
+    import importlib
+
+    from torch.distributed import _composable_state
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    # the module, not the ``contract`` decorator the package re-exports under the same name
+    contract = importlib.import_module("torch.distributed._composable.contract")
+
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    if state is None:
+        raise ValueError(f"fsdp_remove: {type(module).__name__} is not fully_shard-ed")
+    handles = {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}
+    for h in handles.values():
+        h.remove()
+    for group in state._fsdp_param_groups:
+        for hs in (group._module_to_pre_save_state_dict_hook_handle,
+                   group._module_to_pre_load_state_dict_hook_handle):
+            for h in hs.values():
+                h.remove()
+            hs.clear()
+        for fp in group.fsdp_params:
+            fp._post_load_hook_handle.remove()
+    for m in state._modules:
+        all_state = m.__dict__.get(contract.STATE_KEY, {})
+        for k in [k for k, v in all_state.items() if v is state]:
+            del all_state[k]
+        m.__dict__.get(contract.REGISTRY_KEY, {}).pop("fully_shard", None)
+        _composable_state._module_state_mapping.pop(m, None)
+        if isinstance(m, FSDPModule):
+            m.__class__ = type(m).__mro__[FSDPModule._orig_cls_mro_index]
+    for m in module.modules():
+        for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            m.__dict__.pop(attr, None)

@@ -45,6 +45,7 @@ __all__ = [
     "barrier",
     "CollectiveTimeout",
     "all_gather_bytes",
+    "all_gather_objects",
     "all_gather_into_tensor",
     "all_reduce",
     "broadcast",
@@ -197,6 +198,20 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: s
     data = out.cpu().numpy().tobytes()
     rows = [data[i * (width + 4): (i + 1) * (width + 4)] for i in range(size)]
     return [r[4: 4 + int.from_bytes(r[:4], "little")] for r in rows]
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, timeout=None) -> list:
+    """Every rank's ``obj`` (pickled with torch.save, so tensors travel too), in rank order: two
+    ``all_gather_bytes``, the lengths and then the payloads, so it times out naming its group."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    mine = buf.getvalue()
+    sizes = all_gather_bytes(len(mine).to_bytes(8, "little"), group, name=name, width=8, timeout=timeout)
+    width = max(int.from_bytes(s, "little") for s in sizes)
+    got = all_gather_bytes(mine, group, name=name, width=width, timeout=timeout)
+    return [torch.load(io.BytesIO(g), weights_only=False) for g in got]
 
 
 def barrier(group: dist.ProcessGroup | None, *, name: str, timeout=None) -> None:

@@ -11,9 +11,10 @@ import torch
 
 from amsp_ext import choices
 from amsp_ext.choices import GRANULARITIES, INIT_WEIGHTS, OWNERSHIPS, check_int, check_one_of
+from amsp_ext.planner.adaptive import AdaptiveConfig  # torch-free: the launcher validates with it
 from amsp_ext.planner.auto import AutoPlanConfig  # torch-free, so the planner owns it
 
-__all__ = ["AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
+__all__ = ["AdaptiveConfig", "AutoPlanConfig", "FP16Config", "OverlapConfig", "ShardConfig", "PRECISIONS"]
 
 # the torch dtype of each precision name (amsp_ext.choices.PRECISIONS)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,6 +102,8 @@ class ShardConfig:
     init_weights: str = "broadcast"
     # consecutive non-finite steps (skipped on every rank) before the job stops; 0: guard off
     max_bad_steps: int = 3
+    # re-plan and switch plans mid-run when the network changes (planner/adaptive.py); None: off
+    adaptive: AdaptiveConfig | None = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_node is None:
@@ -134,6 +137,8 @@ class ShardConfig:
             raise ValueError(f"config.fp16 must be an FP16Config, got {type(self.fp16).__name__}")
         if self.auto is not None and not isinstance(self.auto, AutoPlanConfig):
             raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
+        if self.adaptive is not None and not isinstance(self.adaptive, AdaptiveConfig):
+            raise ValueError(f"config.adaptive must be an AdaptiveConfig or None, got {type(self.adaptive).__name__}")
         check_int(self.max_bad_steps, "config.max_bad_steps (0: no guard)", minimum=0)
         check_one_of(self.init_weights, INIT_WEIGHTS, "config.init_weights")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.auto import plan_auto
 from amsp_ext.planner.plan import Plan, PlanError, resolve_plan, validate_plan
 from amsp_ext.runtime import _torch_compat as compat
@@ -59,6 +60,8 @@ class Engine:
         self.grad_sync: GradSync
         self.param_sync: ParamSync
         self.optimizer: AMSPOptimizer
+        self.masters: dict[int, nn.Parameter] = {}  # between build_engine and the optimizer
+        self.switches: list[dict] = []  # switch_plan's record of every switch (runtime/switch.py)
 
     def group(self, kind: str) -> dist.ProcessGroup:
         return self.mesh.group(kind)
@@ -329,6 +332,7 @@ def shard(model: nn.Module, plan: "Plan | str",
     config = config or ShardConfig()
     if not isinstance(config, ShardConfig):
         raise ValueError(f"config must be a ShardConfig, got {type(config).__name__}")
+    check_replannable(plan, config.adaptive, flag="config.adaptive.allow_replan")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("amsp_ext.shard needs torch.distributed initialized (torchrun + init_process_group)")
     if getattr(model, "amsp", None) is not None:
@@ -343,10 +347,37 @@ def shard(model: nn.Module, plan: "Plan | str",
     if device.type != "cpu":
         model.to(device)
     _same_initial_weights(model, config)
-    mesh = build_plan_mesh(plan, world, device_type=device.type,
-                           timeout=datetime.timedelta(seconds=config.timeout))
     if config.recompute:
         _enable_recompute(model)
+    engine = build_engine(model, plan, world, config, device)
+    engine.optimizer = AMSPOptimizer(
+        engine.masters, optimizer_factory, tensors=engine.tensors, grads=engine.grad_sync,
+        params=engine.param_sync, device=device, precision=config.precision, fp16=config.fp16,
+        norm_group=norm_group(engine), guard=NonFiniteGuard(max_bad_steps=config.max_bad_steps),
+        run_info=run_info(engine))
+    engine.masters = {}  # the optimizer holds them
+    install(model, engine)
+    return model, engine.optimizer
+
+
+def norm_group(engine: Engine) -> NormGroup:
+    # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
+    return NormGroup(group=dist.group.WORLD, name="world", timeout=engine.config.timeout,
+                     replicas=engine.world.size // engine.mesh.size("optim"))
+
+
+def run_info(engine: Engine) -> dict:
+    return {"plan": str(engine.plan), "world": [engine.world.num_nodes, engine.world.gpus_per_node]}
+
+
+def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
+                 device: torch.device) -> Engine:
+    """Steps 3-6 of [Note: order of construction] on an fp32 model that every rank holds whole:
+    the mesh, the units (FSDP2 when sp > 1), the layout, the owners' fp32 masters
+    (``engine.masters``), the model in the compute dtype, GradSync and ParamSync (not yet
+    installed). No optimizer: ``shard`` builds one, ``switch_plan`` rebinds the existing one."""
+    mesh = build_plan_mesh(plan, world, device_type=device.type,
+                           timeout=datetime.timedelta(seconds=config.timeout))
     units = list_units(model, config.granularity)
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.submeshes["param_shard"], name=mesh.name("param_shard"),
@@ -375,6 +406,7 @@ def shard(model: nn.Module, plan: "Plan | str",
 
     engine = Engine(plan=plan, world=world, mesh=mesh, config=config, units=units,
                     tensors=tensors, device=device)
+    engine.masters = masters
     engine.grad_sync = GradSync(
         tensors, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
         dp_size=world.size,
@@ -390,14 +422,11 @@ def shard(model: nn.Module, plan: "Plan | str",
         bucket_bytes=config.broadcast_staging_bytes)
     if plan.sp > 1 and device.type != "cpu":
         engine.param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
-    engine.optimizer = AMSPOptimizer(
-        masters, optimizer_factory, tensors=tensors, grads=engine.grad_sync,
-        params=engine.param_sync, device=device, precision=config.precision, fp16=config.fp16,
-        # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
-        norm_group=NormGroup(group=dist.group.WORLD, name="world", timeout=config.timeout,
-                             replicas=world.size // mesh.size("optim")),
-        guard=NonFiniteGuard(max_bad_steps=config.max_bad_steps),
-        run_info={"plan": str(plan), "world": [world.num_nodes, world.gpus_per_node]})
+    return engine
+
+
+def install(model: nn.Module, engine: Engine) -> None:
+    """Hooks in, and the model's class gains AMSPModule (``no_sync``, ``model.amsp``)."""
     engine.grad_sync.install()
     engine.param_sync.install()
     cls = type(model)
@@ -406,4 +435,3 @@ def shard(model: nn.Module, plan: "Plan | str",
     # tools pick the class from there. ``isinstance(model, AMSPModule)`` tells them apart.
     model.__class__ = type(cls.__name__, (AMSPModule, cls), {"__qualname__": cls.__qualname__})
     model.amsp = engine
-    return model, engine.optimizer

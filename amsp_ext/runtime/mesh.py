@@ -19,7 +19,7 @@ from amsp_ext.planner.plan import Plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.topology.groups import GROUP_AXES, GROUP_KINDS, MESH_AXES, World, axis_sizes, mesh_ranks, rank_groups
 
-__all__ = ["PlanMesh", "build_plan_mesh"]
+__all__ = ["PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,3 +84,14 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
         submeshes[kind], groups[kind], ranks[kind] = sub, pg, want
     return PlanMesh(plan=plan, world=world, device_mesh=mesh, submeshes=submeshes,
                     groups=groups, ranks=ranks)
+
+
+def destroy_plan_mesh(pm: PlanMesh) -> None:
+    """Destroy the process groups ``build_plan_mesh`` created (every axis of the 8-axis mesh and
+    every flattened kind; never the default group). Every rank calls it with its own PlanMesh,
+    after the last collective on those groups completed (runtime/switch.py)."""
+    groups = {id(g): g for g in pm.device_mesh.get_all_groups()}
+    groups.update({id(g): g for g in pm.groups.values()})
+    for g in groups.values():
+        if g is not dist.group.WORLD:
+            dist.destroy_process_group(g)

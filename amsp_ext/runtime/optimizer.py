@@ -105,6 +105,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         owned = list(self.masters.values())
         if not owned:  # a rank that owns nothing still has param_groups for schedulers
             owned = [nn.Parameter(torch.zeros(0, device=device))]
+        self._factory = optimizer_factory
         inner = optimizer_factory(owned)
         if not isinstance(inner, torch.optim.Optimizer):
             raise ValueError(f"optimizer_factory must return a torch.optim.Optimizer, got {type(inner).__name__}")
@@ -123,6 +124,29 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.num_steps = 0
         self.guard = guard or NonFiniteGuard(max_bad_steps=0)  # nonfinite.py (0: off)
         self._skipped = 0
+
+    def rebind(self, masters: Mapping[int, nn.Parameter], *, tensors: Sequence[LocalTensor],
+               grads: GradSource, params: ParamBroadcaster, norm_group: NormGroup,
+               run_info: Mapping[str, Any]) -> None:
+        """[Note: the same optimizer under another plan]
+        ``switch_plan`` (runtime/switch.py) gives this object another plan's owned masters and
+        collaborators. It stays the object the user's loop and LR scheduler hold: its hooks,
+        step counter, loss scaler and guard are kept; the inner optimizer is rebuilt over the
+        new masters by the same ``optimizer_factory`` (so param groups come out the same way),
+        and ``param_groups``/``state`` read through to it as before. The caller loads the
+        states and hyper-parameters into ``inner`` afterwards."""
+        owned = list(masters.values())
+        if not owned:
+            owned = [nn.Parameter(torch.zeros(0, device=self.device))]
+        inner = self._factory(owned)
+        if type(inner) is not type(self.inner):
+            raise ValueError(f"optimizer_factory built a {type(inner).__name__} after a plan switch, "
+                             f"{type(self.inner).__name__} before")
+        self.masters, self.tensors = dict(masters), list(tensors)
+        self._grads, self._params, self._norm_group = grads, params, norm_group
+        self.run_info = dict(run_info)
+        self.inner = inner
+        self._grad_coef, self._found_inf = 1.0, None
 
     # -- what LR schedulers and user code read ---------------------------------------------------
     @property

@@ -1,0 +1,163 @@
+"""The engine side of adaptive AMSP: measure each step's collectives, agree, decide, switch.
+
+``amsp train --adaptive`` builds one ``AdaptiveRun`` and calls ``after_step`` at every step
+boundary (after ``optimizer.zero_grad()``). The decision logic is planner/adaptive.py's
+(Monitor, refit_scales, replan, decide); this file feeds it and acts on it.
+
+[Note: one step's numbers]
+A ``CommTrace`` (runtime/comm_trace.py) records every collective while the run trains. At the
+end of step k the numbers of step k-1 are read: its parameter broadcasts are overlapped with
+step k's forward, so only then are all of its collectives complete. Per trace kind (AG, RS, AR,
+BC) the measured figure is ``busy_s`` (the union of the kind's in-flight intervals), because
+the prediction it is compared with, the step model's ``kind_times(...).busy_s``, is the kind's
+time with nothing overlapping it ([Note: the kinds amsp train monitors] in planner/adaptive.py;
+``amsp tune`` pairs the same two). Then the trace's records of that step are dropped.
+
+[Note: every rank takes the same decision]
+The four measured seconds and this rank's switch-cost figure go through ONE all-reduce (sum,
+divided by the world size: the mean) at the step boundary, through runtime/collectives.py with
+the group's timeout. The mean, not the max: the members of a group wait for each other, so a
+kind's busy time is nearly the same on every rank, and one rank's hiccup (a page fault, a
+checkpoint write) should move the figure by 1/world of itself rather than set it. After it
+every rank holds the same floats; the Monitor, the planner and ``decide`` are deterministic,
+so every rank reaches the same decision and calls ``switch_plan`` with the same plan (which
+checks that again before moving anything).
+
+[Note: the switch cost]
+``decide`` needs what a switch costs. Before the first switch nothing has been measured, so
+the cost is the time ``amsp_ext.shard`` took at start-up (a switch does all of ``shard``'s work,
+rebuilding groups and FSDP2, plus moving the state, so this is an underestimate); after a
+switch it is that switch's measured seconds (``model.amsp.switches[-1]["seconds"]``), both as
+the mean over ranks.
+
+[Note: what is re-fitted]
+On drift, ``refit_scales`` turns the drifted kinds' median measured/predicted ratios into
+bandwidth multipliers (intra-node, cross-node). They multiply the ones of earlier re-fits: the
+prediction a ratio is taken against is already the re-fit profile's. With a calibrated profile
+(``amsp tune``) only the profile-time part of the calibrated prices scales; its per-byte and
+per-collective constants do not.
+
+Off (no ``--adaptive``) nothing of this exists: no trace, no extra collective.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from amsp_ext.faults import slow_factor
+from amsp_ext.planner.adaptive import (AdaptiveConfig, Decision, Monitor, decide, predicted_trace_kinds,
+                                       refit_scales, replan, trace_kinds_cross_nodes)
+from amsp_ext.planner.search import make_problem
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.comm_trace import KINDS, CommTrace
+
+__all__ = ["AdaptiveRun", "planner_problem"]
+
+
+def planner_problem(model, config) -> Any:
+    """The planner's Problem for this run (the one plan "auto" solves: engine._auto_plan)."""
+    from amsp_ext.runtime.engine import _device_memory
+
+    a, world = config.auto, model.amsp.world
+    if a is None:
+        raise ValueError("adaptive needs config.auto=AutoPlanConfig(seq_len=..., micro_batch_size=..., "
+                         "num_micro_batches=...) to predict the step's collectives")
+    cluster = ClusterSpec(num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
+                          gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node),
+                          nodes_per_leaf=config.nodes_per_leaf)
+    training = TrainingSpec(seq_len=a.seq_len, micro_batch_size=a.micro_batch_size,
+                            num_micro_batches=a.num_micro_batches, recompute=config.recompute,
+                            precision=config.precision, optimizer=a.optimizer,
+                            bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
+                            reduce_dtype=config.reduce_dtype)
+    reserve = {} if a.memory_reserve_bytes is None else {"memory_reserve_bytes": a.memory_reserve_bytes}
+    hf = model.config.to_dict() if hasattr(model, "config") else None
+    return make_problem(hf, cluster, training, a.profile, objective=a.objective, missing=a.missing,
+                        **reserve)
+
+
+class AdaptiveRun:
+    """Monitor, decide and switch for one run (see the Notes). Built just before the training
+    loop (it installs the trace then); ``close()`` after it."""
+
+    def __init__(self, model, config, adaptive: AdaptiveConfig, *, total_steps: int,
+                 first_switch_cost_s: float, faults=(), timeout: float) -> None:
+        self.model, self.config, self.adaptive = model, config, adaptive
+        self.total_steps, self.first_cost, self.faults, self.timeout = (
+            total_steps, first_switch_cost_s, list(faults), timeout)
+        self.problem = planner_problem(model, config)
+        self.monitor = Monitor(adaptive)
+        self.scales = (1.0, 1.0)
+        self.trace = CommTrace()
+        self.windows: list[tuple[int, float, float]] = []  # (step, begin, end) not yet read
+        self.decisions: list[Decision] = []
+        self.last_switch_step = -1  # steps since the last switch count from the start
+        self._refresh()
+        self.trace.__enter__()
+
+    def close(self) -> None:
+        self.trace.__exit__(None, None, None)
+
+    def _refresh(self) -> None:
+        """The prediction and the kinds' node crossing for the current plan and scales."""
+        plan, world = self.model.amsp.plan, self.model.amsp.world
+        self.predicted = predicted_trace_kinds(self.problem, plan, self.scales)
+        self.crosses = trace_kinds_cross_nodes(plan, world.gpus_per_node, world.num_nodes,
+                                               self.problem.num_micro_batches)
+
+    def _measured(self, step: int, t0: float, t1: float) -> dict[str, float]:
+        summary = self.trace.summary(t0, t1)
+        out = {k: summary[k]["busy_s"] for k in KINDS}
+        f = slow_factor(self.faults, rank=dist.get_rank(), step=step)
+        if f != 1.0:  # a fake slow link (faults.py): only this input changes
+            out = {k: v * f if self.crosses[k] else v for k, v in out.items()}
+        # drop what was read: the trace must not grow over a long run
+        self.trace.records[:] = [r for r in self.trace.records if r.issued >= t1]
+        self.trace.waits[:] = [w for w in self.trace.waits if w[2] >= t1]
+        return out
+
+    def _switch_cost(self) -> float:
+        sw = self.model.amsp.switches
+        return float(sw[-1]["seconds"]) if sw else float(self.first_cost)
+
+    def after_step(self, step: int, t0: float, t1: float, optimizer) -> Decision | None:
+        """Call on every rank at the end of step ``step`` (its window [t0, t1)), between steps.
+        Returns the decision taken now, if any (after a switch ``model.amsp`` is the new plan)."""
+        self.windows.append((step, t0, t1))
+        if len(self.windows) < 2:
+            return None
+        s, a, b = self.windows.pop(0)  # the previous step: all its collectives are complete
+        mine = self._measured(s, a, b)
+        vec = torch.tensor([mine[k] for k in KINDS] + [self._switch_cost()], dtype=torch.float64)
+        C.all_reduce(vec, dist.group.WORLD, name="world", async_op=False, timeout=self.timeout)
+        vec /= dist.get_world_size()
+        agreed = dict(zip(KINDS, vec[:len(KINDS)].tolist()))
+        cost = float(vec[len(KINDS)])
+        self.monitor.observe(agreed, self.predicted)
+        drift = self.monitor.drift()
+        if not drift:
+            return None
+        new = refit_scales(drift, self.crosses)
+        self.scales = (self.scales[0] * new[0], self.scales[1] * new[1])
+        current = self.model.amsp.plan
+        best, cur_s, best_s = replan(self.problem, current, self.scales)
+        d = decide(step=step, current=str(current), candidate=str(best), current_step_s=cur_s,
+                   candidate_step_s=best_s, remaining_steps=self.total_steps - step - 1,
+                   switch_cost_s=cost, steps_since_switch=step - self.last_switch_step,
+                   config=self.adaptive, drift=drift, scales=self.scales)
+        self.decisions.append(d)
+        if d.switch:
+            from amsp_ext.runtime.switch import switch_plan
+
+            switch_plan(self.model, optimizer, best)
+            self.last_switch_step = step
+            self.windows.clear()  # the switch's own collectives are no step's
+            self.trace.clear()
+        self.monitor.reset()
+        self._refresh()
+        return d

@@ -1,0 +1,235 @@
+"""``switch_plan(model, optimizer, plan)``: move a sharded model from one plan to another in
+memory, between two steps, and keep training.
+
+[Note: what a switch moves, and what stays]
+The same processes, no files. What moves: every trainable tensor's fp32 master (under fp32 the
+parameter itself), the inner optimizer's states of it, its param-group hyper-parameters (lr,
+``initial_lr`` a scheduler set, ...), and frozen parameters. What stays: the model object, the
+optimizer object (its hooks, step counter, loss scaler, non-finite guard; see [Note: the same
+optimizer under another plan] in optimizer.py), so an LR scheduler bound to it goes on as if
+nothing happened; buffers; each rank's RNG states (saved and restored around the switch); the
+data position, which is the caller's loop's. The process groups of the old plan are destroyed
+and the new plan's built (runtime/mesh.py), as ``shard`` does.
+
+[Note: the resharding layout]
+The layout is the checkpoints' (checkpoint.py, [Note: the layout as DCP chunks]): each local
+tensor is a chunk of its global tensor at an offset on dim 0 (FSDP2's Shard(0)); masters and
+states live only with the chunk's owners. Step 1 publishes, in one all-gather of a small table,
+which rank owns which chunk (offset, length, state keys and dtypes, plus the chunk's scalars,
+non-tensor states and hyper-parameters). Step 2 rebuilds every global tensor: each chunk is
+broadcast once from its lowest-ranked owner, straight into its slice of the full tensor.
+Step 3 undoes the old engine (hooks, FSDP2 via _torch_compat.fsdp_remove, groups) and puts
+the full fp32 values back as the model's parameters, so step 4 is exactly ``shard``'s
+construction on an fp32 model (engine.build_engine): the new owners' masters are their slices
+of the old masters bit for bit, and a non-owner's compute-dtype parameter is the same rounding
+of the master it held before. Step 5 gives the inner optimizer the slices of the states.
+
+Cost (the weak part, measured by the adaptive benchmarks): every rank holds the whole model
+state for the duration of a switch (the full masters and states of step 2: 12 Phi bytes for
+AdamW) and receives it over the world; a point-to-point exchange of only the overlapping
+chunks would move (and hold) what each rank needs. Optimizer states that are neither shaped
+like the parameter nor scalars (e.g. factored states) are refused with one line, before any
+change.
+
+[Note: exactness]
+Masters and states are copied, never recomputed: a switch changes no value. The steps after a
+switch differ from the unswitched run only by the order in which the new plan's groups sum
+gradients, the same ~1e-7 effect as between plans (tests/test_switch.py checks every step
+against the single-process reference).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+
+from amsp_ext.planner.plan import Plan, validate_plan
+from amsp_ext.runtime import _torch_compat as compat
+from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.checkpoint import _reshard, _rng_state, _set_rng_state, engine_of, wait_for_save
+from amsp_ext.runtime.engine import (AMSPModule, Engine, _check_same_everywhere, _fingerprint, _resolve,
+                                     build_engine, install, norm_group, run_info)
+from amsp_ext.runtime.mesh import destroy_plan_mesh
+from amsp_ext.runtime.optimizer import AMSPOptimizer
+
+__all__ = ["switch_plan"]
+
+
+@torch.no_grad()
+def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") -> AMSPOptimizer:
+    """Re-shard ``model`` and ``optimizer`` (from ``amsp_ext.shard``) under ``plan`` in place.
+
+    Collective: every rank calls it with the same plan, between steps (after
+    ``optimizer.zero_grad()``). ``plan``: anything ``shard`` takes (also ``"auto"``). Returns
+    ``optimizer``, the same object, now over the new plan's owned masters; ``model`` is the
+    same object too. A no-op (after the agreement check) when the plan does not change.
+    """
+    e = engine_of(model, optimizer)
+    new = _resolve(plan, model, e.world, e.config)
+    validate_plan(new, gpus_per_node=e.world.gpus_per_node, num_nodes=e.world.num_nodes,
+                  structural_only=True)
+    if e.grad_sync.owned or e.grad_sync.kept or e.grad_sync.mode is not None:
+        raise ValueError("switch_plan: call it between steps (after optimizer.step() and "
+                         "optimizer.zero_grad()), not with gradients pending")
+    _check_optimizer_states(optimizer)
+    # -- first collective: every rank switches to the same plan ------------------------------
+    _check_same_everywhere(_fingerprint(new, e.config, e.world, model), e.config)
+    if new == e.plan:
+        return optimizer
+    t0 = time.perf_counter()
+    wait_for_save(model)
+    e.wait_params()
+    _reshard(model)
+    optimizer.zero_grad()
+    rng = _rng_state(e.device)
+    full = _gather(e, optimizer)
+    frozen = _gather_frozen(model, e)
+    _teardown(model, e, full, frozen)
+    engine = build_engine(model, new, e.world, e.config, e.device)
+    engine.full_state_dict = e.full_state_dict
+    optimizer.rebind(engine.masters, tensors=engine.tensors, grads=engine.grad_sync,
+                     params=engine.param_sync, norm_group=norm_group(engine), run_info=run_info(engine))
+    _load_states(engine, optimizer, full)
+    engine.masters = {}
+    engine.optimizer = optimizer
+    install(model, engine)
+    _set_rng_state(rng, e.device)
+    C.barrier(None, name="world", timeout=e.config.timeout)
+    engine.switches = e.switches + [{"step": optimizer.num_steps, "from": str(e.plan), "to": str(new),
+                                     "seconds": time.perf_counter() - t0}]
+    return optimizer
+
+
+def _check_optimizer_states(opt: AMSPOptimizer) -> None:
+    for idx, m in opt.masters.items():
+        for k, v in opt.inner.state.get(m, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != tuple(m.shape):
+                raise ValueError(
+                    f"switch_plan: optimizer state {k!r} of {opt.tensors[idx].name!r} has shape "
+                    f"{tuple(v.shape)}, neither the parameter's {tuple(m.shape)} nor a scalar; only "
+                    f"such states can be re-sharded")
+
+
+def _chunk(t) -> tuple[int, int]:
+    """(offset, length) of this rank's chunk of ``t`` on dim 0."""
+    off = compat.local_chunk_offset(t.param)
+    return (off[0] if off else 0), (t.local_shape[0] if t.local_shape else 1)
+
+
+def _rows(full: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+    """Rows ``offset:offset+length`` of ``full`` on dim 0, flat (a 0-d tensor is one row)."""
+    row = full[0].numel() if full.dim() else 1
+    return full.reshape(-1)[offset * row: (offset + length) * row]
+
+
+def _gather(e: Engine, opt: AMSPOptimizer) -> dict[str, dict[str, Any]]:
+    """Steps 1 and 2 of [Note: the resharding layout]: name -> {"master": full fp32 tensor,
+    "states": {key: full tensor}, "scalars", "objects", "hp"} on every rank."""
+    group_of = {id(p): g for g in opt.inner.param_groups for p in g["params"]}
+    mine = []
+    for idx, m in opt.masters.items():
+        t = e.tensors[idx]
+        off, n = _chunk(t)
+        params, scalars, objects = {}, {}, {}
+        for k, v in opt.inner.state.get(m, {}).items():
+            if not torch.is_tensor(v):
+                objects[k] = v
+            elif v.dim() == 0:
+                scalars[k] = v.detach().clone()
+            else:
+                params[k] = v.dtype
+        mine.append({"index": idx, "offset": off, "length": n, "states": params, "scalars": scalars,
+                     "objects": objects,
+                     "hp": {k: v for k, v in group_of[id(m)].items() if k != "params"}})
+    table = C.all_gather_objects(mine, None, name="world", timeout=e.config.timeout)
+    # the lowest-ranked owner of each chunk serves it: (index, offset) -> (rank, row)
+    source: dict[tuple[int, int], tuple[int, dict]] = {}
+    for rank, rows in enumerate(table):
+        for r in rows:
+            if r["length"]:  # an empty chunk (more shards than rows) has nothing to serve
+                source.setdefault((r["index"], r["offset"]), (rank, r))
+    full: dict[str, dict[str, Any]] = {}
+    for t in e.tensors:  # the same names and order on every rank
+        chunks = sorted((off, src) for (i, off), src in source.items() if i == t.index)
+        first = chunks[0][1][1]
+        f = {"master": torch.empty(t.global_shape, dtype=torch.float32, device=e.device),
+             "states": {k: torch.empty(t.global_shape, dtype=dt, device=e.device)
+                        for k, dt in sorted(first["states"].items())},
+             "scalars": first["scalars"], "objects": first["objects"], "hp": first["hp"]}
+        pending = []
+        for off, (rank, r) in chunks:
+            m = opt.masters.get(r["index"]) if rank == e.rank else None
+            for key, target in [("master", f["master"]), *sorted(f["states"].items())]:
+                piece = _rows(target, off, r["length"])
+                if piece.numel() == 0:
+                    continue
+                if m is not None:
+                    piece.copy_((m if key == "master" else opt.inner.state[m][key]).reshape(-1))
+                pending.append(C.broadcast(piece, rank, None, name="world"))
+        for p in pending:
+            C.wait(p, timeout=e.config.timeout)
+        full[t.name] = f
+    return full
+
+
+def _gather_frozen(model: nn.Module, e: Engine) -> dict[int, torch.Tensor]:
+    """Frozen parameters (not in the layout) as full tensors, by id (collective when sharded)."""
+    trainable = {id(t.param) for t in e.tensors}
+    out: dict[int, torch.Tensor] = {}
+    for _, p in model.named_parameters():
+        if id(p) not in trainable and id(p) not in out:
+            out[id(p)] = C.full_tensor(p.detach(), name=e.name("param_shard")).to(torch.float32)
+    return out
+
+
+def _teardown(model: nn.Module, e: Engine, full: dict, frozen: dict[int, torch.Tensor]) -> None:
+    """Step 3: hooks, FSDP2 and the old groups out; the full fp32 values in as plain
+    parameters (tied parameters stay one Parameter)."""
+    e.grad_sync.remove()
+    e.param_sync.remove()
+    value = {id(t.param): full[t.name]["master"] for t in e.tensors}
+    value.update(frozen)
+    replaced: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for k, p in list(m.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(p) not in replaced:
+                replaced[id(p)] = nn.Parameter(value[id(p)], requires_grad=p.requires_grad)
+            setattr(m, k, replaced[id(p)])
+    model.__class__ = next(c for c in type(model).__mro__ if not issubclass(c, AMSPModule))
+    model.__dict__.pop("amsp", None)
+    for m in list(model.modules()):
+        if isinstance(m, FSDPModule):
+            compat.fsdp_remove(m)
+    destroy_plan_mesh(e.mesh)
+
+
+def _load_states(engine: Engine, opt: AMSPOptimizer, full: dict) -> None:
+    """Step 5: the owned slices of the states and the hyper-parameters, through the inner
+    optimizer's own ``load_state_dict`` (which casts ``step`` & co. as that optimizer wants)."""
+    inner_sd = opt.inner.state_dict()
+    pos = {id(p): i for i, p in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
+    state = {}
+    for idx, m in opt.masters.items():
+        t = engine.tensors[idx]
+        f = full[t.name]
+        off, n = _chunk(t)
+        st: dict[str, Any] = {k: _rows(v, off, n).clone().view(t.local_shape)
+                              for k, v in f["states"].items()}
+        st.update({k: v.clone() for k, v in f["scalars"].items()})
+        st.update(f["objects"])
+        if st:
+            state[pos[id(m)]] = st
+    inner_sd["state"] = state
+    names = [t.name for t in engine.tensors]
+    for g_sd, g in zip(inner_sd["param_groups"], opt.inner.param_groups):
+        gnames = [p.amsp_name for p in g["params"] if hasattr(p, "amsp_name")]
+        if not gnames and not opt.masters:
+            gnames = names[:1]  # the placeholder group of a rank that owns nothing
+        if gnames:
+            g_sd.update(full[gnames[0]]["hp"])
+    opt.inner.load_state_dict(inner_sd)
