@@ -79,24 +79,3 @@ def run_script(cmd: list[str], env: dict, cwd, *, timeout: float = 400,
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
-
-
-def free_plan_groups(model) -> None:
-    """Destroy the process groups a sharded model's plan created, once its last collective is done.
-
-    [Note: one case's process groups]
-    Every ``shard()`` builds its plan's groups (DeviceMesh dims and flattened kinds: ~13 on 2 x 2,
-    each with gloo threads). A worker that loops over many cases keeps them all: measured on 4
-    ranks, a second pass over the 18 parity cases took 331 s instead of 45 s (1,400 threads per
-    rank), the slowdown growing with every case. The workers free each case's groups after it
-    (amsp_ext/tune/worker.py does the same per plan). Every rank destroys the same groups in
-    creation order; the default group is never touched."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    mesh = model.amsp.mesh
-    mine = [*mesh.groups.values(), *mesh.device_mesh.get_all_groups(),
-            *(sub.get_group() for sub in mesh.submeshes.values())]
-    ids = {id(g) for g in mine}
-    for group in [g for g in c10d._world.pg_map if id(g) in ids and g is not dist.group.WORLD]:
-        dist.destroy_process_group(group)

@@ -30,7 +30,8 @@ from amsp_ext.planner.plan import Plan, check_plan, named_plan, parse_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config, OverlapConfig, ShardConfig
 from amsp_ext.runtime.engine import shard
-from tests.dist_utils import end_worker, free_plan_groups
+from amsp_ext.runtime.mesh import destroy_plan_mesh
+from tests.dist_utils import end_worker
 from tests.parity_check import M, MBS, SEQ, STEPS, adamw
 
 OUTDIR: str | None = None
@@ -108,14 +109,19 @@ def record(name, model, run, extra=None):
 
 
 def release(model, *, free_groups=True):
-    """End of a case: detach the engine's hooks and free its plan's process groups, so a launch
-    can loop over many plans (tests/dist_utils.free_plan_groups). The trace and guard suites
-    (a handful of cases) keep their groups: freeing them there made the next case fail."""
+    """End of a case: detach the engine's hooks and free its plan's process groups.
+
+    [Note: one case's process groups]
+    Every ``shard()`` builds its plan's groups (~13 on 2 x 2, each with gloo threads). Kept, they
+    pile up over a launch's cases: on 4 ranks a second pass over the 18 parity cases took 331 s
+    instead of 45 s (1,400 threads per rank); freed, 62 s. The trace and guard suites keep
+    theirs: after a freed mesh, DTensor's full_tensor on the next mesh with the same layout
+    failed with "Could not resolve the process group registered under the name 30"."""
     model.amsp.wait_params()
     model.amsp.grad_sync.remove()
     model.amsp.param_sync.remove()
     if free_groups:
-        free_plan_groups(model)
+        destroy_plan_mesh(model.amsp.mesh)
 
 
 def suite_parity(world, R, num_steps=STEPS):
