@@ -6,8 +6,9 @@ OUTDIR (see tests/parity_check.py: per-step losses, per-step owned fp32 masters 
 ``optim`` group, final local parameters) and pytest compares them with a single-process
 reference at every step. The other suites print ``RESULT {json}`` lines.
 
-Usage: python -m tests.engine_worker SUITE [R] [OUTDIR]  (SUITE in parity, extras, guards,
-trace, memory)
+Usage: python -m tests.engine_worker SUITE[,SUITE...] [R] [OUTDIR] [STEPS]  (SUITE in parity,
+extras, guards, trace, memory; several run in one launch, each writing into OUTDIR/SUITE;
+STEPS, for parity alone, overrides its number of steps)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from amsp_ext.planner.plan import Plan, check_plan, named_plan, parse_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config, OverlapConfig, ShardConfig
 from amsp_ext.runtime.engine import shard
+from amsp_ext.runtime.mesh import destroy_plan_mesh
 from tests.dist_utils import end_worker
 from tests.parity_check import M, MBS, SEQ, STEPS, adamw
 
@@ -58,13 +60,13 @@ def owned_masters(model, opt):
 
 
 def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None, sched=False,
-          tied=False, after_step=None):
+          tied=False, after_step=None, num_steps=STEPS):
     model = build_llama("tiny-llama", seed=0, **({"tie_word_embeddings": True} if tied else {}))
     model, opt = shard(model, plan, adamw, config=config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1)) if sched else None
     rank = dist.get_rank()
     losses, norms, steps = [], [], []
-    for step in range(STEPS):
+    for step in range(num_steps):
         total = torch.zeros(1)
         for m in range(M):
             b = micro_batch(step, m, rank, world_size=world, num_micro_batches=M,
@@ -106,13 +108,23 @@ def record(name, model, run, extra=None):
     torch.save(out, os.path.join(OUTDIR, f"{slug}.rank{dist.get_rank()}.pt"))
 
 
-def release(model):
-    """Detach the engine's hooks so a launch can loop over many plans (groups stay cached)."""
+def release(model, *, free_groups=True):
+    """End of a case: detach the engine's hooks and free its plan's process groups.
+
+    [Note: one case's process groups]
+    Every ``shard()`` builds its plan's groups (~13 on 2 x 2, each with gloo threads). Kept, they
+    pile up over a launch's cases: on 4 ranks a second pass over the 18 parity cases took 331 s
+    instead of 45 s (1,400 threads per rank); freed, 62 s. The trace and guard suites keep
+    theirs: after a freed mesh, DTensor's full_tensor on the next mesh with the same layout
+    failed with "Could not resolve the process group registered under the name 30"."""
+    model.amsp.wait_params()
     model.amsp.grad_sync.remove()
     model.amsp.param_sync.remove()
+    if free_groups:
+        destroy_plan_mesh(model.amsp.mesh)
 
 
-def suite_parity(world, R):
+def suite_parity(world, R, num_steps=STEPS):
     """fp32 on every pre-filtered plan; on 2 x 2 also bf16 with fp32 reduction on every one."""
     N = world // R
     plans = prefiltered_plans(R, N)
@@ -127,9 +139,16 @@ def suite_parity(world, R):
         for p in plans:
             t0 = time.perf_counter()
             model, opt, run = train(p, ShardConfig(gpus_per_node=R, timeout=120, precision=prec,
-                                                   reduce_dtype="fp32"), world=world)
+                                                   reduce_dtype="fp32"), world=world, num_steps=num_steps)
             record(f"{prec}:{p}", model, run, extra={"seconds": time.perf_counter() - t0})
+            if dist.get_rank() == 0:
+                print(f"CASE {prec}:{p} {time.perf_counter() - t0:.2f}s threads={_threads()}", flush=True)
             release(model)
+
+
+def _threads():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("Threads:"))
 
 
 def _bytes(model):
@@ -147,15 +166,18 @@ def suite_extras(world, R):
     for p in ("ddp", "p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2", "zero3"):
         model, opt, run = train(p, cfg(precision="bf16", reduce_dtype="bf16"), world=world)
         record(f"bf16-reduce-bf16:{p}", model, run, extra=_bytes(model))
+        release(model)
     fp16 = FP16Config(initial_scale=1024.0)
     for p, red in (("p=1x1,g=1x1,os=2x2", "fp16"), ("p=2x1,g=2x2,os=2x2", "fp32")):
         model, opt, run = train(p, cfg(precision="fp16", reduce_dtype=red, fp16=fp16), world=world)
         record(f"fp16-reduce-{red}:{p}", model, run, extra={"skipped": opt.skipped_steps})
+        release(model)
     # an injected overflow: step 2 is skipped on every rank, the scale backs off
     model, opt, run = train("p=2x1,g=2x2,os=2x2", cfg(precision="fp16", reduce_dtype="fp16", fp16=fp16),
                             world=world, inject=lambda s, m: s == 2 and m == 1)
     record("fp16-overflow:p=2x1,g=2x2,os=2x2", model, run,
            extra={"skipped": opt.skipped_steps, "scale": opt.loss_scale})
+    release(model)
     # recompute keeps the recompute-forward gather for backward: AG count unchanged
     for p in ("p=2x1,g=2x1,os=2x2", "p=2x2,g=2x2,os=2x2"):
         counts = {}
@@ -164,13 +186,17 @@ def suite_extras(world, R):
             model, opt, run = train(p, cfg(recompute=rc), world=world)
             counts[rc] = C.stats[("all_gather", "param_shard")] - before
             units = sum(1 for u in model.amsp.units if u.params)
+            if not rc:
+                release(model)
         record(f"recompute:{p}", model, run,
                extra={"ag_per_micro_batch": counts[True] / (STEPS * M),
                       "ag_per_micro_batch_no_recompute": counts[False] / (STEPS * M),
                       "num_units": units})
+        release(model)
     for p in ("ddp", "p=1x1,g=1x1,os=2x2", "p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2", "zero3"):
         model, opt, run = train(p, cfg(), world=world, clip=0.05)
         record(f"clip:{p}", model, run)
+        release(model)
     cases = [
         ("sg-between:p=1x1,g=2x1,os=2x2", "p=1x1,g=2x1,os=2x2", {}, {}),
         ("overlap-off:p=2x1,g=2x2,os=2x2", "p=2x1,g=2x2,os=2x2",
@@ -182,6 +208,7 @@ def suite_extras(world, R):
     for name, p, ckw, tkw in cases:
         model, opt, run = train(p, cfg(**ckw), world=world, **tkw)
         record(name, model, run)
+        release(model)
     # packed broadcasts under a budget small enough that only the smallest tensors are packed
     # (tiny-llama's local tensors are 128 B .. 32 KiB at sp = 2, about 250 KiB in all)
     model, opt, run = train("p=2x1,g=2x1,os=2x2", cfg(ownership="blocks", grad_bucket_bytes=32768),
@@ -192,10 +219,12 @@ def suite_extras(world, R):
                   "num_packed_tensors": sum(len(it.tensors) for it in ps.items if it.packed),
                   "num_tensors": len(ps.tensors), "peak_staging": ps.peak_staging,
                   "staging_limit": ps.staging_limit})
+    release(model)
     for p in ("p=1x1,g=2x2,os=2x2", "p=2x1,g=2x1,os=2x2"):
         model, opt, run = train(p, cfg(), world=world, tied=True)
         record(f"tied-embeddings:{p}", model, run,
                extra={"root_unit_params": len(model.amsp.units[0].params)})
+        release(model)
     # torch.optim.swa_utils over a sharded model: an unsharded AveragedModel fed after each step
     import copy
 
@@ -216,6 +245,7 @@ def suite_extras(world, R):
     record("swa:p=1x1,g=1x1,os=2x2", model, run,
            extra={"swa": {n: p.detach().clone() for n, p in swa.module.named_parameters()},
                   "n_averaged": int(swa.n_averaged), "deepcopy_error": deepcopy_error})
+    release(model)
     model, opt, run = train("p=1x1,g=2x2,os=2x2", cfg(), world=world, boundary_api="set_boundary",
                             sched=True)
     sd = opt.state_dict()
@@ -226,6 +256,7 @@ def suite_extras(world, R):
     record("boundary-api+lr-schedule+state-dict:p=1x1,g=2x2,os=2x2", model, run,
            extra={"metadata_ok": meta_ok, "num_owned": len(sd["amsp"]["tensors"]),
                   "num_steps": opt.num_steps})
+    release(model)
 
 
 def _emit(obj):
@@ -275,13 +306,13 @@ def suite_guards(world, R):
     got = consolidated_state_dict(model, rank0_only=False)
     ref = build_llama("tiny-llama", seed=0).state_dict()
     other = build_llama("tiny-llama", seed=1).state_dict()
-    release(model)
+    release(model, free_groups=False)
     errors = {}
     for same, seed in ((False, rank), (True, 0)):
         try:
             m, _ = shard(build_llama("tiny-llama", seed=seed), "p=1x1,g=1x1,os=2x2", adamw,
                          config=ShardConfig(gpus_per_node=R, timeout=30, init_weights="check"))
-            release(m)
+            release(m, free_groups=False)
             errors[same] = None
         except MismatchError as e:
             errors[same] = str(e)
@@ -309,7 +340,7 @@ def suite_guards(world, R):
                                    precision="fp32"), "paper-a800")
     _emit({"case": "auto", "plan": str(model.amsp.plan), "planner_direct": str(direct),
            "losses": losses, "missing_config_error": missing_err})
-    release(model)
+    release(model, free_groups=False)
     dist.barrier()
     # 4. a rank that skips its broadcasts: the others time out with the group's name
     model, opt = shard(build_llama("tiny-llama"), "p=1x1,g=1x1,os=2x1", adamw,
@@ -393,6 +424,7 @@ def suite_trace(world, R):
                              "num_tensors": len(model.amsp.param_sync.tensors),
                              "issued_before_first_wait": sum(1 for k, _ in log[:first_wait] if k == "issue")
                              if first_wait is not None else None}
+        release(model, free_groups=False)
     if rank == 0:
         print("RESULT " + json.dumps({"case": "trace", **out}), flush=True)
 
@@ -414,8 +446,10 @@ def suite_memory(world, R):
         training = TrainingSpec(seq_len=SEQ, micro_batch_size=MBS, num_micro_batches=M,
                                 precision=precision, reduce_dtype=reduce_dtype)
         for p in plans:
+            # one step (M micro-batches) allocates everything a step holds: the peak gradient
+            # storage of a backward, the masters and the optimizer states
             model, opt, _ = train(p, ShardConfig(gpus_per_node=R, precision=precision,
-                                                 reduce_dtype=reduce_dtype), world=world)
+                                                 reduce_dtype=reduce_dtype), world=world, num_steps=1)
             b = model.model_state_bytes()
             pred = memory_breakdown(spec, p, training, gpus_per_node=R, num_nodes=world // R)
             rel = torch.tensor([abs(b["total"] / pred.model_states - 1)])
@@ -433,15 +467,28 @@ SUITES = {"memory": suite_memory, "parity": suite_parity, "extras": suite_extras
 
 
 def main():
+    """SUITE may name several suites (``parity,extras,memory``): one launch runs them in order,
+    each writing into OUTDIR/<suite>. ``guards`` breaks a group on purpose and ends the
+    process, so it can only come last."""
     global OUTDIR
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    torch.manual_seed(0)
-    suite = sys.argv[1]
+    suites = sys.argv[1].split(",")
+    assert "guards" not in suites[:-1], "guards ends the launch: put it last"
     world = dist.get_world_size()
     R = int(os.environ["LOCAL_WORLD_SIZE"]) if len(sys.argv) < 3 else int(sys.argv[2])
-    OUTDIR = sys.argv[3] if len(sys.argv) > 3 else None
+    root = sys.argv[3] if len(sys.argv) > 3 else None
+    steps = {"num_steps": int(sys.argv[4])} if len(sys.argv) > 4 else {}  # parity only
     t0 = time.perf_counter()
-    SUITES[suite](world, R)
+    for suite in suites:
+        torch.manual_seed(0)
+        OUTDIR = os.path.join(root, suite) if root else None
+        if OUTDIR and dist.get_rank() == 0:
+            os.makedirs(OUTDIR, exist_ok=True)
+        dist.barrier()
+        t = time.perf_counter()
+        SUITES[suite](world, R, **steps)
+        if dist.get_rank() == 0:
+            print(f"SUITE {suite} {time.perf_counter() - t:.1f}s", flush=True)
     end_worker(t0)
 
 

@@ -289,6 +289,8 @@ def check_saves(engine):
         else:
             out[name] = max(float((sd[k].float().cpu() - ref[k]).abs().max()) for k in ref)
     dist.barrier()
+    if main:  # every rank has read the files
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -376,6 +378,10 @@ def suite_checkpoint(_args):
     emit("damaged", {"losses": [], "norms": []}, {"losses": [], "norms": []}, errors=errors,
          listing=sorted(os.listdir(root)))
     release(d)
+    dist.barrier()
+    if dist.get_rank() == 0:  # no rank reads the checkpoints any more
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root + "-damaged", ignore_errors=True)
 
 
 SUITES = {"ds": suite_ds, "migrated": suite_migrated, "checkpoint": suite_checkpoint}

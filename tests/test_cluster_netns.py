@@ -87,30 +87,35 @@ def test_lab_is_shaped_and_isolated(lab):
     assert "10.77.250.2/24" in addr
 
 
-def test_collective_across_the_lab(lab):
+def test_collective_across_the_lab(lab, tmp_path):
     proc = amsp("cluster", "run", "--name", LAB, "--master-port", "29541", "--timeout", "120",
-                "--", "tests/lab_worker.py", "lab", env=lab)
+                "--", "tests/lab_worker.py", "lab", env={**lab, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     for rank, node in ((0, 0), (1, 0), (2, 1), (3, 1)):
         assert f"[node{node} rank{rank}]:CHECK ok lab rank={rank} node={node} sum=10" in proc.stdout
+    assert not list(tmp_path.glob("amsp-cluster-run-*"))  # a run that succeeded keeps no logs
 
 
-def test_a_failing_rank_fails_the_job_fast(lab):
+def test_a_failing_rank_fails_the_job_fast(lab, tmp_path):
     t0 = time.monotonic()
     proc = amsp("cluster", "run", "--name", LAB, "--master-port", "29542", "--timeout", "120",
-                "--", "tests/lab_worker.py", "fail", "3", env=lab)
+                "--", "tests/lab_worker.py", "fail", "3", env={**lab, "TMPDIR": str(tmp_path)})
     took = time.monotonic() - t0
     assert proc.returncode != 0 and "[node1 rank3]:CHECK failing on purpose" in proc.stdout
     assert "failed: " in proc.stdout and took < 60, (took, proc.stdout[-2000:])
+    logs = list(tmp_path.glob("amsp-cluster-run-*"))  # a failed run keeps its logs, and says where
+    assert len(logs) == 1 and f"(logs: {logs[0]})" in proc.stdout, (logs, proc.stdout[-2000:])
     for i in range(2):
         pids = subprocess.run(["ip", "netns", "pids", f"{LAB}-n{i}"], capture_output=True, text=True).stdout
         assert pids.strip() == "", f"processes left in {LAB}-n{i}: {pids}"
 
 
-def test_a_hung_job_times_out(lab):
+def test_a_hung_job_times_out(lab, tmp_path):
     proc = amsp("cluster", "run", "--name", LAB, "--master-port", "29543", "--timeout", "8",
-                "--", "tests/lab_worker.py", "hang", "3", env=lab)
+                "--", "tests/lab_worker.py", "hang", "3", env={**lab, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 124 and "timed out after 8s" in proc.stdout
+    logs = list(tmp_path.glob("amsp-cluster-run-*"))  # kept after a timeout, and named
+    assert len(logs) == 1 and f"(logs: {logs[0]})" in proc.stdout, (logs, proc.stdout[-2000:])
     for i in range(2):
         pids = subprocess.run(["ip", "netns", "pids", f"{LAB}-n{i}"], capture_output=True, text=True).stdout
         assert pids.strip() == "", f"processes left in {LAB}-n{i}: {pids}"

@@ -17,8 +17,15 @@ def _lines(proc):
 
 
 @pytest.fixture(scope="module")
-def guards():
-    return _lines(run_torchrun(4, "tests.engine_worker", "guards", "2", timeout=180))
+def launch():
+    """ONE 4-rank launch for the trace, then the guards (which end the launch: the timeout case
+    breaks a group on purpose)."""
+    return _lines(run_torchrun(4, "tests.engine_worker", "trace,guards", "2", timeout=300))
+
+
+@pytest.fixture(scope="module")
+def guards(launch):
+    return [r for r in launch if r["case"] != "trace"]
 
 
 def test_unfit_plan_refused_before_any_collective(guards):
@@ -73,9 +80,8 @@ def test_timeout_names_its_group(guards):
     assert all(r["error"] is None for r in others)  # the healthy group is unaffected
 
 
-def test_trace_labels_and_broadcast_overlap():
-    proc = run_torchrun(4, "tests.engine_worker", "trace", "2", timeout=180)
-    (r,) = _lines(proc)
+def test_trace_labels_and_broadcast_overlap(launch):
+    (r,) = [r for r in launch if r["case"] == "trace"]
     on, off = r["True"], r["False"]
     for label in ("amsp::all_gather::param_shard", "amsp::reduce_scatter::param_shard",
                   "amsp::all_reduce::grad", "amsp::all_reduce::param_replica",

@@ -1,8 +1,9 @@
 """Engine parity: every pre-filtered plan (and DDP / ZeRO-1 / ZeRO-3 / MiCS as plans) matches a
 single-process reference on the same global batches: 5 steps of tiny-llama on real text,
-M = 2 micro-batches, AdamW. One torchrun launch per world size (the worker loops over plans),
-plus one launch for 16-bit reduction, fp16, recompute, clipping, sg strictly between sp and
-sos, ablations and APIs.
+M = 2 micro-batches, AdamW (3 steps on 8 ranks). One torchrun launch per world size (the worker
+loops over plans, freeing each plan's process groups), plus one launch for 16-bit reduction,
+fp16, recompute, clipping, sg strictly between sp and sos, ablations and APIs, and one for the
+memory model.
 
 The workers only write what they saw (tests/parity_check.py); the reference runs here, in this
 process, and every comparison is made here at EVERY step: the loss of each step, and the fp32
@@ -44,7 +45,7 @@ import pytest
 import torch
 
 from dist_utils import run_torchrun
-from parity_check import (DTYPES, initial_params, load_cases, loss_rel_diffs, master_update_rel_l2,
+from parity_check import (DTYPES, STEPS, initial_params, load_cases, loss_rel_diffs, master_update_rel_l2,
                           param_max_abs_diffs, reference, replicas_match_owners)
 
 pytestmark = pytest.mark.distributed
@@ -78,16 +79,28 @@ def _plans_line(proc):
     return json.loads(plans), json.loads(named)
 
 
-@pytest.mark.parametrize("nproc,R,num_plans", [(4, 2, 9), (8, 4, 16)])
-def test_parity_every_prefiltered_plan(nproc, R, num_plans, tmp_path):
-    proc = run_torchrun(nproc, "tests.engine_worker", "parity", str(R), str(tmp_path), timeout=600)
+@pytest.fixture(scope="module")
+def extras(tmp_path_factory):
+    out = tmp_path_factory.mktemp("extras")
+    run_torchrun(4, "tests.engine_worker", "extras", "2", str(out), timeout=600)
+    return load_cases(out / "extras")
+
+
+@pytest.mark.parametrize("nproc,R,num_plans,steps", [(4, 2, 9, STEPS), (8, 4, 16, 3)])
+def test_parity_every_prefiltered_plan(nproc, R, num_plans, steps, tmp_path):
+    """[Note: 3 steps on 8 ranks]
+    8 ranks on 2 cores cost ~5x a 4-rank case per step, and 3 steps exercise every path 5 do:
+    step 1 from fresh Adam states, steps 2-3 with them, and steps 2-3 wait for the previous
+    step's broadcasts in their forward."""
+    proc = run_torchrun(nproc, "tests.engine_worker", "parity", str(R), str(tmp_path), str(steps), timeout=600)
     plans, named = _plans_line(proc)
     assert len(plans) == num_plans
     assert set(named.values()) <= set(plans)  # DDP, ZeRO-1, ZeRO-3, MiCS are in the set
-    cases = load_cases(tmp_path)
+    cases = load_cases(tmp_path / "parity")
     precisions = ("fp32", "bf16") if nproc == 4 else ("fp32",)
     assert sorted(cases) == sorted(f"{prec}:{p}" for prec in precisions for p in plans)
-    ref32 = reference(nproc)
+    assert {len(c["losses"]) for c in cases.values()} == {steps}
+    ref32 = reference(nproc, num_steps=steps)
     worst_bf16 = 0.0
     for name, case in cases.items():
         if name.startswith("fp32:"):
@@ -98,13 +111,6 @@ def test_parity_every_prefiltered_plan(nproc, R, num_plans, tmp_path):
             worst_bf16 = max(worst_bf16, max(vs32))
             check_mixed(case, reference(nproc, precision="bf16"), "bf16")
     print(f"bf16 reduce fp32: worst loss rel diff vs fp32 reference {worst_bf16:.2e}")
-
-
-@pytest.fixture(scope="module")
-def extras(tmp_path_factory):
-    out = tmp_path_factory.mktemp("extras")
-    run_torchrun(4, "tests.engine_worker", "extras", "2", str(out), timeout=600)
-    return load_cases(out)
 
 
 def test_sixteen_bit_reduction_keeps_its_bound(extras):
@@ -184,9 +190,9 @@ def test_swa_averaged_model_fed_from_a_sharded_model(extras):
 
 
 def test_model_state_bytes_match_the_planners_memory_model():
-    """Measured params + grads + masters + optimizer states per rank within 10% of
-    amsp_ext.planner.memory for every pre-filtered plan on 2 x 2 (bf16 with bf16 reduction and
-    fp32), and bf16 with fp32 reduction on four plans."""
+    """Measured params + grads + masters + optimizer states per rank (after one step) within 10%
+    of amsp_ext.planner.memory for every pre-filtered plan on 2 x 2 (bf16 with bf16 reduction
+    and fp32), and bf16 with fp32 reduction on four plans."""
     import json
 
     proc = run_torchrun(4, "tests.engine_worker", "memory", "2", timeout=600)

@@ -44,7 +44,10 @@ def results(tmp_path_factory):
                      *LAB, *extra, "-o", str(path), "--json"]) == 0
         paths.append(str(path))
     suites = "ds,migrated,checkpoint"
-    proc = run_torchrun(4, "tests.integrations_worker", suites, *paths, timeout=600)
+    scratch = tmp_path_factory.mktemp("worker-tmp")  # the worker's mkdtemp folders land here
+    proc = run_torchrun(4, "tests.integrations_worker", suites, *paths, timeout=600,
+                        env={"TMPDIR": str(scratch)})
+    assert not list(scratch.glob("amsp-*")), list(scratch.iterdir())  # the worker cleaned up
     res = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

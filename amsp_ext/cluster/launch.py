@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,11 @@ def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master
     """Start the nodes, stream their prefixed output to ``sink``, return the job's exit status."""
     if timeout_s <= 0:
         raise LabError(f"cluster run: --timeout must be > 0 seconds, got {timeout_s}")
+    # [Note: the run's log folder]
+    # torchrun's --log-dir keeps each rank's output; it matters only when something failed. A
+    # folder this function made is removed after a run where every node exited 0, and kept
+    # (its path printed) after a failure or a timeout. A folder the caller named is its own.
+    made_log_dir = log_dir is None
     log_dir = log_dir or tempfile.mkdtemp(prefix="amsp-cluster-run-")
     launches = node_launches(spec, command, master_port=master_port, state_file=state_file, log_dir=log_dir)
     lock = threading.Lock()
@@ -162,6 +168,8 @@ def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master
         else:
             sink.write(f"[cluster] all {len(procs)} node(s) exited 0\n")
     if not bad:
+        if made_log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
         return 0
     first = bad[0][1]
     return first if first > 0 else 128 - first  # killed by a signal -> 128 + signum
