@@ -26,6 +26,7 @@ from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec
 from amsp_ext.runtime.config import ShardConfig
+from amsp_ext.runtime.export import consolidated_state_dict
 from amsp_ext.runtime.switch import switch_plan
 from tests import engine_worker as W
 from tests.dist_utils import end_worker
@@ -72,6 +73,10 @@ def main():
         model, opt, run = W.train(A, ShardConfig(gpus_per_node=R, timeout=120, precision=kw["precision"]),
                                   world=dist.get_world_size(), sched=kw["sched"], after_step=after_step)
         memory.append(measured_vs_predicted(model, kw["precision"]))
+        # the full model after the switch back to A (DTensor full_tensor over A's mesh again)
+        full = consolidated_state_dict(model, rank0_only=False)
+        assert {k for k, _ in model.named_parameters()} <= set(full), sorted(full)[:5]
+        assert all(bool(torch.isfinite(v).all()) for v in full.values() if v.is_floating_point())
         W.record(case, model, run, extra={"memory": memory, "switches": switches,
                                           "num_steps": opt.num_steps,
                                           "lr": [g["lr"] for g in opt.param_groups]})

@@ -8,8 +8,8 @@ parameter itself), the inner optimizer's states of it, its param-group hyper-par
 optimizer object (its hooks, step counter, loss scaler, non-finite guard; see [Note: the same
 optimizer under another plan] in optimizer.py), so an LR scheduler bound to it goes on as if
 nothing happened; buffers; each rank's RNG states (saved and restored around the switch); the
-data position, which is the caller's loop's. The process groups of the old plan are destroyed
-and the new plan's built (runtime/mesh.py), as ``shard`` does.
+data position, which is the caller's loop's. The old plan's process groups are kept ([Note: the old
+plan's groups stay alive]) and the new plan's built (runtime/mesh.py), as ``shard`` does.
 
 [Note: the resharding layout]
 The layout is the checkpoints' (checkpoint.py, [Note: the layout as DCP chunks]): each local
@@ -30,6 +30,17 @@ AdamW) and receives it over the world; a point-to-point exchange of only the ove
 chunks would move (and hold) what each rank needs. Optimizer states that are neither shaped
 like the parameter nor scalars (e.g. factored states) are refused with one line, before any
 change.
+
+[Note: the old plan's groups stay alive]
+A switch keeps the old plan's process groups (``engine.retired_meshes``) instead of destroying
+them. In torch 2.13 a DeviceMesh compares equal by layout, not by its groups, and after a
+switch back to an earlier plan the re-sharded parameters' DTensors were found holding the
+earlier mesh: with its groups destroyed, ``full_tensor`` (consolidated_state_dict, full state
+dicts on the integration routes) failed with "Could not resolve the process group registered
+under the name N"; kept, it runs on groups of the same ranks. The cost is the old plan's gloo or
+NCCL communicators (on 2 x 2: ~13 groups) per switch; the adaptive policy switches rarely
+(hysteresis, min_steps_between_switches). Tested: tests/switch_worker.py exports the full model
+after the switch back.
 
 [Note: exactness]
 Masters and states are copied, never recomputed: a switch changes no value. The steps after a
@@ -54,7 +65,6 @@ from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.checkpoint import _reshard, _rng_state, _set_rng_state, engine_of, wait_for_save
 from amsp_ext.runtime.engine import (AMSPModule, Engine, _check_same_everywhere, _fingerprint, _resolve,
                                      build_engine, install, norm_group, run_info)
-from amsp_ext.runtime.mesh import destroy_plan_mesh
 from amsp_ext.runtime.optimizer import AMSPOptimizer
 
 __all__ = ["switch_plan"]
@@ -100,6 +110,7 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     install(model, engine)
     _set_rng_state(rng, e.device)
     C.barrier(None, name="world", timeout=e.config.timeout)
+    engine.retired_meshes = [*getattr(e, "retired_meshes", []), e.mesh]
     engine.switches = e.switches + [{"step": optimizer.num_steps, "from": str(e.plan), "to": str(new),
                                      "seconds": time.perf_counter() - t0}]
     return optimizer
@@ -205,7 +216,7 @@ def _teardown(model: nn.Module, e: Engine, full: dict, frozen: dict[int, torch.T
     for m in list(model.modules()):
         if isinstance(m, FSDPModule):
             compat.fsdp_remove(m)
-    destroy_plan_mesh(e.mesh)
+    # [Note: the old plan's groups stay alive] - not destroy_plan_mesh(e.mesh)
 
 
 def _load_states(engine: Engine, opt: AMSPOptimizer, full: dict) -> None:
