@@ -8,7 +8,7 @@ from typing import Any
 # Byte-level tokens (amsp_ext.data): 256 symbols.
 VOCAB_SIZE = 256
 
-__all__ = ["VOCAB_SIZE", "MODEL_CONFIGS", "build_llama", "causal_lm_loss", "llama_config_dict"]
+__all__ = ["VOCAB_SIZE", "MODEL_CONFIGS", "build_llama", "causal_lm_loss", "llama_config_dict", "model_spec"]
 
 # Small enough for 8 gloo ranks on 2 CPU cores; GQA (2 kv heads) and SwiGLU like the real family.
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
@@ -31,6 +31,19 @@ def llama_config_dict(name: str) -> dict[str, Any]:
         raise ValueError(f"model must be one of {', '.join(MODEL_CONFIGS)}, got {name!r}")
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "rms_norm_eps": 1e-5, "hidden_act": "silu", **MODEL_CONFIGS[name]}
+
+
+def model_spec(model: str | None, model_config: str | None = None):
+    """The planner's ModelSpec of a built-in model, a paper preset (llama-7b ...) or a
+    config.json path (``amsp plan`` and ``amsp migrate`` take all three)."""
+    from amsp_ext.planner.model_spec import MODEL_PRESETS, ModelSpec, ModelSpecError, load_model_spec
+
+    if model in MODEL_CONFIGS:
+        return ModelSpec.from_hf_config(llama_config_dict(model), name=model)
+    if model is not None and model not in MODEL_PRESETS:
+        raise ModelSpecError(f"model must be one of {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])} "
+                             f"(or --model-config PATH), got {model!r}")
+    return load_model_spec(model, model_config)
 
 
 def build_llama(name: str = "tiny-llama", *, seed: int = 0, **overrides: Any):

@@ -219,13 +219,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
-        max_pos = MODEL_CONFIGS[self.model]["max_position_embeddings"]
-        if self.batch.seq_len > max_pos:
-            raise ValueError(f"--seq-len must be <= {max_pos} for {self.model}, got {self.batch.seq_len}")
+        check_seq_len(self.batch, MODEL_CONFIGS[self.model]["max_position_embeddings"], self.model)
         if self.adaptive.adaptive and not self.adaptive.adaptive_allow_replan and self.plan.strip().lower() != "auto":
             raise ValueError(f"--adaptive with --no-adaptive-allow-replan on --plan {self.plan} leaves "
                              f"adaptive nothing it may change: use --plan auto, drop "
                              f"--no-adaptive-allow-replan, or drop --adaptive")
+
+
+def check_seq_len(batch: BatchOptions, max_pos: int | None, model: str) -> None:
+    """--seq-len within the model's positions (``amsp train`` and ``amsp tune``)."""
+    if isinstance(max_pos, int) and batch.seq_len > max_pos:
+        raise ValueError(f"--seq-len must be <= {max_pos} for {model}, got {batch.seq_len}")
 
 
 def auto_plan_config(config: TrainConfig) -> AutoPlanConfig:

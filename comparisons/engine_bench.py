@@ -36,10 +36,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _launch(args: argparse.Namespace, extra: list[str]) -> int:
+    return launch_workers(Path(__file__), args, extra)
+
+
+def launch_workers(script: Path, args: argparse.Namespace, extra: list[str]) -> int:
+    """``torchrun`` ``args.nproc`` ranks of ``script --worker extra``; print their ``BENCH`` lines
+    (comparisons/resilience_bench.py launches its workers with it too)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.nproc}", str(Path(__file__).resolve()), "--worker", *extra]
+           f"--nproc-per-node={args.nproc}", str(script.resolve()), "--worker", *extra]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if "BENCH " in line:

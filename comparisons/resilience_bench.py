@@ -22,29 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import launch_workers  # noqa: E402
 
 
 def _launch(args: argparse.Namespace, extra: list[str]) -> int:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           str(Path(__file__).resolve()), "--worker", *extra]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
-    for line in proc.stdout.splitlines():
-        if "BENCH " in line:
-            print(line[line.index("BENCH ") + len("BENCH "):])
-    if proc.returncode:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-    return proc.returncode
+    return launch_workers(Path(__file__), args, extra)
 
 
 def _stats(xs: list[float]) -> dict:

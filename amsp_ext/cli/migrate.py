@@ -75,15 +75,6 @@ def _err(msg: str) -> None:
     print(f"amsp migrate: warning: {msg}", file=sys.stderr)
 
 
-def _model_spec(args):
-    from amsp_ext.models import MODEL_CONFIGS, llama_config_dict
-    from amsp_ext.planner.model_spec import ModelSpec, load_model_spec
-
-    if args.model in MODEL_CONFIGS:
-        return ModelSpec.from_hf_config(llama_config_dict(args.model), name=args.model)
-    return load_model_spec(args.model, args.model_config)
-
-
 def _auto_value(cfg: dict, key: str, flag_value, flag: str) -> Any:
     v = cfg.get(key)
     if v == "auto":
@@ -170,6 +161,7 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     from amsp_ext.planner.plan import resolve_plan, validate_plan
     from amsp_ext.planner.search import evaluate, make_problem, search
     from amsp_ext.planner.specs import ClusterSpec, parse_size
+    from amsp_ext.models import model_spec
 
     for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
                  "nodes_per_leaf"):
@@ -181,7 +173,7 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     out_path = Path(args.output) if args.output else Path(args.config).with_suffix(".amsp.json")
     if not out_path.parent.is_dir():  # refuse before planning, not after
         raise ValueError(f"-o/--output: directory {out_path.parent} does not exist")
-    spec = _model_spec(args)
+    spec = model_spec(args.model, args.model_config)
     R, N = args.gpus_per_node, args.nodes
     cluster = ClusterSpec(num_nodes=N, gpus_per_node=R,
                           gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),

@@ -90,18 +90,8 @@ def _check_positive(args: argparse.Namespace) -> None:
         raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
 
 
-def _model_spec(model: str | None, config_path: str | None):
-    """A paper preset, one of ``amsp train``'s built-in models (so a plan can be made for the
-    job ``amsp tune`` measured), or a config.json."""
-    from amsp_ext.models import MODEL_CONFIGS, llama_config_dict
-    from amsp_ext.planner.model_spec import ModelSpec, load_model_spec
-
-    if model in MODEL_CONFIGS:
-        return ModelSpec.from_hf_config(llama_config_dict(model), name=model)
-    return load_model_spec(model, config_path)
-
-
 def run(args: argparse.Namespace) -> int:
+    from amsp_ext.models import model_spec
     from amsp_ext.planner.report import build_report, format_text
     from amsp_ext.planner.search import make_problem, search
     from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, parse_size
@@ -110,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.profile import load_profile
 
     _check_positive(args)
-    spec = _model_spec(args.model, args.model_config)
+    spec = model_spec(args.model, args.model_config)
     profile = load_profile(args.profile)
     if args.peak_tflops is not None:
         peak = args.peak_tflops * 1e12

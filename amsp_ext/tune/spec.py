@@ -18,7 +18,8 @@ from typing import Any
 
 from amsp_ext.models import MODEL_CONFIGS, llama_config_dict
 from amsp_ext.schema import check_options, option, section
-from amsp_ext.train_config import BatchOptions, ClusterOptions, EngineOptions, PlannerOptions
+from amsp_ext.train_config import (BatchOptions, ClusterOptions, EngineOptions, PlannerOptions,
+                                    check_seq_len)
 
 __all__ = ["TuneConfig", "TuneOptions"]
 
@@ -65,10 +66,7 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
-        max_pos = self.hf_config().get("max_position_embeddings")
-        if isinstance(max_pos, int) and self.batch.seq_len > max_pos:
-            raise ValueError(f"--seq-len must be <= {max_pos} for {self.model_name}, got "
-                             f"{self.batch.seq_len}")
+        check_seq_len(self.batch, self.hf_config().get("max_position_embeddings"), self.model_name)
 
     def hf_config(self) -> dict[str, Any]:
         """The model's Hugging Face config (read from --model-config, else the built-in's)."""
