@@ -88,6 +88,18 @@ def release(model):
     model.amsp.wait_params()
 
 
+_T0 = [time.perf_counter()]
+
+
+def progress(case):
+    """Rank 0: one ``CASE name seconds threads`` line per case (where a launch's time goes)."""
+    if dist.get_rank() == 0:
+        with open("/proc/self/status") as f:
+            threads = next(int(l.split()[1]) for l in f if l.startswith("Threads:"))
+        print(f"CASE {case} {time.perf_counter() - _T0[0]:.2f}s threads={threads}", flush=True)
+    _T0[0] = time.perf_counter()
+
+
 def rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
@@ -127,6 +139,7 @@ def save_reference(name, plan, R, root: Path, *, hf=False, hf_dtype=None, **cfg)
            "before": before, "after": after, "lr_at_save": lr, "scale_after": opt.loss_scale}
     if dist.get_rank() == 0:
         (root / f"{name}.ref.json").write_text(json.dumps(ref))
+    progress(f"save:{name}")
     return model, opt, sched, w, rng_after, ref
 
 
@@ -158,6 +171,7 @@ def load_case(case, ckpt: Path, ref, w_ref, plan, R, *, rng_ref=None, after_load
           "rng_restored": rng_ok, "warnings": [str(c.message) for c in caught], "load_seconds": load_s,
           **state})
     release(model)
+    progress(case)
 
 
 # -- HF export ---------------------------------------------------------------------------------------

@@ -486,7 +486,7 @@ def main():
             os.makedirs(OUTDIR, exist_ok=True)
         dist.barrier()
         t = time.perf_counter()
-        SUITES[suite](world, R, **steps)
+        SUITES[suite](world, R, **(steps if suite == "parity" else {}))
         if dist.get_rank() == 0:
             print(f"SUITE {suite} {time.perf_counter() - t:.1f}s", flush=True)
     end_worker(t0)

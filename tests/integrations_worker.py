@@ -274,23 +274,25 @@ def check_saves(engine):
     dist.broadcast_object_list(obj, src=0)
     root = obj[0]
     main = dist.get_rank() == 0
-    got = {"module.state_dict": module.state_dict(), "engine.state_dict": engine.state_dict()}
-    module.save_pretrained(os.path.join(root, "plain"), is_main_process=main)
-    module.save_pretrained(os.path.join(root, "sd"), is_main_process=main, state_dict=module.state_dict())
-    engine.save_16bit_model(os.path.join(root, "16bit"))
-    dist.barrier()
-    got["save_pretrained"] = load_file(os.path.join(root, "plain", "model.safetensors"))
-    got["save_pretrained+state_dict"] = load_file(os.path.join(root, "sd", "model.safetensors"))
-    got["save_16bit_model"] = torch.load(os.path.join(root, "16bit", "pytorch_model.bin"))
-    out = {}
-    for name, sd in got.items():
-        if sorted(sd) != sorted(ref):
-            out[name] = f"keys differ: {sorted(set(sd) ^ set(ref))[:3]}"
-        else:
-            out[name] = max(float((sd[k].float().cpu() - ref[k]).abs().max()) for k in ref)
-    dist.barrier()
-    if main:  # every rank has read the files
-        shutil.rmtree(root, ignore_errors=True)
+    try:
+        got = {"module.state_dict": module.state_dict(), "engine.state_dict": engine.state_dict()}
+        module.save_pretrained(os.path.join(root, "plain"), is_main_process=main)
+        module.save_pretrained(os.path.join(root, "sd"), is_main_process=main, state_dict=module.state_dict())
+        engine.save_16bit_model(os.path.join(root, "16bit"))
+        dist.barrier()
+        got["save_pretrained"] = load_file(os.path.join(root, "plain", "model.safetensors"))
+        got["save_pretrained+state_dict"] = load_file(os.path.join(root, "sd", "model.safetensors"))
+        got["save_16bit_model"] = torch.load(os.path.join(root, "16bit", "pytorch_model.bin"))
+        out = {}
+        for name, sd in got.items():
+            if sorted(sd) != sorted(ref):
+                out[name] = f"keys differ: {sorted(set(sd) ^ set(ref))[:3]}"
+            else:
+                out[name] = max(float((sd[k].float().cpu() - ref[k]).abs().max()) for k in ref)
+        dist.barrier()  # every rank has read the files
+    finally:  # also when a save or a read failed: no folder left behind
+        if main:
+            shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -341,6 +343,16 @@ def suite_checkpoint(_args):
     obj = [root]
     dist.broadcast_object_list(obj, src=0)
     root = obj[0]
+    try:
+        _checkpoint_cases(root)
+        dist.barrier()  # no rank reads the checkpoints any more
+    finally:  # also when a case failed: no folder left behind
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(root + "-damaged", ignore_errors=True)
+
+
+def _checkpoint_cases(root):
     cfg = base_config(plan="p=2x1,g=2x1,os=2x2")
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
                                                        "warmup_num_steps": 4, "warmup_type": "linear"}}
@@ -378,10 +390,8 @@ def suite_checkpoint(_args):
     emit("damaged", {"losses": [], "norms": []}, {"losses": [], "norms": []}, errors=errors,
          listing=sorted(os.listdir(root)))
     release(d)
-    dist.barrier()
-    if dist.get_rank() == 0:  # no rank reads the checkpoints any more
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(root + "-damaged", ignore_errors=True)
+
+
 
 
 SUITES = {"ds": suite_ds, "migrated": suite_migrated, "checkpoint": suite_checkpoint}
