@@ -30,7 +30,7 @@ from amsp_ext.runtime.checkpoint import load_checkpoint, save_checkpoint
 from amsp_ext.runtime.config import FP16Config, ShardConfig
 from amsp_ext.runtime.engine import shard
 from amsp_ext.runtime.export import consolidated_state_dict, save_pretrained
-from tests.dist_utils import end_worker
+from tests.dist_utils import end_worker, free_plan_groups
 
 SEQ, GLOBAL_SEQS, LR = 32, 8, 1e-3
 BEFORE, AFTER = (0, 1), (2, 3)  # steps trained before the save, and compared after it
@@ -83,9 +83,12 @@ def train(model, opt, sched, steps):
 
 
 def release(model):
+    """End of a case: detach the hooks and free the plan's groups (tests/dist_utils.py,
+    [Note: freeing a case's groups in a worker])."""
     model.amsp.grad_sync.remove()
     model.amsp.param_sync.remove()
     model.amsp.wait_params()
+    free_plan_groups(model.amsp.mesh)
 
 
 _T0 = [time.perf_counter()]

@@ -79,3 +79,25 @@ def run_script(cmd: list[str], env: dict, cwd, *, timeout: float = 400,
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def free_plan_groups(mesh) -> None:
+    """End of a test case inside a worker: destroy the plan's process groups (the runtime's
+    destroy_plan_mesh) and forget DTensor's cached sharding decisions.
+
+    [Note: freeing a case's groups in a worker]
+    Kept, every case's ~13 groups (each with gloo threads) pile up over a launch and slow every
+    later case. Freed alone, a later case whose mesh has the same layout fails in DTensor
+    (``full_tensor``: "Could not resolve the process group registered under the name 15"):
+    DeviceMesh compares equal by layout, so DTensor's sharding-propagation caches (a Python
+    LRU cache and the C++ dispatch fast path's) hand back output specs holding the freed mesh.
+    Clearing both caches after the destroy fixes it (2 ranks, p=2x1 three times in a row with
+    consolidated_state_dict each time: fails without the clear, passes with it, torch 2.13)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from amsp_ext.runtime.mesh import destroy_plan_mesh
+
+    destroy_plan_mesh(mesh)
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()

@@ -30,8 +30,7 @@ from amsp_ext.planner.plan import Plan, check_plan, named_plan, parse_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config, OverlapConfig, ShardConfig
 from amsp_ext.runtime.engine import shard
-from amsp_ext.runtime.mesh import destroy_plan_mesh
-from tests.dist_utils import end_worker
+from tests.dist_utils import end_worker, free_plan_groups
 from tests.parity_check import M, MBS, SEQ, STEPS, adamw
 
 OUTDIR: str | None = None
@@ -121,7 +120,7 @@ def release(model, *, free_groups=True):
     model.amsp.grad_sync.remove()
     model.amsp.param_sync.remove()
     if free_groups:
-        destroy_plan_mesh(model.amsp.mesh)
+        free_plan_groups(model.amsp.mesh)
 
 
 def suite_parity(world, R, num_steps=STEPS):

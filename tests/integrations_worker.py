@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from amsp_ext.data import micro_batch
 from amsp_ext.models import build_llama, causal_lm_loss
-from tests.dist_utils import end_worker
+from tests.dist_utils import end_worker, free_plan_groups
 
 SEQ = 32
 R = 2  # ranks per "node": 4 ranks pose as 2 nodes x 2
@@ -123,8 +123,12 @@ def emit(case, got, ref, **extra):
 
 
 def release(engine):
+    """End of a case: detach the hooks and free the plan's groups (tests/dist_utils.py,
+    [Note: freeing a case's groups in a worker])."""
+    engine.module.amsp.wait_params()
     engine.module.amsp.grad_sync.remove()
     engine.module.amsp.param_sync.remove()
+    free_plan_groups(engine.module.amsp.mesh)
 
 
 def initialize(cfg, **kw):
