@@ -93,6 +93,8 @@ def free_plan_groups(mesh) -> None:
     LRU cache and the C++ dispatch fast path's) hand back output specs holding the freed mesh.
     Clearing both caches after the destroy fixes it (2 ranks, p=2x1 three times in a row with
     consolidated_state_dict each time: fails without the clear, passes with it, torch 2.13)."""
+    import gc
+
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -101,3 +103,6 @@ def free_plan_groups(mesh) -> None:
     destroy_plan_mesh(mesh)
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
+    # the engines of earlier cases sit in reference cycles (hooks <-> modules) that hold their
+    # groups' gloo contexts and threads until a full collection
+    gc.collect()

@@ -1,8 +1,8 @@
 """Engine parity: every pre-filtered plan (and DDP / ZeRO-1 / ZeRO-3 / MiCS as plans) matches a
 single-process reference on the same global batches: 5 steps of tiny-llama on real text,
 M = 2 micro-batches, AdamW (2 steps on 8 ranks). One torchrun launch per world size (the worker
-loops over plans, freeing each plan's process groups); the 4-rank launch also runs 16-bit
-reduction, fp16, recompute, clipping, sg strictly between sp and sos, ablations and APIs, and the
+loops over plans, freeing each plan's process groups), plus one launch for 16-bit reduction,
+fp16, recompute, clipping, sg strictly between sp and sos, ablations and APIs, and one for the
 memory model.
 
 The workers only write what they saw (tests/parity_check.py); the reference runs here, in this
@@ -80,36 +80,25 @@ def _plans_line(proc):
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    """ONE 4-rank launch for the parity, extras and memory suites (a launch costs ~10 s of
-    start-up and imports on 2 cores): the process and its output folder."""
-    out = tmp_path_factory.mktemp("four")
-    proc = run_torchrun(4, "tests.engine_worker", "parity,extras,memory", "2", str(out), timeout=900)
-    return proc, out
-
-
-@pytest.fixture(scope="module")
-def extras(four):
-    return load_cases(four[1] / "extras")
+def extras(tmp_path_factory):
+    out = tmp_path_factory.mktemp("extras")
+    run_torchrun(4, "tests.engine_worker", "extras", "2", str(out), timeout=600)
+    return load_cases(out / "extras")
 
 
 @pytest.mark.parametrize("nproc,R,num_plans,steps", [(4, 2, 9, STEPS), (8, 4, 16, 2)])
-def test_parity_every_prefiltered_plan(nproc, R, num_plans, steps, tmp_path, request):
+def test_parity_every_prefiltered_plan(nproc, R, num_plans, steps, tmp_path):
     """[Note: 2 steps on 8 ranks]
     8 ranks on 2 cores cost ~5x a 4-rank case per step (an sp > 1 case 1-2 s a step, sp = 8
     ~4 s), and 2 steps exercise every path 5 do: step 1 from fresh Adam states, step 2 with
     them, and step 2 waits for step 1's broadcasts in its forward; the final local parameters
     are checked against the owners' masters after step 2 (its broadcasts landed). Steps 3-5 add
     no path on 8 ranks that the 4-rank run (5 steps, same code) does not take."""
-    if nproc == 4:
-        proc, root = request.getfixturevalue("four")
-    else:
-        proc, root = run_torchrun(nproc, "tests.engine_worker", "parity", str(R), str(tmp_path), str(steps),
-                                  timeout=600), tmp_path
+    proc = run_torchrun(nproc, "tests.engine_worker", "parity", str(R), str(tmp_path), str(steps), timeout=600)
     plans, named = _plans_line(proc)
     assert len(plans) == num_plans
     assert set(named.values()) <= set(plans)  # DDP, ZeRO-1, ZeRO-3, MiCS are in the set
-    cases = load_cases(root / "parity")
+    cases = load_cases(tmp_path / "parity")
     precisions = ("fp32", "bf16") if nproc == 4 else ("fp32",)
     assert sorted(cases) == sorted(f"{prec}:{p}" for prec in precisions for p in plans)
     assert {len(c["losses"]) for c in cases.values()} == {steps}
@@ -202,13 +191,13 @@ def test_swa_averaged_model_fed_from_a_sharded_model(extras):
     assert "cannot be deep-copied" in r["deepcopy_error"] and "\n" not in r["deepcopy_error"]
 
 
-def test_model_state_bytes_match_the_planners_memory_model(four):
+def test_model_state_bytes_match_the_planners_memory_model():
     """Measured params + grads + masters + optimizer states per rank (after one step) within 10%
     of amsp_ext.planner.memory for every pre-filtered plan on 2 x 2 (bf16 with bf16 reduction
     and fp32), and bf16 with fp32 reduction on four plans."""
     import json
 
-    proc = four[0]
+    proc = run_torchrun(4, "tests.engine_worker", "memory", "2", timeout=600)
     res = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
