@@ -93,12 +93,20 @@ def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
         "every overlap perfect, the profile's times); *calibrated*: with the `calibration` "
         f"fitted on scenario {calibrated_on} only; *comm*: the paper's objective (Eq. 1), which "
         "calibration does not change. Regret = measured step of the planner's pick / best "
-        "measured step - 1.", "",
-        "| scenario | plans | model | objective | pick | Spearman rho (rounds) | regret (rounds) | "
-        "mean abs error of step | measured winner | wall | other CPU (cores, median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "measured step - 1. *Ceiling*: the rho a model that knew the true step times would reach "
+        "against this measurement (split-half reliability of the rounds, Spearman-Brown, "
+        "attenuation; amsp_ext/tune/analysis.py).", "",
+        "| scenario | plans | model | objective | pick | Spearman rho (rounds) | ceiling | "
+        "regret (rounds) | mean abs error of step | measured winner | wall | other CPU (cores, "
+        "median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    from amsp_ext.tune.analysis import reliability
+
     for name, d in data.items():
+        rel = reliability({r["key"]: r["measured"]["step_s_rounds"] for r in d["plans"]
+                           if r["measured"]["step_s"] is not None})
+        ceiling = _f(rel["ceiling"]) if rel else "-"
         winner = d["winner"]
         other = [c for r in d["plans"] for c in (r["measured"].get("foreign_cores") or [])]
         variants = [v for v in d["summary"] if v.startswith("uncalibrated, profile")]
@@ -114,7 +122,7 @@ def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
                 lines.append(
                     f"| {name} | {len(d['plans'])} | {label} | {obj} | `{s['pick']}` | "
                     f"{_f(s['spearman'])} ({_spread(x['spearman'] for x in s['per_round'])}) | "
-                    f"{_pct(s['regret'])} ({_spread_pct(x['regret'] for x in s['per_round'])}) | "
+                    f"{ceiling} | {_pct(s['regret'])} ({_spread_pct(x['regret'] for x in s['per_round'])}) | "
                     f"{_pct(s['mean_abs_rel_error'])} | `{winner}` | "
                     f"{d['meta'].get('wall_s', 0) / 60:.1f} min | "
                     f"{statistics.median(other) if other else 0:.2f} |")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from amsp_ext.planner.calibration import KINDS
-from amsp_ext.tune.analysis import aggregate, predictions, summarize_variant
+from amsp_ext.tune.analysis import aggregate, predictions, reliability, summarize_variant
 from amsp_ext.tune.candidates import Candidate, Problems
 
 __all__ = ["build_result", "print_winner", "write_report"]
@@ -52,7 +52,9 @@ def build_result(config, problems: Problems, candidates: list[Candidate], record
                         "source": problems.uncalibrated["step"].timer.profile.source},
             "calibration": cal.as_dict() if cal else None,
             "step_model": cal.describe() if cal else UNCALIBRATED_NOTE}
-    return {"meta": meta, "plans": plans, "summary": summary, "winner": winner, "probes": probes}
+    rel = reliability({r["key"]: r["measured"]["step_s_rounds"] for r in ok})
+    return {"meta": meta, "plans": plans, "summary": summary, "winner": winner, "probes": probes,
+            "reliability": rel}
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -114,6 +116,17 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {variant.replace('_', '-')} | {obj} | `{s['pick']}` | {_f(s['spearman'], '.2f')} "
                          f"({rho_r}) | {_pct(s['regret'])} ({reg_r}) | {_pct(s['mean_abs_rel_error'])} |")
     return lines
+
+
+def _reliability_lines(rel: dict[str, Any] | None) -> list[str]:
+    if rel is None:
+        return []
+    return [f"How well this measurement ranks the plans itself: split-half Spearman rho "
+            f"{rel['split_half']:.2f} (median over {rel['num_splits']} splits of the "
+            f"{rel['num_rounds']} rounds), {rel['full']:.2f} for the medians over all rounds "
+            f"(Spearman-Brown); a model that knew the true step times would reach about "
+            f"**{rel['ceiling']:.2f}** against this ranking. Read the planner's rho against that "
+            f"ceiling; more rounds raise it.", ""]
 
 
 def _table_lines(result: dict[str, Any]) -> list[str]:
@@ -189,6 +202,7 @@ def write_report(result: dict[str, Any], out_dir: Path) -> Path:
         "Figures in parentheses: each round alone. *Other CPU*: cores kept busy by anything but "
         "this run's ranks while a plan ran (other jobs, and the kernel's network processing): "
         "timings with a high figure are suspect.", "",
+        *_reliability_lines(result.get("reliability")),
         "![predicted vs measured](predicted_vs_measured.png)", "",
         *_table_lines(result), "",
         *_kind_lines(result), "",
