@@ -118,7 +118,7 @@ def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
                 if variant in ("calibrated", "in_sample") and obj == "comm":
                     continue
                 s = objs[obj]
-                label = {"in_sample": f"calibrated (in-sample, fitted here)"}.get(variant, variant)
+                label = {"in_sample": "calibrated (in-sample, fitted here)"}.get(variant, variant)
                 lines.append(
                     f"| {name} | {len(d['plans'])} | {label} | {obj} | `{s['pick']}` | "
                     f"{_f(s['spearman'])} ({_spread(x['spearman'] for x in s['per_round'])}) | "
