@@ -5,7 +5,8 @@ calibrated profile and compare the planner with the measurements, before and aft
     # a profile measured on another link, with A's calibration copied in
     python comparisons/tune_holdout.py with-calibration --calibration A/calibrated.json \\
         --profile profile-100mbit.json -o profile-100mbit.calibrated.json
-    # the summary of several tune runs (each a folder with tune.json)
+    # the summary of several tune runs (each a folder with tune.json); --run NAME=DIR1+DIR2
+    # pools the rounds of runs of the same command (same plans, same predictions)
     python comparisons/tune_holdout.py summary --run A=DIR --run B=DIR ... --calibrated-on A \\
         -o comparisons/results/<stem>.md
 
@@ -57,6 +58,45 @@ def repredict(d: dict, profile: str) -> dict:
     return summarize_variant(probs, cands, measured, pred)
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One run made of the rounds of several runs of the same job (same plans and profile, so
+    the same predictions and picks): per plan the rounds concatenated, the median over them, and
+    Spearman / regret recomputed from those medians."""
+    from amsp_ext.tune.analysis import regret, spearman
+
+    first = runs[0]
+    keys = [r["key"] for r in first["plans"]]
+    for d in runs[1:]:
+        if [r["key"] for r in d["plans"]] != keys:
+            raise SystemExit("pooled runs must measure the same plans in the same order")
+    out = json.loads(json.dumps(first))
+    for i, row in enumerate(out["plans"]):
+        rounds = [x for d in runs for x in d["plans"][i]["measured"]["step_s_rounds"]]
+        row["measured"]["step_s_rounds"] = rounds
+        row["measured"]["step_s"] = {"median": statistics.median(rounds), "min": min(rounds),
+                                     "max": max(rounds)}
+        row["measured"]["foreign_cores"] = [c for d in runs
+                                            for c in d["plans"][i]["measured"]["foreign_cores"] or []]
+    meas = {r["key"]: r["measured"]["step_s"]["median"] for r in out["plans"]}
+    out["winner"] = min(meas, key=meas.get)
+    for variant, objs in out["summary"].items():
+        for obj, s in objs.items():
+            source = "in_sample" if variant == "in_sample" else variant
+            field = "step_s" if obj == "step" else "comm_total_s"
+            pred = {r["key"]: r["predicted"][source][field] for r in out["plans"]}
+            s["spearman"] = spearman([pred[k] for k in keys], [meas[k] for k in keys])
+            s["regret"] = regret(s["pick"], meas)
+            s["per_round"] = [x for d in runs for x in d["summary"][variant][obj]["per_round"]]
+            if obj == "step":
+                s["mean_abs_rel_error"] = statistics.fmean(
+                    abs(pred[k] / meas[k] - 1) for k in keys)
+    m = out["meta"]
+    m["command"] = " ; ".join(d["meta"]["command"] for d in runs)
+    m["wall_s"] = sum(d["meta"].get("wall_s", 0) for d in runs)
+    m["load"] = {"start": runs[0]["meta"]["load"]["start"], "end": runs[-1]["meta"]["load"]["end"]}
+    return out
+
+
 def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -79,9 +119,12 @@ def _spread_pct(values):
     return f"{100 * min(vals):.1f}..{100 * max(vals):.1f}%"
 
 
-def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
+def summary(runs: dict[str, str], calibrated_on: str, out: Path,
             extra_profiles: dict[str, str] | None = None) -> None:
-    data = {name: json.loads((path / "tune.json").read_text()) for name, path in runs.items()}
+    data = {}
+    for name, paths in runs.items():
+        loaded = [json.loads((Path(p) / "tune.json").read_text()) for p in str(paths).split("+")]
+        data[name] = loaded[0] if len(loaded) == 1 else pooled(loaded)
     for d in data.values():
         for label, prof in (extra_profiles or {}).items():
             d["summary"][f"uncalibrated, profile {label}"] = repredict(d, prof)
@@ -155,7 +198,7 @@ def main(argv=None) -> int:
     else:
         runs = dict(r.split("=", 1) for r in a.run)
         extra = dict(e.split("=", 1) for e in a.extra_profile)
-        summary({k: Path(v) for k, v in runs.items()}, a.calibrated_on, a.out, extra)
+        summary(runs, a.calibrated_on, a.out, extra)
     return 0
 
 

@@ -24,8 +24,10 @@ halves, take each plan's median in each half, and correlate the two rankings (ev
 split, median over splits). Spearman-Brown turns that into the reliability of the medians over
 all rounds, r_full = 2 r_half / (1 + r_half), and by the attenuation formula a model that knew
 the true step times would reach about sqrt(r_full) against the measured ranking: the *ceiling*
-that a Spearman rho of the planner should be read against. Two plans that run the same
-collectives (at M = 1 the gradient factor only changes memory) make r_half low by design.
+that a Spearman rho of the planner should be read against. It is an estimate, coarse with few
+plans. It does not know which plans are the same program: at M = 1 the gradient factor only
+changes memory, so sg = sp and sg = sos run the same collectives, and a model must predict them
+the same; their measured order is a coin flip that no prediction can match.
 
 Pure Python.
 """
