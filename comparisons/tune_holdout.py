@@ -77,6 +77,7 @@ def pooled(runs: list[dict]) -> dict:
                                      "max": max(rounds)}
         row["measured"]["foreign_cores"] = [c for d in runs
                                             for c in d["plans"][i]["measured"]["foreign_cores"] or []]
+    out["probes"] = [p for d in runs for p in d.get("probes") or []]
     meas = {r["key"]: r["measured"]["step_s"]["median"] for r in out["plans"]}
     out["winner"] = min(meas, key=meas.get)
     for variant, objs in out["summary"].items():
@@ -138,18 +139,23 @@ def summary(runs: dict[str, str], calibrated_on: str, out: Path,
         "calibration does not change. Regret = measured step of the planner's pick / best "
         "measured step - 1. *Ceiling*: the rho a model that knew the true step times would reach "
         "against this measurement (split-half reliability of the rounds, Spearman-Brown, "
-        "attenuation; amsp_ext/tune/analysis.py).", "",
+        "attenuation; amsp_ext/tune/analysis.py). *Compute vs calibration*: this run's forward / "
+        "backward speed (its probe) against the calibration's; the calibrated predictions "
+        "assume the calibration's.", "",
         "| scenario | plans | model | objective | pick | Spearman rho (rounds) | ceiling | "
-        "regret (rounds) | mean abs error of step | measured winner | wall | other CPU (cores, "
-        "median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "regret (rounds) | mean abs error of step | compute vs calibration | measured winner | "
+        "wall | other CPU (cores, median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    from amsp_ext.tune.analysis import reliability
+    from amsp_ext.tune.analysis import compute_drift, reliability
 
     for name, d in data.items():
         rel = reliability({r["key"]: r["measured"]["step_s_rounds"] for r in d["plans"]
                            if r["measured"]["step_s"] is not None})
         ceiling = _f(rel["ceiling"]) if rel else "-"
+        drift = compute_drift(d)
+        drift = (f"{100 * drift['forward']:+.0f} / {100 * drift['backward']:+.0f} %"
+                 if drift else "-")
         winner = d["winner"]
         other = [c for r in d["plans"] for c in (r["measured"].get("foreign_cores") or [])]
         variants = [v for v in d["summary"] if v.startswith("uncalibrated, profile")]
@@ -166,7 +172,8 @@ def summary(runs: dict[str, str], calibrated_on: str, out: Path,
                     f"| {name} | {len(d['plans'])} | {label} | {obj} | `{s['pick']}` | "
                     f"{_f(s['spearman'])} ({_spread(x['spearman'] for x in s['per_round'])}) | "
                     f"{ceiling} | {_pct(s['regret'])} ({_spread_pct(x['regret'] for x in s['per_round'])}) | "
-                    f"{_pct(s['mean_abs_rel_error'])} | `{winner}` | "
+                    f"{_pct(s['mean_abs_rel_error'])} | {drift if variant == 'calibrated' else '-'} | "
+                    f"`{winner}` | "
                     f"{d['meta'].get('wall_s', 0) / 60:.1f} min | "
                     f"{statistics.median(other) if other else 0:.2f} |")
     lines += ["", "## Commands", ""]

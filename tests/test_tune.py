@@ -13,7 +13,7 @@ import pytest
 from amsp_ext import schema
 from amsp_ext.planner.search import search
 from amsp_ext.runtime.comm_trace import CommTrace, kind_of, union_length
-from amsp_ext.tune.analysis import aggregate, ranks, regret, reliability, spearman
+from amsp_ext.tune.analysis import aggregate, compute_drift, ranks, regret, reliability, spearman
 from amsp_ext.tune.candidates import choose_plans, make_problems
 from amsp_ext.tune.report import build_result, write_report
 from amsp_ext.tune.spec import TuneConfig
@@ -56,6 +56,20 @@ def test_measurement_reliability_by_hand():
     assert four["split_half"] == pytest.approx(1.0)
     assert reliability({"a": [1, 2], "b": [2, 1]}) is None  # fewer than 3 plans
     assert reliability({"a": [1], "b": [2], "c": [3]}) is None  # one round
+
+
+def test_compute_drift_by_hand():
+    # forward FLOPs of one micro-batch: 3 / 3 per token x 10 x 2 tokens = 20; probe medians 0.25 s
+    # forward (80 FLOP/s) and 0.5 s backward (2 x 20 / 0.5 = 80 FLOP/s) against 100 and 50
+    result = {"meta": {"calibration": {"forward_flops_per_s": 100.0, "backward_flops_per_s": 50.0},
+                       "flops_per_token": 3.0,
+                       "job": {"seq_len": 10, "micro_batch_size": 2, "recompute": False}},
+              "probes": [{"forward_s": f, "backward_s": b} for f, b in ((0.2, 0.4), (0.25, 0.5),
+                                                                        (0.3, 0.9))]}
+    drift = compute_drift(result)
+    assert drift["forward"] == pytest.approx(-0.2) and drift["backward"] == pytest.approx(0.6)
+    result["meta"]["calibration"] = None
+    assert compute_drift(result) is None
 
 
 def test_regret_by_hand():

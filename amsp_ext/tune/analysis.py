@@ -44,8 +44,8 @@ from amsp_ext.planner.search import Problem, evaluate, search
 from amsp_ext.planner.step import kind_times, model_flops_per_token
 from amsp_ext.tune.candidates import Candidate
 
-__all__ = ["aggregate", "predictions", "ranks", "regret", "reliability", "spearman",
-           "summarize_variant"]
+__all__ = ["aggregate", "compute_drift", "predictions", "ranks", "regret", "reliability",
+           "spearman", "summarize_variant"]
 
 _MAX_SPLITS = 200
 
@@ -166,6 +166,23 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     if va == 0 or vb == 0:
         return None
     return cov / (va * vb)
+
+
+def compute_drift(result: dict[str, Any]) -> dict[str, float] | None:
+    """This run's compute speed against the calibration's (a tune result with a calibrated
+    profile): the forward and backward FLOP/s of this run's probes (the unsharded model, every
+    rank at once, medians) over the calibration's, less 1. A calibration carries the device's
+    speed on the day it was measured; on a shared machine that speed moves, and the calibrated
+    step predictions move with it. None without a calibration, a probe or a recompute-free job."""
+    meta = result["meta"]
+    cal, probes, job = meta.get("calibration"), result.get("probes"), meta["job"]
+    if not cal or not probes or job.get("recompute"):
+        return None
+    fwd_flops = meta["flops_per_token"] / 3.0 * job["seq_len"] * job["micro_batch_size"]
+    fwd = statistics.median(p["forward_s"] for p in probes)
+    bwd = statistics.median(p["backward_s"] for p in probes)
+    return {"forward": fwd_flops / fwd / cal["forward_flops_per_s"] - 1.0,
+            "backward": 2.0 * fwd_flops / bwd / cal["backward_flops_per_s"] - 1.0}
 
 
 def reliability(rounds: dict[str, Sequence[float]]) -> dict[str, Any] | None:

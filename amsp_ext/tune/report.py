@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from amsp_ext.planner.calibration import KINDS
-from amsp_ext.tune.analysis import aggregate, predictions, reliability, summarize_variant
+from amsp_ext.tune.analysis import (aggregate, compute_drift, predictions, reliability,
+                                   summarize_variant)
 from amsp_ext.tune.candidates import Candidate, Problems
 
 __all__ = ["build_result", "print_winner", "write_report"]
@@ -53,8 +54,10 @@ def build_result(config, problems: Problems, candidates: list[Candidate], record
             "calibration": cal.as_dict() if cal else None,
             "step_model": cal.describe() if cal else UNCALIBRATED_NOTE}
     rel = reliability({r["key"]: r["measured"]["step_s_rounds"] for r in ok})
-    return {"meta": meta, "plans": plans, "summary": summary, "winner": winner, "probes": probes,
-            "reliability": rel}
+    result = {"meta": meta, "plans": plans, "summary": summary, "winner": winner,
+              "probes": probes, "reliability": rel}
+    result["compute_drift"] = compute_drift(result)
+    return result
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -116,6 +119,15 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {variant.replace('_', '-')} | {obj} | `{s['pick']}` | {_f(s['spearman'], '.2f')} "
                          f"({rho_r}) | {_pct(s['regret'])} ({reg_r}) | {_pct(s['mean_abs_rel_error'])} |")
     return lines
+
+
+def _drift_lines(drift: dict[str, float] | None) -> list[str]:
+    if drift is None:
+        return []
+    return [f"Compute speed in this run against the calibration's (this run's probe): forward "
+            f"{100 * drift['forward']:+.0f} %, backward {100 * drift['backward']:+.0f} %. The "
+            f"calibrated predictions assume the calibration's speed; a slower device now makes "
+            f"every plan slower than predicted by about that much (the ranking moves less).", ""]
 
 
 def _reliability_lines(rel: dict[str, Any] | None) -> list[str]:
@@ -187,6 +199,7 @@ def write_report(result: dict[str, Any], out_dir: Path) -> Path:
         f"{spec['warmup_steps']} warm-up, {spec['repeats']} rounds in alternated order.", "",
         f"Profile: `{meta['profile']['source']}`. Link: {meta.get('cluster_link') or 'n/a'}.", "",
         f"Step model: {meta['step_model']}.", "",
+        *_drift_lines(result.get("compute_drift")),
         f"MFU peak: {meta['peak']['peak_flops_per_gpu'] / 1e9:.2f} GFLOP/s per GPU "
         f"({meta['peak']['peak_flops_source']}). Load averages (1/5/15 min): start "
         f"{meta['load']['start']}, end {meta['load']['end']}. Wall time {meta.get('wall_s', 0):.0f} s.", "",
