@@ -96,6 +96,9 @@ class AdaptiveRun:
         self.trace = CommTrace()
         self.windows: list[tuple[int, float, float]] = []  # (step, begin, end) not yet read
         self.decisions: list[Decision] = []
+        # every observed step's measured/predicted per kind (the monitor's input; a benchmark
+        # reads how close a steady run came to the band from it)
+        self.ratios: list[dict[str, float]] = []
         self.last_switch_step = -1  # steps since the last switch count from the start
         self._refresh()
         self.trace.__enter__()
@@ -138,7 +141,7 @@ class AdaptiveRun:
         vec /= dist.get_world_size()
         agreed = dict(zip(KINDS, vec[:len(KINDS)].tolist()))
         cost = float(vec[len(KINDS)])
-        self.monitor.observe(agreed, self.predicted)
+        self.ratios.append({"step": s, **self.monitor.observe(agreed, self.predicted)})
         drift = self.monitor.drift()
         if not drift:
             return None
