@@ -240,7 +240,10 @@ def analyse(runs: dict[str, dict], settle: int) -> dict:
             continue
         r = runs[case]
         low_from = r["drop"]["last_step_before_return"] + 1
-        o = {"link_low_from_step": low_from, "before_drop": window(r, settle, r["drop_at"] + 1)}
+        after = [v for k, v in r["step_wall_s"].items() if int(k) > r["drop_at"]]
+        o = {"link_low_from_step": low_from, "before_drop": window(r, settle, r["drop_at"] + 1),
+             # every step after the drop's, detection, switch and monitor included
+             "wall_after_drop_s": sum(after), "steps_after_drop": len(after)}
         if r.get("adaptive_ratios"):
             o["ratios_before_drop"] = ratio_stats(r, 0, r["drop_at"] + 1)
         sw = [d for d in r["adaptive_decisions"] or [] if d["switch"]]
@@ -323,6 +326,11 @@ def markdown(runs: dict[str, dict], res: dict, settle: int) -> str:
         w = res["d"]["all"]
         lines.append(f"| d | {CASES['d']} | `{runs['d']['plan']}` | {res['d']['steps']} | "
                      f"{w['steps'][0]}..{w['steps'][1] - 1} | {_f(w['median_step_s'])} | {_f(w['median_wall_s'])} | - |")
+    if "a" in res and "b" in res:
+        lines += ["", f"Wall time of the {res['a']['steps_after_drop']} steps after the drop step (rank 0's step lines, "
+                  f"everything included: the steps before the switch, the switch, the monitor): "
+                  f"(a) {res['a']['wall_after_drop_s']:.1f} s, (b) {res['b']['wall_after_drop_s']:.1f} s "
+                  f"({res['a']['wall_after_drop_s'] / res['b']['wall_after_drop_s'] - 1:+.1%})."]
     lines += ["", "## Adaptive decisions", ""]
     if "a" in res:
         o = res["a"]
