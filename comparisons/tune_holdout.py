@@ -5,7 +5,8 @@ calibrated profile and compare the planner with the measurements, before and aft
     # a profile measured on another link, with A's calibration copied in
     python comparisons/tune_holdout.py with-calibration --calibration A/calibrated.json \\
         --profile profile-100mbit.json -o profile-100mbit.calibrated.json
-    # the summary of several tune runs (each a folder with tune.json)
+    # the summary of several tune runs (each a folder with tune.json); --run NAME=DIR1+DIR2
+    # pools the rounds of runs of the same command (same plans, same predictions)
     python comparisons/tune_holdout.py summary --run A=DIR --run B=DIR ... --calibrated-on A \\
         -o comparisons/results/<stem>.md
 
@@ -57,6 +58,46 @@ def repredict(d: dict, profile: str) -> dict:
     return summarize_variant(probs, cands, measured, pred)
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One run made of the rounds of several runs of the same job (same plans and profile, so
+    the same predictions and picks): per plan the rounds concatenated, the median over them, and
+    Spearman / regret recomputed from those medians."""
+    from amsp_ext.tune.analysis import regret, spearman
+
+    first = runs[0]
+    keys = [r["key"] for r in first["plans"]]
+    for d in runs[1:]:
+        if [r["key"] for r in d["plans"]] != keys:
+            raise SystemExit("pooled runs must measure the same plans in the same order")
+    out = json.loads(json.dumps(first))
+    for i, row in enumerate(out["plans"]):
+        rounds = [x for d in runs for x in d["plans"][i]["measured"]["step_s_rounds"]]
+        row["measured"]["step_s_rounds"] = rounds
+        row["measured"]["step_s"] = {"median": statistics.median(rounds), "min": min(rounds),
+                                     "max": max(rounds)}
+        row["measured"]["foreign_cores"] = [c for d in runs
+                                            for c in d["plans"][i]["measured"]["foreign_cores"] or []]
+    out["probes"] = [p for d in runs for p in d.get("probes") or []]
+    meas = {r["key"]: r["measured"]["step_s"]["median"] for r in out["plans"]}
+    out["winner"] = min(meas, key=meas.get)
+    for variant, objs in out["summary"].items():
+        for obj, s in objs.items():
+            source = "in_sample" if variant == "in_sample" else variant
+            field = "step_s" if obj == "step" else "comm_total_s"
+            pred = {r["key"]: r["predicted"][source][field] for r in out["plans"]}
+            s["spearman"] = spearman([pred[k] for k in keys], [meas[k] for k in keys])
+            s["regret"] = regret(s["pick"], meas)
+            s["per_round"] = [x for d in runs for x in d["summary"][variant][obj]["per_round"]]
+            if obj == "step":
+                s["mean_abs_rel_error"] = statistics.fmean(
+                    abs(pred[k] / meas[k] - 1) for k in keys)
+    m = out["meta"]
+    m["command"] = " ; ".join(d["meta"]["command"] for d in runs)
+    m["wall_s"] = sum(d["meta"].get("wall_s", 0) for d in runs)
+    m["load"] = {"start": runs[0]["meta"]["load"]["start"], "end": runs[-1]["meta"]["load"]["end"]}
+    return out
+
+
 def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -79,9 +120,12 @@ def _spread_pct(values):
     return f"{100 * min(vals):.1f}..{100 * max(vals):.1f}%"
 
 
-def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
+def summary(runs: dict[str, str], calibrated_on: str, out: Path,
             extra_profiles: dict[str, str] | None = None) -> None:
-    data = {name: json.loads((path / "tune.json").read_text()) for name, path in runs.items()}
+    data = {}
+    for name, paths in runs.items():
+        loaded = [json.loads((Path(p) / "tune.json").read_text()) for p in str(paths).split("+")]
+        data[name] = loaded[0] if len(loaded) == 1 else pooled(loaded)
     for d in data.values():
         for label, prof in (extra_profiles or {}).items():
             d["summary"][f"uncalibrated, profile {label}"] = repredict(d, prof)
@@ -93,12 +137,25 @@ def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
         "every overlap perfect, the profile's times); *calibrated*: with the `calibration` "
         f"fitted on scenario {calibrated_on} only; *comm*: the paper's objective (Eq. 1), which "
         "calibration does not change. Regret = measured step of the planner's pick / best "
-        "measured step - 1.", "",
-        "| scenario | plans | model | objective | pick | Spearman rho (rounds) | regret (rounds) | "
-        "mean abs error of step | measured winner | wall | other CPU (cores, median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "measured step - 1. *Ceiling*: the rho a model that knew the true step times would reach "
+        "against this measurement (split-half reliability of the rounds, Spearman-Brown, "
+        "attenuation; amsp_ext/tune/analysis.py). *Compute vs calibration*: this run's forward / "
+        "backward speed (its probe) against the calibration's; the calibrated predictions "
+        "assume the calibration's.", "",
+        "| scenario | plans | model | objective | pick | Spearman rho (rounds) | ceiling | "
+        "regret (rounds) | mean abs error of step | compute vs calibration | measured winner | "
+        "wall | other CPU (cores, median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    from amsp_ext.tune.analysis import compute_drift, reliability
+
     for name, d in data.items():
+        rel = reliability({r["key"]: r["measured"]["step_s_rounds"] for r in d["plans"]
+                           if r["measured"]["step_s"] is not None})
+        ceiling = _f(rel["ceiling"]) if rel else "-"
+        drift = compute_drift(d)
+        drift = (f"{100 * drift['forward']:+.0f} / {100 * drift['backward']:+.0f} %"
+                 if drift else "-")
         winner = d["winner"]
         other = [c for r in d["plans"] for c in (r["measured"].get("foreign_cores") or [])]
         variants = [v for v in d["summary"] if v.startswith("uncalibrated, profile")]
@@ -110,12 +167,13 @@ def summary(runs: dict[str, Path], calibrated_on: str, out: Path,
                 if variant in ("calibrated", "in_sample") and obj == "comm":
                     continue
                 s = objs[obj]
-                label = {"in_sample": f"calibrated (in-sample, fitted here)"}.get(variant, variant)
+                label = {"in_sample": "calibrated (in-sample, fitted here)"}.get(variant, variant)
                 lines.append(
                     f"| {name} | {len(d['plans'])} | {label} | {obj} | `{s['pick']}` | "
                     f"{_f(s['spearman'])} ({_spread(x['spearman'] for x in s['per_round'])}) | "
-                    f"{_pct(s['regret'])} ({_spread_pct(x['regret'] for x in s['per_round'])}) | "
-                    f"{_pct(s['mean_abs_rel_error'])} | `{winner}` | "
+                    f"{ceiling} | {_pct(s['regret'])} ({_spread_pct(x['regret'] for x in s['per_round'])}) | "
+                    f"{_pct(s['mean_abs_rel_error'])} | {drift if variant == 'calibrated' else '-'} | "
+                    f"`{winner}` | "
                     f"{d['meta'].get('wall_s', 0) / 60:.1f} min | "
                     f"{statistics.median(other) if other else 0:.2f} |")
     lines += ["", "## Commands", ""]
@@ -147,7 +205,7 @@ def main(argv=None) -> int:
     else:
         runs = dict(r.split("=", 1) for r in a.run)
         extra = dict(e.split("=", 1) for e in a.extra_profile)
-        summary({k: Path(v) for k, v in runs.items()}, a.calibrated_on, a.out, extra)
+        summary(runs, a.calibrated_on, a.out, extra)
     return 0
 
 

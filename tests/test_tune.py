@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 
+import math
+
 import pytest
 
 from amsp_ext import schema
 from amsp_ext.planner.search import search
 from amsp_ext.runtime.comm_trace import CommTrace, kind_of, union_length
-from amsp_ext.tune.analysis import aggregate, ranks, regret, spearman
+from amsp_ext.tune.analysis import aggregate, compute_drift, ranks, regret, reliability, spearman
 from amsp_ext.tune.candidates import choose_plans, make_problems
 from amsp_ext.tune.report import build_result, write_report
 from amsp_ext.tune.spec import TuneConfig
@@ -34,6 +36,40 @@ def test_spearman_and_ranks_by_hand():
     # d = rank differences (0, 0, 1, -1): rho = 1 - 6 * 2 / (4 * 15) = 0.8
     assert spearman([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(0.8)
     assert spearman([1, 2], [2, 1]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_measurement_reliability_by_hand():
+    # two rounds: the split is round 1 vs round 2
+    same = reliability({"a": [1.0, 1.0], "b": [2.0, 2.0], "c": [3.0, 3.0]})
+    assert same["split_half"] == pytest.approx(1.0) and same["ceiling"] == pytest.approx(1.0)
+    swapped = reliability({"a": [1.0, 1.0], "b": [2.0, 2.0], "c": [3.0, 2.5], "d": [4.0, 1.5]})
+    # round ranks (1,2,3,4) vs (1,3,4,2): rho 0.4; Spearman-Brown 0.8 / 1.4; ceiling its root
+    assert swapped["split_half"] == pytest.approx(0.4)
+    assert swapped["full"] == pytest.approx(0.8 / 1.4)
+    assert swapped["ceiling"] == pytest.approx(math.sqrt(0.8 / 1.4))
+    # four rounds: 3 distinct balanced splits ({0,1}, {0,2}, {0,3}); plan c's rounds make the
+    # splits (1,2,3 vs 1,2,3), (1,3,2 vs 1,3,2)...: hand-checked medians below
+    four = reliability({"a": [1, 1, 1, 1], "b": [2, 2, 3.5, 3.5], "c": [3, 3, 3, 3]})
+    assert four["num_splits"] == 3
+    # {0,1} vs {2,3}: (1,2,3) vs (1,3.5,3) -> rho 0.5; {0,2}/{1,3} and {0,3}/{1,2}: medians
+    # b = 2.75 both halves, c = 3: rho 1.0 -> median over splits 1.0
+    assert four["split_half"] == pytest.approx(1.0)
+    assert reliability({"a": [1, 2], "b": [2, 1]}) is None  # fewer than 3 plans
+    assert reliability({"a": [1], "b": [2], "c": [3]}) is None  # one round
+
+
+def test_compute_drift_by_hand():
+    # forward FLOPs of one micro-batch: 3 / 3 per token x 10 x 2 tokens = 20; probe medians 0.25 s
+    # forward (80 FLOP/s) and 0.5 s backward (2 x 20 / 0.5 = 80 FLOP/s) against 100 and 50
+    result = {"meta": {"calibration": {"forward_flops_per_s": 100.0, "backward_flops_per_s": 50.0},
+                       "flops_per_token": 3.0,
+                       "job": {"seq_len": 10, "micro_batch_size": 2, "recompute": False}},
+              "probes": [{"forward_s": f, "backward_s": b} for f, b in ((0.2, 0.4), (0.25, 0.5),
+                                                                        (0.3, 0.9))]}
+    drift = compute_drift(result)
+    assert drift["forward"] == pytest.approx(-0.2) and drift["backward"] == pytest.approx(0.6)
+    result["meta"]["calibration"] = None
+    assert compute_drift(result) is None
 
 
 def test_regret_by_hand():

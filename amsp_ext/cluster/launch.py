@@ -163,7 +163,7 @@ def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master
     bad = [(i, c) for i, c in enumerate(codes) if c != 0]
     with lock:
         if bad:
-            sink.write(f"[cluster] failed: " + ", ".join(f"node{i} exit {c}" for i, c in bad)
+            sink.write("[cluster] failed: " + ", ".join(f"node{i} exit {c}" for i, c in bad)
                        + f" (logs: {log_dir})\n")
         else:
             sink.write(f"[cluster] all {len(procs)} node(s) exited 0\n")

@@ -26,6 +26,15 @@ precision and the optimizer:
   8-bit Adam stores m and v as one byte each plus one fp32 absmax per block of 2048 values per
   state (Dettmers et al. 2022, block-wise quantisation).
 
+[Note: gradients at M = 1]
+G*Phi/sg is what the engine holds while gradients accumulate over micro-batches (the sharded
+``.grad`` or the keeper's buffer, grad_sync.py). With one micro-batch nothing accumulates: each
+gradient goes into a bucket as it is produced and, once reduced, the rank keeps only what it
+owns, so the engine holds G*Phi/sos whatever sg is (``amsp tune``, small-llama, M = 1: ZeRO-1
+20.3 MiB of model states measured against 28.9 MiB here; at M = 4, 28.9 measured). The planner
+keeps the formula on purpose: a plan chosen at M = 1 must still fit when the job raises M, and
+at M = 1 sg = sp and sg = sos run the same collectives, so nothing is lost by it.
+
 [Note: activations (Korthikanti et al. 2022, re-derived for LLaMA)]
 Megatron-LM's count, ``sbh(34 + 5as/h)`` bytes per GPT layer, lists the tensors each layer saves
 for backward. We redo that list for a LLaMA layer run with a flash-attention-style kernel (which

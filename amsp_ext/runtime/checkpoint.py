@@ -79,7 +79,7 @@ from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.checkpoint_files import (DCP_METADATA, FORMAT, META_FILE, CheckpointError, begin_staging,
+from amsp_ext.runtime.checkpoint_files import (DCP_METADATA, FORMAT, CheckpointError, begin_staging,
                                                damage, file_digest, publish, rank_files, read_meta,
                                                resolve, staging_path, verify_files, write_meta)
 

@@ -16,11 +16,25 @@ winner). Spearman's rho is the Pearson correlation of the ranks (ties get their 
 predicted and measured step times over the measured plans; for ``--objective comm`` it ranks by
 the communication time, which is what that objective minimises.
 
+[Note: how far the measurement itself can rank]
+On a noisy cluster two plans whose true step times differ by less than the round-to-round
+spread swap places from one tune run to the next, and no model can predict that order. The
+measurement's own reliability is its split-half rank correlation: split the rounds into two
+halves, take each plan's median in each half, and correlate the two rankings (every balanced
+split, median over splits). Spearman-Brown turns that into the reliability of the medians over
+all rounds, r_full = 2 r_half / (1 + r_half), and by the attenuation formula a model that knew
+the true step times would reach about sqrt(r_full) against the measured ranking: the *ceiling*
+that a Spearman rho of the planner should be read against. It is an estimate, coarse with few
+plans. It does not know which plans are the same program: at M = 1 the gradient factor only
+changes memory, so sg = sp and sg = sos run the same collectives, and a model must predict them
+the same; their measured order is a coin flip that no prediction can match.
+
 Pure Python.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from typing import Any, Iterable, Sequence
@@ -30,7 +44,10 @@ from amsp_ext.planner.search import Problem, evaluate, search
 from amsp_ext.planner.step import kind_times, model_flops_per_token
 from amsp_ext.tune.candidates import Candidate
 
-__all__ = ["aggregate", "predictions", "ranks", "regret", "spearman", "summarize_variant"]
+__all__ = ["aggregate", "compute_drift", "predictions", "ranks", "regret", "reliability",
+           "spearman", "summarize_variant"]
+
+_MAX_SPLITS = 200
 
 
 def _median(xs: Iterable[float]) -> float | None:
@@ -149,6 +166,52 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     if va == 0 or vb == 0:
         return None
     return cov / (va * vb)
+
+
+def compute_drift(result: dict[str, Any]) -> dict[str, float] | None:
+    """This run's compute speed against the calibration's (a tune result with a calibrated
+    profile): the forward and backward FLOP/s of this run's probes (the unsharded model, every
+    rank at once, medians) over the calibration's, less 1. A calibration carries the device's
+    speed on the day it was measured; on a shared machine that speed moves, and the calibrated
+    step predictions move with it. None without a calibration, a probe or a recompute-free job."""
+    meta = result["meta"]
+    cal, probes, job = meta.get("calibration"), result.get("probes"), meta["job"]
+    if not cal or not probes or job.get("recompute"):
+        return None
+    fwd_flops = meta["flops_per_token"] / 3.0 * job["seq_len"] * job["micro_batch_size"]
+    fwd = statistics.median(p["forward_s"] for p in probes)
+    bwd = statistics.median(p["backward_s"] for p in probes)
+    return {"forward": fwd_flops / fwd / cal["forward_flops_per_s"] - 1.0,
+            "backward": 2.0 * fwd_flops / bwd / cal["backward_flops_per_s"] - 1.0}
+
+
+def reliability(rounds: dict[str, Sequence[float]]) -> dict[str, Any] | None:
+    """How well the measurement ranks the plans (see [Note: how far the measurement itself can
+    rank]): ``split_half`` (median over balanced splits of the rounds), ``full`` (Spearman-Brown)
+    and ``ceiling`` (sqrt of ``full``, 0 when it is not positive). None with fewer than 3 plans
+    or 2 rounds."""
+    keys = list(rounds)
+    n = min((len(v) for v in rounds.values()), default=0)
+    if len(keys) < 3 or n < 2:
+        return None
+    splits = []
+    for half in itertools.combinations(range(n), n // 2):
+        if n % 2 == 0 and 0 not in half:
+            continue  # each split once (its complement is the same split)
+        splits.append(half)
+        if len(splits) >= _MAX_SPLITS:
+            break
+    values = []
+    for half in splits:
+        other = [i for i in range(n) if i not in half]
+        a = [statistics.median(rounds[k][i] for i in half) for k in keys]
+        b = [statistics.median(rounds[k][i] for i in other) for k in keys]
+        rho = spearman(a, b)
+        values.append(0.0 if rho is None else rho)
+    half_rho = statistics.median(values)
+    full = 2 * half_rho / (1 + half_rho) if half_rho > -1 else -1.0
+    return {"split_half": half_rho, "full": full, "ceiling": math.sqrt(full) if full > 0 else 0.0,
+            "num_splits": len(splits), "num_rounds": n}
 
 
 def regret(pick: str, measured: dict[str, float]) -> float | None:

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from amsp_ext.planner.calibration import KINDS
-from amsp_ext.tune.analysis import aggregate, predictions, summarize_variant
+from amsp_ext.tune.analysis import (aggregate, compute_drift, predictions, reliability,
+                                   summarize_variant)
 from amsp_ext.tune.candidates import Candidate, Problems
 
 __all__ = ["build_result", "print_winner", "write_report"]
@@ -52,7 +53,11 @@ def build_result(config, problems: Problems, candidates: list[Candidate], record
                         "source": problems.uncalibrated["step"].timer.profile.source},
             "calibration": cal.as_dict() if cal else None,
             "step_model": cal.describe() if cal else UNCALIBRATED_NOTE}
-    return {"meta": meta, "plans": plans, "summary": summary, "winner": winner, "probes": probes}
+    rel = reliability({r["key"]: r["measured"]["step_s_rounds"] for r in ok})
+    result = {"meta": meta, "plans": plans, "summary": summary, "winner": winner,
+              "probes": probes, "reliability": rel}
+    result["compute_drift"] = compute_drift(result)
+    return result
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -116,6 +121,26 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _drift_lines(drift: dict[str, float] | None) -> list[str]:
+    if drift is None:
+        return []
+    return [f"Compute speed in this run against the calibration's (this run's probe): forward "
+            f"{100 * drift['forward']:+.0f} %, backward {100 * drift['backward']:+.0f} %. The "
+            f"calibrated predictions assume the calibration's speed; a slower device now makes "
+            f"every plan slower than predicted by about that much (the ranking moves less).", ""]
+
+
+def _reliability_lines(rel: dict[str, Any] | None) -> list[str]:
+    if rel is None:
+        return []
+    return [f"How well this measurement ranks the plans itself: split-half Spearman rho "
+            f"{rel['split_half']:.2f} (median over {rel['num_splits']} splits of the "
+            f"{rel['num_rounds']} rounds), {rel['full']:.2f} for the medians over all rounds "
+            f"(Spearman-Brown); a model that knew the true step times would reach about "
+            f"**{rel['ceiling']:.2f}** against this ranking. Read the planner's rho against that "
+            f"ceiling; more rounds raise it.", ""]
+
+
 def _table_lines(result: dict[str, Any]) -> list[str]:
     variants = [v for v in ("uncalibrated", "calibrated", "in_sample")
                 if any(v in r["predicted"] for r in result["plans"])]
@@ -174,6 +199,7 @@ def write_report(result: dict[str, Any], out_dir: Path) -> Path:
         f"{spec['warmup_steps']} warm-up, {spec['repeats']} rounds in alternated order.", "",
         f"Profile: `{meta['profile']['source']}`. Link: {meta.get('cluster_link') or 'n/a'}.", "",
         f"Step model: {meta['step_model']}.", "",
+        *_drift_lines(result.get("compute_drift")),
         f"MFU peak: {meta['peak']['peak_flops_per_gpu'] / 1e9:.2f} GFLOP/s per GPU "
         f"({meta['peak']['peak_flops_source']}). Load averages (1/5/15 min): start "
         f"{meta['load']['start']}, end {meta['load']['end']}. Wall time {meta.get('wall_s', 0):.0f} s.", "",
@@ -189,6 +215,7 @@ def write_report(result: dict[str, Any], out_dir: Path) -> Path:
         "Figures in parentheses: each round alone. *Other CPU*: cores kept busy by anything but "
         "this run's ranks while a plan ran (other jobs, and the kernel's network processing): "
         "timings with a high figure are suspect.", "",
+        *_reliability_lines(result.get("reliability")),
         "![predicted vs measured](predicted_vs_measured.png)", "",
         *_table_lines(result), "",
         *_kind_lines(result), "",
