@@ -9,7 +9,7 @@ import random
 import pytest
 
 from amsp_ext.planner.adaptive import (AdaptiveConfig, Monitor, crosses_nodes, decide, predicted_by_kind,
-                                       refit_scales, replan)
+                                       refit_scales, replan, switch_move_s)
 from amsp_ext.planner.plan import parse_plan
 
 CFG = AdaptiveConfig(band=(0.67, 1.5), window=3, min_steps_between_switches=10, hysteresis=0.1)
@@ -164,3 +164,30 @@ def test_slow_fault_parses_and_bad_ones_are_one_line():
         with pytest.raises(ValueError, match="AMSP_FAULTS") as err:
             faults(bad)
         assert "\n" not in str(err.value)
+
+
+def test_switch_move_s_is_one_world_broadcast_of_the_state(lab_problem):
+    """Before the first switch its cost includes moving the state ([Note: the first switch's
+    cost]): here by hand, MODEL's parameters x 12 B (fp32 master, AdamW m and v) at the lab
+    profile's 2x2 broadcast bandwidth (beyond its largest measured size: bytes / GBps)."""
+    import json
+
+    from dist_utils import REPO
+
+    # embeddings and lm_head 2 x 32000 x 256; per layer q,k,v,o 4 x 256^2, MLP 3 x 256 x 688,
+    # 2 norms x 256; final norm 256
+    num_params = 2 * 32000 * 256 + 4 * (4 * 256 * 256 + 3 * 256 * 688 + 2 * 256) + 256
+    assert lab_problem.spec.num_params == num_params
+    doc = json.loads((REPO / "configs/clusters/lab-2x2.profile.json").read_text())
+    (entry,) = [e for e in doc["entries"] if (e["op"], e["p0"], e["p1"]) == ("broadcast", 2, 2)]
+    last = entry["points"][-1]
+    assert num_params * 12 > last["bytes"]
+    expected = num_params * 12 / (last["GBps"] * 1e9)
+    assert switch_move_s(lab_problem) == pytest.approx(expected, rel=1e-9)
+    # a cross-node link re-fit to a quarter of its bandwidth: four times as long
+    assert switch_move_s(lab_problem, (1.0, 0.25)) == pytest.approx(4 * expected, rel=1e-9)
+    # fp32 training keeps no separate master (the parameter is it): 4 + 8 B, the same 12 B
+    import dataclasses
+
+    fp32 = dataclasses.replace(lab_problem, training=dataclasses.replace(lab_problem.training, precision="fp32"))
+    assert switch_move_s(fp32) == pytest.approx(expected, rel=1e-9)

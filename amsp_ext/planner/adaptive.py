@@ -23,7 +23,7 @@ from amsp_ext.choices import check_bool, check_int, check_number
 
 __all__ = ["AdaptiveConfig", "Decision", "KIND_TERMS", "Monitor", "check_replannable", "decide",
            "crosses_nodes", "predicted_by_kind", "refit_scales", "replan", "trace_kinds_cross_nodes",
-           "predicted_trace_kinds"]
+           "predicted_trace_kinds", "switch_move_s"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,3 +260,32 @@ def predicted_trace_kinds(problem: Any, plan: Any, scales: tuple[float, float] =
                     efficiency=scaled.efficiency, overlap=scaled.overlap,
                     calibration=scaled.calibration)
     return {k: float(v) for k, v in kt.busy_s.items()}
+
+
+# [Note: the first switch's cost]
+# ``decide`` weighs the gain against what a switch costs. After a switch that is its measured
+# time; before the first one nothing has been measured, and the start-up ``shard`` time alone
+# was far too low: on the 2 x 2 lab at 100 Mbit (small-llama, comparisons/results/adaptive_*)
+# shard took 0.27 s and the switch 6.3 s, because a switch broadcasts the whole model state
+# over the world (runtime/switch.py, [Note: the resharding layout], step 2) on the link that
+# has just become slow. So before the first switch the cost is shard's time plus this: the
+# re-fit profile's time for one broadcast of the state's bytes (fp32 masters, which under fp32
+# are the parameters, and the optimizer states) on the world mesh. Still a lower bound (the
+# switch broadcasts chunk by chunk); 0 when the profile has no world-mesh broadcast.
+
+
+def switch_move_s(problem: Any, scales: tuple[float, float] = (1.0, 1.0)) -> float:
+    """The profile's seconds to broadcast the model state a switch moves over the world, once
+    its bandwidths are scaled by ``scales`` (see [Note: the first switch's cost])."""
+    from amsp_ext.planner.memory import optimizer_bytes_per_param, param_bytes
+    from amsp_ext.planner.profile import ProfileError
+
+    t, c = problem.training, problem.cluster
+    per_param = optimizer_bytes_per_param(t.optimizer, t.precision)
+    if t.precision == "fp32":  # no separate master: the parameter is it
+        per_param += param_bytes(t.precision)
+    timer = problem.timer.scaled(intra=scales[0], inter=scales[1])
+    try:
+        return float(timer.time("broadcast", problem.spec.num_params * per_param, c.gpus_per_node, c.num_nodes))
+    except ProfileError:
+        return 0.0

@@ -26,7 +26,8 @@ checks that again before moving anything).
 [Note: the switch cost]
 ``decide`` needs what a switch costs. Before the first switch nothing has been measured, so
 the cost is the time ``amsp_ext.shard`` took at start-up (a switch does all of ``shard``'s work,
-rebuilding groups and FSDP2, plus moving the state, so this is an underestimate); after a
+rebuilding groups and FSDP2) plus the re-fit profile's time to broadcast the model state over
+the world (``switch_move_s``, [Note: the first switch's cost] in planner/adaptive.py); after a
 switch it is that switch's measured seconds (``model.amsp.switches[-1]["seconds"]``), both as
 the mean over ranks.
 
@@ -50,7 +51,7 @@ import torch.distributed as dist
 
 from amsp_ext.faults import slow_factor
 from amsp_ext.planner.adaptive import (AdaptiveConfig, Decision, Monitor, decide, predicted_trace_kinds,
-                                       refit_scales, replan, trace_kinds_cross_nodes)
+                                       refit_scales, replan, switch_move_s, trace_kinds_cross_nodes)
 from amsp_ext.planner.search import make_problem
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 from amsp_ext.runtime import collectives as C
@@ -96,6 +97,9 @@ class AdaptiveRun:
         self.trace = CommTrace()
         self.windows: list[tuple[int, float, float]] = []  # (step, begin, end) not yet read
         self.decisions: list[Decision] = []
+        # every observed step's measured/predicted per kind (the monitor's input; a benchmark
+        # reads how close a steady run came to the band from it)
+        self.ratios: list[dict[str, float]] = []
         self.last_switch_step = -1  # steps since the last switch count from the start
         self._refresh()
         self.trace.__enter__()
@@ -138,7 +142,7 @@ class AdaptiveRun:
         vec /= dist.get_world_size()
         agreed = dict(zip(KINDS, vec[:len(KINDS)].tolist()))
         cost = float(vec[len(KINDS)])
-        self.monitor.observe(agreed, self.predicted)
+        self.ratios.append({"step": s, **self.monitor.observe(agreed, self.predicted)})
         drift = self.monitor.drift()
         if not drift:
             return None
@@ -146,6 +150,8 @@ class AdaptiveRun:
         self.scales = (self.scales[0] * new[0], self.scales[1] * new[1])
         current = self.model.amsp.plan
         best, cur_s, best_s = replan(self.problem, current, self.scales)
+        if not self.model.amsp.switches:  # nothing measured yet: add the state's move
+            cost += switch_move_s(self.problem, self.scales)
         d = decide(step=step, current=str(current), candidate=str(best), current_step_s=cur_s,
                    candidate_step_s=best_s, remaining_steps=self.total_steps - step - 1,
                    switch_cost_s=cost, steps_since_switch=step - self.last_switch_step,
