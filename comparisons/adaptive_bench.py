@@ -373,16 +373,43 @@ def markdown(runs: dict[str, dict], res: dict, settle: int) -> str:
     return "\n".join(lines)
 
 
+def summary_table(results: list[tuple[str, dict]]) -> list[str]:
+    """One row per run (folder): the acceptance figures side by side."""
+    lines = ["| run | switch at step (steps on the slow link) | (a) after the switch vs (c) | "
+             "(b) vs (c), same window | (a) vs (b), wall after the drop | (d) decisions / switches |",
+             "|---|---|---|---|---|---|"]
+    for name, res in results:
+        a, b, d = res.get("a", {}), res.get("b", {}), res.get("d", {})
+        sw = (f"{a['switch_step']} ({a['steps_from_low_link_to_switch']})" if "switch_step" in a else "no switch")
+        ab = (a["wall_after_drop_s"] / b["wall_after_drop_s"] - 1) if a and b else None
+        dd = f"{d['decisions']} / {d['switches']} over {d['steps']} steps" if d else "-"
+        lines.append(f"| {name} | {sw} | {_pct(a.get('after_switch_vs_c'))} | {_pct(b.get('slowdown_vs_c'))} | "
+                     f"{_pct(ab)} | {dd} |")
+    return lines
+
+
 def cmd_report(a: argparse.Namespace) -> int:
-    d = Path(a.dir)
-    runs = {c: json.loads((d / f"{c}.json").read_text()) for c in CASES if (d / f"{c}.json").exists()}
-    if not runs:
-        raise SystemExit(f"{d}: no a.json .. d.json")
-    res = analyse(runs, a.settle)
+    results, mds, dump = [], [], []
+    for i, dir_ in enumerate(a.dir, 1):
+        d = Path(dir_)
+        runs = {c: json.loads((d / f"{c}.json").read_text()) for c in CASES if (d / f"{c}.json").exists()}
+        if not runs:
+            raise SystemExit(f"{d}: no a.json .. d.json")
+        res = analyse(runs, a.settle)
+        results.append((f"{i} (`{d.name}`)", res))
+        dump.append({"dir": str(d), "analysis": res, "runs": runs})
+        mds.append(markdown(runs, res, a.settle))
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"analysis": res, "runs": runs}, indent=1) + "\n")
-    md = markdown(runs, res, a.settle)
+    out.with_suffix(".json").write_text(json.dumps(dump, indent=1) + "\n")
+    if len(mds) == 1:
+        md = mds[0]
+    else:  # the first run's title, a summary, then each run with its headings one level down
+        title, _, _ = mds[0].partition("\n")
+        md = "\n".join([title, "", *summary_table(results), ""])
+        for (name, _), m in zip(results, mds):
+            body = m.partition("\n")[2].replace("\n## ", "\n### ")
+            md += f"\n## Run {name}\n{body}\n"
     if a.notes:
         md += "\n" + Path(a.notes).read_text()
     out.with_suffix(".md").write_text(md)
@@ -418,7 +445,8 @@ def main() -> int:
     r.add_argument("--timeout", type=float, default=1200)
     r.set_defaults(func=cmd_run)
     q = sub.add_parser("report", help="analyse a finished --out-dir")
-    q.add_argument("--dir", required=True)
+    q.add_argument("--dir", required=True, action="append",
+                   help="a finished --out-dir; several: one section each and a summary table")
     q.add_argument("-o", "--output", required=True, help="path stem: writes STEM.json and STEM.md")
     q.add_argument("--settle", type=int, default=3, help="steps skipped after a start or a switch")
     q.add_argument("--notes", help="a Markdown file appended to the report")
