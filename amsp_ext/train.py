@@ -97,10 +97,8 @@ def train(config: TrainConfig) -> dict | None:
     model = build_llama(config.model, seed=config.seed)
     num_params = sum(p.numel() for p in model.parameters())
     engine_config = shard_config(config)
-    t_shard = time.perf_counter()
     model, optimizer = amsp_ext.shard(model, config.plan, optimizer_factory(config),
                                       config=engine_config)
-    shard_s = time.perf_counter() - t_shard
     plan = model.amsp.plan
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
     log(f"amsp train: {config.model} ({num_params / 1e6:.2f}M params) on {world_size} ranks "
@@ -122,17 +120,17 @@ def train(config: TrainConfig) -> dict | None:
     elif restart or ck.resume == "auto":
         log(f"no checkpoint in {ck.save_dir} yet: a fresh start")
     injected = faults()
-    # [Note: adaptive in amsp train] with --adaptive a CommTrace records the collectives and, at
-    # every step boundary, runtime/adaptive.py agrees on the previous step's per-kind times (one
-    # all-reduce), feeds planner/adaptive.py's Monitor and on drift re-fits, re-plans, decides
-    # and maybe switches plans in memory (switch_plan: the same model and optimizer objects, so
-    # the scheduler, the data position below and the RNG go on). Off: none of it exists.
-    adaptive = None
-    if engine_config.adaptive is not None:
-        from amsp_ext.runtime.adaptive import AdaptiveRun
-
-        adaptive = AdaptiveRun(model, engine_config, engine_config.adaptive, total_steps=b.steps,
-                               first_switch_cost_s=shard_s, faults=injected, timeout=e.timeout)
+    # [Note: adaptive in amsp train] with --adaptive, shard() installed runtime/adaptive.py's
+    # monitor as a post-step hook of the optimizer: at the end of every optimizer.step() it
+    # agrees on the previous step's per-kind times (one all-reduce), feeds planner/adaptive.py's
+    # Monitor and on drift re-fits, re-plans, decides and maybe switches plans in memory
+    # (switch_plan: the same model and optimizer objects, so the scheduler, the data position
+    # below and the RNG go on). Here it learns the run's length and logs through us. Off: none of
+    # it exists.
+    adaptive = optimizer.adaptive
+    if adaptive is not None:
+        adaptive.total_steps, adaptive.faults, adaptive.log = b.steps, injected, log
+        adaptive.num_steps = len(history)  # a resumed run goes on counting
 
     # -- 4. the peak for MFU (metrics.py [Note: one MFU]) ---------------------------------
     dtype = engine_config.dtype
@@ -162,7 +160,6 @@ def train(config: TrainConfig) -> dict | None:
         optimizer.step()  # skipped on every rank if the loss or the norm is not finite
         scheduler.step()
         optimizer.zero_grad()
-        t_end = time.perf_counter()
         # the logged loss is the global-batch mean: average over the data-parallel world
         collectives.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
                                timeout=e.timeout)
@@ -177,10 +174,6 @@ def train(config: TrainConfig) -> dict | None:
             f"grad-norm {float(grad_norm) if grad_norm is not None else float('nan'):.3f}  "
             f"{tokens_per_rank_step / step_times[-1]:8.0f} tok/rank/s"
             f"{'' if history[-1]['applied'] else '  (skipped)'}")
-        if adaptive is not None:  # at the step boundary, every rank (runtime/adaptive.py)
-            decision = adaptive.after_step(step, t0, t_end, optimizer)
-            if decision is not None:
-                log(decision.line())
         done = samples >= b.steps * global_batch
         if ck.save_dir and ((ck.save_every and (step + 1) % ck.save_every == 0) or done):
             _save(model, optimizer, scheduler, ck, step=step + 1, samples=samples,

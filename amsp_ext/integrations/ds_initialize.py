@@ -117,8 +117,8 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
     from amsp_ext.runtime.config import AutoPlanConfig, FP16Config, OverlapConfig, ShardConfig
 
     auto = None
-    if settings.plan.lower() == "auto":
-        if settings.seq_len is None:
+    if settings.plan.lower() == "auto" or settings.adaptive is not None:
+        if settings.seq_len is None:  # AMSPSettings refuses this first; kept for direct callers
             raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner "
                               "sizes activations by it); or give amsp.plan as factors or a baseline")
         auto = AutoPlanConfig(seq_len=settings.seq_len, micro_batch_size=batch.micro_batch_size,

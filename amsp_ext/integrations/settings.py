@@ -8,7 +8,8 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
       "enabled": true,
       "plan": "auto",                       # "auto" | "zero3" | "mics:8" | "p=8x1,g=8x1,os=8x4"
                                             #   | {"p": [8, 1], "g": [8, 1], "os": [8, 4]}
-      "seq_len": 4096,                      # the planner's sequence length (plan "auto" needs it)
+      "seq_len": 4096,                      # the planner's sequence length (plan "auto" and
+                                            #   adaptive need it)
       "cluster": {"gpus_per_node": 8, "nodes_per_leaf": null, "gpu_memory": "80GiB"},
       "profile": "paper-a800",              # bundled bandwidth profile name or a JSON path
       "missing_mesh": "error",              # a mesh the profile lacks: "error" or "fit"
@@ -19,7 +20,8 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
       "max_bad_steps": 3,                   # consecutive non-finite steps (skipped) before the
                                             #   job stops; 0: no guard (ShardConfig.max_bad_steps)
       "adaptive": {"band": [0.67, 1.5], "window": 20, "min_steps_between_switches": 50,
-                   "hysteresis": 0.1, "allow_replan": true},   # absent or null: off
+                   "hysteresis": 0.1, "allow_replan": true,
+                   "horizon_steps": 1000},          # absent or null: off
                                             #   (ShardConfig.adaptive, planner/adaptive.py)
       "log_plan": true
     }
@@ -206,6 +208,9 @@ class AMSPSettings:
         if self.plan.lower() == "auto" and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner sizes "
                               "activations by it); or give amsp.plan as factors or a baseline name")
+        if self.adaptive is not None and self.enabled and self.seq_len is None:
+            raise ConfigError("amsp.seq_len is required with amsp.adaptive (the monitor predicts "
+                              "each step's collectives with the planner); or remove amsp.adaptive")
 
     def _check_plan_text(self) -> None:
         """Catch a misspelt plan now (one line), not after the ranks started."""

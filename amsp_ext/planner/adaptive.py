@@ -11,6 +11,8 @@ from what was measured, the planner runs again and the engine switches plans in 
 of a switch by the ``hysteresis`` margin, and no earlier than ``min_steps_between_switches``
 after the last switch. ``allow_replan=False`` forbids replacing a plan the user gave as
 factors or a name; adaptive then has nothing to do on such a plan, which is refused.
+``horizon_steps`` is how many steps a switch's gain is counted over where the run's length is
+not known (your own loop, DeepSpeed); ``amsp train`` counts the steps it has left instead.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class AdaptiveConfig:
     min_steps_between_switches: int = 50
     hysteresis: float = 0.1  # switch only if gain > (1 + hysteresis) x switch cost
     allow_replan: bool = True  # may a plan given as factors or a name be replaced?
+    horizon_steps: int = 1000  # steps a switch must pay back over when the run's end is unknown
 
     def __post_init__(self) -> None:
         band = self.band
@@ -51,14 +54,17 @@ class AdaptiveConfig:
         check_int(self.min_steps_between_switches, "adaptive.min_steps_between_switches", minimum=0)
         check_number(self.hysteresis, "adaptive.hysteresis", minimum=0)
         check_bool(self.allow_replan, "adaptive.allow_replan")
+        check_int(self.horizon_steps, "adaptive.horizon_steps", minimum=1)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "adaptive") -> "AdaptiveConfig":
         """From a JSON object (ds_config ``amsp.adaptive``); an unknown key is one line."""
         if not isinstance(d, dict):
             raise ValueError(f"{where} must be an object with keys band, window, "
-                             f"min_steps_between_switches, hysteresis, allow_replan; got {d!r}")
-        known = ("band", "window", "min_steps_between_switches", "hysteresis", "allow_replan")
+                             f"min_steps_between_switches, hysteresis, allow_replan, "
+                             f"horizon_steps; got {d!r}")
+        known = ("band", "window", "min_steps_between_switches", "hysteresis", "allow_replan",
+                 "horizon_steps")
         for k in d:
             if k not in known:
                 raise ValueError(f"{where}.{k} is not an adaptive setting (allowed: {', '.join(known)})")

@@ -1,8 +1,21 @@
 """The engine side of adaptive AMSP: measure each step's collectives, agree, decide, switch.
 
-``amsp train --adaptive`` builds one ``AdaptiveRun`` and calls ``after_step`` at every step
-boundary (after ``optimizer.zero_grad()``). The decision logic is planner/adaptive.py's
-(Monitor, refit_scales, replan, decide); this file feeds it and acts on it.
+``amsp_ext.shard`` with ``ShardConfig(adaptive=...)`` builds one ``AdaptiveRun`` (on every
+route: ``amsp train --adaptive``, your own loop, ds_config ``amsp.adaptive``) and registers
+``on_step`` as a post-step hook of the optimizer it returns, so each ``optimizer.step()`` is a
+step boundary. The decision logic is planner/adaptive.py's (Monitor, refit_scales, replan,
+decide); this file feeds it and acts on it.
+
+[Note: the step boundary is the end of optimizer.step()]
+Every route calls ``optimizer.step()`` once per global batch on every rank (DeepSpeed's
+``engine.step()`` and the HF Trainer call it too), so its end is where every rank is between
+two steps: the one place a loop we did not write gives us. The window of step k is from the end
+of step k-1's ``optimizer.step()`` to the end of its own. A switch needs no gradients pending
+(switch_plan), and the step has just consumed them: on a step where the decision is to switch,
+the hook releases them (``optimizer.zero_grad()``, which every loop does next anyway) and
+switches; the loop's ``scheduler.step()`` and ``zero_grad()`` then act on the same optimizer
+object, over the new plan's masters. A step skipped for a non-finite gradient is a boundary
+too (its collectives are still the step's).
 
 [Note: one step's numbers]
 A ``CommTrace`` (runtime/comm_trace.py) records every collective while the run trains. At the
@@ -38,13 +51,14 @@ prediction a ratio is taken against is already the re-fit profile's. With a cali
 (``amsp tune``) only the profile-time part of the calibrated prices scales; its per-byte and
 per-collective constants do not.
 
-Off (no ``--adaptive``) nothing of this exists: no trace, no extra collective.
+Off (no ``adaptive``) nothing of this exists: no trace, no hook, no extra collective.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -58,6 +72,11 @@ from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.comm_trace import KINDS, CommTrace
 
 __all__ = ["AdaptiveRun", "planner_problem"]
+
+
+def _log_rank0(line: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[amsp] {line}", file=sys.stderr, flush=True)
 
 
 def planner_problem(model, config) -> Any:
@@ -86,11 +105,16 @@ class AdaptiveRun:
     """Monitor, decide and switch for one run (see the Notes). Built just before the training
     loop (it installs the trace then); ``close()`` after it."""
 
-    def __init__(self, model, config, adaptive: AdaptiveConfig, *, total_steps: int,
-                 first_switch_cost_s: float, faults=(), timeout: float) -> None:
+    def __init__(self, model, config, adaptive: AdaptiveConfig, *, first_switch_cost_s: float,
+                 timeout: float, total_steps: int | None = None, faults=(),
+                 log: Callable[[str], None] | None = None) -> None:
         self.model, self.config, self.adaptive = model, config, adaptive
+        # total_steps: the run's length where known (amsp train), else adaptive.horizon_steps
         self.total_steps, self.first_cost, self.faults, self.timeout = (
             total_steps, first_switch_cost_s, list(faults), timeout)
+        self.log = log or _log_rank0
+        self.num_steps = 0  # step boundaries seen (optimizer.step() calls)
+        self._boundary = time.perf_counter()
         self.problem = planner_problem(model, config)
         self.monitor = Monitor(adaptive)
         self.scales = (1.0, 1.0)
@@ -106,6 +130,17 @@ class AdaptiveRun:
 
     def close(self) -> None:
         self.trace.__exit__(None, None, None)
+
+    def on_step(self, optimizer, *_args, **_kwargs) -> None:
+        """The optimizer's post-step hook ([Note: the step boundary is the end of
+        optimizer.step()]): this step's window, then ``after_step``."""
+        now = time.perf_counter()
+        step, t0 = self.num_steps, self._boundary
+        self.num_steps += 1
+        decision = self.after_step(step, t0, now, optimizer)
+        if decision is not None:
+            self.log(decision.line())
+        self._boundary = time.perf_counter()  # the switch, if any, is no step's time
 
     def _refresh(self) -> None:
         """The prediction and the kinds' node crossing for the current plan and scales."""
@@ -152,14 +187,17 @@ class AdaptiveRun:
         best, cur_s, best_s = replan(self.problem, current, self.scales)
         if not self.model.amsp.switches:  # nothing measured yet: add the state's move
             cost += switch_move_s(self.problem, self.scales)
+        remaining = (self.adaptive.horizon_steps if self.total_steps is None
+                     else self.total_steps - step - 1)
         d = decide(step=step, current=str(current), candidate=str(best), current_step_s=cur_s,
-                   candidate_step_s=best_s, remaining_steps=self.total_steps - step - 1,
+                   candidate_step_s=best_s, remaining_steps=remaining,
                    switch_cost_s=cost, steps_since_switch=step - self.last_switch_step,
                    config=self.adaptive, drift=drift, scales=self.scales)
         self.decisions.append(d)
         if d.switch:
             from amsp_ext.runtime.switch import switch_plan
 
+            optimizer.zero_grad()  # consumed by the step that just ended
             switch_plan(self.model, optimizer, best)
             self.last_switch_step = step
             self.windows.clear()  # the switch's own collectives are no step's

@@ -139,6 +139,10 @@ class ShardConfig:
             raise ValueError(f"config.auto must be an AutoPlanConfig or None, got {type(self.auto).__name__}")
         if self.adaptive is not None and not isinstance(self.adaptive, AdaptiveConfig):
             raise ValueError(f"config.adaptive must be an AdaptiveConfig or None, got {type(self.adaptive).__name__}")
+        if self.adaptive is not None and self.auto is None:
+            raise ValueError("config.adaptive needs config.auto=AutoPlanConfig(seq_len=..., "
+                             "micro_batch_size=..., num_micro_batches=..., profile=...), also with "
+                             "an explicit plan: the monitor predicts each step's collectives from it")
         check_int(self.max_bad_steps, "config.max_bad_steps (0: no guard)", minimum=0)
         check_one_of(self.init_weights, INIT_WEIGHTS, "config.init_weights")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import time
 from typing import Callable
 
 import torch
@@ -337,6 +338,7 @@ def shard(model: nn.Module, plan: "Plan | str",
         raise ValueError("amsp_ext.shard needs torch.distributed initialized (torchrun + init_process_group)")
     if getattr(model, "amsp", None) is not None:
         raise ValueError("model is already sharded by amsp_ext.shard")
+    t_start = time.perf_counter()
     world = _world(config)
     plan = _resolve(plan, model, world, config)
     validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
@@ -357,6 +359,14 @@ def shard(model: nn.Module, plan: "Plan | str",
         run_info=run_info(engine))
     engine.masters = {}  # the optimizer holds them
     install(model, engine)
+    if config.adaptive is not None:  # runtime/adaptive.py: every optimizer.step() is a boundary
+        from amsp_ext.faults import faults
+        from amsp_ext.runtime.adaptive import AdaptiveRun
+
+        run = AdaptiveRun(model, config, config.adaptive, timeout=config.timeout,
+                          first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
+        engine.optimizer.adaptive = run
+        engine.optimizer.register_step_post_hook(run.on_step)
     return model, engine.optimizer
 
 

@@ -122,6 +122,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # so step() needs no second all-reduce (and no per-tensor isfinite sync) to find out
         self._found_inf: bool | None = None
         self.num_steps = 0
+        self.adaptive = None  # runtime/adaptive.AdaptiveRun with ShardConfig.adaptive (a step hook)
         self.guard = guard or NonFiniteGuard(max_bad_steps=0)  # nonfinite.py (0: off)
         self._skipped = 0
 
