@@ -10,6 +10,7 @@ Usage: torchrun --nproc-per-node 4 -m tests.integrations_worker SUITE [ARGS]
   SUITE ds          parity of the routed deepspeed.initialize, ds scheduler, bf16, engine API
   SUITE migrated    every config path in ARGS (written by ``amsp migrate``) trains like DDP
   SUITE checkpoint  save -> load -> continue equals an uninterrupted run (same and other plan)
+  SUITE adaptive    ds_config amsp.adaptive: a switch by itself on a (fake) slow link, like DDP
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def release(engine):
     engine.module.amsp.grad_sync.remove()
     engine.module.amsp.param_sync.remove()
     free_plan_groups(engine.module.amsp.mesh)
+    for mesh in getattr(engine.module.amsp, "retired_meshes", []):  # plans switched away from
+        free_plan_groups(mesh)
 
 
 def initialize(cfg, **kw):
@@ -398,7 +401,38 @@ def _checkpoint_cases(root):
 
 
 
-SUITES = {"ds": suite_ds, "migrated": suite_migrated, "checkpoint": suite_checkpoint}
+# adaptive: ADAPTIVE_K and the 4 ranks' AMSP_FAULTS "slow" come from the test (one constant)
+ADAPTIVE_STEPS = 12
+ADAPTIVE = {"window": 4, "band": [1e-3, 1e4], "min_steps_between_switches": 0}
+
+
+def adaptive_config():
+    """zero3 on 2 x 2 (its gathers cross nodes), M = 1, ds_config ``amsp.adaptive`` with the
+    band of tests/test_adaptive_train.py (the bundled A800 profile is ~200x off on CPU)."""
+    cfg = base_config(plan="zero3", seq_len=SEQ, adaptive=ADAPTIVE, granularity="layer",
+                      cluster={"gpus_per_node": R, "gpu_memory": "4GiB"})
+    cfg["gradient_accumulation_steps"] = 1
+    return cfg
+
+
+def suite_adaptive(_args):
+    """A DeepSpeed script with ds_config ``amsp.adaptive`` switches plans by itself once the
+    monitor sees the (fake) slow link, and trains like DDP on every step."""
+    import amsp_ext
+
+    amsp_ext.patch_deepspeed()
+    cfg = adaptive_config()
+    ref = ddp_reference(cfg, ADAPTIVE_STEPS)
+    engine, opt, _, _ = initialize(cfg)
+    got = train_ds(engine, ADAPTIVE_STEPS)
+    emit("adaptive", got, ref, switches=list(engine.module.amsp.switches),
+         decisions=[d.line() for d in opt.adaptive.decisions])
+    opt.adaptive.close()
+    release(engine)
+
+
+SUITES = {"ds": suite_ds, "migrated": suite_migrated, "checkpoint": suite_checkpoint,
+          "adaptive": suite_adaptive}
 
 
 def main():

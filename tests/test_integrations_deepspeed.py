@@ -18,6 +18,7 @@ import json
 import pytest
 
 from dist_utils import REPO, run_torchrun
+from test_adaptive_loop import SLOW_LINK, check_adaptive_switch
 
 pytestmark = pytest.mark.distributed
 
@@ -43,10 +44,10 @@ def results(tmp_path_factory):
         assert main(["migrate", str(REPO / "configs" / "deepspeed" / "before_migration" / f"{name}.json"),
                      *LAB, *extra, "-o", str(path), "--json"]) == 0
         paths.append(str(path))
-    suites = "ds,migrated,checkpoint"
+    suites = "ds,migrated,checkpoint,adaptive"
     scratch = tmp_path_factory.mktemp("worker-tmp")  # the worker's mkdtemp folders land here
     proc = run_torchrun(4, "tests.integrations_worker", suites, *paths, timeout=600,
-                        env={"TMPDIR": str(scratch)})
+                        env={"TMPDIR": str(scratch), **SLOW_LINK})  # SLOW_LINK: the adaptive case
     assert not list(scratch.glob("amsp-*")), list(scratch.iterdir())  # the worker cleaned up
     res = {}
     for line in proc.stdout.splitlines():
@@ -140,3 +141,9 @@ def test_checkpoint_with_a_flipped_byte_is_refused(results):
     err = r["errors"][0]
     assert err.startswith("CheckpointError: ") and "file __1_0.distcp is damaged" in err and "\n" not in err, r
     assert r["listing"] == ["global_step3", "latest"]  # published whole: no staging directory left
+
+
+def test_ds_config_adaptive_switches_by_itself_and_trains_like_ddp(results):
+    # a DeepSpeed script with ds_config amsp.adaptive (integrations_worker.suite_adaptive): the
+    # checks of the own-loop case, tests/test_adaptive_loop.py
+    check_adaptive_switch(results["adaptive"])
