@@ -213,7 +213,7 @@ def train(config: TrainConfig) -> dict | None:
             "switches": list(model.amsp.switches),
             "adaptive_decisions": ([{**dataclasses.asdict(d), "line": d.line()} for d in adaptive.decisions]
                                    if adaptive is not None else None),
-            "adaptive_ratios": adaptive.ratios if adaptive is not None else None,
+            "adaptive_ratios": list(adaptive.ratios) if adaptive is not None else None,
             "history": history, "samples": samples, "resumed_from": str(resume) if resume else None,
             "restart": restart, "skipped_steps": sum(not h["applied"] for h in history),
             "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,

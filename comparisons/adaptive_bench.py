@@ -39,7 +39,6 @@ sampled every 2 s while a case runs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import re
 import shlex

@@ -47,7 +47,7 @@ def _make(model_name: str, plan: str, **cfg):
 
     from amsp_ext.models import build_llama
     from amsp_ext.runtime.config import ShardConfig
-    from amsp_ext.runtime.engine import shard
+    from amsp_ext.runtime.shard import shard
 
     return shard(build_llama(model_name, seed=0), plan, lambda p: torch.optim.AdamW(p, lr=1e-3),
                  config=ShardConfig(gpus_per_node=2, timeout=600, **cfg))

@@ -48,7 +48,7 @@ def child(root: Path, gen: int, kill_at: int | None, count_file: Path | None) ->
 
     from amsp_ext.runtime.checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint
     from amsp_ext.runtime.config import ShardConfig
-    from amsp_ext.runtime.engine import shard
+    from amsp_ext.runtime.shard import shard
 
     dist.init_process_group("gloo", rank=0, world_size=1, store=HashStore())
     model, opt = shard(build_llama("tiny-llama", seed=gen), "p=1x1,g=1x1,os=1x1",

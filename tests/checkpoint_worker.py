@@ -28,7 +28,7 @@ from amsp_ext.models import build_llama, causal_lm_loss
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.checkpoint import load_checkpoint, save_checkpoint
 from amsp_ext.runtime.config import FP16Config, ShardConfig
-from amsp_ext.runtime.engine import shard
+from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.export import consolidated_state_dict, save_pretrained
 from tests.dist_utils import end_worker, free_plan_groups
 

@@ -29,7 +29,7 @@ from amsp_ext.models import build_llama, causal_lm_loss
 from amsp_ext.planner.plan import Plan, check_plan, named_plan, parse_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config, OverlapConfig, ShardConfig
-from amsp_ext.runtime.engine import shard
+from amsp_ext.runtime.shard import shard
 from tests.dist_utils import end_worker, free_plan_groups
 from tests.parity_check import M, MBS, SEQ, STEPS, adamw
 

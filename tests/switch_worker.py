@@ -14,7 +14,6 @@ each switch, to show that the test fails)
 from __future__ import annotations
 
 import datetime
-import json
 import sys
 import time
 

@@ -156,7 +156,7 @@ CLI = [
 def _shard(model=None, plan="ddp", factory=None, config=None):
     import torch
 
-    from amsp_ext.runtime.engine import shard
+    from amsp_ext.runtime.shard import shard
 
     if model is None:
         model = torch.nn.Linear(2, 2)

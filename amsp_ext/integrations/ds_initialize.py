@@ -206,7 +206,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         for note in prec.notes:
             warnings.warn(f"amsp: {note}", stacklevel=2)
 
-    from amsp_ext.runtime.engine import shard
+    from amsp_ext.runtime.shard import shard
 
     _broadcast_model(model, settings.timeout)
     sharded, amsp_opt = shard(model, settings.plan, factory, config=shard_config)

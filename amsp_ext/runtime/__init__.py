@@ -4,7 +4,8 @@ from amsp_ext.runtime.checkpoint import (CheckpointError, PendingSave, checkpoin
                                          read_checkpoint_meta, save_checkpoint, verify_checkpoint, wait_for_save)
 from amsp_ext.runtime.collectives import CollectiveTimeout
 from amsp_ext.runtime.config import AdaptiveConfig, AutoPlanConfig, FP16Config, OverlapConfig, ShardConfig
-from amsp_ext.runtime.engine import AMSPModule, Engine, MismatchError, shard
+from amsp_ext.runtime.engine import AMSPModule, Engine, MismatchError
+from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.export import consolidated_state_dict, export_checkpoint, save_pretrained
 from amsp_ext.runtime.optimizer import AMSPOptimizer
 from amsp_ext.runtime.switch import switch_plan

@@ -56,6 +56,7 @@ Off (no ``adaptive``) nothing of this exists: no trace, no hook, no extra collec
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 from typing import Any, Callable
@@ -72,6 +73,8 @@ from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.comm_trace import KINDS, CommTrace
 
 __all__ = ["AdaptiveRun", "planner_problem"]
+
+RATIO_STEPS = 10_000  # per-step ratios kept for the run's summary (a long run must not grow)
 
 
 def _log_rank0(line: str) -> None:
@@ -121,9 +124,9 @@ class AdaptiveRun:
         self.trace = CommTrace()
         self.windows: list[tuple[int, float, float]] = []  # (step, begin, end) not yet read
         self.decisions: list[Decision] = []
-        # every observed step's measured/predicted per kind (the monitor's input; a benchmark
-        # reads how close a steady run came to the band from it)
-        self.ratios: list[dict[str, float]] = []
+        # the observed steps' measured/predicted per kind (the monitor's input; a benchmark
+        # reads how close a steady run came to the band from it), the last RATIO_STEPS of them
+        self.ratios: collections.deque[dict[str, float]] = collections.deque(maxlen=RATIO_STEPS)
         self.last_switch_step = -1  # steps since the last switch count from the start
         self._refresh()
         self.trace.__enter__()

@@ -1,4 +1,5 @@
-"""``shard(model, plan, optimizer_factory, config=...)``: the one entry point of the engine.
+"""The engine ``shard`` (runtime/shard.py) builds: its mesh, units, layout, masters, gradient and
+broadcast paths (``build_engine``), the hooks (``install``), and the engine's checks.
 
 [Note: order of construction]
 1. Resolve the plan and check it against the world (PlanError, before any collective).
@@ -18,22 +19,18 @@ import contextlib
 import datetime
 import hashlib
 import json
-import time
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.auto import plan_auto
-from amsp_ext.planner.plan import Plan, PlanError, resolve_plan, validate_plan
+from amsp_ext.planner.plan import Plan, PlanError, resolve_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.grad_sync import GradSync
 from amsp_ext.runtime.layout import LocalTensor, build_layout
-from amsp_ext.runtime.nonfinite import NonFiniteGuard
 from amsp_ext.runtime.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.param_sync import ParamSync
@@ -41,7 +38,7 @@ from amsp_ext.runtime.units import Unit, decoder_layers, list_units, refresh_par
 from amsp_ext.topology.groups import World
 from amsp_ext.runtime.mesh import PlanMesh, build_plan_mesh
 
-__all__ = ["AMSPModule", "Engine", "MismatchError", "full_state_dict", "shard"]
+__all__ = ["AMSPModule", "Engine", "MismatchError", "build_engine", "full_state_dict", "install"]
 
 
 class MismatchError(ValueError):
@@ -307,67 +304,6 @@ def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
     model.to(dtype)
     for m, n, b in saved:
         setattr(m, n, b)  # nn.Module.__setattr__ puts a tensor back into its buffer slot
-
-
-def shard(model: nn.Module, plan: "Plan | str",
-          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
-          config: ShardConfig | None = None) -> tuple[nn.Module, AMSPOptimizer]:
-    """Shard ``model`` (fp32) under ``plan``; return it and its optimizer. Rank 0's initial
-    weights are broadcast to the others (``config.init_weights``).
-
-    ``plan``: a Plan, a factor string ``"p=2x1,g=2x1,os=2x2"``, a name (``ddp``, ``zero1``,
-    ``zero2``, ``zero3``, ``mics:K``) or ``"auto"``. ``optimizer_factory(masters)`` builds the
-    inner optimizer over the fp32 masters this rank owns (a list, forward order; each master
-    has ``.amsp_name``, the model's parameter name, to build param groups from).
-    """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"amsp_ext.shard: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
-        raise ValueError(
-            f"amsp_ext.shard: optimizer_factory must be a callable that builds the optimizer from a "
-            f"list of parameters (e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)), got "
-            f"{type(optimizer_factory).__name__}")
-    if not isinstance(plan, (str, Plan)):
-        raise ValueError(f"amsp_ext.shard: plan must be a Plan or a string ('auto', 'zero3', "
-                         f"'p=2x1,g=2x1,os=2x2', ...), got {type(plan).__name__}")
-    config = config or ShardConfig()
-    if not isinstance(config, ShardConfig):
-        raise ValueError(f"config must be a ShardConfig, got {type(config).__name__}")
-    check_replannable(plan, config.adaptive, flag="config.adaptive.allow_replan")
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("amsp_ext.shard needs torch.distributed initialized (torchrun + init_process_group)")
-    if getattr(model, "amsp", None) is not None:
-        raise ValueError("model is already sharded by amsp_ext.shard")
-    t_start = time.perf_counter()
-    world = _world(config)
-    plan = _resolve(plan, model, world, config)
-    validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
-                  structural_only=True)
-    # -- first collective ------------------------------------------------------------------
-    _check_same_everywhere(_fingerprint(plan, config, world, model), config)
-    device = _device()
-    if device.type != "cpu":
-        model.to(device)
-    _same_initial_weights(model, config)
-    if config.recompute:
-        _enable_recompute(model)
-    engine = build_engine(model, plan, world, config, device)
-    engine.optimizer = AMSPOptimizer(
-        engine.masters, optimizer_factory, tensors=engine.tensors, grads=engine.grad_sync,
-        params=engine.param_sync, device=device, precision=config.precision, fp16=config.fp16,
-        norm_group=norm_group(engine), guard=NonFiniteGuard(max_bad_steps=config.max_bad_steps),
-        run_info=run_info(engine))
-    engine.masters = {}  # the optimizer holds them
-    install(model, engine)
-    if config.adaptive is not None:  # runtime/adaptive.py: every optimizer.step() is a boundary
-        from amsp_ext.faults import faults
-        from amsp_ext.runtime.adaptive import AdaptiveRun
-
-        run = AdaptiveRun(model, config, config.adaptive, timeout=config.timeout,
-                          first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
-        engine.optimizer.adaptive = run
-        engine.optimizer.register_step_post_hook(run.on_step)
-    return model, engine.optimizer
 
 
 def norm_group(engine: Engine) -> NormGroup:
