@@ -353,7 +353,7 @@ def markdown(runs: dict[str, dict], res: dict, settle: int) -> str:
     rows = [x for x in rows if x[2]]
     if rows:
         lines += ["The monitor's measured/predicted per trace kind (busy seconds per step, mean over ranks; "
-                  f"band: amsp train's default 0.67..1.5 unless the adaptive flags say otherwise): min / median / max over the steps.", "",
+                  "band: amsp train's default 0.67..1.5 unless the adaptive flags say otherwise): min / median / max over the steps.", "",
                   "| case | steps | " + " | ".join(("AG", "RS", "AR", "BC")) + " |", "|---|---|---|---|---|---|"]
         for case, what, st in rows:
             cells = [f"{st[k]['min']:.2f} / {st[k]['median']:.2f} / {st[k]['max']:.2f}" if k in st else "-"
