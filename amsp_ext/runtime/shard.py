@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from amsp_ext.faults import faults
 from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.plan import Plan, validate_plan
 from amsp_ext.planner.profile import load_profile
+from amsp_ext.runtime.adaptive import AdaptiveRun
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import (_check_same_everywhere, _device, _enable_recompute, _fingerprint,
                                      _resolve, _same_initial_weights, _world, build_engine, install,
@@ -63,7 +65,7 @@ def shard(model: nn.Module, plan: "Plan | str",
     plan = _resolve(plan, model, world, config)
     validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
                   structural_only=True)
-    if config.adaptive is not None:  # its profile is first read after the groups exist: now
+    if config.adaptive is not None:  # the monitor reads its profile later: a bad one fails here
         load_profile(config.auto.profile)
     # -- first collective ------------------------------------------------------------------
     _check_same_everywhere(_fingerprint(plan, config, world, model), config)
@@ -82,9 +84,6 @@ def shard(model: nn.Module, plan: "Plan | str",
     engine.masters = {}  # the optimizer holds them
     install(model, engine)
     if config.adaptive is not None:  # runtime/adaptive.py: every optimizer.step() is a boundary
-        from amsp_ext.faults import faults
-        from amsp_ext.runtime.adaptive import AdaptiveRun
-
         run = AdaptiveRun(model, config, config.adaptive, timeout=config.timeout,
                           first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
         engine.optimizer.adaptive = run
