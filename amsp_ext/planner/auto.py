@@ -14,10 +14,10 @@ from typing import Any, Mapping
 from amsp_ext.choices import MISSING_MESH, OBJECTIVES, OPTIMIZERS, check_one_of
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
-from amsp_ext.planner.search import plan_for
+from amsp_ext.planner.search import Problem, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 
-__all__ = ["AutoPlanConfig", "plan_auto"]
+__all__ = ["AutoPlanConfig", "auto_problem", "plan_auto"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,13 +53,13 @@ class AutoPlanConfig:
             raise ValueError(f"auto.memory_reserve_bytes must be an integer >= 0 or None, got {self.memory_reserve_bytes!r}")
 
 
-def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, *, num_nodes: int,
-              gpus_per_node: int, gpu_memory_bytes: int, nodes_per_leaf: int | None = None,
-              precision: str, grad_bucket_bytes: int, granularity: str, recompute: bool,
-              reduce_dtype: str | None = None) -> Plan:
-    """The planner's plan for ``model`` (a ModelSpec, a Hugging Face config dict or a preset)
-    trained as ``auto`` says on ``num_nodes`` x ``gpus_per_node``, by an engine with these
-    settings (ShardConfig's names). Raises NoFeasiblePlan or another one-line ValueError."""
+def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, *,
+                 num_nodes: int, gpus_per_node: int, gpu_memory_bytes: int,
+                 nodes_per_leaf: int | None = None, precision: str, grad_bucket_bytes: int,
+                 granularity: str, recompute: bool, reduce_dtype: str | None = None) -> Problem:
+    """The planner's Problem for ``model`` trained as ``auto`` says on ``num_nodes`` x
+    ``gpus_per_node``, by an engine with these settings (ShardConfig's names): what
+    ``plan_auto`` searches and what adaptive AMSP (runtime/adaptive.py) predicts steps with."""
     cluster = ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                           gpu_memory_bytes=gpu_memory_bytes, nodes_per_leaf=nodes_per_leaf)
     training = TrainingSpec(seq_len=auto.seq_len, micro_batch_size=auto.micro_batch_size,
@@ -68,5 +68,12 @@ def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, 
                             bucket_bytes=grad_bucket_bytes, granularity=granularity,
                             reduce_dtype=reduce_dtype)
     reserve = {} if auto.memory_reserve_bytes is None else {"memory_reserve_bytes": auto.memory_reserve_bytes}
-    return plan_for(model, cluster, training, auto.profile, objective=auto.objective,
-                    missing=auto.missing, **reserve)
+    return make_problem(model, cluster, training, auto.profile, objective=auto.objective,
+                        missing=auto.missing, **reserve)
+
+
+def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, **settings: Any) -> Plan:
+    """The planner's plan for ``model`` (a ModelSpec, a Hugging Face config dict or a preset):
+    the best of ``auto_problem(model, auto, **settings)``. Raises NoFeasiblePlan or another
+    one-line ValueError."""
+    return search(auto_problem(model, auto, **settings)).best.plan

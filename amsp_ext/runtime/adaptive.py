@@ -67,10 +67,11 @@ import torch.distributed as dist
 from amsp_ext.faults import slow_factor
 from amsp_ext.planner.adaptive import (AdaptiveConfig, Decision, Monitor, decide, predicted_trace_kinds,
                                        refit_scales, replan, switch_move_s, trace_kinds_cross_nodes)
-from amsp_ext.planner.search import make_problem
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.auto import auto_problem
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.comm_trace import KINDS, CommTrace
+from amsp_ext.runtime.engine import _device_memory, engine_settings
+from amsp_ext.runtime.switch import switch_plan
 
 __all__ = ["AdaptiveRun", "planner_problem"]
 
@@ -82,43 +83,32 @@ def _log_rank0(line: str) -> None:
         print(f"[amsp] {line}", file=sys.stderr, flush=True)
 
 
-def planner_problem(model, config) -> Any:
-    """The planner's Problem for this run (the one plan "auto" solves: engine._auto_plan)."""
-    from amsp_ext.runtime.engine import _device_memory
-
-    a, world = config.auto, model.amsp.world
-    if a is None:
-        raise ValueError("adaptive needs config.auto=AutoPlanConfig(seq_len=..., micro_batch_size=..., "
-                         "num_micro_batches=...) to predict the step's collectives")
-    cluster = ClusterSpec(num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
-                          gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node),
-                          nodes_per_leaf=config.nodes_per_leaf)
-    training = TrainingSpec(seq_len=a.seq_len, micro_batch_size=a.micro_batch_size,
-                            num_micro_batches=a.num_micro_batches, recompute=config.recompute,
-                            precision=config.precision, optimizer=a.optimizer,
-                            bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
-                            reduce_dtype=config.reduce_dtype)
-    reserve = {} if a.memory_reserve_bytes is None else {"memory_reserve_bytes": a.memory_reserve_bytes}
+def planner_problem(model, world, config) -> Any:
+    """The planner's Problem for this run: the one plan "auto" searches (engine._auto_plan),
+    for the model's Hugging Face config, ``world`` and ``config.auto`` (ShardConfig requires it
+    with ``adaptive``). No collective: ``shard`` builds it before its first one, so a bad
+    profile fails there."""
     hf = model.config.to_dict() if hasattr(model, "config") else None
-    return make_problem(hf, cluster, training, a.profile, objective=a.objective, missing=a.missing,
-                        **reserve)
+    return auto_problem(hf, config.auto, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
+                        gpu_memory_bytes=config.auto.gpu_memory_bytes or _device_memory(world.gpus_per_node),
+                        **engine_settings(config))
 
 
 class AdaptiveRun:
-    """Monitor, decide and switch for one run (see the Notes). Built just before the training
-    loop (it installs the trace then); ``close()`` after it."""
+    """Monitor, decide and switch for one run (see the Notes). ``shard`` builds it (it installs
+    the trace then) with the run's planner ``problem`` (``planner_problem``); ``close()``
+    removes the trace."""
 
-    def __init__(self, model, config, adaptive: AdaptiveConfig, *, first_switch_cost_s: float,
+    def __init__(self, model, problem, adaptive: AdaptiveConfig, *, first_switch_cost_s: float,
                  timeout: float, total_steps: int | None = None, faults=(),
                  log: Callable[[str], None] | None = None) -> None:
-        self.model, self.config, self.adaptive = model, config, adaptive
+        self.model, self.problem, self.adaptive = model, problem, adaptive
         # total_steps: the run's length where known (amsp train), else adaptive.horizon_steps
         self.total_steps, self.first_cost, self.faults, self.timeout = (
             total_steps, first_switch_cost_s, list(faults), timeout)
         self.log = log or _log_rank0
         self.num_steps = 0  # step boundaries seen (optimizer.step() calls)
         self._boundary = time.perf_counter()
-        self.problem = planner_problem(model, config)
         self.monitor = Monitor(adaptive)
         self.scales = (1.0, 1.0)
         self.trace = CommTrace()
@@ -198,8 +188,6 @@ class AdaptiveRun:
                    config=self.adaptive, drift=drift, scales=self.scales)
         self.decisions.append(d)
         if d.switch:
-            from amsp_ext.runtime.switch import switch_plan
-
             optimizer.zero_grad()  # consumed by the step that just ended
             switch_plan(self.model, optimizer, best)
             self.last_switch_step = step

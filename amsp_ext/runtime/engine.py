@@ -207,9 +207,14 @@ def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
         raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
     return plan_auto(hf.to_dict(), a, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
                      gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node),
-                     nodes_per_leaf=config.nodes_per_leaf, precision=config.precision,
-                     grad_bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
-                     recompute=config.recompute, reduce_dtype=config.reduce_dtype)
+                     **engine_settings(config))
+
+
+def engine_settings(config: ShardConfig) -> dict:
+    """The engine settings the planner plans for (planner.auto.auto_problem's keywords)."""
+    return dict(nodes_per_leaf=config.nodes_per_leaf, precision=config.precision,
+                grad_bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
+                recompute=config.recompute, reduce_dtype=config.reduce_dtype)
 
 
 def _device_memory(gpus_per_node: int) -> int:

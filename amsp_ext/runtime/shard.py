@@ -19,8 +19,7 @@ import torch.nn as nn
 from amsp_ext.faults import faults
 from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.plan import Plan, validate_plan
-from amsp_ext.planner.profile import load_profile
-from amsp_ext.runtime.adaptive import AdaptiveRun
+from amsp_ext.runtime.adaptive import AdaptiveRun, planner_problem
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import (_check_same_everywhere, _device, _enable_recompute, _fingerprint,
                                      _resolve, _same_initial_weights, _world, build_engine, install,
@@ -65,8 +64,8 @@ def shard(model: nn.Module, plan: "Plan | str",
     plan = _resolve(plan, model, world, config)
     validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
                   structural_only=True)
-    if config.adaptive is not None:  # the monitor reads its profile later: a bad one fails here
-        load_profile(config.auto.profile)
+    # the monitor's planner problem (reads the profile), before any collective: bad input fails here
+    problem = planner_problem(model, world, config) if config.adaptive is not None else None
     # -- first collective ------------------------------------------------------------------
     _check_same_everywhere(_fingerprint(plan, config, world, model), config)
     device = _device()
@@ -84,7 +83,7 @@ def shard(model: nn.Module, plan: "Plan | str",
     engine.masters = {}  # the optimizer holds them
     install(model, engine)
     if config.adaptive is not None:  # runtime/adaptive.py: every optimizer.step() is a boundary
-        run = AdaptiveRun(model, config, config.adaptive, timeout=config.timeout,
+        run = AdaptiveRun(model, problem, config.adaptive, timeout=config.timeout,
                           first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
         engine.optimizer.adaptive = run
         engine.optimizer.register_step_post_hook(run.on_step)
