@@ -1,7 +1,7 @@
 """The allowed values of every enumerated option, and the small validators that check options, in
 one torch-free place.
 
-ShardConfig (runtime/config.py), TrainConfig (train_config.py, ``amsp train``), the planner's
+ShardConfig (runtime/config.py), TrainConfig (train/config.py, ``amsp train``), the planner's
 specs, the DeepSpeed ``"amsp"`` block (integrations/settings.py), ``amsp compare``
 (compare/config.py) and the CLIs all take their choices from here; none keeps a copy. Each
 validator raises one line that names the field and the allowed values, as the caller's error
@@ -26,7 +26,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 # FSDP unit: each Linear of a decoder layer ("module", the paper's) or the whole layer
 GRANULARITIES = ("module", "layer")
-# inter-tensor optimizer-state ownership (runtime/ownership.py)
+# inter-tensor optimizer-state ownership (runtime/optim/ownership.py)
 OWNERSHIPS = ("greedy", "blocks")
 # initial weights: rank 0's broadcast to all (as DDP), or compared and refused when they differ
 INIT_WEIGHTS = ("broadcast", "check")

@@ -7,7 +7,7 @@
     # the report of a finished DIR (its a.json ... d.json)
     python comparisons/adaptive_bench.py report --dir DIR -o comparisons/results/adaptive_<model>_cpu-2x2-lab_<date>
 
-Cases, each a ``python -m amsp_ext.train`` job under ``amsp cluster run`` (one torchrun per lab
+Cases, each a ``python -m amsp_ext.train.loop`` job under ``amsp cluster run`` (one torchrun per lab
 node) with the same model, batch shape, seed and profile:
 
 * ``a`` (adaptive, drop): ``--adaptive``, starts on ``--high-plan`` (the plan ``amsp tune``
@@ -93,7 +93,7 @@ class LoadSampler(threading.Thread):
 
 def train_argv(a: argparse.Namespace, *, plan: str, steps: int, adaptive: bool, result: Path) -> list[str]:
     argv = ["cluster", "run", "--name", a.lab_name, "--timeout", str(a.timeout), "--",
-            "-m", "amsp_ext.train", "--model", a.model, "--plan", plan, "--profile", a.profile,
+            "-m", "amsp_ext.train.loop", "--model", a.model, "--plan", plan, "--profile", a.profile,
             "--objective", a.objective, "--seq-len", str(a.seq_len),
             "--micro-batch-size", str(a.micro_batch_size), "--micro-batches", str(a.micro_batches),
             "--granularity", a.granularity, "--memory-reserve", "0B", "--steps", str(steps),

@@ -22,7 +22,7 @@ What CPU machines cannot tell us, each written to ``<out>/gpu_check.json`` as it
    as ``amsp tune`` measures it, per model shape: forward and backward time of one micro-batch
    separately -> ``forward_flops_per_s`` / ``backward_flops_per_s`` (the planner's FLOPs count),
    an AdamW step on fp32 masters with the bf16 copy-back -> ``optimizer_bytes_per_s`` (the
-   planner's 30 bytes per parameter), and the MFU peak (runtime/peak.py: the device table, and
+   planner's 30 bytes per parameter), and the MFU peak (runtime/measure/peak.py: the device table, and
    the measured matmul rate beside it). ``section`` can be pasted into a profile's calibration.
    A 1-GPU run has no collectives, so the overlap and communication constants stay for a
    multi-GPU ``amsp tune``.
@@ -61,7 +61,7 @@ def _timed(fn, device: torch.device, *, reps: int, warmup: int = 2) -> list[floa
 
 
 def check_peak(device, dtype, quick: bool) -> dict:
-    from amsp_ext.metrics import matmul_peak_flops
+    from amsp_ext.train.metrics import matmul_peak_flops
 
     sizes = (512,) if quick else (4096, 8192)
     return {f"n{n}_tflops": matmul_peak_flops(device, dtype, n=n, seconds=0.5 if quick else 2.0) / 1e12
@@ -71,7 +71,7 @@ def check_peak(device, dtype, quick: bool) -> dict:
 def check_compute(device, dtype, peak_flops: float, quick: bool) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from amsp_ext.metrics import flops_per_token
+    from amsp_ext.train.metrics import flops_per_token
 
     if quick:
         cfg = dict(hidden_size=128, intermediate_size=352, num_attention_heads=4,
@@ -110,10 +110,10 @@ def check_calibration(device, quick: bool) -> dict:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from amsp_ext.models import llama_config_dict
+    from amsp_ext.train.models import llama_config_dict
     from amsp_ext.planner.model_spec import ModelSpec
     from amsp_ext.planner.step import forward_flops_per_token
-    from amsp_ext.runtime.peak import device_peak
+    from amsp_ext.runtime.measure.peak import device_peak
 
     dtype = torch.bfloat16
     peak = device_peak(device, dtype)
@@ -187,8 +187,8 @@ def check_calibration(device, quick: bool) -> dict:
 
 def check_engine(device, quick: bool) -> dict:
     import amsp_ext
-    from amsp_ext.data import micro_batch
-    from amsp_ext.models import build_llama, causal_lm_loss
+    from amsp_ext.train.data import micro_batch
+    from amsp_ext.train.models import build_llama, causal_lm_loss
     from amsp_ext.runtime.config import ShardConfig
 
     name, steps, seq, mbs = ("tiny-llama", 4, 64, 2) if quick else ("small-llama", 20, 512, 8)

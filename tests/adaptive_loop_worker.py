@@ -4,7 +4,7 @@
 reduce-scatters cross nodes), ``amsp_ext.shard(..., config=ShardConfig(adaptive=...))`` with
 window 4 and no minimum between switches (the settings of the DeepSpeed-route case,
 integrations_worker.suite_adaptive). From the test's step K (``AMSP_FAULTS`` ``slow``
-multiplies the monitor's measured cross-node times, faults.py) the monitor sees a slow link, so
+multiplies the monitor's measured cross-node times, train/faults.py) the monitor sees a slow link, so
 the loop must switch plans by itself, at the end of an ``optimizer.step()``. Every step's loss
 and gradient norm is compared with the same loop on torch DDP (fp32), the independent
 reference: they hold only if the switch moved masters and optimizer states exactly and the
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.models import build_llama, causal_lm_loss
+from amsp_ext.train.models import build_llama, causal_lm_loss
 from tests.dist_utils import end_worker
 from tests.integrations_worker import (ADAPTIVE, ADAPTIVE_STEPS, SEQ, adaptive_config, batches,
                                        ddp_reference, emit)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from amsp_ext.data import micro_batch
-from amsp_ext.models import build_llama, causal_lm_loss
+from amsp_ext.train.data import micro_batch
+from amsp_ext.train.models import build_llama, causal_lm_loss
 
 PATH_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.listdir",
                "os.scandir"}
@@ -46,7 +46,7 @@ def child(root: Path, gen: int, kill_at: int | None, count_file: Path | None) ->
     import torch.distributed as dist
     from torch.distributed import HashStore
 
-    from amsp_ext.runtime.checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint
+    from amsp_ext.runtime.state.checkpoint import load_checkpoint, read_checkpoint_meta, save_checkpoint
     from amsp_ext.runtime.config import ShardConfig
     from amsp_ext.runtime.shard import shard
 

@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from amsp_ext.data import micro_batch
-from amsp_ext.models import build_llama, causal_lm_loss
+from amsp_ext.train.data import micro_batch
+from amsp_ext.train.models import build_llama, causal_lm_loss
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.checkpoint import load_checkpoint, save_checkpoint
+from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint
 from amsp_ext.runtime.config import FP16Config, ShardConfig
 from amsp_ext.runtime.shard import shard
-from amsp_ext.runtime.export import consolidated_state_dict, save_pretrained
+from amsp_ext.runtime.state.export import consolidated_state_dict, save_pretrained
 from tests.dist_utils import end_worker, free_plan_groups
 
 SEQ, GLOBAL_SEQS, LR = 32, 8, 1e-3
@@ -327,7 +327,7 @@ def suite_cross4(root: Path, R):
 
 def export_weights(path):
     """The saved weights, consolidated offline (one process, DCP stitching the chunks)."""
-    from amsp_ext.runtime.export import export_checkpoint
+    from amsp_ext.runtime.state.export import export_checkpoint
 
     return export_checkpoint(path)
 

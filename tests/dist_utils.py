@@ -98,7 +98,7 @@ def free_plan_groups(mesh) -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from amsp_ext.runtime.mesh import destroy_plan_mesh
+    from amsp_ext.topology.mesh import destroy_plan_mesh
 
     destroy_plan_mesh(mesh)
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()

@@ -24,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.data import micro_batch
-from amsp_ext.models import build_llama, causal_lm_loss
+from amsp_ext.train.data import micro_batch
+from amsp_ext.train.models import build_llama, causal_lm_loss
 from amsp_ext.planner.plan import Plan, check_plan, named_plan, parse_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config, OverlapConfig, ShardConfig
@@ -298,7 +298,7 @@ def suite_guards(world, R):
             err = str(e)
         _emit({"case": f"mismatch:{what}", "error": err})
     # 2b. a rank-dependent seed: rank 0's weights everywhere (broadcast), or refused (check)
-    from amsp_ext.runtime.export import consolidated_state_dict
+    from amsp_ext.runtime.state.export import consolidated_state_dict
 
     model, _ = shard(build_llama("tiny-llama", seed=rank), "p=2x1,g=2x1,os=2x2", adamw,
                      config=ShardConfig(gpus_per_node=R, timeout=30))

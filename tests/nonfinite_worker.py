@@ -16,12 +16,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.data import micro_batch
-from amsp_ext.models import build_llama, causal_lm_loss
+from amsp_ext.train.data import micro_batch
+from amsp_ext.train.models import build_llama, causal_lm_loss
 from amsp_ext.runtime.config import FP16Config, ShardConfig
 from amsp_ext.runtime.shard import shard
-from amsp_ext.runtime.export import consolidated_state_dict
-from amsp_ext.runtime.nonfinite import NonFiniteError
+from amsp_ext.runtime.state.export import consolidated_state_dict
+from amsp_ext.runtime.optim.nonfinite import NonFiniteError
 from tests.dist_utils import end_worker
 
 NAN_RANK = 2

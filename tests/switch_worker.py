@@ -20,13 +20,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.models import build_llama
+from amsp_ext.train.models import build_llama
 from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec
 from amsp_ext.runtime.config import ShardConfig
-from amsp_ext.runtime.export import consolidated_state_dict
-from amsp_ext.runtime.switch import switch_plan
+from amsp_ext.runtime.state.export import consolidated_state_dict
+from amsp_ext.runtime.replan.switch import switch_plan
 from tests import engine_worker as W
 from tests.dist_utils import end_worker
 from tests.parity_check import M, MBS, SEQ

@@ -1,12 +1,12 @@
-"""`amsp train --adaptive` end to end: the monitor wired into the loop (runtime/adaptive.py).
+"""`amsp train --adaptive` end to end: the monitor wired into the loop (runtime/replan/adaptive.py).
 
 One launch of tiny-llama on 4 gloo ranks as 2 nodes x 2, plan zero3 (its gathers and
 reduce-scatters cross nodes), M = 1, layer units, --adaptive with window 4 and no minimum
 between switches, 56 steps; from step K = 50 a fake slow link (AMSP_FAULTS ``slow``: every
-rank's measured cross-node times x 1e6, the monitor's input only, faults.py):
+rank's measured cross-node times x 1e6, the monitor's input only, train/faults.py):
 
 - steps 0..49 are a steady run of 50 steps: no decision before K;
-- then a switch K + window steps later (+ 1 of slack; runtime/adaptive.py reads step k's
+- then a switch K + window steps later (+ 1 of slack; runtime/replan/adaptive.py reads step k's
   numbers at the end of step k+1) to the plan the planner picks for the re-fit profile,
   computed here from the planner directly with the logged scales; ``model.amsp.switches``
   records it;
@@ -35,7 +35,7 @@ import pytest
 
 from dist_utils import REPO
 
-from amsp_ext.models import llama_config_dict
+from amsp_ext.train.models import llama_config_dict
 from amsp_ext.planner.search import make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 
@@ -68,10 +68,10 @@ def reference_losses() -> list[float]:
     clip and LR schedule (OptimOptions' defaults)."""
     import torch
 
-    from amsp_ext.data import micro_batch_at
-    from amsp_ext.models import build_llama, causal_lm_loss
-    from amsp_ext.train import lr_at
-    from amsp_ext.train_config import BatchOptions, TrainConfig
+    from amsp_ext.train.data import micro_batch_at
+    from amsp_ext.train.models import build_llama, causal_lm_loss
+    from amsp_ext.train.loop import lr_at
+    from amsp_ext.train.config import BatchOptions, TrainConfig
 
     torch.manual_seed(0)
     config = TrainConfig(batch=BatchOptions(steps=STEPS, micro_batches=1, micro_batch_size=1, seq_len=16))

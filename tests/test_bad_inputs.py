@@ -188,7 +188,7 @@ def _opt_block(block):
 
 
 def _verify(path):
-    from amsp_ext.runtime.checkpoint import verify_checkpoint
+    from amsp_ext.runtime.state.checkpoint import verify_checkpoint
 
     return verify_checkpoint(path)
 

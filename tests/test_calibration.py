@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from amsp_ext.models import llama_config_dict
+from amsp_ext.train.models import llama_config_dict
 from amsp_ext.planner.calibration import KINDS, Calibration, parse_calibration
 from amsp_ext.planner.fit import PlanObservation, ProbeObservation, fit_calibration, nnls
 from amsp_ext.planner.issued import broadcast_items, grad_buckets
@@ -248,11 +248,11 @@ def test_issued_collectives_match_the_engines_own_bucketing_and_packing():
     # parameters in the engine's unit order.
     import torch
 
-    from amsp_ext.models import build_llama
-    from amsp_ext.runtime.grad_sync import _plan_buckets
-    from amsp_ext.runtime.ownership import assign_greedy
-    from amsp_ext.runtime.param_sync import broadcast_items as engine_items
-    from amsp_ext.runtime.units import list_units
+    from amsp_ext.train.models import build_llama
+    from amsp_ext.runtime.sync.grad_sync import _plan_buckets
+    from amsp_ext.runtime.optim.ownership import assign_greedy
+    from amsp_ext.runtime.sync.param_sync import broadcast_items as engine_items
+    from amsp_ext.runtime.sync.units import list_units
 
     model = build_llama("tiny-llama")
     units = list_units(model, "layer")

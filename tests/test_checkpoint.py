@@ -166,7 +166,7 @@ def test_errors_are_one_line_and_issue_no_collective(runs):
 
 def test_metadata_table_and_one_writer_per_chunk(runs):
     root = runs[0]
-    from amsp_ext.runtime.checkpoint import dcp_metadata, read_checkpoint_meta
+    from amsp_ext.runtime.state.checkpoint import dcp_metadata, read_checkpoint_meta
 
     meta = read_checkpoint_meta(root / "fp32-A")
     assert (meta["plan"], meta["world"]["size"], meta["sp"], meta["step"]) == ("p=2x1,g=2x1,os=2x2", 4, 2, 2)
@@ -197,7 +197,7 @@ def test_offline_export_from_a_checkpoint(runs, case, dtype, tmp_path):
     """One process, no process group: DCP stitches the chunks; transformers loads the result."""
     from transformers import LlamaForCausalLM
 
-    from amsp_ext.runtime.export import export_checkpoint
+    from amsp_ext.runtime.state.export import export_checkpoint
 
     sd = export_checkpoint(runs[0] / case, tmp_path / "hf", dtype=dtype)
     saved = torch.load(runs[0] / f"logits-{case}.pt")
@@ -210,7 +210,7 @@ def test_offline_export_from_a_checkpoint(runs, case, dtype, tmp_path):
 
 
 def test_missing_checkpoint_needs_no_process_group(tmp_path):
-    from amsp_ext.runtime.checkpoint import CheckpointError, load_checkpoint
+    from amsp_ext.runtime.state.checkpoint import CheckpointError, load_checkpoint
 
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(None, None, tmp_path / "nope")
@@ -239,8 +239,8 @@ def _damaged_copy(src, dst, name, how):
 def test_every_file_checksummed_and_a_flipped_byte_refused(runs, tmp_path):
     """Offline (no process group): a flipped byte, a flipped bit or a truncation in any file of a
     checkpoint is refused with one line naming that file; the intact checkpoint verifies."""
-    from amsp_ext.runtime.checkpoint import CheckpointError, verify_checkpoint
-    from amsp_ext.runtime.export import export_checkpoint
+    from amsp_ext.runtime.state.checkpoint import CheckpointError, verify_checkpoint
+    from amsp_ext.runtime.state.export import export_checkpoint
 
     src = runs[0] / "fp32-A"
     meta = verify_checkpoint(src)

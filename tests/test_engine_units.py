@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amsp_ext.models import build_llama
+from amsp_ext.train.models import build_llama
 from amsp_ext.runtime.config import OverlapConfig, ShardConfig
-from amsp_ext.runtime.ownership import assign_blocks, assign_greedy, load_per_owner
-from amsp_ext.runtime.param_shard import prefetch_targets
-from amsp_ext.runtime.units import list_units, unit_param_counts
+from amsp_ext.runtime.optim.ownership import assign_blocks, assign_greedy, load_per_owner
+from amsp_ext.runtime.sync.param_shard import prefetch_targets
+from amsp_ext.runtime.sync.units import list_units, unit_param_counts
 
 
 def test_units_cover_every_param_once_in_forward_order():
@@ -109,14 +109,14 @@ def test_config_fingerprint_and_defaults(monkeypatch):
 def _local_tensors(numels, owners):
     import torch.nn as nn
 
-    from amsp_ext.runtime.layout import LocalTensor
+    from amsp_ext.runtime.optim.layout import LocalTensor
     return [LocalTensor(index=i, name=f"t{i}", param=nn.Parameter(torch.zeros(n)), unit=i,
                         global_shape=(n,), local_shape=(n,), shard_index=0, owner_rank=o,
                         keeper_rank=o) for i, (n, o) in enumerate(zip(numels, owners))]
 
 
 def test_broadcast_items_pack_the_smallest_tensors_per_owner_within_the_budget():
-    from amsp_ext.runtime.param_sync import broadcast_items
+    from amsp_ext.runtime.sync.param_sync import broadcast_items
 
     # fp32, bucket 64 B: the smallest tensors are packed until 64 B are taken (t0, t1, t2, t4;
     # t6 no longer fits), per owner into packs of at most 32 B, each issued at the position of

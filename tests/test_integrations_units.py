@@ -80,7 +80,7 @@ def test_initialize_rejects_a_bad_config_before_any_collective():
     import torch.distributed as dist
 
     import amsp_ext
-    from amsp_ext.models import build_llama
+    from amsp_ext.train.models import build_llama
 
     assert not dist.is_initialized()
     model = build_llama("tiny-llama")
@@ -201,7 +201,7 @@ def test_optimizer_block_follows_deepspeed_names():
 
 def test_param_groups_survive_the_rebuild():
     from amsp_ext.integrations.optim import build_optimizer_factory
-    from amsp_ext.models import build_llama
+    from amsp_ext.train.models import build_llama
 
     model = build_llama("tiny-llama")
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
@@ -252,7 +252,7 @@ def test_key_table():
 def test_deepspeed_initialize_is_routed_only_when_amsp_is_enabled(monkeypatch, tmp_path):
     import deepspeed
 
-    from patches import deepspeed_initialize as patch
+    from amsp_ext.integrations.patches import deepspeed_initialize as patch
 
     calls = []
 
@@ -287,7 +287,7 @@ def test_deepspeed_initialize_is_routed_only_when_amsp_is_enabled(monkeypatch, t
 def test_accelerate_leaves_the_amsp_block_alone():
     from accelerate.utils import DeepSpeedPlugin
 
-    from patches import accelerate_amsp_block
+    from amsp_ext.integrations.patches import accelerate_amsp_block
 
     accelerate_amsp_block.apply()
     cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
@@ -303,7 +303,7 @@ def test_zero3_keys_next_to_an_enabled_amsp_block_do_not_turn_on_zero_init():
     model inside deepspeed.zero.Init (is_deepspeed_zero3_enabled), with enabled false it must."""
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
-    from patches import accelerate_amsp_block
+    from amsp_ext.integrations.patches import accelerate_amsp_block
 
     accelerate_amsp_block.apply()
     zero3 = {"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
@@ -408,7 +408,7 @@ def test_migrate_reads_the_old_layout_and_plans(capsys, tmp_path, name, old_layo
     from amsp_ext.planner.search import make_problem, search
     from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
     from amsp_ext.planner.model_spec import ModelSpec
-    from amsp_ext.models import llama_config_dict
+    from amsp_ext.train.models import llama_config_dict
 
     out = tmp_path / f"{name}.amsp.json"
     code, text, err = migrate(capsys, BEFORE / f"{name}.json", *LAB, "--gpu-memory", "6MiB", "-o", out, "--json")
@@ -563,7 +563,7 @@ def _launch_args(path, **kw):
 
 
 def test_accelerate_launch_checks_the_ds_config_before_any_worker(tmp_path, monkeypatch):
-    from patches.accelerate_amsp_guard import check_launch
+    from amsp_ext.integrations.patches.accelerate_amsp_guard import check_launch
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.delenv("RANK", raising=False)

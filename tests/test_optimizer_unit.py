@@ -14,8 +14,8 @@ from torch.optim import lr_scheduler as S
 from torch.optim import swa_utils
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from amsp_ext.runtime.layout import LocalTensor
-from amsp_ext.runtime.optimizer import AMSPOptimizer, NormGroup
+from amsp_ext.runtime.optim.layout import LocalTensor
+from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
 
 STEPS = 8
 

@@ -21,6 +21,7 @@ NOT_TORCH = {
     "_exit": "os._exit",
     "_actions": "argparse.ArgumentParser._actions",
     "_attn_implementation": "transformers PretrainedConfig",
+    "_shared_state": "accelerate PartialState / AcceleratorState (integrations/patches)",
 }
 TORCH_PATH = re.compile(r"\btorch(\.[A-Za-z_]\w*)*\._[A-Za-z]\w*")
 

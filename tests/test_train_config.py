@@ -11,7 +11,7 @@ import torch
 from amsp_ext import choices, schema
 from amsp_ext.cli import main as cli_main
 from amsp_ext.cli import train as cli_train
-from amsp_ext.train_config import TrainConfig
+from amsp_ext.train.config import TrainConfig
 
 
 def parse(argv):
@@ -107,7 +107,7 @@ def test_json_with_an_unknown_or_bad_key_is_refused():
 
 
 def test_worker_config_and_optimizer_follow_the_fields():
-    from amsp_ext.train import optimizer_factory, shard_config
+    from amsp_ext.train.loop import optimizer_factory, shard_config
 
     config = parse(["--precision", "bf16", "--bucket-mb", "0.5", "--granularity", "layer",
                     "--recompute", "--no-overlap", "broadcast", "--timeout", "12",

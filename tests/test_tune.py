@@ -12,7 +12,7 @@ import pytest
 
 from amsp_ext import schema
 from amsp_ext.planner.search import search
-from amsp_ext.runtime.comm_trace import CommTrace, kind_of, union_length
+from amsp_ext.runtime.measure.comm_trace import CommTrace, kind_of, union_length
 from amsp_ext.tune.analysis import aggregate, compute_drift, ranks, regret, reliability, spearman
 from amsp_ext.tune.candidates import choose_plans, make_problems
 from amsp_ext.tune.report import build_result, write_report
@@ -122,7 +122,7 @@ def test_comm_trace_busy_and_exposed_by_hand(monkeypatch):
     # Two all-reduces over param_replica: [0, 4] and [2, 5] (busy = union = 5 s, sum = 7 s),
     # a wait for the second from 4.5 to 5 (exposed 0.5 s); a broadcast completed at issue.
     clock = iter([0.0, 2.0, 4.0, 4.5, 5.0, 5.0, 6.0]).__next__
-    monkeypatch.setattr("amsp_ext.runtime.comm_trace.time.perf_counter", clock)
+    monkeypatch.setattr("amsp_ext.runtime.measure.comm_trace.time.perf_counter", clock)
     w1, w2 = _Work(), _Work()
     p1, p2 = _Pending(100, w1), _Pending(200, w2)
     with CommTrace() as trace:

@@ -161,7 +161,7 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     from amsp_ext.planner.plan import resolve_plan, validate_plan
     from amsp_ext.planner.search import evaluate, make_problem, search
     from amsp_ext.planner.specs import ClusterSpec, parse_size
-    from amsp_ext.models import model_spec
+    from amsp_ext.train.models import model_spec
 
     for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
                  "nodes_per_leaf"):

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from amsp_ext.planner.model_spec import MODEL_PRESETS
 
     model = p.add_mutually_exclusive_group(required=True)
-    from amsp_ext.models import MODEL_CONFIGS
+    from amsp_ext.train.models import MODEL_CONFIGS
 
     model.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])} "
                                        "(the last ones are amsp train's built-in models)")
@@ -91,7 +91,7 @@ def _check_positive(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from amsp_ext.models import model_spec
+    from amsp_ext.train.models import model_spec
     from amsp_ext.planner.report import build_report, format_text
     from amsp_ext.planner.search import make_problem, search
     from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, parse_size

@@ -1,8 +1,8 @@
 """``amsp train``: the main job. Launches its own ranks (torchrun underneath) and runs
-:mod:`amsp_ext.train` on each; gloo on CPU, NCCL on GPU. Under an existing launcher (torchrun or
+:mod:`amsp_ext.train.loop` on each; gloo on CPU, NCCL on GPU. Under an existing launcher (torchrun or
 ``amsp cluster run``, i.e. when ``LOCAL_RANK`` is set) it runs the worker in this process.
 
-The flags are generated from TrainConfig (amsp_ext/train_config.py); every rank receives the
+The flags are generated from TrainConfig (amsp_ext/train/config.py); every rank receives the
 validated config as one JSON file."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from amsp_ext import schema
-from amsp_ext.train_config import TrainConfig
+from amsp_ext.train.config import TrainConfig
 
 HELP = "train a Llama with AMSP on real text (default: tiny-llama, 4 ranks as 2 nodes x 2)"
 
@@ -37,9 +37,9 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
         validate_plan(resolve_plan(config.plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes),
                       gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=True)
         return config.plan
-    from amsp_ext.models import llama_config_dict
+    from amsp_ext.train.models import llama_config_dict
     from amsp_ext.planner.auto import plan_auto
-    from amsp_ext.train_config import auto_plan_config
+    from amsp_ext.train.config import auto_plan_config
 
     memory = config.planner.gpu_memory_bytes
     if memory is None:
@@ -64,7 +64,7 @@ def _check_resume(config: TrainConfig) -> None:
     ck = config.checkpoint
     if not ck.resume:
         return
-    from amsp_ext.train_state import resolve_resume, verify
+    from amsp_ext.train.state import resolve_resume, verify
 
     path = resolve_resume(ck.resume, ck.save_dir)
     if path is not None:
@@ -74,7 +74,7 @@ def _check_resume(config: TrainConfig) -> None:
 def run(args: argparse.Namespace) -> int:
     config = schema.from_namespace(TrainConfig, args)  # one-line ValueError on a bad flag
     if "LOCAL_RANK" in os.environ:  # already one rank of a launched job
-        from amsp_ext.train import run_worker
+        from amsp_ext.train.loop import run_worker
 
         return run_worker(config)
     if args.nproc_per_node < 1:
@@ -92,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def launch(config: TrainConfig, *, nproc_per_node: int) -> int:
-    """Run the ranks under torchrun (amsp_ext/supervise.py: no orphans, one line on
+    """Run the ranks under torchrun (amsp_ext/train/supervise.py: no orphans, one line on
     failure), each reading ``config`` from one JSON file; under ``--json``, print rank 0's
     summary."""
-    from amsp_ext.supervise import Job
+    from amsp_ext.train.supervise import Job
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
            # a fresh TCP store per attempt: with torchrun's shared one, the ranks of an elastic

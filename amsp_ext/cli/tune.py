@@ -6,7 +6,7 @@ and optionally calibrate its step model. Runs on every rank, like ``amsp profile
         --repeats 2 --out comparisons/results/tune-A --calibrate-out lab.calibrated.json
     torchrun --nproc-per-node 8 -m amsp_ext.cli tune --model-config config.json ...
 
-The job-shape flags are ``amsp train``'s (one schema, amsp_ext/train_config.py); the rest are
+The job-shape flags are ``amsp train``'s (one schema, amsp_ext/train/config.py); the rest are
 TuneOptions (amsp_ext/tune/spec.py).
 """
 

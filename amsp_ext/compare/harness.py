@@ -27,7 +27,7 @@ from amsp_ext.compare.launch import LaunchConfig, run_system
 from amsp_ext.compare.rounds import combine_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS
-from amsp_ext.metrics import mfu
+from amsp_ext.train.metrics import mfu
 from amsp_ext.planner.specs import format_size
 
 __all__ = ["MODES", "PlannerInputs", "RunItem", "plan_runs", "resolve_world", "run_comparison"]
@@ -94,7 +94,7 @@ def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
     if spec.amsp_plan.strip().lower() != "auto":
         return spec, None, f"given: {spec.amsp_plan}"
     from amsp_ext.compare.systems.amsp import engine_settings
-    from amsp_ext.models import llama_config_dict
+    from amsp_ext.train.models import llama_config_dict
     from amsp_ext.planner.auto import AutoPlanConfig, plan_auto
 
     # the same engine configuration the AMSP rows run with, planned as the engine plans "auto"
@@ -293,8 +293,8 @@ def _machine() -> str:
 
 
 def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
-    from amsp_ext.metrics import flops_per_token
-    from amsp_ext.models import llama_config_dict
+    from amsp_ext.train.metrics import flops_per_token
+    from amsp_ext.train.models import llama_config_dict
     from amsp_ext.planner.model_spec import ModelSpec
 
     ok = [r for r in raw if r.get("status") == "ok"]

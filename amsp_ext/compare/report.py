@@ -350,7 +350,7 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         "",
         f"- Model: `{spec['model']}` (transformers LlamaForCausalLM from a config, seed {spec['seed']}); "
         f"{meta['num_params']:,} parameters; FLOPs/token (Megatron, see below) {meta['flops_per_token']:,.0f}.",
-        f"- Data: byte tokens of the Python reference manual (`amsp_ext.data`), seq len {spec['seq_len']}, "
+        f"- Data: byte tokens of the Python reference manual (`amsp_ext.train.data`), seq len {spec['seq_len']}, "
         f"micro-batch {spec['micro_batch_size']} per rank, M = {spec['num_micro_batches']} micro-batches, "
         f"global batch {meta['global_batch_sequences']} sequences ({meta['global_batch_tokens']:,} tokens).",
         f"- Steps: {spec['num_steps']} timed ({spec['num_warmup_steps']} warm-up excluded from the median)"

@@ -58,7 +58,7 @@ def _warm_process(ctx) -> None:
     arenas) is created on first use and never freed; without this it would land in the first
     system-specific figure and swamp a tiny model's footprint.
     """
-    from amsp_ext.models import build_llama, causal_lm_loss
+    from amsp_ext.train.models import build_llama, causal_lm_loss
 
     model = build_llama(ctx.spec.model, seed=ctx.spec.seed + 1)
     with ctx.autocast():
@@ -72,12 +72,12 @@ def run(system: str, spec, out: Path) -> dict:
     import torch.distributed as dist
 
     from amsp_ext.compare import memory, trace
-    from amsp_ext.runtime.peak import device_peak
+    from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
     from amsp_ext.compare.config import resolve_topology
     from amsp_ext.compare.systems import SYSTEMS, runner
     from amsp_ext.compare.systems.base import Context
-    from amsp_ext.models import build_llama
+    from amsp_ext.train.models import build_llama
 
     info = SYSTEMS[system]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,11 +87,11 @@ def run(system: str, spec, out: Path) -> dict:
                   gpus_per_node=gpus_per_node)
     patches_applied: dict[str, str] = {}
     if info.uses_deepspeed:
-        import patches
+        from amsp_ext.integrations import patches
 
         patches_applied = patches.apply_needed()
 
-    # the MFU denominator: metrics.py [Note: one MFU] (every rank at once, best of trials)
+    # the MFU denominator: train/metrics.py [Note: one MFU] (every rank at once, best of trials)
     peak_flops = device_peak(torch.device("cpu"), ctx.param_dtype).flops
 
     _warm_process(ctx)

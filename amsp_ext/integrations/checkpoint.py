@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 from amsp_ext.integrations.settings import ConfigError
-from amsp_ext.runtime import checkpoint as ckpt
+from amsp_ext.runtime.state import checkpoint as ckpt
 
 # ``engine`` below is the AMSPDeepSpeedEngine (integrations/engine.py) that calls these functions;
 # it is not imported here, so the dependency stays one-way (engine -> checkpoint).

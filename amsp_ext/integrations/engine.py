@@ -213,7 +213,7 @@ class AMSPDeepSpeedEngine(nn.Module):
 
     # -- state dicts -------------------------------------------------------------------------------
     def _consolidated(self, rank0_only: bool) -> dict[str, torch.Tensor]:
-        from amsp_ext.runtime.export import consolidated_state_dict
+        from amsp_ext.runtime.state.export import consolidated_state_dict
 
         # the compute dtype: what DeepSpeed's module state dict holds (bf16 params under bf16)
         return consolidated_state_dict(self.module, dtype=self.module.amsp.config.dtype,

@@ -1,7 +1,7 @@
 """The optimizer and LR scheduler of a DeepSpeed-style job, rebuilt over AMSP's master weights.
 
 [Note: the inner optimizer runs over the masters, with the caller's param groups]
-AMSP steps fp32 masters of the local tensors each rank owns (amsp_ext.runtime.optimizer), so the
+AMSP steps fp32 masters of the local tensors each rank owns (amsp_ext.runtime.optim.optimizer), so the
 optimizer has to hold those masters instead of the model's parameters. A param group is kept as
 the set of parameter *names* it held (each master carries ``amsp_name``) plus its
 hyper-parameters, so weight-decay / no-decay splits and per-group learning rates survive. A

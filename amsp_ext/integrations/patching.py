@@ -14,7 +14,7 @@ __all__ = ["patch_accelerate", "patch_deepspeed", "unpatch_deepspeed"]
 
 def patch_accelerate() -> dict[str, str]:
     """Accelerate's fixes under AMSP (idempotent); ``{patch name: what happened}``."""
-    from patches import (accelerate_amsp_block, accelerate_amsp_guard, accelerate_deepspeed_cpu_state,
+    from amsp_ext.integrations.patches import (accelerate_amsp_block, accelerate_amsp_guard, accelerate_deepspeed_cpu_state,
                          accelerate_unwrap)
 
     return {mod.NAME: mod.apply()
@@ -27,7 +27,7 @@ def patch_deepspeed() -> dict[str, str]:
 
     Returns ``{patch name: what happened}``.
     """
-    from patches import deepspeed_initialize
+    from amsp_ext.integrations.patches import deepspeed_initialize
 
     done = {deepspeed_initialize.NAME: deepspeed_initialize.apply()}
     try:
@@ -40,6 +40,6 @@ def patch_deepspeed() -> dict[str, str]:
 
 def unpatch_deepspeed() -> None:
     """Put the original ``deepspeed.initialize`` back (the Accelerate fixes stay)."""
-    from patches import deepspeed_initialize
+    from amsp_ext.integrations.patches import deepspeed_initialize
 
     deepspeed_initialize.restore()

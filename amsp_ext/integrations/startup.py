@@ -43,7 +43,7 @@ def _say(what: str) -> None:
 
 
 def _patch_deepspeed(_module) -> None:
-    from patches import deepspeed_initialize
+    from amsp_ext.integrations.patches import deepspeed_initialize
 
     _say(f"deepspeed.initialize routing {deepspeed_initialize.apply()}")
 

@@ -7,7 +7,7 @@
 same hot path. With it on, the run may re-plan while it trains: when the measured/predicted
 time of some collective kind stays outside ``band`` for ``window`` steps, the profile is re-fit
 from what was measured, the planner runs again and the engine switches plans in memory
-(runtime/switch.py) if the predicted gain over the remaining steps exceeds the measured cost
+(runtime/replan/switch.py) if the predicted gain over the remaining steps exceeds the measured cost
 of a switch by the ``hysteresis`` margin, and no earlier than ``min_steps_between_switches``
 after the last switch. ``allow_replan=False`` forbids replacing a plan the user gave as
 factors or a name; adaptive then has nothing to do on such a plan, which is refused.
@@ -233,8 +233,8 @@ def replan(problem: Any, current: Any, scales: tuple[float, float]) -> tuple[Any
 
 
 # [Note: the kinds amsp train monitors]
-# ``amsp train --adaptive`` (runtime/adaptive.py) feeds the Monitor the kinds of the collectives
-# trace (runtime/comm_trace.py: AG, RS, AR, BC), not the group kinds above: they are what
+# ``amsp train --adaptive`` (runtime/replan/adaptive.py) feeds the Monitor the kinds of the collectives
+# trace (runtime/measure/comm_trace.py: AG, RS, AR, BC), not the group kinds above: they are what
 # ``amsp tune`` checked the step model against, and their prediction is the step model's
 # ``kind_times(...).busy_s`` (planner/step.py; calibrated when the profile carries a
 # calibration): the time of the kind's collectives with nothing overlapping them. The measured
@@ -273,7 +273,7 @@ def predicted_trace_kinds(problem: Any, plan: Any, scales: tuple[float, float] =
 # time; before the first one nothing has been measured, and the start-up ``shard`` time alone
 # was far too low: on the 2 x 2 lab at 100 Mbit (small-llama, comparisons/results/adaptive_*)
 # shard took 0.27 s and the switch 6.3 s, because a switch broadcasts the whole model state
-# over the world (runtime/switch.py, [Note: the resharding layout], step 2) on the link that
+# over the world (runtime/replan/switch.py, [Note: the resharding layout], step 2) on the link that
 # has just become slow. So before the first switch the cost is shard's time plus this: the
 # re-fit profile's time for one broadcast of the state's bytes (fp32 masters, which under fp32
 # are the parameters, and the optimizer states) on the world mesh. Still a lower bound (the

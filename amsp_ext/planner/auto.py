@@ -59,7 +59,7 @@ def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
                  granularity: str, recompute: bool, reduce_dtype: str | None = None) -> Problem:
     """The planner's Problem for ``model`` trained as ``auto`` says on ``num_nodes`` x
     ``gpus_per_node``, by an engine with these settings (ShardConfig's names): what
-    ``plan_auto`` searches and what adaptive AMSP (runtime/adaptive.py) predicts steps with."""
+    ``plan_auto`` searches and what adaptive AMSP (runtime/replan/adaptive.py) predicts steps with."""
     cluster = ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                           gpu_memory_bytes=gpu_memory_bytes, nodes_per_leaf=nodes_per_leaf)
     training = TrainingSpec(seq_len=auto.seq_len, micro_batch_size=auto.micro_batch_size,

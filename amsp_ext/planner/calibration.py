@@ -14,7 +14,7 @@ Schema (one object, every field validated; an error is one line naming the field
       "source": "amsp tune on ...",            # what was measured, non-empty
       "date": "2026-12-01",                    # YYYY-MM-DD
       "device": "cpu",                         # the device it was measured on
-      "peak_flops": 3.1e10,                    # MFU denominator of that run (metrics.py)
+      "peak_flops": 3.1e10,                    # MFU denominator of that run (train/metrics.py)
       "forward_flops_per_s": 2.0e10,           # model FLOPs / forward time, per GPU
       "backward_flops_per_s": 2.2e10,          # 2 x model FLOPs / backward time, per GPU
       "optimizer_bytes_per_s": 9.0e9,          # optimizer traffic / optimizer-step time
@@ -51,7 +51,7 @@ value (scale 1, the rest 0: the paper's rules on the profile's times).
 * ``blocking``: kinds whose collectives the engine waits for right where it issues them on
   this backend (a trace shows their exposed time equal to their busy time): they take the
   compute thread for their whole duration. On CPU, FSDP2's reduce-scatter is synchronous
-  (runtime/param_shard.py), so RS is blocking there and not on a GPU.
+  (runtime/sync/param_shard.py), so RS is blocking there and not on a GPU.
 * ``micro_batch_overhead_s``: compute-thread time per micro-batch that no collective explains
   (the engine's hooks and bucket copies); ``step_overhead_s``: once per step (Python, the loss
   all-reduce, ranks waiting for the slowest).

@@ -31,9 +31,10 @@ import torch.nn as nn
 
 __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
-    "backend_options", "copy_state_dict_metadata", "check_torch_version", "dtensor_local", "flatten_mesh",
+    "backend_options", "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
+    "end_coalescing", "flatten_dense_tensors", "flatten_mesh",
     "fsdp_all_gather_streams", "local_chunk_offset", "optimizer_hooks", "queue_backward_callback",
-    "set_fsdp_unshard_async_op",
+    "set_fsdp_unshard_async_op", "start_coalescing",
 ]
 
 CHECKED_TORCH = ("2.13",)
@@ -152,7 +153,7 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
 
 
-# -- undoing fully_shard (runtime/switch.py) -----------------------------------------------------
+# -- undoing fully_shard (runtime/replan/switch.py) -----------------------------------------------------
 def fsdp_remove(module: nn.Module) -> None:
     """Undo ``fully_shard`` on ``module`` (FSDP2 has no public inverse): remove the forward
     hooks of its FSDPState, the state-dict hooks of its param group(s), each FSDPParam's
@@ -195,3 +196,27 @@ def fsdp_remove(module: nn.Module) -> None:
     for m in module.modules():
         for attr in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
             m.__dict__.pop(attr, None)
+
+
+# -- for the DeepSpeed patches (integrations/patches/) ----------------------------------------
+def flatten_dense_tensors(tensors):
+    """``torch._utils._flatten_dense_tensors``: what DeepSpeed's ZeRO-1/2 flat buffer is built with
+    (the zero12 flat-buffer patch probes it)."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)
+
+
+def default_group():
+    """``distributed_c10d._get_default_group()``: the world ProcessGroup object itself."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def start_coalescing(group, device: torch.device) -> None:
+    """``ProcessGroup._start_coalescing``: what DeepSpeed-MiCS's coalescing manager calls (gloo
+    raises RuntimeError; the MiCS-on-gloo patch probes for that)."""
+    group._start_coalescing(device)
+
+
+def end_coalescing(group, device: torch.device) -> None:
+    group._end_coalescing(device)

@@ -1,7 +1,7 @@
 """Every collective the AMSP engine issues, as small free functions.
 
 This is the ONLY module of amsp_ext that calls ``torch.distributed`` collectives (FSDP2 issues
-its all-gathers and reduce-scatters through :mod:`amsp_ext.runtime.param_shard`'s comm objects,
+its all-gathers and reduce-scatters through :mod:`amsp_ext.runtime.sync.param_shard`'s comm objects,
 which call back into here). Each function takes its group as an argument plus a ``name`` (the
 group's label, e.g. ``param_replica[0,2]``, see ``PlanMesh.name``), runs under
 ``record_function("amsp::<op>::<group kind>")`` and returns a work handle when ``async_op``.
@@ -24,7 +24,7 @@ how many collectives a step issues.
 ``observer(event, op, name, info)`` sees every collective: ``"issue"`` before it is started,
 ``"issued"`` right after with ``info`` = the pending handle (``.work``, ``.nbytes``: the
 collective's v as the planner counts it), ``"wait_begin"`` / ``"wait_end"`` (same handle)
-around every blocking wait. runtime/comm_trace.py turns these into measured and exposed time per kind. A
+around every blocking wait. runtime/measure/comm_trace.py turns these into measured and exposed time per kind. A
 handle given to FSDP2 is a ``WorkHandle`` (a ``dist.Work``), so FSDP2's own waits for its
 all-gathers also pass through ``wait`` and are seen (and time out naming their group).
 """

@@ -4,7 +4,7 @@ broadcast paths (``build_engine``), the hooks (``install``), and the engine's ch
 [Note: order of construction]
 1. Resolve the plan and check it against the world (PlanError, before any collective).
 2. Compare plan/config/model fingerprints across ranks (one small all-gather).
-3. Build the plan's process groups once (runtime/mesh.py, build_plan_mesh).
+3. Build the plan's process groups once (topology/mesh.py, build_plan_mesh).
 4. List the units in forward order; with sp > 1 ``fully_shard`` each on ``param_shard``.
 5. Lay out the local tensors, assign owners, and make the owners' fp32 masters from the fp32
    weights, *then* convert the parameters to the compute dtype (so masters never lose bits).
@@ -29,14 +29,14 @@ from amsp_ext.planner.plan import Plan, PlanError, resolve_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig
-from amsp_ext.runtime.grad_sync import GradSync
-from amsp_ext.runtime.layout import LocalTensor, build_layout
-from amsp_ext.runtime.optimizer import AMSPOptimizer, NormGroup
-from amsp_ext.runtime.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
-from amsp_ext.runtime.param_sync import ParamSync
-from amsp_ext.runtime.units import Unit, decoder_layers, list_units, refresh_params
+from amsp_ext.runtime.sync.grad_sync import GradSync
+from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
+from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
+from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
+from amsp_ext.runtime.sync.param_sync import ParamSync
+from amsp_ext.runtime.sync.units import Unit, decoder_layers, list_units, refresh_params
 from amsp_ext.topology.groups import World
-from amsp_ext.runtime.mesh import PlanMesh, build_plan_mesh
+from amsp_ext.topology.mesh import PlanMesh, build_plan_mesh
 
 __all__ = ["AMSPModule", "Engine", "MismatchError", "build_engine", "full_state_dict", "install"]
 
@@ -59,7 +59,7 @@ class Engine:
         self.param_sync: ParamSync
         self.optimizer: AMSPOptimizer
         self.masters: dict[int, nn.Parameter] = {}  # between build_engine and the optimizer
-        self.switches: list[dict] = []  # switch_plan's record of every switch (runtime/switch.py)
+        self.switches: list[dict] = []  # switch_plan's record of every switch (runtime/replan/switch.py)
 
     def group(self, kind: str) -> dist.ProcessGroup:
         return self.mesh.group(kind)

@@ -2,7 +2,7 @@
 
 It checks its arguments, resolves the plan, compares it across ranks, and builds the engine in
 the order of [Note: order of construction] (engine.py), then the optimizer and, with
-``ShardConfig.adaptive``, the monitor (runtime/adaptive.py) as the optimizer's post-step hook.
+``ShardConfig.adaptive``, the monitor (runtime/replan/adaptive.py) as the optimizer's post-step hook.
 A module of its own because the monitor switches plans (switch.py), which rebuilds engines:
 ``engine <- switch <- adaptive <- shard`` is one-way only if ``shard`` lives above all three.
 """
@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from amsp_ext.faults import faults
+from amsp_ext.train.faults import faults
 from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.plan import Plan, validate_plan
-from amsp_ext.runtime.adaptive import AdaptiveRun, planner_problem
+from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import (_check_same_everywhere, _device, _enable_recompute, _fingerprint,
                                      _resolve, _same_initial_weights, _world, build_engine, install,
                                      norm_group, run_info)
-from amsp_ext.runtime.nonfinite import NonFiniteGuard
-from amsp_ext.runtime.optimizer import AMSPOptimizer
+from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
+from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
 __all__ = ["shard"]
 
@@ -82,7 +82,7 @@ def shard(model: nn.Module, plan: "Plan | str",
         run_info=run_info(engine))
     engine.masters = {}  # the optimizer holds them
     install(model, engine)
-    if config.adaptive is not None:  # runtime/adaptive.py: every optimizer.step() is a boundary
+    if config.adaptive is not None:  # runtime/replan/adaptive.py: every optimizer.step() is a boundary
         run = AdaptiveRun(model, problem, config.adaptive, timeout=config.timeout,
                           first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
         engine.optimizer.adaptive = run

@@ -47,7 +47,7 @@ def observations(result: dict[str, Any]) -> tuple[list[PlanObservation], ProbeOb
 
 def calibrate_from_result(result: dict[str, Any], config, problems: Problems,
                           candidates: list[Candidate], out: Path) -> None:
-    from amsp_ext.runtime.grad_sync import MAX_IN_FLIGHT
+    from amsp_ext.runtime.sync.grad_sync import MAX_IN_FLIGHT
 
     meta = result["meta"]
     plans, probe = observations(result)

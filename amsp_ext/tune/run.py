@@ -36,9 +36,9 @@ def run_tune(config, *, command: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from amsp_ext.runtime.peak import device_peak
+    from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
-    from amsp_ext.runtime.profiler import pick_device
+    from amsp_ext.runtime.measure.profiler import pick_device
     from amsp_ext.tune.candidates import choose_plans, make_problems
     from amsp_ext.tune.worker import run_rounds
 

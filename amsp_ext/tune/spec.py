@@ -1,13 +1,13 @@
 """TuneConfig: one ``amsp tune`` run, on the training schema.
 
-The job shape is ``amsp train``'s: the same sections (train_config.py: cluster, planner, batch,
+The job shape is ``amsp train``'s: the same sections (train/config.py: cluster, planner, batch,
 engine) give the same flags, defaults and validation, and the engine is configured from them by
-the same function (train.py ``engine_shard_config``), so a plan measured here runs as
+the same function (train/loop.py ``engine_shard_config``), so a plan measured here runs as
 ``amsp train --plan P`` with the same flags would. ``TuneOptions`` adds what only tuning has.
 ``--steps`` are the timed steps of every plan in every round and ``--warmup-steps`` the untimed
 ones before them (the optimizer runs at ``amsp train``'s default settings; no LR schedule).
 
-Pure Python (no torch), like train_config.py.
+Pure Python (no torch), like train/config.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from amsp_ext.models import MODEL_CONFIGS, llama_config_dict
+from amsp_ext.train.models import MODEL_CONFIGS, llama_config_dict
 from amsp_ext.schema import check_options, option, section
-from amsp_ext.train_config import (BatchOptions, ClusterOptions, EngineOptions, PlannerOptions,
+from amsp_ext.train.config import (BatchOptions, ClusterOptions, EngineOptions, PlannerOptions,
                                     check_seq_len)
 
 __all__ = ["TuneConfig", "TuneOptions"]

@@ -10,7 +10,7 @@ Build the model (same seed on every rank), shard it with the plan (``amsp_ext.sh
 ``warmup_steps`` untimed and ``steps`` timed steps of the ordinary loop (M micro-batches,
 clip, step, the loss all-reduce of ``amsp train``), with a ``CommTrace`` recording every
 collective. Per step: wall time, forward / backward / optimizer phase times, and per collective
-kind the measured busy and exposed time (runtime/comm_trace.py). Then the rank's model-state
+kind the measured busy and exposed time (runtime/measure/comm_trace.py). Then the rank's model-state
 bytes (the engine's own count) and peak RSS delta (VmHWM reset just before the model is built).
 The hooks are removed and the model dropped before the next plan.
 
@@ -41,9 +41,9 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.comm_trace import CommTrace
-from amsp_ext.train import adamw_factory, engine_shard_config
-from amsp_ext.train_config import OptimOptions
+from amsp_ext.runtime.measure.comm_trace import CommTrace
+from amsp_ext.train.loop import adamw_factory, engine_shard_config
+from amsp_ext.train.config import OptimOptions
 from amsp_ext.tune.candidates import Candidate
 from amsp_ext.tune.spec import TuneConfig
 
@@ -53,7 +53,7 @@ _PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 
 
 def build_model(config: TuneConfig):
-    from amsp_ext.models import build_llama
+    from amsp_ext.train.models import build_llama
 
     if config.model_config is None:
         return build_llama(config.model, seed=config.seed)
@@ -67,7 +67,7 @@ def build_model(config: TuneConfig):
 
 
 def _batch(config: TuneConfig, step: int, micro: int, rank: int, world: int, device) -> torch.Tensor:
-    from amsp_ext.data import micro_batch
+    from amsp_ext.train.data import micro_batch
 
     b = config.batch
     return micro_batch(step, micro, rank, world_size=world, num_micro_batches=b.micro_batches,
@@ -82,7 +82,7 @@ def _sync(device) -> None:
 def compute_probe(config: TuneConfig, device) -> dict[str, float]:
     """Median forward, backward and optimizer-step seconds of the unsharded model (see the Note);
     call on every rank at once."""
-    from amsp_ext.models import causal_lm_loss
+    from amsp_ext.train.models import causal_lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
     e, M, timeout = config.engine, config.batch.micro_batches, config.engine.timeout
@@ -131,8 +131,8 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     """One plan on this rank (see [Note: one plan, one rank]): its record."""
     import amsp_ext
     from amsp_ext.compare import memory
-    from amsp_ext.metrics import peak_memory_bytes
-    from amsp_ext.models import causal_lm_loss
+    from amsp_ext.train.metrics import peak_memory_bytes
+    from amsp_ext.train.models import causal_lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
     M, timeout, optim = config.batch.micro_batches, config.engine.timeout, OptimOptions()

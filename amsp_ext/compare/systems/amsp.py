@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from amsp_ext.compare.config import OVERLAP_SWITCHES
 from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable
-from amsp_ext.models import causal_lm_loss
+from amsp_ext.train.models import causal_lm_loss
 
 __all__ = ["GRAD_BUCKET_BYTES", "engine_settings", "plan_text", "setup", "shard_config"]
 

@@ -33,9 +33,9 @@ import torch
 import torch.nn as nn
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.checkpoint import (MASTER, MODEL, _dtype_name, _hf_info, as_global, dcp_metadata,
+from amsp_ext.runtime.state.checkpoint import (MASTER, MODEL, _dtype_name, _hf_info, as_global, dcp_metadata,
                                          engine_of, trainable_by_id, verify_checkpoint)
-from amsp_ext.runtime.checkpoint_files import resolve
+from amsp_ext.runtime.state.checkpoint_files import resolve
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "save_pretrained"]
 

@@ -79,13 +79,13 @@ from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.checkpoint_files import (DCP_METADATA, FORMAT, CheckpointError, begin_staging,
+from amsp_ext.runtime.state.checkpoint_files import (DCP_METADATA, FORMAT, CheckpointError, begin_staging,
                                                damage, file_digest, publish, rank_files, read_meta,
                                                resolve, staging_path, verify_files, write_meta)
 
 if TYPE_CHECKING:
     from amsp_ext.runtime.engine import Engine
-    from amsp_ext.runtime.layout import LocalTensor
+    from amsp_ext.runtime.optim.layout import LocalTensor
 
 __all__ = ["CheckpointError", "PendingSave", "checkpoint_step", "load_checkpoint", "read_checkpoint_meta",
            "save_checkpoint", "verify_checkpoint", "wait_for_save"]

@@ -16,8 +16,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import _torch_compat as compat
-from amsp_ext.runtime.ownership import assign_owners
-from amsp_ext.runtime.units import Unit
+from amsp_ext.runtime.optim.ownership import assign_owners
+from amsp_ext.runtime.sync.units import Unit
 from amsp_ext.topology.groups import MESH_AXES, mesh_ranks
 
 __all__ = ["LocalTensor", "build_layout"]

@@ -1,12 +1,12 @@
 """The main job: train a Llama with AMSP on real text, top to bottom. One process per rank.
 
 ``amsp train`` launches this under torchrun with ``--config config.json`` (a TrainConfig, see
-amsp_ext/train_config.py); ``amsp cluster run -- python -m amsp_ext.train --steps 5 ...`` takes
+amsp_ext/train/config.py); ``amsp cluster run -- python -m amsp_ext.train.loop --steps 5 ...`` takes
 the same flags as ``amsp train``. Rank 0 prints progress, and writes the JSON summary to
 ``--result-file`` when given.
 
 The job is resumable: it starts from ``--resume`` (or, after an elastic restart, from the newest
-checkpoint in ``--save-dir``), counts its data position in samples (amsp_ext/train_state.py:
+checkpoint in ``--save-dir``), counts its data position in samples (amsp_ext/train/state.py:
 [Note: the data position is a number of samples]) and saves every ``--save-every`` steps.
 """
 
@@ -27,24 +27,25 @@ import torch
 import torch.distributed as dist
 
 import amsp_ext
-from amsp_ext import metrics, schema
+from amsp_ext import schema
+from amsp_ext.train import metrics
 from amsp_ext.choices import OVERLAP_OPS
-from amsp_ext.supervise import die_with_parent, report_error
-from amsp_ext.data import micro_batch_at
-from amsp_ext.faults import faults, kill_now, nan_now
-from amsp_ext.models import build_llama, causal_lm_loss, llama_config_dict
+from amsp_ext.train.supervise import die_with_parent, report_error
+from amsp_ext.train.data import micro_batch_at
+from amsp_ext.train.faults import faults, kill_now, nan_now
+from amsp_ext.train.models import build_llama, causal_lm_loss, llama_config_dict
 from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec
 from amsp_ext.runtime import collectives
-from amsp_ext.runtime.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
+from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
 from amsp_ext.runtime.config import OverlapConfig, ShardConfig
-from amsp_ext.runtime.nonfinite import NonFiniteError
-from amsp_ext.runtime.peak import device_peak
-from amsp_ext.runtime.profiler import pick_device
-from amsp_ext.train_config import (BatchOptions, ClusterOptions, EngineOptions, OptimOptions,
+from amsp_ext.runtime.optim.nonfinite import NonFiniteError
+from amsp_ext.runtime.measure.peak import device_peak
+from amsp_ext.runtime.measure.profiler import pick_device
+from amsp_ext.train.config import (BatchOptions, ClusterOptions, EngineOptions, OptimOptions,
                                     PlannerOptions, TrainConfig, auto_plan_config_of)
-from amsp_ext.train_state import checkpoint_name, prune, resolve_resume
+from amsp_ext.train.state import checkpoint_name, prune, resolve_resume
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -120,7 +121,7 @@ def train(config: TrainConfig) -> dict | None:
     elif restart or ck.resume == "auto":
         log(f"no checkpoint in {ck.save_dir} yet: a fresh start")
     injected = faults()
-    # [Note: adaptive in amsp train] with --adaptive, shard() installed runtime/adaptive.py's
+    # [Note: adaptive in amsp train] with --adaptive, shard() installed runtime/replan/adaptive.py's
     # monitor as a post-step hook of the optimizer: at the end of every optimizer.step() it
     # agrees on the previous step's per-kind times (one all-reduce), feeds planner/adaptive.py's
     # Monitor and on drift re-fits, re-plans, decides and maybe switches plans in memory
@@ -132,7 +133,7 @@ def train(config: TrainConfig) -> dict | None:
         adaptive.total_steps, adaptive.faults, adaptive.log = b.steps, injected, log
         adaptive.num_steps = len(history)  # a resumed run goes on counting
 
-    # -- 4. the peak for MFU (metrics.py [Note: one MFU]) ---------------------------------
+    # -- 4. the peak for MFU (train/metrics.py [Note: one MFU]) ---------------------------------
     dtype = engine_config.dtype
     peak = device_peak(device, dtype, timeout=e.timeout)
     flops_per_token = metrics.flops_per_token(llama_config_dict(config.model), b.seq_len)
@@ -262,7 +263,7 @@ def _save(model, optimizer, scheduler, ck, *, step: int, samples: int, global_ba
 def run_worker(config: TrainConfig, result_file: str | None = None) -> int:
     """One rank of the job: train, then rank 0 writes the summary to ``result_file`` (or
     prints it under ``--json``)."""
-    die_with_parent()  # never outlive the launcher's agent (amsp_ext/supervise.py)
+    die_with_parent()  # never outlive the launcher's agent (amsp_ext/train/supervise.py)
     try:
         result = train(config)
     except (ValueError, NonFiniteError, collectives.CollectiveTimeout) as err:  # one line
@@ -282,7 +283,7 @@ def run_worker(config: TrainConfig, result_file: str | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m amsp_ext.train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m amsp_ext.train.loop", description=__doc__)
     parser.add_argument("--config", default=None,
                         help="a TrainConfig as JSON (what `amsp train` writes); no other flags then")
     schema.add_arguments(parser, TrainConfig)

@@ -3,7 +3,7 @@
 [Note: one MFU]
 MFU = model FLOPs per token (the planner's count: planner/step.py ``model_flops_per_token``)
 x tokens per second per GPU / the peak FLOP/s of one GPU. Every command computes it with
-``mfu()`` below and a peak from runtime/peak.py ``device_peak()``, and reports the peak and its
+``mfu()`` below and a peak from runtime/measure/peak.py ``device_peak()``, and reports the peak and its
 source beside it.
 
 [Note: a peak that is stable for the device]
@@ -99,7 +99,7 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype, *, n: int = 1024
                       seconds: float = 0.5) -> float:
     """FLOP/s of repeated ``n x n`` matmuls in ``dtype`` on ``device`` by this process alone,
     best of timed rounds: the device's compute rate (comparisons/gpu_check.py). Not an MFU
-    denominator on a shared CPU: use runtime/peak.py ``device_peak``."""
+    denominator on a shared CPU: use runtime/measure/peak.py ``device_peak``."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b

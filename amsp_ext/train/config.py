@@ -2,11 +2,11 @@
 
 The ``amsp train`` command line is generated from it (amsp_ext.schema: one flag per option, with
 its default, help and choices), the launcher hands it to every rank as JSON, and the worker
-(amsp_ext/train.py) builds the engine's ShardConfig and the optimizer from it.
+(amsp_ext/train/loop.py) builds the engine's ShardConfig and the optimizer from it.
 
 [Note: adding a training option]
 Add one ``option(...)`` field to the section it belongs to (its flag, default, help, choices and
-bounds come from the field), then use it in amsp_ext/train.py (``shard_config`` for engine
+bounds come from the field), then use it in amsp_ext/train/loop.py (``shard_config`` for engine
 settings, the optimizer factory or the loop for the rest). Nothing else changes: the flag, the
 JSON the worker receives and the validation follow from the field. A rule between fields goes
 in the section's ``__post_init__`` after ``check_options(self)``, naming the flags.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from amsp_ext.choices import GRANULARITIES, OBJECTIVES, OVERLAP_OPS, PRECISIONS, check_one_of, reduce_dtypes
-from amsp_ext.models import MODEL_CONFIGS
+from amsp_ext.train.models import MODEL_CONFIGS
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size
@@ -104,7 +104,7 @@ class OptimOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
-    """How the engine runs the plan (mapped onto ShardConfig by amsp_ext/train.py)."""
+    """How the engine runs the plan (mapped onto ShardConfig by amsp_ext/train/loop.py)."""
 
     precision: str = option("fp32", choices=PRECISIONS,
                             help="compute dtype of parameters and gradients")
@@ -132,7 +132,7 @@ class EngineOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
-    """Durable, resumable runs (amsp_ext/train_state.py): where checkpoints go, how often, how
+    """Durable, resumable runs (amsp_ext/train/state.py): where checkpoints go, how often, how
     many stay, what to resume from, and how many times torchrun may replace failed ranks."""
 
     save_dir: str | None = option(None, metavar="DIR", help="directory of the job's checkpoints "

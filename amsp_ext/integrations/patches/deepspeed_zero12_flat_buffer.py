@@ -33,14 +33,15 @@ def needed() -> str | None:
     """Why the patch is needed, or None. Local probe only (no collectives)."""
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from torch._utils import _flatten_dense_tensors
+
+    from amsp_ext.runtime import _torch_compat as compat
 
     fn = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
     if getattr(fn, _MARK, False):
         return None
 
     class _Probe:  # what the method reads from ``self``
-        flatten = staticmethod(_flatten_dense_tensors)
+        flatten = staticmethod(compat.flatten_dense_tensors)
 
     with torch.enable_grad():
         flat = fn(_Probe(), [torch.zeros(2, requires_grad=True)], 1)

@@ -19,7 +19,7 @@ import re
 import shutil
 from pathlib import Path
 
-from amsp_ext.runtime.checkpoint_files import FORMAT, CheckpointError, read_meta, resolve, verify_files
+from amsp_ext.runtime.state.checkpoint_files import FORMAT, CheckpointError, read_meta, resolve, verify_files
 
 __all__ = ["checkpoint_name", "list_checkpoints", "newest_checkpoint", "prune", "resolve_resume",
            "verify"]

@@ -43,16 +43,18 @@ def _probe_default_group() -> str | None:
     import torch
     import torch.distributed as tdist
 
+    from amsp_ext.runtime import _torch_compat as compat
+
     if not tdist.is_initialized():
         raise RuntimeError(f"{NAME}: call after torch.distributed.init_process_group")
-    group = tdist.distributed_c10d._get_default_group()
+    group = compat.default_group()
     device = torch.device("cpu")
     try:
-        group._start_coalescing(device)
+        compat.start_coalescing(group, device)
     except RuntimeError as e:
         _CANNOT_COALESCE.add(str(tdist.get_backend(group)))
         return str(e).splitlines()[0]
-    group._end_coalescing(device)
+    compat.end_coalescing(group, device)
     return None
 
 

@@ -89,7 +89,7 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
 def destroy_plan_mesh(pm: PlanMesh) -> None:
     """Destroy the process groups ``build_plan_mesh`` created (every axis of the 8-axis mesh and
     every flattened kind; never the default group). Every rank calls it with its own PlanMesh,
-    after the last collective on those groups completed (runtime/switch.py)."""
+    after the last collective on those groups completed (runtime/replan/switch.py)."""
     groups = {id(g): g for g in pm.device_mesh.get_all_groups()}
     groups.update({id(g): g for g in pm.groups.values()})
     for g in groups.values():

@@ -5,7 +5,7 @@
            └─ ranks (own sessions)    SIGKILL when the agent dies
 
 [Note: no orphans]
-- The agent (``python -m amsp_ext.supervise``, torchrun run in-process) starts in its own
+- The agent (``python -m amsp_ext.train.supervise``, torchrun run in-process) starts in its own
   process group with a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``): if the
   launcher dies in any way, SIGKILL included, the agent gets SIGTERM, torchrun stops its ranks
   (SIGTERM, then SIGKILL after a grace period) and the agent removes the job's temp directory.
@@ -107,7 +107,7 @@ class Job:
         if self.signal is not None:  # interrupted before anything started
             return 128 + self.signal
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "amsp_ext.supervise", *torchrun_args], env=env, stdout=stdout,
+            [sys.executable, "-m", "amsp_ext.train.supervise", *torchrun_args], env=env, stdout=stdout,
             process_group=0, preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM))
         deadline = None
         while True:

@@ -73,7 +73,7 @@ from torch.profiler import record_function
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.layout import LocalTensor
+from amsp_ext.runtime.optim.layout import LocalTensor
 
 __all__ = ["GradSync"]
 

@@ -17,7 +17,7 @@ __all__ = ["apply_needed"]
 
 def apply_needed() -> dict[str, str]:
     """Apply every needed patch; ``{patch name: what happened}`` (applied / not needed: why)."""
-    from patches import deepspeed_mics_gloo, deepspeed_zero12_flat_buffer
+    from amsp_ext.integrations.patches import deepspeed_mics_gloo, deepspeed_zero12_flat_buffer
 
     return {
         mod.NAME: mod.apply()

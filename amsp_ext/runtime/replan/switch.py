@@ -9,7 +9,7 @@ optimizer object (its hooks, step counter, loss scaler, non-finite guard; see [N
 optimizer under another plan] in optimizer.py), so an LR scheduler bound to it goes on as if
 nothing happened; buffers; each rank's RNG states (saved and restored around the switch); the
 data position, which is the caller's loop's. The old plan's process groups are kept ([Note: the old
-plan's groups stay alive]) and the new plan's built (runtime/mesh.py), as ``shard`` does.
+plan's groups stay alive]) and the new plan's built (topology/mesh.py), as ``shard`` does.
 
 [Note: the resharding layout]
 The layout is the checkpoints' (checkpoint.py, [Note: the layout as DCP chunks]): each local
@@ -61,10 +61,10 @@ from torch.distributed.fsdp import FSDPModule
 from amsp_ext.planner.plan import Plan, validate_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.checkpoint import _reshard, _rng_state, _set_rng_state, engine_of, wait_for_save
+from amsp_ext.runtime.state.checkpoint import _reshard, _rng_state, _set_rng_state, engine_of, wait_for_save
 from amsp_ext.runtime.engine import (AMSPModule, Engine, _check_same_everywhere, _fingerprint, _resolve,
                                      build_engine, install, norm_group, run_info)
-from amsp_ext.runtime.optimizer import AMSPOptimizer
+from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
 __all__ = ["switch_plan"]
 

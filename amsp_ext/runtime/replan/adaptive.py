@@ -18,7 +18,7 @@ object, over the new plan's masters. A step skipped for a non-finite gradient is
 too (its collectives are still the step's).
 
 [Note: one step's numbers]
-A ``CommTrace`` (runtime/comm_trace.py) records every collective while the run trains. At the
+A ``CommTrace`` (runtime/measure/comm_trace.py) records every collective while the run trains. At the
 end of step k the numbers of step k-1 are read: its parameter broadcasts are overlapped with
 step k's forward, so only then are all of its collectives complete. Per trace kind (AG, RS, AR,
 BC) the measured figure is ``busy_s`` (the union of the kind's in-flight intervals), because
@@ -64,14 +64,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from amsp_ext.faults import slow_factor
+from amsp_ext.train.faults import slow_factor
 from amsp_ext.planner.adaptive import (AdaptiveConfig, Decision, Monitor, decide, predicted_trace_kinds,
                                        refit_scales, replan, switch_move_s, trace_kinds_cross_nodes)
 from amsp_ext.planner.auto import auto_problem
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.comm_trace import KINDS, CommTrace
+from amsp_ext.runtime.measure.comm_trace import KINDS, CommTrace
 from amsp_ext.runtime.engine import _device_memory, engine_settings
-from amsp_ext.runtime.switch import switch_plan
+from amsp_ext.runtime.replan.switch import switch_plan
 
 __all__ = ["AdaptiveRun", "planner_problem"]
 
@@ -146,7 +146,7 @@ class AdaptiveRun:
         summary = self.trace.summary(t0, t1)
         out = {k: summary[k]["busy_s"] for k in KINDS}
         f = slow_factor(self.faults, rank=dist.get_rank(), step=step)
-        if f != 1.0:  # a fake slow link (faults.py): only this input changes
+        if f != 1.0:  # a fake slow link (train/faults.py): only this input changes
             out = {k: v * f if self.crosses[k] else v for k, v in out.items()}
         # drop what was read: the trace must not grow over a long run
         self.trace.records[:] = [r for r in self.trace.records if r.issued >= t1]

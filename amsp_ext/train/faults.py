@@ -7,7 +7,7 @@
   (``TORCHELASTIC_RESTART_COUNT`` 0), so an elastic restart replaces it and resumes;
 - ``slow`` (``slow:rank=R:step=S[-E]:x=F``): what ``amsp train --adaptive`` measured on rank R
   at steps S..E for the collective kinds that cross nodes is multiplied by F (a fake slow
-  link: only the adaptive monitor's input changes, not the collectives; runtime/adaptive.py).
+  link: only the adaptive monitor's input changes, not the collectives; runtime/replan/adaptive.py).
 
 A malformed value is a one-line ValueError (it is read once, at start-up).
 """

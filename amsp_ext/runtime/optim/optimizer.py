@@ -56,9 +56,9 @@ from torch.profiler import record_function
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config
-from amsp_ext.runtime.layout import LocalTensor
-from amsp_ext.runtime.loss_scale import DynamicLossScaler
-from amsp_ext.runtime.nonfinite import NonFiniteGuard
+from amsp_ext.runtime.optim.layout import LocalTensor
+from amsp_ext.runtime.optim.loss_scale import DynamicLossScaler
+from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
 
 __all__ = ["AMSPOptimizer", "GradSource", "NormGroup", "ParamBroadcaster"]
 
@@ -130,7 +130,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                grads: GradSource, params: ParamBroadcaster, norm_group: NormGroup,
                run_info: Mapping[str, Any]) -> None:
         """[Note: the same optimizer under another plan]
-        ``switch_plan`` (runtime/switch.py) gives this object another plan's owned masters and
+        ``switch_plan`` (runtime/replan/switch.py) gives this object another plan's owned masters and
         collaborators. It stays the object the user's loop and LR scheduler hold: its hooks,
         step counter, loss scaler and guard are kept; the inner optimizer is rebuilt over the
         new masters by the same ``optimizer_factory`` (so param groups come out the same way),

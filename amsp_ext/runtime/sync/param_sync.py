@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.layout import LocalTensor
-from amsp_ext.runtime.units import Unit
+from amsp_ext.runtime.optim.layout import LocalTensor
+from amsp_ext.runtime.sync.units import Unit
 
 __all__ = ["BroadcastItem", "ParamSync", "broadcast_items"]
 

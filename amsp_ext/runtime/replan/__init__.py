@@ -1,0 +1,1 @@
+"""Another plan mid-run: switch_plan (switch.py) and adaptive AMSP's monitor (adaptive.py)."""
