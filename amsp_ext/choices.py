@@ -13,12 +13,13 @@ This module imports nothing from amsp_ext (the planner, the bottom layer, import
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable
 
 __all__ = [
     "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS", "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
-    "reduce_dtypes",
+    "parse_size", "reduce_dtypes",
 ]
 
 # compute dtype of parameters and gradients (masters and optimizer states are always fp32)
@@ -94,3 +95,33 @@ def check_number(value: Any, name: str, *, minimum: float | None = None,
                   f"< {below:g}" if below is not None else ""]
         what = " and ".join(b for b in bounds if b) or "finite"
         raise error(f"{name} must be a number {what}, got {value!r}")
+
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+_MAX_SIZE = 2**63 - 1  # what an int64 byte count holds
+
+
+def parse_size(text: Any, *, field: str = "size", allow_zero: bool = False,
+               error: type = ValueError) -> int:
+    """``"80GiB"``, ``"40GB"``, ``"81920MiB"`` -> bytes. A number without a unit is refused:
+    ``80`` could mean GB or GiB (a 7% difference, enough to flip a plan)."""
+    allowed = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+    if isinstance(text, bool) or not isinstance(text, str):
+        raise error(f"{field} needs a unit ({allowed}), e.g. '80GiB'; got {text!r}")
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise error(f"{field} needs a number and a unit ({allowed}), e.g. '80GiB'; got {text!r}")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    if unit not in _UNITS:
+        raise error(f"{field}: unknown unit {m.group(2)!r}; allowed: {allowed}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise error(f"{field} must be {'>= 0' if allow_zero else 'positive'}, got {text!r}")
+    num_bytes = value * _UNITS[unit]
+    if not math.isfinite(num_bytes) or num_bytes > _MAX_SIZE:
+        raise error(f"{field} must be at most 8 EiB (2^63 - 1 bytes), got {text!r}")
+    return int(round(num_bytes))

@@ -26,6 +26,7 @@ Pure Python (no torch, nothing from amsp_ext but choices).
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import json
 import types
@@ -33,10 +34,10 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from amsp_ext.choices import check_bool, check_int, check_number, check_one_of
+from amsp_ext.choices import check_bool, check_int, check_number, check_one_of, parse_size
 
 __all__ = [
-    "Option", "add_arguments", "check_options", "flag_of", "from_dict", "from_json",
+    "Option", "add_arguments", "check_options", "flag_of", "from_dict", "from_json", "name_of",
     "from_namespace", "option", "options", "section", "to_dict", "to_json",
 ]
 
@@ -54,20 +55,48 @@ class Option:
     above: float | None = None  # value > above
     below: float | None = None  # value < below
     metavar: str | None = None
+    size: bool = False  # an int of bytes that may also be given as a size ("25MiB")
 
 
 def option(default: Any, *, help: str = "", flag: str | None = None, choices=None,
            minimum: float | None = None, above: float | None = None,
-           below: float | None = None, metavar: str | None = None) -> Any:
-    """A leaf field: one flag. ``choices`` may be any iterable of strings (kept as a tuple)."""
+           below: float | None = None, metavar: str | None = None, size: bool = False) -> Any:
+    """A leaf field: one flag. ``choices`` may be any iterable of strings (kept as a tuple).
+    ``size=True`` (an ``int`` field): bytes, also given as a size with a unit, "25MiB"."""
     meta = Option(help=help, flag=flag, choices=tuple(choices) if choices is not None else None,
-                  minimum=minimum, above=above, below=below, metavar=metavar)
+                  minimum=minimum, above=above, below=below, metavar=metavar, size=size)
     return field(default=default, metadata={_KEY: meta})
 
 
 def section(cls: type) -> Any:
     """A field holding a sub-config (its options are flags of the same command line)."""
     return field(default_factory=cls)
+
+
+# [Note: errors name what the user wrote]
+# A config built from the command line names a bad value by its flag (``--granularity``); one read
+# from JSON (a ds_config's "amsp" block, the workers' config file) by its key path
+# (``amsp.granularity``); one built in Python by the class's ``SCHEMA_NAME`` path if it has one
+# (``ShardConfig(timeout=-1)``: ``config.timeout``), else by its flag. ``from_dict`` and
+# ``from_namespace`` set the naming for the checks their constructors run.
+_FLAGS = "--"
+_WHERE: contextvars.ContextVar[str | None] = contextvars.ContextVar("amsp_schema_where", default=None)
+
+
+def _name_of(obj: Any, f: dataclasses.Field, *, flag: bool = True) -> str:
+    where = _WHERE.get()
+    if where is None:
+        where = getattr(type(obj), "SCHEMA_NAME", _FLAGS)
+    if where == _FLAGS:
+        return flag_of(f) if flag else f.name
+    return f"{where}.{f.name}"
+
+
+def name_of(obj: Any, field_name: str) -> str:
+    """How an error about ``obj.field_name`` names it (flag, key path or Python path; see the
+    Note above), for the cross-field rules of a ``__post_init__``."""
+    f = next(x for x in fields(obj) if x.name == field_name)
+    return _name_of(obj, f, flag=_meta(f) is not None)
 
 
 def _meta(f: dataclasses.Field) -> Option | None:
@@ -118,11 +147,13 @@ def check_options(obj: Any) -> None:
     for f in fields(obj):
         meta = _meta(f)
         if meta is None:
-            if _is_section(cls, f) and not isinstance(getattr(obj, f.name), typing.get_type_hints(cls)[f.name]):
-                raise ValueError(f"{f.name} must be a {typing.get_type_hints(cls)[f.name].__name__}, "
+            want = typing.get_type_hints(cls)[f.name]
+            if _is_section(cls, f) and not isinstance(getattr(obj, f.name), want):
+                article = "an" if want.__name__[0] in "AEIOU" else "a"
+                raise ValueError(f"{_name_of(obj, f, flag=False)} must be {article} {want.__name__}, "
                                  f"got {type(getattr(obj, f.name)).__name__}")
             continue
-        name, value = flag_of(f), getattr(obj, f.name)
+        name, value = _name_of(obj, f), getattr(obj, f.name)
         base, optional, many = _kind(cls, f.name)
         if value is None and optional:
             continue
@@ -143,6 +174,9 @@ def _check_one(value: Any, base: type, name: str, meta: Option) -> Any:
     if base is bool:
         check_bool(value, name)
     elif base is int:
+        if meta.size and isinstance(value, str):  # "25MiB", or a plain count of bytes
+            value = int(value.strip()) if value.strip().isdigit() else parse_size(
+                value, field=name, allow_zero=meta.minimum is not None and meta.minimum <= 0)
         check_int(value, name, minimum=meta.minimum)
         if meta.above is not None or meta.below is not None:
             check_number(value, name, above=meta.above, below=meta.below)
@@ -165,10 +199,13 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per option of the tree under ``cls``; defaults are the dataclasses' defaults."""
+def add_arguments(parser, cls: type, *, only: tuple[str, ...] | None = None) -> None:
+    """One flag per option of the tree under ``cls`` (``only``: of those fields); defaults are the
+    dataclasses' defaults. ``parser`` may be an argument group."""
     seen: dict[str, str] = {}
     for owner, f in options(cls):
+        if only is not None and f.name not in only:
+            continue
         if f.name in seen:
             raise TypeError(f"option {f.name!r} is in both {seen[f.name]} and {owner.__name__}: "
                             f"option names must be unique across a config tree")
@@ -187,7 +224,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             if meta.choices:
                 kw["help"] = f"{help_ + ': ' if help_ else ''}comma list of {', '.join(meta.choices)}"
         else:
-            kw["type"] = base
+            kw["type"] = str if meta.size else base  # a size is parsed (and checked) by check_options
+            if meta.size:
+                kw["metavar"] = meta.metavar or "SIZE"
             if meta.choices is not None and base is str:
                 kw["choices"] = meta.choices
             if meta.metavar:
@@ -197,13 +236,21 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def from_namespace(cls: type, ns: argparse.Namespace) -> Any:
     """The config of the parsed flags (``add_arguments(parser, cls)``); raises the one-line
-    ValueError of the first bad value."""
+    ValueError of the first bad value, naming its flag."""
+    token = _WHERE.set(_FLAGS)
+    try:
+        return _from_namespace(cls, ns)
+    finally:
+        _WHERE.reset(token)
+
+
+def _from_namespace(cls: type, ns: argparse.Namespace) -> Any:
     kw = {}
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         if _is_section(cls, f):
-            kw[f.name] = from_namespace(hints[f.name], ns)
-        elif _meta(f) is not None:
+            kw[f.name] = _from_namespace(hints[f.name], ns)
+        elif _meta(f) is not None and hasattr(ns, f.name):  # add_arguments(only=...) may skip some
             kw[f.name] = getattr(ns, f.name)
     return cls(**kw)
 
@@ -231,8 +278,28 @@ def from_dict(cls: type, data: Any, *, where: str = "config") -> Any:
         raise ValueError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(known)}")
     kw = {}
     for name, v in data.items():
-        kw[name] = from_dict(hints[name], v, where=f"{where}.{name}") if _is_section(cls, known[name]) else v
-    return cls(**kw)
+        if _is_section(cls, known[name]):
+            kw[name] = from_dict(hints[name], v, where=f"{where}.{name}")
+        elif (sub := _optional_dataclass(hints[name])) is not None and v is not None:
+            # a sub-config that may be absent (ShardConfig.auto, .adaptive): its own from_dict
+            # if it has one (its errors name its keys), else the same walk
+            reader = getattr(sub, "from_dict", None)
+            kw[name] = reader(v, where=f"{where}.{name}") if reader else from_dict(sub, v, where=f"{where}.{name}")
+        else:
+            kw[name] = v
+    token = _WHERE.set(where)
+    try:
+        return cls(**kw)
+    finally:
+        _WHERE.reset(token)
+
+
+def _optional_dataclass(t: Any) -> type | None:
+    """``X`` of a ``X | None`` annotation where X is a dataclass, else None."""
+    if typing.get_origin(t) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
 def to_json(obj: Any) -> str:

@@ -27,7 +27,7 @@ from amsp_ext.train.data import micro_batch
 from amsp_ext.train.models import build_llama, causal_lm_loss
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint
-from amsp_ext.runtime.config import FP16Config, ShardConfig
+from amsp_ext.runtime.config import FP16Config, ShardConfig, compute_dtype
 from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.state.export import consolidated_state_dict, save_pretrained
 from tests.dist_utils import end_worker, free_plan_groups
@@ -159,7 +159,7 @@ def load_case(case, ckpt: Path, ref, w_ref, plan, R, *, rng_ref=None, after_load
     rng = torch.rand(3)
     rng_ok = None if rng_ref is None else bool(torch.equal(rng, rng_ref))
     w = weights(model)
-    compute = model.amsp.config.dtype
+    compute = compute_dtype(model.amsp.config)
     # every replica's compute-dtype parameters are its fp32 master rounded (owners and others)
     p = consolidated_state_dict(model, dtype=compute, rank0_only=False)
     replica_diff = max_diff(p, {k: v.to(compute) for k, v in w.items()})

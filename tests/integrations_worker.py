@@ -44,7 +44,7 @@ def base_config(**amsp):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8,
                                                   "weight_decay": 0.1}},
         "zero_optimization": {"stage": 0},
-        "amsp": {"enabled": True, "cluster": {"gpus_per_node": R}, "timeout": 120, **amsp},
+        "amsp": {"enabled": True, "gpus_per_node": R, "timeout": 120, **amsp},
     }
 
 

@@ -157,7 +157,7 @@ def test_amsp_plan_uses_the_calibration(tmp_path):
     args = ["--model-config", str(tmp_path / "cfg.json"), "--nodes", "2", "--gpus-per-node", "2",
             "--gpu-memory", "1GiB", "--memory-reserve", "0B", "--seq-len", "128",
             "--micro-batch-size", "4", "--micro-batches", "1", "--precision", "fp32",
-            "--bucket-size", "1MiB", "--granularity", "layer", "--objective", "step", "--json"]
+            "--grad-bucket-bytes", "1MiB", "--granularity", "layer", "--objective", "step", "--json"]
     (tmp_path / "cfg.json").write_text(json.dumps(llama_config_dict("tiny-llama")))
     out = {}
     for name, prof in (("cal", path), ("plain", base)):

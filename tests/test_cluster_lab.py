@@ -145,7 +145,7 @@ def test_link_settings_for_profile_metadata():
 # -- cluster run ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cmd,want", [
-    (["train/loop.py", "--x"], ["train/loop.py", "--x"]),
+    (["train.py", "--x"], ["train.py", "--x"]),
     (["-m", "amsp_ext.cli", "profile"], ["-m", "amsp_ext.cli", "profile"]),
     (["python3", "-m", "mod"], ["-m", "mod"]),
     (["amsp", "profile", "--quick"], ["--no-python", "amsp", "profile", "--quick"]),

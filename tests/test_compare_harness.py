@@ -172,14 +172,14 @@ def test_committed_results_record_configs_the_engine_accepts():
 
     from amsp_ext.runtime.config import AutoPlanConfig, FP16Config, OverlapConfig, ShardConfig
 
-    names = {"ShardConfig": ShardConfig, "OverlapConfig": OverlapConfig, "FP16Config": FP16Config,
+    names = {"ShardConfig": ShardConfig, "EngineConfig": ShardConfig, "OverlapConfig": OverlapConfig, "FP16Config": FP16Config,
              "AutoPlanConfig": AutoPlanConfig, "None": None, "True": True, "False": False}
     results = Path(__file__).resolve().parents[1] / "comparisons" / "results"
     found = 0
     for path in sorted(results.rglob("*")):
         if path.suffix not in (".json", ".md"):
             continue
-        for text in re.findall(r'"shard_config": "(ShardConfig\(.*?\))"', path.read_text()):
+        for text in re.findall(r'"shard_config": "((?:Shard|Engine)Config\(.*?\))"', path.read_text()):
             try:
                 eval(text, {"__builtins__": {}}, names)  # noqa: S307 (our own reports)
             except (TypeError, ValueError) as e:

@@ -26,7 +26,8 @@ FORBIDDEN = {
     "amsp_ext.choices": ("amsp_ext.",),
     "amsp_ext.schema": ("amsp_ext.planner", "amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.train",
                         *_ABOVE_RUNTIME),
-    "amsp_ext.planner": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.schema", "amsp_ext.train",
+    "amsp_ext.engine_config": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.train", *_ABOVE_RUNTIME),
+    "amsp_ext.planner": ("amsp_ext.engine_config", "amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.schema", "amsp_ext.train",
                          *_ABOVE_RUNTIME),
     "amsp_ext.topology": ("amsp_ext.runtime", "amsp_ext.train", *_ABOVE_RUNTIME),
     "amsp_ext.cluster": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.cli",
@@ -46,7 +47,7 @@ FORBIDDEN = {
 # live in runtime/_torch_compat.py only (tests/test_torch_compat.py). _torch_compat imports
 # nothing of amsp_ext, so this edge cannot close a cycle.
 ALLOWED = {("amsp_ext.topology.mesh", "amsp_ext.runtime._torch_compat")}
-NEVER_TORCH = ("amsp_ext.planner", "amsp_ext.topology.groups", "amsp_ext.choices", "amsp_ext.schema", "amsp_ext.train.config",
+NEVER_TORCH = ("amsp_ext.planner", "amsp_ext.topology.groups", "amsp_ext.engine_config", "amsp_ext.choices", "amsp_ext.schema", "amsp_ext.train.config",
                "amsp_ext.tune.spec", "amsp_ext.tune.candidates", "amsp_ext.tune.analysis")
 
 

@@ -98,7 +98,7 @@ def test_accelerate_explicit_route_and_every_way_to_save(launch_env, ddp, tmp_pa
     """A sharded plan (parameters are DTensors): the losses are DDP's, and every way Accelerate
     users save - get_state_dict, unwrap_model(model).state_dict(), save_pretrained with and
     without state_dict= - gives amsp_ext.consolidated_state_dict exactly, from the user's class."""
-    amsp = json.dumps({"plan": "p=2x1,g=2x1,os=2x1", "cluster": {"gpus_per_node": 2}})
+    amsp = json.dumps({"plan": "p=2x1,g=2x1,os=2x1", "gpus_per_node": 2})
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  SCRIPT, "--explicit-amsp", amsp, "--check-saves", str(tmp_path)], launch_env)
     setup, recs = _records(proc)

@@ -37,16 +37,18 @@ BAD_BLOCKS = [
     ({"enabled": True, "plan": "ddp", "seq_len": 0}, "amsp.seq_len must be an integer >= 1"),
     ({"enabled": True, "plan": "ddp", "overlap": {"broadcast": 1}}, "amsp.overlap.broadcast must be true or false"),
     ({"enabled": True, "plan": "ddp", "overlap": {"bc": True}}, "amsp.overlap.bc: unknown key; allowed: allgather, allreduce, broadcast"),
-    ({"enabled": True, "plan": "ddp", "cluster": {"gpus": 8}}, "amsp.cluster.gpus: unknown key"),
-    ({"enabled": True, "plan": "ddp", "cluster": {"gpus_per_node": 0}}, "amsp.cluster.gpus_per_node must be an integer >= 1"),
-    ({"enabled": True, "plan": "ddp", "cluster": {"gpu_memory": "80"}}, "amsp.cluster.gpu_memory needs"),
-    ({"enabled": True, "plan": "ddp", "cluster": [8]}, "amsp.cluster must be an object"),
+    ({"enabled": True, "plan": "ddp", "cluster": {"gpus_per_node": 8}}, "amsp.cluster is no longer a key: give amsp.gpus_per_node"),
+    ({"enabled": True, "plan": "ddp", "gpus_per_node": 0}, "amsp.gpus_per_node must be an integer >= 1"),
+    ({"enabled": True, "plan": "ddp", "gpus_per_node": True}, "amsp.gpus_per_node must be an integer >= 1"),
+    ({"enabled": True, "plan": "ddp", "gpu_memory": "80"}, "amsp.gpu_memory needs"),
+    ({"enabled": True, "plan": "ddp", "precision": "bf16"}, "amsp.precision: set by DeepSpeed's own bf16.enabled"),
     ({"enabled": True, "plan": "ddp", "objective": "fast"}, "amsp.objective must be one of comm, step"),
     ({"enabled": True, "plan": "ddp", "missing_mesh": "guess"}, "amsp.missing_mesh must be one of error, fit"),
     ({"enabled": True, "plan": "ddp", "granularity": "tensor"}, "amsp.granularity must be one of module, layer"),
-    ({"enabled": True, "plan": "ddp", "timeout": 0}, "amsp.timeout must be a number of seconds > 0"),
+    ({"enabled": True, "plan": "ddp", "timeout": 0}, "amsp.timeout must be a number > 0"),
     ({"enabled": True, "plan": "ddp", "bucket": 5}, "amsp.bucket: unknown key; allowed: enabled, plan"),
-    ({"enabled": True, "plan": "ddp", "bucket_size": "25XB"}, "amsp.bucket_size: unknown unit"),
+    ({"enabled": True, "plan": "ddp", "grad_bucket_bytes": "25XB"}, "amsp.grad_bucket_bytes: unknown unit"),
+    ({"enabled": True, "plan": "ddp", "bucket_size": "25MiB"}, "amsp.bucket_size is no longer a key: it is amsp.grad_bucket_bytes"),
     ({"enabled": True, "plan": "ddp", "recompute": "no"}, "amsp.recompute must be true or false"),
 ]
 
@@ -61,11 +63,12 @@ def test_bad_amsp_block_is_one_line_naming_the_field(block, message):
 
 def test_amsp_block_forms():
     s = AMSPSettings.from_dict({"enabled": True, "plan": {"p": [2, 1], "os": [2, 2]},
-                                "cluster": {"gpus_per_node": 2, "gpu_memory": "1GiB"},
-                                "bucket_size": "4MiB", "overlap": {"broadcast": False}})
+                                "gpus_per_node": 2, "gpu_memory": "1GiB",
+                                "grad_bucket_bytes": "4MiB", "overlap": {"broadcast": False}})
     assert s.plan == "p=2x1,os=2x2"
-    assert s.cluster.gpu_memory_bytes == 2**30 and s.bucket_bytes == 4 * 2**20
-    assert (s.overlap.allgather, s.overlap.allreduce, s.overlap.broadcast) == (True, True, False)
+    assert s.gpu_memory_bytes == 2**30 and s.bucket_bytes == 4 * 2**20
+    e = s.engine
+    assert (e.overlap.allgather, e.overlap.allreduce, e.overlap.broadcast) == (True, True, False)
     assert AMSPSettings.from_dict(s.to_dict()) == s  # what migrate writes loads back
     assert AMSPSettings.from_dict({"enabled": False, "plan": "auto"}).plan == "auto"  # off: no seq_len needed
     assert amsp_enabled({"amsp": {"enabled": True}}) and not amsp_enabled({"amsp": {"enabled": False}})
@@ -429,7 +432,7 @@ def test_migrate_reads_the_old_layout_and_plans(capsys, tmp_path, name, old_layo
     assert report["new"]["memory_bytes"]["total"] == best.memory.total
     written = json.loads(out.read_text())
     block = AMSPSettings.from_dict(written["amsp"])
-    assert block.enabled and block.plan == str(best.plan) and block.cluster.gpus_per_node == 2
+    assert block.enabled and block.plan == str(best.plan) and block.engine.gpus_per_node == 2
     assert block.bucket_bytes == src["zero_optimization"]["reduce_bucket_size"] * 4
     assert {k: v for k, v in written.items() if k != "amsp"} == src  # DeepSpeed's keys are kept
     # never silent: one warning line per key it does not map

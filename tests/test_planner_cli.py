@@ -99,7 +99,7 @@ def malformed_profile(tmp_path):
     ("negative_seq", "--seq-len must be an integer >= 1, got -5"),
     ("memory_no_unit", "--gpu-memory needs a number and a unit"),
     ("negative_memory", "--gpu-memory must be positive"),
-    ("bucket_no_unit", "--bucket-size needs a number and a unit"),
+    ("bucket_no_unit", "--grad-bucket-bytes: unknown unit"),
     ("reserve_too_big", "memory reserve must be >= 0 and below the GPU memory"),
     ("nothing_fits", r"no plan fits in 2.0 GiB per GPU \(4.0 GiB less a 2.0 GiB reserve\)"),
     ("unknown_profile", "profile must be a bundled name"),
@@ -115,7 +115,7 @@ def test_bad_input_one_line_error(case, match, capsys, tmp_path):
         "memory_no_unit": lambda: with_flag("--gpu-memory", "80"),
         "negative_memory": lambda: [a for a in BASE if a not in ("--gpu-memory", "80GiB")]
         + ["--gpu-memory=-80GiB"],
-        "bucket_no_unit": lambda: BASE + ["--bucket-size", "128"],
+        "bucket_no_unit": lambda: BASE + ["--grad-bucket-bytes", "128XB"],
         "reserve_too_big": lambda: BASE + ["--memory-reserve", "90GiB"],
         "nothing_fits": lambda: with_flag("--gpu-memory", "4GiB"),
         "unknown_profile": lambda: with_flag("--profile", "paper-h100"),

@@ -19,6 +19,7 @@ import sys
 
 from amsp_ext.choices import GRANULARITIES, MISSING_MESH
 from amsp_ext.compare.config import PRECISIONS
+from amsp_ext.engine_config import engine_default
 
 HELP = "measured side-by-side: DDP, ZeRO-1/2/3, ZeRO++, MiCS, FSDP2/HSDP and AMSP on one job"
 
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hpz-partition-size", type=int, help="default: one node")
     p.add_argument("--amsp-plan", default="auto",
                    help="plan of the 'AMSP (planner's plan)' row: auto | ddp | zero1 | mics:K | p=AxB,g=..,os=..")
-    p.add_argument("--amsp-granularity", default="layer", choices=GRANULARITIES,
+    p.add_argument("--amsp-granularity", default=engine_default("granularity"), choices=GRANULARITIES,
                    help="sharding unit of the AMSP rows: one per decoder layer, as the FSDP2 rows "
                    "wrap (default), or every Linear (the paper's module-level AG/RS)")
     p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",

@@ -98,17 +98,14 @@ def ds_config(args, *, micro_batch: int | None, grad_accum: int | None) -> dict[
 
     for flag in ("seq_len", "gpus_per_node"):
         _positive(getattr(args, flag), f"--{flag.replace('_', '-')}")
-    cluster: dict[str, Any] = {}
-    if args.gpus_per_node is not None:
-        cluster["gpus_per_node"] = args.gpus_per_node
-    if args.gpu_memory is not None:
-        cluster["gpu_memory"] = args.gpu_memory
     block: dict[str, Any] = {"enabled": True, "plan": args.plan}
+    if args.gpus_per_node is not None:
+        block["gpus_per_node"] = args.gpus_per_node
+    if args.gpu_memory is not None:
+        block["gpu_memory"] = args.gpu_memory
     if args.plan.strip().lower() == _AUTO:
         block["seq_len"] = args.seq_len
         block["profile"] = args.profile
-    if cluster:
-        block["cluster"] = cluster
     AMSPSettings.from_dict(block)  # one line naming the field, before anything is written
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch if micro_batch is not None else _AUTO,

@@ -14,7 +14,7 @@ does not map is reported on stderr, one line each, with what AMSP does instead.
 [Note: the two bucket sizes]
 DeepSpeed's ``reduce_bucket_size`` counts elements (default 5e8). The old layout is costed with
 that bucket; the AMSP plan with the config's explicit ``reduce_bucket_size`` (converted to
-bytes and written as ``amsp.bucket_size``), or else the engine's default (25 MiB) - DeepSpeed's
+bytes and written as ``amsp.grad_bucket_bytes``), or else the engine's default (25 MiB) - DeepSpeed's
 default would make one bucket of a 1B-element model and defeat overlap.
 """
 
@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from amsp_ext.choices import MISSING_MESH, PRECISIONS
+from amsp_ext.engine_config import engine_default
 
 HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
 
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default
-ENGINE_BUCKET_BYTES = 25 * 2**20  # amsp_ext.runtime.config.ShardConfig.grad_bucket_bytes default
 _OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd-momentum", "lion": "lion"}
 _STATUS_WORDS = {"superseded": "replaced by AMSP", "ignored": "no effect under AMSP",
                  "unsupported": "NOT honoured by AMSP"}
@@ -183,7 +183,7 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     elem = 4 if precision == "fp32" else 2
     explicit = ds_bucket_bytes(cfg, precision)
     old_bucket = explicit or DEEPSPEED_BUCKET_ELEMENTS * elem
-    new_bucket = explicit or ENGINE_BUCKET_BYTES
+    new_bucket = explicit or engine_default("grad_bucket_bytes")
     key, mics, hpz, label = old_layout(cfg)
     batch, tr_new = _training(args, cfg, N * R, precision, new_bucket)
     tr_old = dataclasses.replace(tr_new, bucket_bytes=old_bucket)  # once: _training may warn
@@ -208,15 +208,14 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     overlap = (cfg.get("zero_optimization") or {}).get("overlap_comm")
     block: dict[str, Any] = {
         "enabled": True, "plan": write_plan, "seq_len": args.seq_len,
-        "cluster": {"gpus_per_node": R, "nodes_per_leaf": args.nodes_per_leaf,
-                    "gpu_memory": args.gpu_memory},
+        "gpus_per_node": R, "nodes_per_leaf": args.nodes_per_leaf, "gpu_memory": args.gpu_memory,
         "profile": args.profile, "missing_mesh": args.missing_mesh,
         "recompute": bool(args.recompute),
     }
     if isinstance(overlap, bool):
         block["overlap"] = {"allreduce": overlap}
     if explicit:
-        block["bucket_size"] = new_bucket
+        block["grad_bucket_bytes"] = new_bucket
     AMSPSettings.from_dict(block)  # what we write must load
     if "amsp" in cfg:
         _err("the config already has an 'amsp' block; it is replaced")

@@ -10,12 +10,19 @@ from __future__ import annotations
 import argparse
 import json
 
+from amsp_ext import schema
+from amsp_ext.engine_config import EngineConfig, planner_settings
+
 HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
 
 
+# EngineConfig fields that planner_settings reads: amsp plan's engine flags
+PLANNED_ENGINE_FIELDS = ("nodes_per_leaf", "precision", "reduce_dtype", "grad_bucket_bytes",
+                         "granularity", "recompute")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OPTIMIZERS,
-                                  PLANNER_OVERLAP_OF, PRECISIONS)
+    from amsp_ext.choices import MISSING_MESH, OBJECTIVES, OPTIMIZERS, PLANNER_OVERLAP_OF
     from amsp_ext.planner.model_spec import MODEL_PRESETS
 
     model = p.add_mutually_exclusive_group(required=True)
@@ -37,8 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--peak-tflops", type=float, default=None,
                    help="dense 16-bit peak per GPU, the MFU denominator (default: the profile's "
                         "calibration peak when it has one, else 312, A100/A800)")
-    c.add_argument("--nodes-per-leaf", type=int, default=None,
-                   help="nodes under one leaf switch (report which groups cross leaves)")
     c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
                    help="bandwidth profile: a bundled name or a JSON file (default paper-a800)")
     c.add_argument("--missing-mesh", choices=MISSING_MESH, default="error",
@@ -51,13 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     batch.add_argument("--global-batch-tokens", type=int)
     batch.add_argument("--global-batch-size", type=int, help="global batch in sequences")
     batch.add_argument("--micro-batches", type=int, help="M per step, directly")
-    t.add_argument("--recompute", action="store_true", help="full per-layer recomputation")
-    t.add_argument("--precision", choices=PRECISIONS, default="bf16")
     t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    t.add_argument("--bucket-size", default="128MiB", metavar="SIZE",
-                   help="gradient all-reduce bucket U, with a unit (default 128MiB)")
-    t.add_argument("--granularity", choices=GRANULARITIES, default="module",
-                   help="parameter sharding unit: one per Linear (default) or per layer")
+    # the engine settings the planner charges: the engine's own flags and defaults
+    # (engine_config.py), so a plan is costed for the engine that will run it
+    schema.add_arguments(t, EngineConfig, only=PLANNED_ENGINE_FIELDS)
 
     s = p.add_argument_group("search")
     s.add_argument("--objective", choices=OBJECTIVES, default="comm",
@@ -81,7 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_positive(args: argparse.Namespace) -> None:
     for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "global_batch_tokens",
-                 "global_batch_size", "micro_batches", "nodes_per_leaf", "mics_size",
+                 "global_batch_size", "micro_batches", "mics_size",
                  "hpz_size", "top"):
         v = getattr(args, flag)
         if v is not None and v < 1:
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.profile import load_profile
 
     _check_positive(args)
+    engine = schema.from_namespace(EngineConfig, args)
+    settings = planner_settings(engine)
     spec = model_spec(args.model, args.model_config)
     profile = load_profile(args.profile)
     if args.peak_tflops is not None:
@@ -109,15 +113,14 @@ def run(args: argparse.Namespace) -> int:
     cluster = ClusterSpec(
         num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
-        peak_flops=peak, nodes_per_leaf=args.nodes_per_leaf,
+        peak_flops=peak, nodes_per_leaf=settings["nodes_per_leaf"],
     )
     training = TrainingSpec(
         seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
         global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
-        num_micro_batches=args.micro_batches, recompute=args.recompute,
-        precision=args.precision, optimizer=args.optimizer,
-        bucket_bytes=parse_size(args.bucket_size, field="--bucket-size"),
-        granularity=args.granularity,
+        num_micro_batches=args.micro_batches, recompute=settings["recompute"],
+        precision=settings["precision"], reduce_dtype=settings["reduce_dtype"], optimizer=args.optimizer,
+        bucket_bytes=settings["grad_bucket_bytes"], granularity=settings["granularity"],
     )
     off = set(args.no_overlap)
     problem = make_problem(

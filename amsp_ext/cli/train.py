@@ -39,6 +39,7 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
         return config.plan
     from amsp_ext.train.models import llama_config_dict
     from amsp_ext.planner.auto import plan_auto
+    from amsp_ext.engine_config import planner_settings
     from amsp_ext.train.config import auto_plan_config
 
     memory = config.planner.gpu_memory_bytes
@@ -50,12 +51,11 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
         import psutil
 
         memory = psutil.virtual_memory().total // gpus_per_node  # what a CPU rank assumes
-    e = config.engine
+    # the same settings the ranks' engine plans with (engine_config.planner_settings): the
+    # launcher once planned without reduce_dtype, i.e. for half the gradient bytes under bf16
     plan = plan_auto(llama_config_dict(config.model), auto_plan_config(config), num_nodes=num_nodes,
                      gpus_per_node=gpus_per_node, gpu_memory_bytes=memory,
-                     nodes_per_leaf=config.cluster.nodes_per_leaf, precision=e.precision,
-                     grad_bucket_bytes=int(e.bucket_mb * 2**20), granularity=e.granularity,
-                     recompute=e.recompute)
+                     **planner_settings(config.engine))
     return str(plan)
 
 
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return run_worker(config)
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    gpus = config.cluster.gpus_per_node or min(args.nproc_per_node, 2)
+    gpus = config.engine.gpus_per_node or min(args.nproc_per_node, 2)
     if args.nproc_per_node % gpus:
         raise ValueError(
             f"--gpus-per-node={gpus} must divide --nproc-per-node={args.nproc_per_node}"
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     plan = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
     _check_resume(config)
     config = dataclasses.replace(
-        config, plan=plan, cluster=dataclasses.replace(config.cluster, gpus_per_node=gpus))
+        config, plan=plan, engine=dataclasses.replace(config.engine, gpus_per_node=gpus))
     return launch(config, nproc_per_node=args.nproc_per_node)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from amsp_ext import choices
 from amsp_ext.choices import GRANULARITIES, OVERLAP_OPS, check_one_of
+from amsp_ext.engine_config import engine_default
 from amsp_ext.train.models import MODEL_CONFIGS
 
 __all__ = ["GRANULARITIES", "OVERLAPS", "OVERLAP_LABELS", "OVERLAP_SWITCHES", "PRECISIONS", "RunSpec", "SpecError"]
@@ -53,10 +54,9 @@ class RunSpec:
     hpz_partition_size: int | None = None  # None: one node (ZeRO++'s recommended setting)
     amsp_plan: str = "auto"  # plan for the "amsp-plan" system: factors, a name, or "auto"
     amsp_overlap: str = "all"  # one of OVERLAPS
-    # The AMSP rows' sharding unit. "layer": one unit per decoder layer, as the FSDP2 rows wrap
-    # (like for like). "module": every Linear its own unit (the paper's module-level AG/RS; the
-    # engine's default), which pays a collective per Linear: 2.4x slower on tiny-llama here.
-    amsp_granularity: str = "layer"
+    # The AMSP rows' sharding unit; the engine's default ("layer", as the FSDP2 rows wrap: like
+    # for like). "module": every Linear its own unit (the paper's module-level AG/RS).
+    amsp_granularity: str = engine_default("granularity")
     trace: bool = True  # profile one extra step for the exposed-communication figure
     dist_timeout_s: float = 300.0
 

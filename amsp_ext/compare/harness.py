@@ -93,7 +93,8 @@ def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
     """``(spec with explicit factors, why not, where the plan came from)``."""
     if spec.amsp_plan.strip().lower() != "auto":
         return spec, None, f"given: {spec.amsp_plan}"
-    from amsp_ext.compare.systems.amsp import engine_settings
+    from amsp_ext.compare.systems.amsp import engine_config
+    from amsp_ext.engine_config import planner_settings
     from amsp_ext.train.models import llama_config_dict
     from amsp_ext.planner.auto import AutoPlanConfig, plan_auto
 
@@ -104,7 +105,7 @@ def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
     try:
         plan = plan_auto(llama_config_dict(spec.model), auto, num_nodes=num_nodes,
                          gpus_per_node=gpus_per_node, gpu_memory_bytes=planner.gpu_memory_bytes,
-                         **engine_settings(spec))
+                         **planner_settings(engine_config(spec, gpus_per_node)))
     except ValueError as e:
         return None, f"planner: {e}", ""
     return spec.replace(amsp_plan=str(plan)), None, f"planner ({planner.describe()}): {plan}"

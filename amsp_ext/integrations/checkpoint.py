@@ -59,7 +59,7 @@ def _own_loader(engine):
 def save_ds_checkpoint(engine, save_dir, tag=None, client_state=None,
                        save_latest: bool = True) -> str:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    _check_same_tag(tag, engine.amsp_settings.timeout)
+    _check_same_tag(tag, engine.amsp_settings.engine.timeout)
     save_dir = Path(save_dir)
     path = save_dir / tag  # staged next to itself and published whole (amsp_ext save_checkpoint)
     extra = {"format": FORMAT, "client_state": dict(client_state or {}),

@@ -106,15 +106,9 @@ def _broadcast_model(model: nn.Module, timeout: float) -> None:
             C.broadcast(t.data, 0, None, name="world", async_op=False, timeout=timeout)
 
 
-def _bucket_bytes(settings: AMSPSettings, cfg: Mapping[str, Any], precision: str) -> int | None:
-    if settings.bucket_bytes is not None:
-        return settings.bucket_bytes
-    return ds_bucket_bytes(cfg, precision)
-
-
 def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: PrecisionSettings,
                   batch: BatchSettings):
-    from amsp_ext.runtime.config import AutoPlanConfig, FP16Config, OverlapConfig, ShardConfig
+    from amsp_ext.runtime.config import AutoPlanConfig, FP16Config
 
     auto = None
     if settings.plan.lower() == "auto" or settings.adaptive is not None:
@@ -125,22 +119,11 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
                               num_micro_batches=batch.gradient_accumulation_steps,
                               profile=settings.profile, objective=settings.objective,
                               missing=settings.missing_mesh,
-                              gpu_memory_bytes=settings.cluster.gpu_memory_bytes)
-    kw: dict[str, Any] = {}
-    bucket = _bucket_bytes(settings, cfg, prec.precision)
-    if bucket is not None:
-        kw["grad_bucket_bytes"] = bucket
-    o = settings.overlap
-    return ShardConfig(
-        gpus_per_node=settings.cluster.gpus_per_node, nodes_per_leaf=settings.cluster.nodes_per_leaf,
-        precision=prec.precision, reduce_dtype=prec.reduce_dtype,
-        granularity=settings.granularity, recompute=settings.recompute,
-        overlap=OverlapConfig(allgather=o.allgather, allreduce=o.allreduce, broadcast=o.broadcast),
-        ownership=settings.ownership, timeout=float(settings.timeout),
-        max_bad_steps=settings.max_bad_steps, adaptive=settings.adaptive,
-        fp16=FP16Config(initial_scale=prec.initial_scale, growth_interval=prec.growth_interval,
-                        min_scale=prec.min_scale),
-        auto=auto, **kw)
+                              gpu_memory_bytes=settings.gpu_memory_bytes)
+    fp16 = FP16Config(initial_scale=prec.initial_scale, growth_interval=prec.growth_interval,
+                      min_scale=prec.min_scale)
+    return settings.engine_config(precision=prec.precision, reduce_dtype=prec.reduce_dtype, fp16=fp16,
+                                  ds_bucket_bytes=ds_bucket_bytes(cfg, prec.precision), auto=auto)
 
 
 def _dataloader(training_data, batch: BatchSettings, collate_fn, cfg: Mapping[str, Any]):
@@ -208,7 +191,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
 
     from amsp_ext.runtime.shard import shard
 
-    _broadcast_model(model, settings.timeout)
+    _broadcast_model(model, settings.engine.timeout)
     sharded, amsp_opt = shard(model, settings.plan, factory, config=shard_config)
     sharded.amsp.full_state_dict = True  # engine.module saves like the user's model
     scheduler = build_scheduler(amsp_opt, client_scheduler=lr_scheduler, ds_config=cfg)

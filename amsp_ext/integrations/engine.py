@@ -214,9 +214,10 @@ class AMSPDeepSpeedEngine(nn.Module):
     # -- state dicts -------------------------------------------------------------------------------
     def _consolidated(self, rank0_only: bool) -> dict[str, torch.Tensor]:
         from amsp_ext.runtime.state.export import consolidated_state_dict
+        from amsp_ext.runtime.config import compute_dtype
 
         # the compute dtype: what DeepSpeed's module state dict holds (bf16 params under bf16)
-        return consolidated_state_dict(self.module, dtype=self.module.amsp.config.dtype,
+        return consolidated_state_dict(self.module, dtype=compute_dtype(self.module.amsp.config),
                                        rank0_only=rank0_only)
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[override]

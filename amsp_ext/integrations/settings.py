@@ -10,21 +10,25 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
                                             #   | {"p": [8, 1], "g": [8, 1], "os": [8, 4]}
       "seq_len": 4096,                      # the planner's sequence length (plan "auto" and
                                             #   adaptive need it)
-      "cluster": {"gpus_per_node": 8, "nodes_per_leaf": null, "gpu_memory": "80GiB"},
+      "gpu_memory": "80GiB",                # plan "auto"'s memory per GPU; default: the device's
       "profile": "paper-a800",              # bundled bandwidth profile name or a JSON path
       "missing_mesh": "error",              # a mesh the profile lacks: "error" or "fit"
       "objective": "comm",                  # "comm" (paper Eq. 1) or "step"
-      "overlap": {"allgather": true, "allreduce": true, "broadcast": true},
-      "bucket_size": "25MiB",               # gradient bucket U; null: DeepSpeed's reduce_bucket_size
-      "granularity": "module", "recompute": false, "ownership": "greedy", "timeout": 600,
-      "max_bad_steps": 3,                   # consecutive non-finite steps (skipped) before the
-                                            #   job stops; 0: no guard (ShardConfig.max_bad_steps)
       "adaptive": {"band": [0.67, 1.5], "window": 20, "min_steps_between_switches": 50,
                    "hysteresis": 0.1, "allow_replan": true,
                    "horizon_steps": 1000},          # absent or null: off
-                                            #   (ShardConfig.adaptive, planner/adaptive.py)
-      "log_plan": true
+      "log_plan": true,
+      # the engine's own settings: any field of amsp_ext.engine_config.EngineConfig, by its name,
+      # with its default and validation (one definition for every route), e.g.
+      "gpus_per_node": 8, "nodes_per_leaf": null,
+      "grad_bucket_bytes": "25MiB",         # absent: DeepSpeed's reduce_bucket_size, if given
+      "granularity": "layer", "recompute": false, "ownership": "greedy", "timeout": 600,
+      "overlap": {"allgather": true, "allreduce": true, "broadcast": true},
+      "max_bad_steps": 3
     }
+
+The engine's precision, reduce dtype and loss scaling come from DeepSpeed's own keys (``bf16``,
+``fp16``, ``communication_data_type``), not from the block.
 
 Every key is optional but ``enabled``. Errors are one line naming the field (``amsp.<key>``).
 
@@ -47,16 +51,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from amsp_ext import schema
+from amsp_ext.choices import (MISSING_MESH, OBJECTIVES, check_bool, check_int, check_one_of, is_int,
+                              reduce_dtypes)
+from amsp_ext.engine_config import AutoPlanConfig, EngineConfig, FP16Config
 from amsp_ext.planner.adaptive import AdaptiveConfig, check_replannable
-from amsp_ext.choices import (GRANULARITIES, MISSING_MESH, OBJECTIVES, OWNERSHIPS, check_bool,
-                              check_int, check_one_of, is_int, reduce_dtypes)
 
 __all__ = [
     "AMSPSettings",
     "BatchSettings",
-    "ClusterSettings",
     "ConfigError",
-    "OverlapSettings",
+    "ENGINE_KEYS",
     "PrecisionSettings",
     "amsp_enabled",
     "check_optimizer_block",
@@ -101,37 +106,6 @@ def _size(v: Any, name: str) -> int | None:
     raise ConfigError(f"{name} must be a size like '25MiB' or a number of bytes, got {v!r}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ClusterSettings:
-    """``gpus_per_node`` None: the launcher's LOCAL_WORLD_SIZE. ``gpu_memory`` None: the device's."""
-
-    gpus_per_node: int | None = None
-    nodes_per_leaf: int | None = None
-    gpu_memory: str | int | None = None
-
-    def __post_init__(self) -> None:
-        _positive_int_or_none(self.gpus_per_node, "amsp.cluster.gpus_per_node")
-        _positive_int_or_none(self.nodes_per_leaf, "amsp.cluster.nodes_per_leaf")
-        _size(self.gpu_memory, "amsp.cluster.gpu_memory")
-
-    @property
-    def gpu_memory_bytes(self) -> int | None:
-        return _size(self.gpu_memory, "amsp.cluster.gpu_memory")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OverlapSettings:
-    """The paper's Table V switches (see amsp_ext.runtime.config.OverlapConfig)."""
-
-    allgather: bool = True
-    allreduce: bool = True
-    broadcast: bool = True
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            _bool(getattr(self, f.name), f"amsp.overlap.{f.name}")
-
-
 def _plan_text(v: Any) -> str:
     """The ``plan`` value as the engine's text form (factor dicts become ``p=..,g=..,os=..``)."""
     if isinstance(v, str):
@@ -157,48 +131,45 @@ def _plan_text(v: Any) -> str:
         f"'p=S0xS1,g=S0xS1,os=S0xS1' or {{\"p\": [s0, s1], ...}}, got {v!r}")
 
 
+# The engine keys of the block are EngineConfig's fields, but these, which DeepSpeed's own keys set.
+_FROM_DEEPSPEED = {"precision": "bf16.enabled / fp16.enabled",
+                   "reduce_dtype": "communication_data_type (or data_types.grad_accum_dtype)",
+                   "fp16": "the fp16 block (initial_scale_power, loss_scale_window, min_loss_scale)"}
+ENGINE_KEYS = tuple(f.name for f in fields(EngineConfig)
+                    if f.name not in _FROM_DEEPSPEED and f.name not in ("auto", "adaptive"))
+_RENAMED = {"cluster": "give amsp.gpus_per_node, amsp.nodes_per_leaf and amsp.gpu_memory at the top "
+                       "of the block",
+            "bucket_size": "it is amsp.grad_bucket_bytes (a size such as '25MiB', or bytes)"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class AMSPSettings:
-    """The ``"amsp"`` block. Build it with ``AMSPSettings.from_dict``."""
+    """The ``"amsp"`` block. Build it with ``AMSPSettings.from_dict``. ``engine`` holds the block's
+    engine keys (EngineConfig's own fields and defaults); ``engine_keys`` the ones it gave."""
 
     enabled: bool = False
     plan: str = "auto"
     seq_len: int | None = None
-    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    gpu_memory: str | int | None = None
     profile: str = "paper-a800"
     missing_mesh: str = "error"
     objective: str = "comm"
-    overlap: OverlapSettings = field(default_factory=OverlapSettings)
-    bucket_size: str | int | None = None
-    granularity: str = "module"
-    recompute: bool = False
-    ownership: str = "greedy"
-    timeout: float = 600.0
-    max_bad_steps: int = 3
     adaptive: AdaptiveConfig | None = None
     log_plan: bool = True
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine_keys: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         _bool(self.enabled, "amsp.enabled")
         object.__setattr__(self, "plan", _plan_text(self.plan))
         self._check_plan_text()
         _positive_int_or_none(self.seq_len, "amsp.seq_len")
-        if not isinstance(self.cluster, ClusterSettings):
-            raise ConfigError(f"amsp.cluster must be an object, got {type(self.cluster).__name__}")
-        if not isinstance(self.overlap, OverlapSettings):
-            raise ConfigError(f"amsp.overlap must be an object, got {type(self.overlap).__name__}")
+        _size(self.gpu_memory, "amsp.gpu_memory")
         if not isinstance(self.profile, str) or not self.profile:
             raise ConfigError(f"amsp.profile must be a bundled profile name or a JSON path, got {self.profile!r}")
-        for name, allowed in (("missing_mesh", MISSING_MESH), ("objective", OBJECTIVES),
-                              ("granularity", GRANULARITIES), ("ownership", OWNERSHIPS)):
+        for name, allowed in (("missing_mesh", MISSING_MESH), ("objective", OBJECTIVES)):
             check_one_of(getattr(self, name), allowed, f"amsp.{name}", error=ConfigError)
-        _size(self.bucket_size, "amsp.bucket_size")
-        _bool(self.recompute, "amsp.recompute")
         _bool(self.log_plan, "amsp.log_plan")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
-                0 < self.timeout < float("inf")):
-            raise ConfigError(f"amsp.timeout must be a number of seconds > 0, got {self.timeout!r}")
-        check_int(self.max_bad_steps, "amsp.max_bad_steps (0: no guard)", minimum=0, error=ConfigError)
         if self.adaptive is not None and not isinstance(self.adaptive, AdaptiveConfig):
             raise ConfigError(f"amsp.adaptive must be an object or null, got {self.adaptive!r}")
         try:
@@ -235,8 +206,13 @@ class AMSPSettings:
             raise ConfigError(f"amsp.{e}") from None
 
     @property
+    def gpu_memory_bytes(self) -> int | None:
+        return _size(self.gpu_memory, "amsp.gpu_memory")
+
+    @property
     def bucket_bytes(self) -> int | None:
-        return _size(self.bucket_size, "amsp.bucket_size")
+        """The block's gradient bucket, or None when it gave none (DeepSpeed's then counts)."""
+        return self.engine.grad_bucket_bytes if "grad_bucket_bytes" in self.engine_keys else None
 
     @classmethod
     def from_dict(cls, block: Any) -> "AMSPSettings":
@@ -244,22 +220,23 @@ class AMSPSettings:
             return cls()
         if not isinstance(block, Mapping):
             raise ConfigError(f"amsp must be an object, got {type(block).__name__}")
-        allowed = tuple(f.name for f in fields(cls))
-        _check_keys(block, allowed, "amsp")
-        kw = dict(block)
+        for k in block:
+            if k in _RENAMED:
+                raise ConfigError(f"amsp.{k} is no longer a key: {_RENAMED[k]}")
+            if k in _FROM_DEEPSPEED:
+                raise ConfigError(f"amsp.{k}: set by DeepSpeed's own {_FROM_DEEPSPEED[k]}, not in "
+                                  f"the amsp block")
+        route = tuple(f.name for f in fields(cls) if f.name not in ("engine", "engine_keys"))
+        _check_keys(block, route + ENGINE_KEYS, "amsp")
+        kw = {k: v for k, v in block.items() if k in route}
         if "enabled" not in kw:
             raise ConfigError("amsp.enabled is required (true routes deepspeed.initialize to AMSP)")
-        sub = {"cluster": (ClusterSettings, "amsp.cluster"), "overlap": (OverlapSettings, "amsp.overlap")}
-        for key, (klass, where) in sub.items():
-            if key in kw:
-                v = kw[key]
-                if v is None:
-                    kw.pop(key)
-                    continue
-                if not isinstance(v, Mapping):
-                    raise ConfigError(f"{where} must be an object, got {v!r}")
-                _check_keys(v, tuple(f.name for f in fields(klass)), where)
-                kw[key] = klass(**v)
+        engine = {k: v for k, v in block.items() if k in ENGINE_KEYS}
+        try:
+            kw["engine"] = schema.from_dict(EngineConfig, engine, where="amsp")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        kw["engine_keys"] = frozenset(engine)
         if kw.get("adaptive") is not None:
             try:
                 kw["adaptive"] = AdaptiveConfig.from_dict(kw["adaptive"], where="amsp.adaptive")
@@ -269,16 +246,33 @@ class AMSPSettings:
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form (what ``amsp migrate`` writes)."""
+        """The JSON form (what ``amsp migrate`` writes): the route keys and the engine keys given."""
         out: dict[str, Any] = {}
         for f in fields(self):
+            if f.name in ("engine", "engine_keys"):
+                continue
             v = getattr(self, f.name)
-            if isinstance(v, (ClusterSettings, OverlapSettings, AdaptiveConfig)):
+            if isinstance(v, AdaptiveConfig):
                 v = {g.name: getattr(v, g.name) for g in fields(v)}
-                if "band" in v:
-                    v["band"] = list(v["band"])
+                v["band"] = list(v["band"])
             out[f.name] = v
+        engine = schema.to_dict(self.engine)
+        out.update({k: engine[k] for k in sorted(self.engine_keys)})
         return out
+
+    def engine_config(self, *, precision: str, reduce_dtype: str, fp16: FP16Config,
+                      ds_bucket_bytes: int | None, auto: AutoPlanConfig | None) -> EngineConfig:
+        """The engine's config of this run: the block's engine keys, DeepSpeed's precision,
+        reduce dtype and loss scaling, the bucket (the block's, else DeepSpeed's
+        reduce_bucket_size, else the engine's default), plan auto's inputs and adaptive."""
+        kw: dict[str, Any] = {}
+        if self.bucket_bytes is None and ds_bucket_bytes is not None:
+            kw["grad_bucket_bytes"] = ds_bucket_bytes
+        try:
+            return dataclasses.replace(self.engine, precision=precision, reduce_dtype=reduce_dtype,
+                                       fp16=fp16, auto=auto, adaptive=self.adaptive, **kw)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 # -- DeepSpeed's own keys ------------------------------------------------------------------------

@@ -7,10 +7,10 @@ names the field and the allowed values. Pure Python.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from amsp_ext.choices import GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, reduce_dtypes
+from amsp_ext.choices import parse_size as _parse_size
 
 __all__ = [
     "ClusterSpec",
@@ -20,33 +20,13 @@ __all__ = [
 ]
 
 
-_UNITS = {
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([+-]?\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
-
-
 class SpecError(ValueError):
     """Bad cluster or training input. One line, naming the field."""
 
 
 def parse_size(text: str | int | float, *, field: str = "size", allow_zero: bool = False) -> int:
-    """``"80GiB"``, ``"40GB"``, ``"81920MiB"`` -> bytes. A number without a unit is refused:
-    ``80`` could mean GB or GiB (a 7% difference, enough to flip a plan)."""
-    allowed = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
-    if isinstance(text, bool) or not isinstance(text, str):
-        raise SpecError(f"{field} needs a unit ({allowed}), e.g. '80GiB'; got {text!r}")
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise SpecError(f"{field} needs a number and a unit ({allowed}), e.g. '80GiB'; got {text!r}")
-    value, unit = float(m.group(1)), m.group(2).lower()
-    if unit not in _UNITS:
-        raise SpecError(f"{field}: unknown unit {m.group(2)!r}; allowed: {allowed}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise SpecError(f"{field} must be {'>= 0' if allow_zero else 'positive'}, got {text!r}")
-    return int(round(value * _UNITS[unit]))
+    """``"80GiB"`` -> bytes (amsp_ext.choices.parse_size), as a SpecError."""
+    return _parse_size(text, field=field, allow_zero=allow_zero, error=SpecError)
 
 
 def format_size(num_bytes: int | float) -> str:

@@ -28,7 +28,7 @@ from amsp_ext.planner.auto import plan_auto
 from amsp_ext.planner.plan import Plan, PlanError, resolve_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.config import ShardConfig
+from amsp_ext.runtime.config import ShardConfig, compute_dtype, planner_settings, reduce_dtype_of
 from amsp_ext.runtime.sync.grad_sync import GradSync
 from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
@@ -207,14 +207,7 @@ def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
         raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
     return plan_auto(hf.to_dict(), a, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
                      gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node),
-                     **engine_settings(config))
-
-
-def engine_settings(config: ShardConfig) -> dict:
-    """The engine settings the planner plans for (planner.auto.auto_problem's keywords)."""
-    return dict(nodes_per_leaf=config.nodes_per_leaf, precision=config.precision,
-                grad_bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
-                recompute=config.recompute, reduce_dtype=config.reduce_dtype)
+                     **planner_settings(config))
 
 
 def _device_memory(gpus_per_node: int) -> int:
@@ -333,13 +326,13 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.submeshes["param_shard"], name=mesh.name("param_shard"),
                    timeout=config.timeout, overlap_allgather=config.overlap.allgather,
-                   reduce_dtype=config.reduce_torch_dtype)
+                   reduce_dtype=reduce_dtype_of(config))
         refresh_params(units, model)
     rank = dist.get_rank()
     tensors = build_layout(units, plan=plan, world=world, rank=rank,
                            bcast_ranks=mesh.ranks["optim_bcast"],
                            shard_ranks=mesh.ranks["param_shard"], policy=config.ownership)
-    dtype = config.dtype
+    dtype = compute_dtype(config)
     with torch.no_grad():
         masters = {}
         for t in tensors:
@@ -364,7 +357,7 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
         replica=(mesh.group("param_replica"), mesh.name("param_replica"), mesh.size("param_replica")),
         grad=(mesh.group("grad"), mesh.name("grad"), mesh.size("grad")),
         overlap=config.overlap.allreduce, timeout=config.timeout,
-        reduce_dtype=config.reduce_torch_dtype)
+        reduce_dtype=reduce_dtype_of(config))
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
     engine.param_sync = ParamSync(
         tensors, units, group=mesh.group("optim_bcast"), name=mesh.name("optim_bcast"),

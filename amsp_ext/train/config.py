@@ -2,12 +2,13 @@
 
 The ``amsp train`` command line is generated from it (amsp_ext.schema: one flag per option, with
 its default, help and choices), the launcher hands it to every rank as JSON, and the worker
-(amsp_ext/train/loop.py) builds the engine's ShardConfig and the optimizer from it.
+(amsp_ext/train/loop.py) builds the optimizer from it; its ``engine`` section is the engine's
+own config (amsp_ext/engine_config.py), the same object every other route uses.
 
 [Note: adding a training option]
 Add one ``option(...)`` field to the section it belongs to (its flag, default, help, choices and
-bounds come from the field), then use it in amsp_ext/train/loop.py (``shard_config`` for engine
-settings, the optimizer factory or the loop for the rest). Nothing else changes: the flag, the
+bounds come from the field), then use it in amsp_ext/train/loop.py (the optimizer factory or the loop). An engine
+setting is a field of amsp_ext/engine_config.py instead: every route gets it from there. Nothing else changes: the flag, the
 JSON the worker receives and the validation follow from the field. A rule between fields goes
 in the section's ``__post_init__`` after ``check_options(self)``, naming the flags.
 
@@ -18,29 +19,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amsp_ext.choices import GRANULARITIES, OBJECTIVES, OVERLAP_OPS, PRECISIONS, check_one_of, reduce_dtypes
+from amsp_ext.choices import OBJECTIVES
+from amsp_ext.engine_config import EngineConfig
 from amsp_ext.train.models import MODEL_CONFIGS
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size
 from amsp_ext.schema import check_options, option, section
 
-__all__ = ["auto_plan_config", "DEFAULT_PLAN", "AdaptiveOptions", "BatchOptions", "CheckpointOptions", "ClusterOptions", "EngineOptions", "OptimOptions",
-           "OutputOptions", "PlannerOptions", "TrainConfig"]
+__all__ = ["auto_plan_config", "DEFAULT_PLAN", "AdaptiveOptions", "BatchOptions", "CheckpointOptions",
+           "EngineConfig", "OptimOptions", "OutputOptions", "PlannerOptions", "TrainConfig"]
 
 DEFAULT_PLAN = "p=1x1,g=1x1,os=2x1"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClusterOptions:
-    """The (virtual) cluster: ranks per node and nodes per leaf switch."""
-
-    gpus_per_node: int | None = option(
-        None, minimum=1, help="ranks per (virtual) node; default: the launcher's local world size")
-    nodes_per_leaf: int | None = option(None, minimum=1, help="nodes under one leaf switch")
-
-    def __post_init__(self) -> None:
-        check_options(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,34 +90,6 @@ class OptimOptions:
 
     def __post_init__(self) -> None:
         check_options(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineOptions:
-    """How the engine runs the plan (mapped onto ShardConfig by amsp_ext/train/loop.py)."""
-
-    precision: str = option("fp32", choices=PRECISIONS,
-                            help="compute dtype of parameters and gradients")
-    reduce_dtype: str = option("fp32", choices=PRECISIONS,
-                               help="dtype gradients are reduced and accumulated in: fp32 or the "
-                                    "--precision (the paper's 2-byte gradients)")
-    bucket_mb: float = option(1.0, above=0, help="gradient bucket size U in MiB")
-    granularity: str = option("module", choices=GRANULARITIES,
-                              help="FSDP unit: each Linear of a layer (module) or the layer")
-    recompute: bool = option(False, help="activation checkpointing per decoder layer")
-    no_overlap: tuple[str, ...] = option((), choices=OVERLAP_OPS, metavar="OPS",
-                                         help="overlaps to turn off")
-    timeout: float = option(300.0, above=0, help="seconds before a collective times out")
-    max_bad_steps: int = option(
-        3, minimum=0, help="consecutive steps with a non-finite loss or gradient norm (each skipped "
-                           "on every rank) before the job stops; 0: no guard")
-
-    def __post_init__(self) -> None:
-        check_options(self)
-        if int(self.bucket_mb * 2**20) < 1:
-            raise ValueError(f"--bucket-mb must be at least one byte ({1 / 2**20:.3g} MiB), got {self.bucket_mb:g}")
-        check_one_of(self.reduce_dtype, reduce_dtypes(self.precision),
-                     f"--reduce-dtype (with --precision {self.precision})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,11 +170,10 @@ class TrainConfig:
              f"'p=S0xS1,g=S0xS1,os=S0xS1' (default {DEFAULT_PLAN}: the paper's LLaMA-7B shape, "
              "optimizer states sharded inside a node)")
     seed: int = option(0, minimum=0, help="model initialisation seed")
-    cluster: ClusterOptions = section(ClusterOptions)
     planner: PlannerOptions = section(PlannerOptions)
     batch: BatchOptions = section(BatchOptions)
     optim: OptimOptions = section(OptimOptions)
-    engine: EngineOptions = section(EngineOptions)
+    engine: EngineConfig = section(EngineConfig)  # the engine's one config (engine_config.py)
     checkpoint: CheckpointOptions = section(CheckpointOptions)
     adaptive: AdaptiveOptions = section(AdaptiveOptions)
     output: OutputOptions = section(OutputOptions)

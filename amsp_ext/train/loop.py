@@ -29,7 +29,6 @@ import torch.distributed as dist
 import amsp_ext
 from amsp_ext import schema
 from amsp_ext.train import metrics
-from amsp_ext.choices import OVERLAP_OPS
 from amsp_ext.train.supervise import die_with_parent, report_error
 from amsp_ext.train.data import micro_batch_at
 from amsp_ext.train.faults import faults, kill_now, nan_now
@@ -39,12 +38,12 @@ from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec
 from amsp_ext.runtime import collectives
 from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
-from amsp_ext.runtime.config import OverlapConfig, ShardConfig
+from amsp_ext.runtime.config import ShardConfig, compute_dtype
 from amsp_ext.runtime.optim.nonfinite import NonFiniteError
 from amsp_ext.runtime.measure.peak import device_peak
 from amsp_ext.runtime.measure.profiler import pick_device
-from amsp_ext.train.config import (BatchOptions, ClusterOptions, EngineOptions, OptimOptions,
-                                    PlannerOptions, TrainConfig, auto_plan_config_of)
+from amsp_ext.train.config import (BatchOptions, OptimOptions, PlannerOptions, TrainConfig,
+                                    auto_plan_config_of)
 from amsp_ext.train.state import checkpoint_name, prune, resolve_resume
 
 
@@ -59,21 +58,14 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 def shard_config(config: TrainConfig) -> ShardConfig:
     """The engine's configuration of this run (plan "auto" plans for the same batch shape)."""
-    return dataclasses.replace(
-        engine_shard_config(config.cluster, config.planner, config.batch, config.engine),
-        adaptive=config.adaptive.config())
+    return dataclasses.replace(engine_shard_config(config.engine, config.planner, config.batch),
+                               adaptive=config.adaptive.config())
 
 
-def engine_shard_config(cluster: ClusterOptions, pl: PlannerOptions, b: BatchOptions,
-                        e: EngineOptions) -> ShardConfig:
-    """ShardConfig from the config sections (``amsp tune`` shares them with ``amsp train``)."""
-    return ShardConfig(
-        gpus_per_node=cluster.gpus_per_node, nodes_per_leaf=cluster.nodes_per_leaf,
-        precision=e.precision, reduce_dtype=e.reduce_dtype, grad_bucket_bytes=int(e.bucket_mb * 2**20),
-        granularity=e.granularity, recompute=e.recompute, timeout=e.timeout,
-        overlap=OverlapConfig(**{op: op not in e.no_overlap for op in OVERLAP_OPS}),
-        max_bad_steps=e.max_bad_steps, auto=auto_plan_config_of(b, pl),
-    )
+def engine_shard_config(engine: ShardConfig, pl: PlannerOptions, b: BatchOptions) -> ShardConfig:
+    """The engine config with the step shape plan "auto" plans for (``amsp tune`` shares the
+    sections with ``amsp train``)."""
+    return dataclasses.replace(engine, auto=auto_plan_config_of(b, pl))
 
 
 def optimizer_factory(config: TrainConfig):
@@ -134,7 +126,7 @@ def train(config: TrainConfig) -> dict | None:
         adaptive.num_steps = len(history)  # a resumed run goes on counting
 
     # -- 4. the peak for MFU (train/metrics.py [Note: one MFU]) ---------------------------------
-    dtype = engine_config.dtype
+    dtype = compute_dtype(engine_config)
     peak = device_peak(device, dtype, timeout=e.timeout)
     flops_per_token = metrics.flops_per_token(llama_config_dict(config.model), b.seq_len)
 

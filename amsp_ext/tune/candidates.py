@@ -66,7 +66,7 @@ def training_spec(config: TuneConfig) -> TrainingSpec:
 
 def overlap_rules(config: TuneConfig) -> OverlapRules:
     """The step model's overlap switches for the engine's ``--no-overlap``."""
-    off = {PLANNER_OVERLAP_OF[op] for op in config.engine.no_overlap}
+    off = {PLANNER_OVERLAP_OF[op] for op in config.engine.overlap.off}
     return OverlapRules(ag_rs="ag_rs" not in off, ar="ar" not in off, bc="bc" not in off)
 
 

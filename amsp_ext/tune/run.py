@@ -50,7 +50,7 @@ def run_tune(config, *, command: str) -> int:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.engine.timeout),
                             device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    R = config.cluster.gpus_per_node or local_world
+    R = config.engine.gpus_per_node or local_world
     if world % R:
         raise ValueError(f"--gpus-per-node={R} must divide the world size {world}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

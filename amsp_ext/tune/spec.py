@@ -18,8 +18,8 @@ from typing import Any
 
 from amsp_ext.train.models import MODEL_CONFIGS, llama_config_dict
 from amsp_ext.schema import check_options, option, section
-from amsp_ext.train.config import (BatchOptions, ClusterOptions, EngineOptions, PlannerOptions,
-                                    check_seq_len)
+from amsp_ext.engine_config import EngineConfig
+from amsp_ext.train.config import BatchOptions, PlannerOptions, check_seq_len
 
 __all__ = ["TuneConfig", "TuneOptions"]
 
@@ -58,10 +58,9 @@ class TuneConfig:
     model_config: str | None = option(None, metavar="PATH", help="a Llama-style Hugging Face "
                                       "config.json instead of --model")
     seed: int = option(0, minimum=0, help="model initialisation seed")
-    cluster: ClusterOptions = section(ClusterOptions)
     planner: PlannerOptions = section(PlannerOptions)
     batch: BatchOptions = section(BatchOptions)
-    engine: EngineOptions = section(EngineOptions)
+    engine: EngineConfig = section(EngineConfig)
     tune: TuneOptions = section(TuneOptions)
 
     def __post_init__(self) -> None:
@@ -88,7 +87,7 @@ class TuneConfig:
 
     @property
     def bucket_bytes(self) -> int:
-        return int(self.engine.bucket_mb * 2**20)
+        return self.engine.grad_bucket_bytes
 
     @property
     def tokens_per_rank_per_step(self) -> int:
@@ -103,5 +102,5 @@ class TuneConfig:
                 "precision": e.precision, "reduce_dtype": e.reduce_dtype,
                 "granularity": e.granularity,
                 "bucket_bytes": self.bucket_bytes, "recompute": e.recompute,
-                "no_overlap": list(e.no_overlap), "memory_reserve_bytes": memory_reserve_bytes,
+                "no_overlap": list(e.overlap.off), "memory_reserve_bytes": memory_reserve_bytes,
                 "steps": b.steps, "warmup_steps": t.warmup_steps, "repeats": t.repeats}

@@ -136,8 +136,8 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
 
     rank, world = dist.get_rank(), dist.get_world_size()
     M, timeout, optim = config.batch.micro_batches, config.engine.timeout, OptimOptions()
-    cluster = dataclasses.replace(config.cluster, gpus_per_node=gpus_per_node)
-    engine_config = engine_shard_config(cluster, config.planner, config.batch, config.engine)
+    engine = dataclasses.replace(config.engine, gpus_per_node=gpus_per_node)
+    engine_config = engine_shard_config(engine, config.planner, config.batch)
     gc.collect()
     _trim_heap()  # the previous plan's freed memory back to the OS, so its reuse shows in RSS
     C.barrier(dist.group.WORLD, name="world", timeout=timeout)

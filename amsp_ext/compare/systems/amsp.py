@@ -21,28 +21,20 @@ from __future__ import annotations
 
 from amsp_ext.compare.config import OVERLAP_SWITCHES
 from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable
+from amsp_ext.engine_config import EngineConfig, OverlapConfig
 from amsp_ext.train.models import causal_lm_loss
 
-__all__ = ["GRAD_BUCKET_BYTES", "engine_settings", "plan_text", "setup", "shard_config"]
-
-# U of the AMSP rows (the engine's default), stated here so that the launcher plans "auto" for
-# the bucket the rows run with without importing the engine
-GRAD_BUCKET_BYTES = 25 * 2**20
+__all__ = ["engine_config", "plan_text", "setup"]
 
 
-def engine_settings(spec) -> dict:
-    """The ShardConfig settings of the AMSP rows that the planner charges (torch-free: the
-    launcher passes them to amsp_ext.planner.auto.plan_auto)."""
-    return dict(precision=spec.precision, reduce_dtype=spec.precision,
-                granularity=spec.amsp_granularity, recompute=False, grad_bucket_bytes=GRAD_BUCKET_BYTES)
-
-
-def shard_config(spec, gpus_per_node: int, *, auto=None):
-    """The engine configuration of the AMSP rows."""
-    from amsp_ext.runtime.config import OverlapConfig, ShardConfig
-
-    return ShardConfig(gpus_per_node=gpus_per_node, **engine_settings(spec),
-                       overlap=OverlapConfig(**OVERLAP_SWITCHES[spec.amsp_overlap]), auto=auto)
+def engine_config(spec, gpus_per_node: int | None = None) -> EngineConfig:
+    """The engine configuration of the AMSP rows: the engine's defaults (engine_config.py) but
+    what the comparison holds fixed across systems (precision, the reduce dtype the DeepSpeed
+    rows use, the sharding unit) and the ablation's overlap switches. Torch-free: the launcher
+    plans "auto" with ``planner_settings`` of it."""
+    return EngineConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
+                        reduce_dtype=spec.precision, granularity=spec.amsp_granularity,
+                        overlap=OverlapConfig(**OVERLAP_SWITCHES[spec.amsp_overlap]))
 
 
 def plan_text(name: str, ctx: Context) -> str:
@@ -60,7 +52,7 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
     from amsp_ext import shard
 
     plan = plan_text(name, ctx)
-    config = shard_config(ctx.spec, ctx.gpus_per_node)
+    config = engine_config(ctx.spec, ctx.gpus_per_node)
     model, optimizer = shard(model, plan, ctx.optimizer_factory, config=config)
     M = ctx.spec.num_micro_batches
 

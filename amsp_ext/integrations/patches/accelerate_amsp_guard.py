@@ -2,7 +2,7 @@
 back silently.
 
 Symptoms (accelerate 1.15.0, transformers 5.24.0, CPU):
-1. ``ACCELERATE_USE_CPU=true accelerate launch --config_file amsp.yaml train/loop.py`` (a DEEPSPEED-type
+1. ``ACCELERATE_USE_CPU=true accelerate launch --config_file amsp.yaml train.py`` (a DEEPSPEED-type
    YAML whose ds_config has ``amsp.enabled``) trained plain DDP, printed no plan line and exited 0.
 2. The HF Trainer with ``TrainingArguments(deepspeed=<that ds_config>)`` and ``ACCELERATE_USE_CPU``
    silently wrapped the model in DDP (FIELD_NOTES).

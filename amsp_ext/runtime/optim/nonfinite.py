@@ -42,7 +42,7 @@ class NonFiniteGuard:
     """Pure bookkeeping (the caller does the collectives): ``note_loss`` per backward,
     ``fold`` into the local sum of squares, then ``after_step`` with the decision."""
 
-    max_bad_steps: int = 3  # 0: guard off
+    max_bad_steps: int  # 0: guard off (EngineConfig.max_bad_steps)
     consecutive: int = 0
     total_bad: int = 0
     bad_steps: list[int] = field(default_factory=list)  # the current run of bad steps

@@ -85,8 +85,12 @@ class NormGroup:
 
     group: dist.ProcessGroup | None = None
     name: str = "local"
-    timeout: float = 600.0
+    timeout: float | None = None  # the engine's (EngineConfig.timeout); unused when group is None
     replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if self.group is not None and self.timeout is None:
+            raise ValueError(f"NormGroup {self.name}: a group needs the engine's timeout")
 
 
 class AMSPOptimizer(torch.optim.Optimizer):

@@ -36,6 +36,7 @@ from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.state.checkpoint import (MASTER, MODEL, _dtype_name, _hf_info, as_global, dcp_metadata,
                                          engine_of, trainable_by_id, verify_checkpoint)
 from amsp_ext.runtime.state.checkpoint_files import resolve
+from amsp_ext.runtime.config import compute_dtype
 
 __all__ = ["consolidated_state_dict", "export_checkpoint", "save_pretrained"]
 
@@ -60,7 +61,7 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
     e.wait_params()
     keep = not rank0_only or e.rank == 0
     gather = not rank0_only or 0 in e.mesh.ranks["param_shard"]
-    use_masters = not e.optimizer._aliased and dtype != e.config.dtype
+    use_masters = not e.optimizer._aliased and dtype != compute_dtype(e.config)
     by_id = trainable_by_id(e)
     out: dict[str, torch.Tensor] = {}
     seen: dict[int, torch.Tensor | None] = {}  # tied aliases: gathered (and broadcast) once

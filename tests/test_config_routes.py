@@ -1,0 +1,191 @@
+"""One engine config for every route (amsp_ext/engine_config.py): the same settings given to
+`amsp train`, a ds_config "amsp" block, the Accelerate route, `amsp compare` and `amsp plan`
+resolve to the same EngineConfig (compared as JSON), and `--plan auto` plans with the engine's
+reduce dtype on every route. Each engine setting is defined in one place."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from amsp_ext import schema
+from amsp_ext.engine_config import EngineConfig, engine_default, planner_settings
+
+PKG = Path(__file__).resolve().parents[1] / "amsp_ext"
+BATCH = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+
+
+def _json(engine: EngineConfig) -> dict:
+    d = schema.to_dict(engine)
+    d.pop("auto"), d.pop("adaptive")  # the route's job shape, not an engine setting
+    return d
+
+
+def via_train(argv: list[str]) -> EngineConfig:
+    from amsp_ext.cli import train as cli_train
+    from amsp_ext.train.config import TrainConfig
+    from amsp_ext.train.loop import shard_config
+
+    p = argparse.ArgumentParser()
+    cli_train.add_arguments(p)
+    return shard_config(schema.from_namespace(TrainConfig, p.parse_args(argv)))
+
+
+def _ds_engine(cfg: dict) -> EngineConfig:
+    from amsp_ext.integrations.ds_initialize import _shard_config
+    from amsp_ext.integrations.settings import AMSPSettings, PrecisionSettings, resolve_batch
+
+    settings = AMSPSettings.from_dict(cfg["amsp"])
+    return _shard_config(settings, cfg, PrecisionSettings.from_ds(cfg), resolve_batch(cfg, 4))
+
+
+def via_ds_config(block: dict, ds: dict | None = None) -> EngineConfig:
+    return _ds_engine({**BATCH, **(ds or {}), "amsp": {"enabled": True, "plan": "ddp", **block}})
+
+
+def via_accelerate(block: dict, ds: dict | None = None) -> EngineConfig:
+    from amsp_ext.integrations.accelerate import amsp_deepspeed_config
+
+    cfg = amsp_deepspeed_config(amsp={"enabled": True, "plan": "ddp", **block},
+                                deepspeed_config={**BATCH, **(ds or {})})
+    return _ds_engine(cfg)
+
+
+def via_plan(argv: list[str]) -> EngineConfig:
+    from amsp_ext.cli import plan as cli_plan
+
+    p = argparse.ArgumentParser()
+    cli_plan.add_arguments(p)
+    args = p.parse_args(["--model", "tiny-llama", "--nodes", "2", "--gpus-per-node", "2",
+                         "--gpu-memory", "1GiB", "--seq-len", "64", "--micro-batches", "1", *argv])
+    return schema.from_namespace(EngineConfig, args)
+
+
+def via_compare(**spec) -> EngineConfig:
+    from amsp_ext.compare.config import RunSpec
+    from amsp_ext.compare.systems.amsp import engine_config
+
+    return engine_config(RunSpec(**spec))
+
+
+def test_defaults_agree_on_every_route(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    want = _json(EngineConfig())
+    routes = {"train": via_train([]), "ds_config": via_ds_config({}),
+              "accelerate": via_accelerate({}),
+              # amsp plan's required --gpus-per-node (R = 2 here) is the engine's field
+              "plan": dataclasses.replace(via_plan([]), gpus_per_node=None),
+              "compare": via_compare(precision="fp32")}
+    got = {name: _json(e) for name, e in routes.items()}
+    assert got == {name: want for name in routes}, json.dumps(got, indent=1)
+    # the defaults a DeepSpeed / FSDP user expects (README, engine_config [Note: one default])
+    assert (want["timeout"], want["grad_bucket_bytes"], want["granularity"], want["reduce_dtype"]) == \
+        (600.0, 25 * 2**20, "layer", "fp32")
+
+
+def test_the_same_settings_agree_on_every_route(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    want = EngineConfig(precision="bf16", reduce_dtype="bf16", grad_bucket_bytes=4 * 2**20,
+                        granularity="module", recompute=True, nodes_per_leaf=1, timeout=30.0)
+    block = {"grad_bucket_bytes": "4MiB", "granularity": "module", "recompute": True,
+             "nodes_per_leaf": 1, "timeout": 30}
+    ds = {"bf16": {"enabled": True}, "communication_data_type": "bf16"}
+    flags = ["--precision", "bf16", "--reduce-dtype", "bf16", "--grad-bucket-bytes", "4MiB",
+             "--granularity", "module", "--recompute", "--nodes-per-leaf", "1"]
+    routes = {"train": via_train([*flags, "--timeout", "30"]), "ds_config": via_ds_config(block, ds),
+              "accelerate": via_accelerate(block, ds)}
+    for name, engine in routes.items():
+        assert _json(engine) == _json(want), name
+    # amsp plan has the planner's part of it; amsp compare holds precision and unit fixed per row
+    assert planner_settings(via_plan(flags)) == planner_settings(want)
+    compare = via_compare(precision="bf16", amsp_granularity="module")
+    assert (compare.precision, compare.reduce_dtype, compare.granularity) == ("bf16", "bf16", "module")
+
+
+def test_ds_bucket_falls_back_to_reduce_bucket_size_then_the_engine_default():
+    zero = {"zero_optimization": {"reduce_bucket_size": 1000}}
+    assert via_ds_config({}, zero).grad_bucket_bytes == 4000  # elements x fp32 bytes
+    assert via_ds_config({"grad_bucket_bytes": 512}, zero).grad_bucket_bytes == 512
+    assert via_ds_config({}).grad_bucket_bytes == engine_default("grad_bucket_bytes")
+
+
+def test_plan_auto_on_the_launcher_plans_with_the_engine_reduce_dtype(monkeypatch):
+    """`amsp train --plan auto --precision bf16` once planned with 2-byte gradients (the launcher
+    passed no reduce_dtype) while the ranks reduce and hold fp32 gradients."""
+    from amsp_ext.cli import train as cli_train
+    from amsp_ext.planner import auto
+    from amsp_ext.train.config import TrainConfig
+
+    seen = {}
+
+    def fake_plan_auto(model, config, **settings):
+        seen.update(settings)
+        return "ddp"
+
+    monkeypatch.setattr(auto, "plan_auto", fake_plan_auto)
+    p = argparse.ArgumentParser()
+    cli_train.add_arguments(p)
+    config = schema.from_namespace(TrainConfig, p.parse_args(
+        ["--plan", "auto", "--precision", "bf16", "--gpu-memory", "1GiB"]))
+    assert cli_train._plan_before_launch(config, gpus_per_node=2, num_nodes=2) == "ddp"
+    assert seen["reduce_dtype"] == "fp32" and seen["precision"] == "bf16"
+    assert {k: seen[k] for k in planner_settings(config.engine)} == planner_settings(config.engine)
+
+
+def test_compare_plans_auto_with_the_rows_engine(monkeypatch):
+    from amsp_ext.compare import harness
+    from amsp_ext.compare.config import RunSpec
+    from amsp_ext.compare.systems.amsp import engine_config
+    from amsp_ext.planner import auto
+
+    seen = {}
+    monkeypatch.setattr(auto, "plan_auto", lambda model, config, **s: seen.update(s) or "ddp")
+    spec = RunSpec(precision="bf16")
+    planner = harness.PlannerInputs(profile="paper-a800")
+    harness._resolve_planned(spec, num_nodes=2, gpus_per_node=2, planner=planner)
+    assert {k: seen[k] for k in planner_settings(engine_config(spec))} == planner_settings(engine_config(spec))
+
+
+def _defined_defaults() -> dict[str, list[str]]:
+    """Where a class field named like an EngineConfig field gets a default in amsp_ext (None, i.e.
+    "not given", does not count)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"auto", "adaptive", "overlap", "fp16"}
+    found: dict[str, list[str]] = {n: [] for n in names}
+    for path in sorted(PKG.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                            and item.target.id in names and item.value is not None
+                            and not (isinstance(item.value, ast.Constant) and item.value.value is None)):
+                        found[item.target.id].append(f"{path.relative_to(PKG)}:{node.name}")
+    return found
+
+
+def test_each_engine_setting_is_defined_once():
+    """The class fields named like an engine setting: only EngineConfig's (the planner's own
+    specs name theirs differently, e.g. TrainingSpec.bucket_bytes, and get them through
+    planner_settings)."""
+    allowed_elsewhere = {
+        # the planner's input spec (torch- and schema-free; planner_settings fills it)
+        ("precision", "planner/specs.py:TrainingSpec"), ("granularity", "planner/specs.py:TrainingSpec"),
+        ("recompute", "planner/specs.py:TrainingSpec"), ("reduce_dtype", "planner/specs.py:TrainingSpec"),
+        ("nodes_per_leaf", "planner/specs.py:ClusterSpec"), ("gpus_per_node", "planner/specs.py:ClusterSpec"),
+        # the comparison's settings shared by every system (not only the AMSP rows)
+        ("precision", "compare/config.py:RunSpec"), ("gpus_per_node", "compare/config.py:RunSpec"),
+        # `amsp simulate`'s grid and the lab's shape: their own job, not an engine setting
+        ("precision", "planner/simulate.py:SimSettings"), ("gpus_per_node", "planner/simulate.py:SimSettings"),
+        ("nodes_per_leaf", "cluster/lab.py:LabSpec"),
+        # DeepSpeed's precision blocks, translated to the engine's fields
+        ("precision", "integrations/settings.py:PrecisionSettings"),
+        ("reduce_dtype", "integrations/settings.py:PrecisionSettings"),
+    }
+    extra = {n: [w for w in where if w != "engine_config.py:EngineConfig" and (n, w) not in allowed_elsewhere]
+             for n, where in _defined_defaults().items()}
+    assert not {n: w for n, w in extra.items() if w}, extra
