@@ -11,8 +11,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import pytest
-
 from amsp_ext import schema
 from amsp_ext.engine_config import EngineConfig, engine_default, planner_settings
 

@@ -195,3 +195,17 @@ def test_the_planner_and_the_schema_never_import_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """What two modules share is public and lives where it belongs (``_torch_compat`` is the
+    module of private torch names, imported as a whole)."""
+    import ast as _ast
+
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        for node in _ast.walk(_ast.parse(path.read_text())):
+            if isinstance(node, _ast.ImportFrom) and (node.module or "").startswith("amsp_ext"):
+                bad += [f"{module}: from {node.module} import {a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__") and a.name != "_torch_compat"]
+    assert not bad, "\n".join(bad)

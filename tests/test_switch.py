@@ -8,8 +8,6 @@ scheduler bound to the optimizer across the switches) losses 1e-5 relative and m
 absolute; bf16 (fp32 reduction) losses 1e-3 relative of the bf16 recipe and the update bound.
 After each plan's steps, the measured model-state bytes are within 10% of the planner's
 memory model for that plan (the bound of test_model_state_bytes_match_the_planners_memory_model).
-Dropping the optimizer states at the switches (``break``) makes the fp32 check fail: checked
-by hand (see the report of issue 14), not in the suite.
 """
 
 from __future__ import annotations

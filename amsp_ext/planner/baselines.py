@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from amsp_ext.planner.cost import param_gather_time
-from amsp_ext.planner.plan import Plan, _mesh_of_size, named_plan
+from amsp_ext.planner.plan import Plan, mesh_of_size, named_plan
 from amsp_ext.planner.search import GiB, Candidate, Problem, evaluate
 from amsp_ext.planner.memory import param_bytes
 from amsp_ext.planner.step import step_estimate
@@ -50,7 +50,7 @@ def _zeropp(problem: Problem, hpz: int) -> Baseline:
     spec, training, timer, M = problem.spec, problem.training, problem.timer, problem.num_micro_batches
     plan = named_plan("zero3", gpus_per_node=R, num_nodes=N)
     base = evaluate(problem, plan, with_step=False)
-    hpz_mesh = _mesh_of_size(hpz, R, N, "hpz_size")
+    hpz_mesh = mesh_of_size(hpz, R, N, "hpz_size")
     per_mb = (param_gather_time(spec, training, timer, plan.mesh("p"), num_gathers=1)
               + param_gather_time(spec, training, timer, hpz_mesh, num_gathers=1,
                                   reduce_scatter=False))

@@ -155,7 +155,7 @@ def parse_plan(text: str) -> Plan:
     )
 
 
-def _mesh_of_size(size: int, gpus_per_node: int, num_nodes: int, field: str) -> tuple[int, int]:
+def mesh_of_size(size: int, gpus_per_node: int, num_nodes: int, field: str) -> tuple[int, int]:
     """Lay ``size`` GPUs out as a node-filling mesh (Eq. 7): inside one node when it fits."""
     world = gpus_per_node * num_nodes
     if size < 1 or size > world:
@@ -195,7 +195,7 @@ def named_plan(name: str, *, gpus_per_node: int, num_nodes: int) -> Plan:
         _, _, k = key.partition(":")
         if not k.isdigit():
             raise PlanError(f"plan: 'mics' needs a shard group size, e.g. 'mics:{R}', got {name!r}")
-        s0, s1 = _mesh_of_size(int(k), R, N, "plan mics:K")
+        s0, s1 = mesh_of_size(int(k), R, N, "plan mics:K")
         return Plan(s0_p=s0, s1_p=s1, s0_g=s0, s1_g=s1, s0_os=s0, s1_os=s1)
     raise PlanError(
         f"plan: unknown name {name!r}; use one of {', '.join(NAMED_PLANS)}, 'auto', "

@@ -33,7 +33,7 @@ __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
     "backend_options", "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors", "flatten_mesh",
-    "fsdp_all_gather_streams", "local_chunk_offset", "optimizer_hooks", "queue_backward_callback",
+    "fsdp_all_gather_streams", "live_process_groups", "local_chunk_offset", "optimizer_hooks", "queue_backward_callback",
     "set_fsdp_unshard_async_op", "start_coalescing",
 ]
 
@@ -220,3 +220,9 @@ def start_coalescing(group, device: torch.device) -> None:
 
 def end_coalescing(group, device: torch.device) -> None:
     group._end_coalescing(device)
+
+
+def live_process_groups() -> list:
+    """Every process group this process has created and not destroyed (``c10d._world.pg_map``),
+    in creation order: what `amsp tune` destroys after each plan."""
+    return list(dist.distributed_c10d._world.pg_map)

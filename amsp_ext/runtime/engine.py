@@ -1,5 +1,6 @@
 """The engine ``shard`` (runtime/shard.py) builds: its mesh, units, layout, masters, gradient and
-broadcast paths (``build_engine``), the hooks (``install``), and the engine's checks.
+broadcast paths (``build_parts``), the Engine made of them and its optimizer, the hooks
+(``install``), and the engine's checks.
 
 [Note: order of construction]
 1. Resolve the plan and check it against the world (PlanError, before any collective).
@@ -16,6 +17,7 @@ broadcast paths (``build_engine``), the hooks (``install``), and the engine's ch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -38,28 +40,47 @@ from amsp_ext.runtime.sync.units import Unit, decoder_layers, list_units, refres
 from amsp_ext.topology.groups import World
 from amsp_ext.topology.mesh import PlanMesh, build_plan_mesh
 
-__all__ = ["AMSPModule", "Engine", "MismatchError", "build_engine", "full_state_dict", "install"]
+__all__ = ["AMSPModule", "Engine", "EngineParts", "MismatchError", "build_parts", "full_state_dict", "install"]
 
 
 class MismatchError(ValueError):
     """Ranks were given different plans, configs or models."""
 
 
-class Engine:
-    """Everything the runtime holds for one sharded model (reachable as ``model.amsp``)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineParts:
+    """What ``build_parts`` makes for one plan, before there is an optimizer: the owners' fp32
+    ``masters`` go to the optimizer (``shard`` builds one, ``switch_plan`` rebinds the existing
+    one), the rest into the Engine."""
 
-    def __init__(self, *, plan: Plan, world: World, mesh: PlanMesh, config: ShardConfig,
-                 units: list[Unit], tensors: list[LocalTensor], device: torch.device) -> None:
-        self.plan, self.world, self.mesh, self.config = plan, world, mesh, config
-        self.units, self.tensors, self.device = units, tensors, device
+    plan: Plan
+    world: World
+    mesh: PlanMesh
+    config: ShardConfig
+    units: list[Unit]
+    tensors: list[LocalTensor]
+    device: torch.device
+    masters: dict[int, nn.Parameter]  # tensor index -> fp32 master, owned only
+    grad_sync: GradSync
+    param_sync: ParamSync
+
+
+class Engine:
+    """Everything the runtime holds for one sharded model (reachable as ``model.amsp``),
+    complete when constructed."""
+
+    def __init__(self, parts: EngineParts, optimizer: AMSPOptimizer, *, full_state_dict: bool = False,
+                 switches: list[dict] | None = None, retired_meshes: list[PlanMesh] | None = None) -> None:
+        self.plan, self.world, self.mesh, self.config = parts.plan, parts.world, parts.mesh, parts.config
+        self.units, self.tensors, self.device = parts.units, parts.tensors, parts.device
+        self.grad_sync, self.param_sync, self.optimizer = parts.grad_sync, parts.param_sync, optimizer
         self.rank = dist.get_rank()
         # [Note: state dicts on the integration routes] see AMSPModule.state_dict
-        self.full_state_dict = False
-        self.grad_sync: GradSync
-        self.param_sync: ParamSync
-        self.optimizer: AMSPOptimizer
-        self.masters: dict[int, nn.Parameter] = {}  # between build_engine and the optimizer
-        self.switches: list[dict] = []  # switch_plan's record of every switch (runtime/replan/switch.py)
+        self.full_state_dict = full_state_dict
+        # switch_plan's record of every switch, and the meshes of the plans switched away from
+        # (runtime/replan/switch.py [Note: the old plan's groups stay alive])
+        self.switches: list[dict] = list(switches or [])
+        self.retired_meshes: list[PlanMesh] = list(retired_meshes or [])
 
     def group(self, kind: str) -> dist.ProcessGroup:
         return self.mesh.group(kind)
@@ -175,7 +196,7 @@ def full_state_dict(model: "AMSPModule", destination=None, prefix: str = "", kee
     return out
 
 
-def _world(config: ShardConfig) -> World:
+def plan_world(config: ShardConfig) -> World:
     world_size = dist.get_world_size()
     R = config.gpus_per_node or world_size
     if world_size % R:
@@ -186,7 +207,7 @@ def _world(config: ShardConfig) -> World:
                              nodes_per_leaf=config.nodes_per_leaf)
 
 
-def _resolve(plan, model: nn.Module, world: World, config: ShardConfig) -> Plan:
+def resolve_engine_plan(plan, model: nn.Module, world: World, config: ShardConfig) -> Plan:
     if isinstance(plan, str) and plan.strip().lower() == "auto":
         return _auto_plan(model, world, config)
     return resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
@@ -206,11 +227,11 @@ def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
     if hf is None or not hasattr(hf, "to_dict"):
         raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
     return plan_auto(hf.to_dict(), a, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
-                     gpu_memory_bytes=a.gpu_memory_bytes or _device_memory(world.gpus_per_node),
+                     gpu_memory_bytes=a.gpu_memory_bytes or device_memory(world.gpus_per_node),
                      **planner_settings(config))
 
 
-def _device_memory(gpus_per_node: int) -> int:
+def device_memory(gpus_per_node: int) -> int:
     if dist.get_backend() == "nccl":
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     import psutil
@@ -218,14 +239,14 @@ def _device_memory(gpus_per_node: int) -> int:
     return psutil.virtual_memory().total // gpus_per_node
 
 
-def _fingerprint(plan: Plan, config: ShardConfig, world: World, model: nn.Module) -> bytes:
+def run_fingerprint(plan: Plan, config: ShardConfig, world: World, model: nn.Module) -> bytes:
     shapes = hashlib.sha256(
         repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()
     ).hexdigest()[:8]
     return f"{plan.fingerprint()}:{config.fingerprint()}:{shapes}:{world.num_nodes}x{world.gpus_per_node}|{plan}".encode()
 
 
-def _check_same_everywhere(payload: bytes, config: ShardConfig) -> None:
+def check_same_everywhere(payload: bytes, config: ShardConfig) -> None:
     got = C.all_gather_bytes(payload, None, name="world", timeout=config.timeout)
     if any(g != got[0] for g in got):
         bad = next(r for r, g in enumerate(got) if g != got[0])
@@ -253,7 +274,7 @@ def _config_difference(config: ShardConfig, bad: int) -> str:
 
 
 @torch.no_grad()
-def _same_initial_weights(model: nn.Module, config: ShardConfig) -> None:
+def same_initial_weights(model: nn.Module, config: ShardConfig) -> None:
     """[Note: initial weights agree]
     Every rank must start from the same weights, or the replicas silently train a mix (a
     rank-dependent seed is enough). ``init_weights="broadcast"`` (default, as DDP): rank 0's
@@ -277,13 +298,13 @@ def _same_initial_weights(model: nn.Module, config: ShardConfig) -> None:
             f"the model with the same seed on every rank, or use ShardConfig(init_weights='broadcast')")
 
 
-def _device() -> torch.device:
+def engine_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _enable_recompute(model: nn.Module) -> None:
+def enable_recompute(model: nn.Module) -> None:
     if hasattr(model, "gradient_checkpointing_enable"):
         if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
             model.config.use_cache = False
@@ -304,22 +325,21 @@ def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
         setattr(m, n, b)  # nn.Module.__setattr__ puts a tensor back into its buffer slot
 
 
-def norm_group(engine: Engine) -> NormGroup:
+def norm_group(parts: EngineParts) -> NormGroup:
     # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
-    return NormGroup(group=dist.group.WORLD, name="world", timeout=engine.config.timeout,
-                     replicas=engine.world.size // engine.mesh.size("optim"))
+    return NormGroup(group=dist.group.WORLD, name="world", timeout=parts.config.timeout,
+                     replicas=parts.world.size // parts.mesh.size("optim"))
 
 
-def run_info(engine: Engine) -> dict:
-    return {"plan": str(engine.plan), "world": [engine.world.num_nodes, engine.world.gpus_per_node]}
+def run_info(parts: EngineParts) -> dict:
+    return {"plan": str(parts.plan), "world": [parts.world.num_nodes, parts.world.gpus_per_node]}
 
 
-def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
-                 device: torch.device) -> Engine:
+def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
+                device: torch.device) -> EngineParts:
     """Steps 3-6 of [Note: order of construction] on an fp32 model that every rank holds whole:
-    the mesh, the units (FSDP2 when sp > 1), the layout, the owners' fp32 masters
-    (``engine.masters``), the model in the compute dtype, GradSync and ParamSync (not yet
-    installed). No optimizer: ``shard`` builds one, ``switch_plan`` rebinds the existing one."""
+    the mesh, the units (FSDP2 when sp > 1), the layout, the owners' fp32 masters, the model in
+    the compute dtype, GradSync and ParamSync (not yet installed)."""
     mesh = build_plan_mesh(plan, world, device_type=device.type,
                            timeout=datetime.timedelta(seconds=config.timeout))
     units = list_units(model, config.granularity)
@@ -348,10 +368,7 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
         if dtype != torch.float32:
             _to_dtype_keep_buffers(model, dtype)
 
-    engine = Engine(plan=plan, world=world, mesh=mesh, config=config, units=units,
-                    tensors=tensors, device=device)
-    engine.masters = masters
-    engine.grad_sync = GradSync(
+    grad_sync = GradSync(
         tensors, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
         dp_size=world.size,
         replica=(mesh.group("param_replica"), mesh.name("param_replica"), mesh.size("param_replica")),
@@ -359,14 +376,15 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
         overlap=config.overlap.allreduce, timeout=config.timeout,
         reduce_dtype=reduce_dtype_of(config))
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
-    engine.param_sync = ParamSync(
+    param_sync = ParamSync(
         tensors, units, group=mesh.group("optim_bcast"), name=mesh.name("optim_bcast"),
         size=mesh.size("optim_bcast"), rank=rank, prefetch=fwd_prefetch,
         overlap=config.overlap.broadcast, timeout=config.timeout,
         bucket_bytes=config.broadcast_staging_bytes)
     if plan.sp > 1 and device.type != "cpu":
-        engine.param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
-    return engine
+        param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
+    return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,
+                       device=device, masters=masters, grad_sync=grad_sync, param_sync=param_sync)
 
 
 def install(model: nn.Module, engine: Engine) -> None:

@@ -21,9 +21,9 @@ from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.plan import Plan, validate_plan
 from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
 from amsp_ext.runtime.config import ShardConfig
-from amsp_ext.runtime.engine import (_check_same_everywhere, _device, _enable_recompute, _fingerprint,
-                                     _resolve, _same_initial_weights, _world, build_engine, install,
-                                     norm_group, run_info)
+from amsp_ext.runtime.engine import (check_same_everywhere, engine_device, enable_recompute, run_fingerprint,
+                                     resolve_engine_plan, same_initial_weights, plan_world, Engine, build_parts,
+                                     install, norm_group, run_info)
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
@@ -60,27 +60,27 @@ def shard(model: nn.Module, plan: "Plan | str",
     if getattr(model, "amsp", None) is not None:
         raise ValueError("model is already sharded by amsp_ext.shard")
     t_start = time.perf_counter()
-    world = _world(config)
-    plan = _resolve(plan, model, world, config)
+    world = plan_world(config)
+    plan = resolve_engine_plan(plan, model, world, config)
     validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
                   structural_only=True)
     # the monitor's planner problem (reads the profile), before any collective: bad input fails here
     problem = planner_problem(model, world, config) if config.adaptive is not None else None
     # -- first collective ------------------------------------------------------------------
-    _check_same_everywhere(_fingerprint(plan, config, world, model), config)
-    device = _device()
+    check_same_everywhere(run_fingerprint(plan, config, world, model), config)
+    device = engine_device()
     if device.type != "cpu":
         model.to(device)
-    _same_initial_weights(model, config)
+    same_initial_weights(model, config)
     if config.recompute:
-        _enable_recompute(model)
-    engine = build_engine(model, plan, world, config, device)
-    engine.optimizer = AMSPOptimizer(
-        engine.masters, optimizer_factory, tensors=engine.tensors, grads=engine.grad_sync,
-        params=engine.param_sync, device=device, precision=config.precision, fp16=config.fp16,
-        norm_group=norm_group(engine), guard=NonFiniteGuard(max_bad_steps=config.max_bad_steps),
-        run_info=run_info(engine))
-    engine.masters = {}  # the optimizer holds them
+        enable_recompute(model)
+    parts = build_parts(model, plan, world, config, device)
+    optimizer = AMSPOptimizer(
+        parts.masters, optimizer_factory, tensors=parts.tensors, grads=parts.grad_sync,
+        params=parts.param_sync, device=device, precision=config.precision, fp16=config.fp16,
+        norm_group=norm_group(parts), guard=NonFiniteGuard(max_bad_steps=config.max_bad_steps),
+        run_info=run_info(parts))
+    engine = Engine(parts, optimizer)
     install(model, engine)
     if config.adaptive is not None:  # runtime/replan/adaptive.py: every optimizer.step() is a boundary
         run = AdaptiveRun(model, problem, config.adaptive, timeout=config.timeout,

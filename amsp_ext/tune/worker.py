@@ -38,8 +38,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.measure.comm_trace import CommTrace
 from amsp_ext.train.loop import adamw_factory, engine_shard_config
@@ -146,7 +146,7 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     cpu0 = cpu_counters()
-    groups_before = set(c10d._world.pg_map)
+    groups_before = set(compat.live_process_groups())
     t_setup = time.perf_counter()
     model, opt = amsp_ext.shard(build_model(config), cand.plan, adamw_factory(optim),
                                 config=engine_config)
@@ -206,7 +206,7 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     # with gloo threads). Kept, they pile up over the rounds (hundreds of groups, thousands of
     # threads) and the system time they cost slowed the later plans of a 54-plan run 4x; so
     # each plan's groups go with it. Every rank destroys the same groups in the same order.
-    for group in [g for g in c10d._world.pg_map if g not in groups_before]:
+    for group in [g for g in compat.live_process_groups() if g not in groups_before]:
         dist.destroy_process_group(group)
     return record
 

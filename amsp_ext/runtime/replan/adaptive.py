@@ -71,7 +71,7 @@ from amsp_ext.planner.auto import auto_problem
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.measure.comm_trace import KINDS, CommTrace
 from amsp_ext.runtime.config import planner_settings
-from amsp_ext.runtime.engine import _device_memory
+from amsp_ext.runtime.engine import device_memory
 from amsp_ext.runtime.replan.switch import switch_plan
 
 __all__ = ["AdaptiveRun", "planner_problem"]
@@ -91,7 +91,7 @@ def planner_problem(model, world, config) -> Any:
     profile fails there."""
     hf = model.config.to_dict() if hasattr(model, "config") else None
     return auto_problem(hf, config.auto, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
-                        gpu_memory_bytes=config.auto.gpu_memory_bytes or _device_memory(world.gpus_per_node),
+                        gpu_memory_bytes=config.auto.gpu_memory_bytes or device_memory(world.gpus_per_node),
                         **planner_settings(config))
 
 

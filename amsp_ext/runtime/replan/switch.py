@@ -20,7 +20,7 @@ non-tensor states and hyper-parameters). Step 2 rebuilds every global tensor: ea
 broadcast once from its lowest-ranked owner, straight into its slice of the full tensor.
 Step 3 undoes the old engine (hooks, FSDP2 via _torch_compat.fsdp_remove, groups) and puts
 the full fp32 values back as the model's parameters, so step 4 is exactly ``shard``'s
-construction on an fp32 model (engine.build_engine): the new owners' masters are their slices
+construction on an fp32 model (engine.build_parts): the new owners' masters are their slices
 of the old masters bit for bit, and a non-owner's compute-dtype parameter is the same rounding
 of the master it held before. Step 5 gives the inner optimizer the slices of the states.
 
@@ -61,9 +61,9 @@ from torch.distributed.fsdp import FSDPModule
 from amsp_ext.planner.plan import Plan, validate_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.state.checkpoint import _reshard, _rng_state, _set_rng_state, engine_of, wait_for_save
-from amsp_ext.runtime.engine import (AMSPModule, Engine, _check_same_everywhere, _fingerprint, _resolve,
-                                     build_engine, install, norm_group, run_info)
+from amsp_ext.runtime.state.checkpoint import reshard_all, rng_state, set_rng_state, engine_of, wait_for_save
+from amsp_ext.runtime.engine import (AMSPModule, Engine, build_parts, check_same_everywhere, install,
+                                     norm_group, resolve_engine_plan, run_fingerprint, run_info)
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
 __all__ = ["switch_plan"]
@@ -79,7 +79,7 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     same object too. A no-op (after the agreement check) when the plan does not change.
     """
     e = engine_of(model, optimizer)
-    new = _resolve(plan, model, e.world, e.config)
+    new = resolve_engine_plan(plan, model, e.world, e.config)
     validate_plan(new, gpus_per_node=e.world.gpus_per_node, num_nodes=e.world.num_nodes,
                   structural_only=True)
     if e.grad_sync.owned or e.grad_sync.kept or e.grad_sync.mode is not None:
@@ -87,31 +87,29 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
                          "optimizer.zero_grad()), not with gradients pending")
     _check_optimizer_states(optimizer)
     # -- first collective: every rank switches to the same plan ------------------------------
-    _check_same_everywhere(_fingerprint(new, e.config, e.world, model), e.config)
+    check_same_everywhere(run_fingerprint(new, e.config, e.world, model), e.config)
     if new == e.plan:
         return optimizer
     t0 = time.perf_counter()
     wait_for_save(model)
     e.wait_params()
-    _reshard(model)
+    reshard_all(model)
     optimizer.zero_grad()
-    rng = _rng_state(e.device)
+    rng = rng_state(e.device)
     full = _gather(e, optimizer)
     frozen = _gather_frozen(model, e)
     _teardown(model, e, full, frozen)
-    engine = build_engine(model, new, e.world, e.config, e.device)
-    engine.full_state_dict = e.full_state_dict
-    optimizer.rebind(engine.masters, tensors=engine.tensors, grads=engine.grad_sync,
-                     params=engine.param_sync, norm_group=norm_group(engine), run_info=run_info(engine))
+    parts = build_parts(model, new, e.world, e.config, e.device)
+    optimizer.rebind(parts.masters, tensors=parts.tensors, grads=parts.grad_sync,
+                     params=parts.param_sync, norm_group=norm_group(parts), run_info=run_info(parts))
+    engine = Engine(parts, optimizer, full_state_dict=e.full_state_dict, switches=e.switches,
+                    retired_meshes=[*e.retired_meshes, e.mesh])
     _load_states(engine, optimizer, full)
-    engine.masters = {}
-    engine.optimizer = optimizer
     install(model, engine)
-    _set_rng_state(rng, e.device)
+    set_rng_state(rng, e.device)
     C.barrier(None, name="world", timeout=e.config.timeout)
-    engine.retired_meshes = [*getattr(e, "retired_meshes", []), e.mesh]
-    engine.switches = e.switches + [{"step": optimizer.num_steps, "from": str(e.plan), "to": str(new),
-                                     "seconds": time.perf_counter() - t0}]
+    engine.switches.append({"step": optimizer.num_steps, "from": str(e.plan), "to": str(new),
+                            "seconds": time.perf_counter() - t0})
     return optimizer
 
 

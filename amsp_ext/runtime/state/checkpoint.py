@@ -128,7 +128,7 @@ def _unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -238,7 +238,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
                             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                             "extra": extra})
     if rng:
-        sd[RNG + str(e.rank)] = _pack(_rng_state(e.device))
+        sd[RNG + str(e.rank)] = _pack(rng_state(e.device))
     meta = _meta(model, e, rng, info) if e.rank == 0 else None
 
     def finish(group, name: str) -> None:
@@ -290,7 +290,7 @@ def _chunk_offset(t: "LocalTensor") -> list[int]:
     return compat.local_chunk_offset(t.param)
 
 
-def _rng_state(device: torch.device) -> dict:
+def rng_state(device: torch.device) -> dict:
     import numpy as np
 
     out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -299,7 +299,7 @@ def _rng_state(device: torch.device) -> dict:
     return out
 
 
-def _set_rng_state(state: dict, device: torch.device) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     import numpy as np
 
     random.setstate(state["python"])
@@ -309,7 +309,7 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _hf_info(model: nn.Module) -> tuple[str, dict | None]:
+def hf_info(model: nn.Module) -> tuple[str, dict | None]:
     from torch.distributed.fsdp import FSDPModule
 
     from amsp_ext.runtime.engine import AMSPModule
@@ -328,9 +328,9 @@ def _meta(model: nn.Module, e: "Engine", rng: bool, info: dict | None) -> dict:
     model_rows = []
     for k, v in model.sharded_state_dict(keep_vars=True).items():
         t = by_id.get(id(v))
-        model_rows.append({"key": k, "shape": list(v.shape), "dtype": _dtype_name(v.dtype),
+        model_rows.append({"key": k, "shape": list(v.shape), "dtype": dtype_name(v.dtype),
                            "param": t.name if t is not None else None})
-    cls, hf = _hf_info(model)
+    cls, hf = hf_info(model)
     return {
         "format": FORMAT, "plan": str(e.plan), "sp": e.plan.sp,
         "world": {"num_nodes": e.world.num_nodes, "gpus_per_node": e.world.gpus_per_node,
@@ -415,7 +415,7 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     if verify:
         _verify_shared(path, meta, e)
     e.wait_params()  # no broadcast may land after the load
-    _reshard(model)
+    reshard_all(model)
     opt.zero_grad()
     sd: dict[str, Any] = {}
     masters_to_params = _param_targets(e, current, md, sd)
@@ -446,7 +446,7 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
         else:
             lr_scheduler.load_state_dict(glob["lr_scheduler"])
     if restore_rng:
-        _set_rng_state(_unpack(sd[RNG + str(e.rank)]), e.device)
+        set_rng_state(_unpack(sd[RNG + str(e.rank)]), e.device)
     elif rng and meta.get("rng") and e.rank == 0:
         warnings.warn(f"amsp checkpoint {path}: saved on {meta['world']['size']} ranks, loaded on "
                       f"{e.world.size}: RNG states not restored")
@@ -472,7 +472,7 @@ def _verify_shared(path: Path, meta: dict, e: "Engine") -> None:
                               f"cannot be used (load an older one)")
 
 
-def _reshard(model: nn.Module) -> None:
+def reshard_all(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():

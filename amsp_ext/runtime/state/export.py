@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.state.checkpoint import (MASTER, MODEL, _dtype_name, _hf_info, as_global, dcp_metadata,
+from amsp_ext.runtime.state.checkpoint import (MASTER, MODEL, dtype_name, hf_info, as_global, dcp_metadata,
                                          engine_of, trainable_by_id, verify_checkpoint)
 from amsp_ext.runtime.state.checkpoint_files import resolve
 from amsp_ext.runtime.config import compute_dtype
@@ -109,7 +109,7 @@ def _write_pretrained(save_directory, state: dict[str, torch.Tensor], hf_config:
         tensors[k] = v.contiguous()
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     if hf_config is not None:
-        cfg = {**hf_config, "dtype": _dtype_name(dtype)}
+        cfg = {**hf_config, "dtype": dtype_name(dtype)}
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
@@ -120,7 +120,7 @@ def save_pretrained(model: nn.Module, save_directory, *, dtype: torch.dtype | No
     dtype = dtype or torch.float32
     state = consolidated_state_dict(model, dtype=dtype, rank0_only=True)
     if e.rank == 0:
-        _write_pretrained(save_directory, state, _hf_info(model)[1], dtype)
+        _write_pretrained(save_directory, state, hf_info(model)[1], dtype)
     C.barrier(None, name="world", timeout=e.config.timeout)
 
 
