@@ -379,123 +379,30 @@ def step_estimate(
     ``drop_kind`` (AG, RS, AR or BC) prices that kind's collectives at zero (``kind_times``)."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
-    M, T = num_micro_batches, training.tokens_per_micro_batch
-    e, e_g = param_bytes(training.precision), grad_bytes(training)
+    M = num_micro_batches
     params, flops, layer_of = _units(spec, training.seq_len, training.granularity)
     on = _switches(overlap)
     price = _Pricer(timer, calibration, on, drop_kind)
-    if calibration is not None:
-        c_f = T * flops / calibration.forward_flops_per_s
-        c_b = 2.0 * T * flops / calibration.backward_flops_per_s
-    else:
-        c_f = T * flops / (cluster.peak_flops * efficiency)
-        c_b = 2.0 * c_f
-
-    p0, p1 = plan.mesh("p")
-    q0, q1 = bwd_gather_mesh or (p0, p1)
-    sizes = {n: None for n in params.tolist()}
-    ag = {n: price("AG", "allgather", e * n, (p0, p1)) for n in sizes}
-    ag_b = {n: price("AG", "allgather", e * n, (q0, q1)) for n in sizes}
-    rs = {n: price("RS", "reducescatter", e_g * n, (p0, p1)) for n in sizes}
-    g, hg = (np.array([ag[n][i] for n in params.tolist()]) for i in (0, 1))
-    g_b, hg_b = (np.array([ag_b[n][i] for n in params.tolist()]) for i in (0, 1))
-    r, hr = (np.array([rs[n][i] for n in params.tolist()]) for i in (0, 1))
-    phi = params.sum()
-    U = training.bucket_bytes
-    if calibration is None:  # the paper's T1_os, spread over the units in proportion to bytes
-        t1_os = 0.0 if drop_kind == "BC" else comm.t1_os
-        h1_os = 0.0 if on["BC"] else t1_os
-        bc_end = np.cumsum(t1_os * params / phi)
-    else:  # the engine's broadcasts, one by one (issued.py), in forward order
-        items = broadcast_items(spec, plan, granularity=training.granularity, bucket_bytes=U,
-                                elem_bytes=e)
-        priced = [price("BC", "broadcast", b, plan.bcast_mesh()) for b, _ in items]
-        t1_os = float(sum(d for d, _ in priced))
-        h1_os = float(sum(h for _, h in priced))
-        bc_end = np.zeros(len(params))
-        done_at = 0.0
-        for (b, unit), (d, _) in zip(items, priced):
-            done_at += d
-            bc_end[unit] = done_at
-        bc_end = np.maximum.accumulate(bc_end)
-
-    # -- first forward of the step, gated by the broadcasts of updated parameters ------------
-    s = _chain(c_f, g, hg)
-    fwd = s[-1] + c_f[-1]
-    if t1_os <= 0:
-        first_fwd = fwd
-    else:
-        t0 = h1_os  # the broadcasts' time on the compute thread, right after the step
-        if plan.sp > 1:
-            first_fwd = _gated_forward(c_f.tolist(), g.tolist(), hg.tolist(), bc_end.tolist(),
-                                       sharded=True, blocking=not on["AG"], t0=t0)
-        else:  # start_u = max(start_{u-1} + c_{u-1}, bc_end_u), solved in closed form
-            c_before = t0 + np.concatenate(([0.0], np.cumsum(c_f)[:-1]))
-            starts = c_before + np.maximum.accumulate(np.maximum(bc_end - c_before, 0.0))
-            first_fwd = float(starts[-1] + c_f[-1])
-
-    # -- backward: tasks in execution order -------------------------------------------------
-    order, is_bwd, need_gather = _backward_order(tuple(layer_of.tolist()), training.recompute)
-    tc = np.where(is_bwd, c_b[order], c_f[order])
-    tg = np.where(need_gather, g_b[order], 0.0)
-    th = np.where(need_gather, hg_b[order], 0.0)
-    if plan.sp > 1:  # a reduce-scatter's time on the compute thread (all of it when blocking)
-        tc = tc + np.where(is_bwd, hr[order], 0.0)
-    bs = _chain(tc, tg, th)
-    bwd = bs[-1] + tc[-1]
-    if calibration is not None:
-        bwd += calibration.micro_batch_overhead_s
-    done = (bs + tc)[is_bwd]  # gradient of each unit computed (backward order)
-    units_bwd = order[is_bwd]
-    # a reduce-scatter is issued when its unit's gradient is computed, before its time on the
-    # compute thread; calibrated, it always runs on a stream of its own (continuous in h)
-    rs_async = plan.sp > 1 and (on["RS"] or calibration is not None)
-    rs_issue = done - hr[units_bwd] if plan.sp > 1 else done
-    if rs_async:  # a bucket waits for its units' reduce-scatters
-        d_cum = np.cumsum(r[units_bwd])
-        grad_ready = np.maximum.accumulate(rs_issue - (d_cum - r[units_bwd])) + d_cum
-    else:
-        grad_ready = done
-
-    # -- all-reduce buckets -----------------------------------------------------------------
-    g0, g1 = plan.grad_mesh()
-    if calibration is None:
-        unit_grad_bytes = e_g * params[units_bwd] / plan.sp
-        b_ready, b_bytes = _bucket_ready(unit_grad_bytes, grad_ready, U)
-        t_ar_g, t_ar_last = 0.0, 0.0
-        if drop_kind != "AR":
-            t_ar_g = timer.time("allreduce", U, g0, g1)
-            t_ar_last = comm.t0_os / b_bytes.sum() * U if comm.t0_os > 0 else 0.0
-        compute_end, rs_tail, ar_tail = _paper_micro_batches(
-            M, first_fwd=first_fwd, fwd=fwd, bwd=bwd, b_ready=b_ready, b_bytes=b_bytes, U=U,
-            t_ar_g=t_ar_g, t_ar_last=t_ar_last, ar_overlap=1.0 if on["AR"] else 0.0,
-            rs=(done, r[units_bwd]) if rs_async else None)
-    else:  # the engine's buckets (issued.py), each ready when its units' gradients are
-        buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
-                               elem_bytes=e_g)
-        ready_of = dict(zip(units_bwd.tolist(), grad_ready.tolist()))
-        b_ready = np.array([max(ready_of[u] for u in units) for _, units in buckets])
-        replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
-        order_b = np.argsort(b_ready, kind="stable")
-        last = np.array([price("AR", "allreduce", b, replica) for b, _ in buckets])[order_b]
-        other = np.array([price("AR", "allreduce", b, (g0, g1)) for b, _ in buckets])[order_b]
-        compute_end = _engine_micro_batches(
-            M, first_fwd=first_fwd, fwd=fwd, bwd=bwd, b_ready=b_ready[order_b],
-            ar=[last if m == M - 1 else other for m in range(M)],
-            in_flight=calibration.ar_buckets_in_flight,
-            rs=(rs_issue, r[units_bwd]) if rs_async else None)
-        rs_tail = ar_tail = 0.0
+    c_f, c_b = _compute_times(training.tokens_per_micro_batch * flops, cluster, calibration, efficiency)
+    unit = _unit_collectives(price, params, plan, training, bwd_gather_mesh)
+    t1_os, h1_os, bc_end = _broadcast_schedule(price, params, plan, spec, training, comm, calibration,
+                                               on, drop_kind)
+    fwd, first_fwd = _first_forward(plan, c_f, unit, t1_os, h1_os, bc_end, on)
+    bwd = _backward(plan, training, layer_of, c_f, c_b, unit, on, calibration)
+    compute_end, rs_tail, ar_tail = _micro_batches(
+        plan, spec, training, cluster, timer, comm, price, calibration, drop_kind, on, params,
+        unit, bwd, M=M, fwd=fwd, first_fwd=first_fwd)
 
     t_opt = optimizer_step_time(spec, plan, training, cluster, calibration)
     overhead = calibration.step_overhead_s if calibration else 0.0
-    step = max(compute_end, rs_tail, ar_tail) + t_opt + overhead
+    step = float(max(compute_end, rs_tail, ar_tail) + t_opt + overhead)
     compute = M * (c_f.sum() + c_b.sum())
     if training.recompute:
         compute += M * c_f[layer_of >= 0].sum()
-    tokens = M * T
+    compute = float(compute)
+    tokens = M * training.tokens_per_micro_batch
     useful = model_flops_per_token(spec, training.seq_len) * tokens
     peak = cluster.peak_flops
-    step, compute = float(step), float(compute)
     return StepEstimate(
         step_s=step,
         compute_s=compute,
@@ -505,6 +412,160 @@ def step_estimate(
         tokens_per_gpu_per_s=tokens / step,
         efficiency=useful / (compute * peak) if calibration else efficiency,
     )
+
+
+def _compute_times(flops_per_unit: np.ndarray, cluster: ClusterSpec, calibration: Calibration | None,
+                   efficiency: float) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds of each unit in one micro-batch."""
+    if calibration is not None:
+        return (flops_per_unit / calibration.forward_flops_per_s,
+                2.0 * flops_per_unit / calibration.backward_flops_per_s)
+    c_f = flops_per_unit / (cluster.peak_flops * efficiency)
+    return c_f, 2.0 * c_f
+
+
+@dataclass(frozen=True)
+class _UnitCollectives:
+    """Per unit: (duration, time on the compute thread) of its forward all-gather (g, hg), its
+    backward all-gather (g_b, hg_b, on ``bwd_gather_mesh``) and its reduce-scatter (r, hr)."""
+
+    g: np.ndarray
+    hg: np.ndarray
+    g_b: np.ndarray
+    hg_b: np.ndarray
+    r: np.ndarray
+    hr: np.ndarray
+
+
+def _unit_collectives(price, params: np.ndarray, plan: Plan, training: TrainingSpec,
+                      bwd_gather_mesh: tuple[int, int] | None) -> _UnitCollectives:
+    e, e_g = param_bytes(training.precision), grad_bytes(training)
+    p_mesh = plan.mesh("p")
+    q_mesh = bwd_gather_mesh or p_mesh
+    sizes = dict.fromkeys(params.tolist())  # one price per distinct unit size
+    ag = {n: price("AG", "allgather", e * n, p_mesh) for n in sizes}
+    ag_b = {n: price("AG", "allgather", e * n, q_mesh) for n in sizes}
+    rs = {n: price("RS", "reducescatter", e_g * n, p_mesh) for n in sizes}
+
+    def per_unit(table, i):
+        return np.array([table[n][i] for n in params.tolist()])
+
+    return _UnitCollectives(g=per_unit(ag, 0), hg=per_unit(ag, 1), g_b=per_unit(ag_b, 0),
+                            hg_b=per_unit(ag_b, 1), r=per_unit(rs, 0), hr=per_unit(rs, 1))
+
+
+def _broadcast_schedule(price, params: np.ndarray, plan: Plan, spec: ModelSpec,
+                        training: TrainingSpec, comm: CommCost, calibration: Calibration | None,
+                        on: dict, drop_kind: str | None) -> tuple[float, float, np.ndarray]:
+    """(T1_os, its time on the compute thread, when each unit's updated parameters arrive)."""
+    if calibration is None:  # the paper's T1_os, spread over the units in proportion to bytes
+        t1_os = 0.0 if drop_kind == "BC" else comm.t1_os
+        h1_os = 0.0 if on["BC"] else t1_os
+        return t1_os, h1_os, np.cumsum(t1_os * params / params.sum())
+    # the engine's broadcasts, one by one (issued.py), in forward order
+    items = broadcast_items(spec, plan, granularity=training.granularity,
+                            bucket_bytes=training.bucket_bytes, elem_bytes=param_bytes(training.precision))
+    priced = [price("BC", "broadcast", b, plan.bcast_mesh()) for b, _ in items]
+    bc_end = np.zeros(len(params))
+    done_at = 0.0
+    for (_, unit), (d, _) in zip(items, priced):
+        done_at += d
+        bc_end[unit] = done_at
+    return (float(sum(d for d, _ in priced)), float(sum(h for _, h in priced)),
+            np.maximum.accumulate(bc_end))
+
+
+def _first_forward(plan: Plan, c_f: np.ndarray, unit: _UnitCollectives, t1_os: float, h1_os: float,
+                   bc_end: np.ndarray, on: dict) -> tuple[float, float]:
+    """(a forward, the step's first forward: gated by the broadcasts of updated parameters)."""
+    s = _chain(c_f, unit.g, unit.hg)
+    fwd = s[-1] + c_f[-1]
+    if t1_os <= 0:
+        return fwd, fwd
+    t0 = h1_os  # the broadcasts' time on the compute thread, right after the step
+    if plan.sp > 1:
+        return fwd, _gated_forward(c_f.tolist(), unit.g.tolist(), unit.hg.tolist(), bc_end.tolist(),
+                                   sharded=True, blocking=not on["AG"], t0=t0)
+    # start_u = max(start_{u-1} + c_{u-1}, bc_end_u), solved in closed form
+    c_before = t0 + np.concatenate(([0.0], np.cumsum(c_f)[:-1]))
+    starts = c_before + np.maximum.accumulate(np.maximum(bc_end - c_before, 0.0))
+    return fwd, float(starts[-1] + c_f[-1])
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """One micro-batch's backward: its length, when each unit's gradient is computed (``done``,
+    backward order of ``units``), when its reduce-scatter is issued and when it is ready for
+    the all-reduce buckets."""
+
+    seconds: float
+    done: np.ndarray
+    units: np.ndarray
+    rs_async: bool
+    rs_issue: np.ndarray
+    grad_ready: np.ndarray
+
+
+def _backward(plan: Plan, training: TrainingSpec, layer_of: np.ndarray, c_f: np.ndarray,
+              c_b: np.ndarray, unit: _UnitCollectives, on: dict,
+              calibration: Calibration | None) -> _Backward:
+    order, is_bwd, need_gather = _backward_order(tuple(layer_of.tolist()), training.recompute)
+    tc = np.where(is_bwd, c_b[order], c_f[order])
+    tg = np.where(need_gather, unit.g_b[order], 0.0)
+    th = np.where(need_gather, unit.hg_b[order], 0.0)
+    if plan.sp > 1:  # a reduce-scatter's time on the compute thread (all of it when blocking)
+        tc = tc + np.where(is_bwd, unit.hr[order], 0.0)
+    bs = _chain(tc, tg, th)
+    seconds = bs[-1] + tc[-1]
+    if calibration is not None:
+        seconds += calibration.micro_batch_overhead_s
+    done = (bs + tc)[is_bwd]  # gradient of each unit computed (backward order)
+    units = order[is_bwd]
+    # a reduce-scatter is issued when its unit's gradient is computed, before its time on the
+    # compute thread; calibrated, it always runs on a stream of its own (continuous in h)
+    rs_async = plan.sp > 1 and (on["RS"] or calibration is not None)
+    rs_issue = done - unit.hr[units] if plan.sp > 1 else done
+    if rs_async:  # a bucket waits for its units' reduce-scatters
+        d_cum = np.cumsum(unit.r[units])
+        grad_ready = np.maximum.accumulate(rs_issue - (d_cum - unit.r[units])) + d_cum
+    else:
+        grad_ready = done
+    return _Backward(seconds=seconds, done=done, units=units, rs_async=rs_async,
+                     rs_issue=rs_issue, grad_ready=grad_ready)
+
+
+def _micro_batches(plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
+                   timer: CommTimer, comm: CommCost, price, calibration: Calibration | None,
+                   drop_kind: str | None, on: dict, params: np.ndarray, unit: _UnitCollectives,
+                   bwd: _Backward, *, M: int, fwd: float, first_fwd: float) -> tuple[float, float, float]:
+    """(end of the last micro-batch's compute, reduce-scatter tail, all-reduce tail): the M
+    micro-batches with their gradient all-reduce buckets."""
+    g_mesh, U = plan.grad_mesh(), training.bucket_bytes
+    rs = (bwd.done if calibration is None else bwd.rs_issue, unit.r[bwd.units]) if bwd.rs_async else None
+    if calibration is None:
+        unit_grad_bytes = grad_bytes(training) * params[bwd.units] / plan.sp
+        b_ready, b_bytes = _bucket_ready(unit_grad_bytes, bwd.grad_ready, U)
+        t_ar_g, t_ar_last = 0.0, 0.0
+        if drop_kind != "AR":
+            t_ar_g = timer.time("allreduce", U, *g_mesh)
+            t_ar_last = comm.t0_os / b_bytes.sum() * U if comm.t0_os > 0 else 0.0
+        return _paper_micro_batches(
+            M, first_fwd=first_fwd, fwd=fwd, bwd=bwd.seconds, b_ready=b_ready, b_bytes=b_bytes, U=U,
+            t_ar_g=t_ar_g, t_ar_last=t_ar_last, ar_overlap=1.0 if on["AR"] else 0.0, rs=rs)
+    # the engine's buckets (issued.py), each ready when its units' gradients are
+    buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
+                           elem_bytes=grad_bytes(training))
+    ready_of = dict(zip(bwd.units.tolist(), bwd.grad_ready.tolist()))
+    b_ready = np.array([max(ready_of[u] for u in units) for _, units in buckets])
+    replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
+    order_b = np.argsort(b_ready, kind="stable")
+    last = np.array([price("AR", "allreduce", b, replica) for b, _ in buckets])[order_b]
+    other = np.array([price("AR", "allreduce", b, g_mesh) for b, _ in buckets])[order_b]
+    compute_end = _engine_micro_batches(
+        M, first_fwd=first_fwd, fwd=fwd, bwd=bwd.seconds, b_ready=b_ready[order_b],
+        ar=[last if m == M - 1 else other for m in range(M)],
+        in_flight=calibration.ar_buckets_in_flight, rs=rs)
+    return compute_end, 0.0, 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
