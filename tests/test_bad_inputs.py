@@ -47,6 +47,20 @@ def _files(tmp: Path) -> dict[str, Path]:
         "ds_mics_str": {"zero_optimization": {"stage": 3, "mics_shard_size": "x"}},
     }.items():
         out[name] = json.dumps({**ZERO1, **patch}, allow_nan=True)
+    for name, patch in {"ds_stage_true": {"zero_optimization": {"stage": True}},
+                        "ds_bucket_1e30": {"zero_optimization": {"stage": 1, "reduce_bucket_size": 1e30}},
+                        "ds_clip_negative": {"gradient_clipping": -1},
+                        "ds_lr_minus_one": {"optimizer": {"type": "AdamW", "params": {"lr": -1}}}}.items():
+        out[name] = json.dumps({**ZERO1, **patch})
+    from amsp_ext.train.models import llama_config_dict
+
+    tiny = llama_config_dict("tiny-llama")
+    for name, patch in {"hf_heads_indivisible": {"hidden_size": 100, "num_attention_heads": 3},
+                        "hf_heads_0": {"num_attention_heads": 0},
+                        "hf_layers_negative": {"num_hidden_layers": -3},
+                        "hf_short_positions": {"max_position_embeddings": 16}}.items():
+        out[name] = json.dumps({**tiny, **patch})
+    out["a_file"] = "not a folder"
     paths = {}
     for name, text in out.items():
         paths[name] = tmp / f"{name}.json"
@@ -77,12 +91,35 @@ CLI = [
     ("plan:micro-batch-0", PLAN + ["--micro-batch-size", "0"], "--micro-batch-size must be an integer >= 1"),
     ("plan:batch-indivisible", PLAN[:-1] + ["3"], "global"),
     ("plan:unknown-model", ["plan", "--model", "llama-1b"] + PLAN[3:], "llama-7b"),
+    ("plan:nodes-1e9", PLAN + ["--nodes", "1000000000"], "global_batch_size=64 must be a multiple"),
+    ("plan:mics-3", PLAN + ["--mics-size", "3"], "group size 3 must divide gpus_per_node=8"),
+    ("plan:hf-heads-indivisible", ["plan", "--model-config", "{hf_heads_indivisible}"] + PLAN[3:],
+     "config.json hidden_size=100 must be a multiple of num_attention_heads=3"),
+    ("plan:hf-heads-0", ["plan", "--model-config", "{hf_heads_0}"] + PLAN[3:],
+     "config.json num_attention_heads must be an integer >= 1, got 0"),
+    ("plan:hf-layers-negative", ["plan", "--model-config", "{hf_layers_negative}"] + PLAN[3:],
+     "config.json num_hidden_layers must be an integer >= 1, got -3"),
+    ("plan:hf-short-positions", ["plan", "--model-config", "{hf_short_positions}"] + PLAN[3:],
+     "--seq-len must be <= 16"),
+    ("train:seed-2^70", TRAIN + ["--seed", str(2**70)], "--seed must be a number < "),
+    ("train:profile-missing", TRAIN + ["--profile", "{no_dir}.json"], "cannot read"),
+    ("train:micro-batch-1e9", TRAIN + ["--micro-batch-size", "1000000000"], "does not fit: the planner's memory model needs"),
+    ("train:save-dir-a-file", TRAIN + ["--save-dir", "{a_file}"], "--save-dir"),
+    ("train:save-dir-proc", TRAIN + ["--save-dir", "/proc/amsp-no-such"], "--save-dir /proc/amsp-no-such: cannot write there"),
+    ("migrate:stage-true", ["migrate", "{ds_stage_true}"] + MIGRATE, "zero_optimization.stage must be 0, 1, 2 or 3, got True"),
+    ("migrate:bucket-1e30", ["migrate", "{ds_bucket_1e30}"] + MIGRATE, "zero_optimization.reduce_bucket_size must be a number of elements in"),
+    ("migrate:clip-negative", ["migrate", "{ds_clip_negative}"] + MIGRATE, "gradient_clipping must be a finite number >= 0"),
+    ("migrate:lr-negative", ["migrate", "{ds_lr_minus_one}"] + MIGRATE, "optimizer.params.lr must be > 0, got -1"),
+    ("simulate:models-empty-name", ["simulate", "--models", "llama-7b,,"], "--models must be comma-separated names"),
+    ("tune:plans-empty", ["tune", "--plans", ";"], "--plans ';' names no plan"),
+    ("tune:out-a-file", ["tune", "--out", "{a_file}"], "is a file"),
+    ("tune:calibrate-out-no-folder", ["tune", "--calibrate-out", "{no_dir}/cal.json"], "does not exist"),
     ("plan:unknown-profile", PLAN + ["--profile", "nosuch-profile"], "nosuch-profile"),
     ("plan:truncated-profile", PLAN + ["--profile", "{truncated_profile}"], "not valid JSON"),
     ("plan:profile-not-object", PLAN + ["--profile", "{list_json}"], "list_json.json"),
     ("plan:profile-binary", PLAN + ["--profile", "{binary}"], "binary.json"),
-    ("plan:peak-nan", PLAN + ["--peak-tflops", "nan"], "peak_flops must be a positive number, got nan"),
-    ("plan:peak-negative", PLAN + ["--peak-tflops", "-5"], "--peak-tflops must be positive, got -5.0"),
+    ("plan:peak-nan", PLAN + ["--peak-tflops", "nan"], "--peak-tflops must be a positive number, got nan"),
+    ("plan:peak-negative", PLAN + ["--peak-tflops", "-5"], "--peak-tflops must be a positive number, got -5.0"),
     ("plan:efficiency-2", PLAN + ["--efficiency", "2"], "efficiency must be in (0, 1]"),
     ("plan:bucket-0", PLAN + ["--grad-bucket-bytes", "0B"], "--grad-bucket-bytes"),
     ("plan:precision-fp8", PLAN + ["--precision", "fp8"], "invalid choice: 'fp8' (choose from"),
@@ -96,7 +133,7 @@ CLI = [
     ("migrate:output-dir-missing", ["migrate", "{ds_ok}"] + MIGRATE + ["-o", "{no_dir}/x.json"],
      "-o/--output: directory"),
     ("migrate:negative-bucket", ["migrate", "{ds_neg_bucket}"] + MIGRATE,
-     "zero_optimization.reduce_bucket_size must be a number of elements >= 1 or 'auto', got -5"),
+     "zero_optimization.reduce_bucket_size must be a number of elements in 1..1e+12 or 'auto', got -5"),
     ("migrate:string-bucket", ["migrate", "{ds_str_bucket}"] + MIGRATE, "reduce_bucket_size"),
     ("migrate:stage-7", ["migrate", "{ds_stage7}"] + MIGRATE, "zero_optimization.stage must be 0, 1, 2 or 3"),
     ("migrate:zero-not-object", ["migrate", "{ds_zero_list}"] + MIGRATE, "zero_optimization must be an object"),
@@ -163,6 +200,12 @@ def _shard(model=None, plan="ddp", factory=None, config=None):
     if model is None:
         model = torch.nn.Linear(2, 2)
     return shard(model, plan, factory or (lambda p: torch.optim.SGD(p, lr=0.1)), config=config)
+
+
+def _empty_module():
+    import torch
+
+    return torch.nn.ReLU()
 
 
 def _cfg(**kw):
@@ -279,7 +322,7 @@ PY = [
      "amsp.adaptive.allow_replan: false with plan p=1x1,g=1x1,os=2x1"),
     ("amsp-block:adaptive-unknown-key", lambda f: _amsp_block({"enabled": True, "plan": "ddp", "adaptive": {"windw": 3}}),
      "amsp.adaptive.windw is not an adaptive setting (allowed: band, window"),
-    ("ds:clipping-negative", lambda f: _ds({"gradient_clipping": -1}, "gradient_clipping"), "gradient_clipping must be a number >= 0"),
+    ("ds:clipping-negative", lambda f: _ds({"gradient_clipping": -1}, "gradient_clipping"), "gradient_clipping must be a finite number >= 0"),
     ("ds:config-list", lambda f: _ds(str(f["list_json"]), "load_ds_config"), "must be a JSON object"),
     ("ds:config-int", lambda f: _ds(3, "load_ds_config"), "ds_config must be a dict, a path or a JSON string"),
     ("ds:optimizer-lr-fast", lambda f: _opt_block({"type": "AdamW", "params": {"lr": "fast"}}),
@@ -296,6 +339,12 @@ PY = [
     ("ds:optimizer-momentum-str", lambda f: _opt_block({"type": "SGD", "params": {"lr": 0.1, "momentum": "high"}}),
      "optimizer.params.momentum must be a finite number"),
     ("shard:model-not-module", lambda f: _shard(model="llama"), "model must be a torch.nn.Module, got str"),
+    ("shard:model-without-parameters", lambda f: _shard(model=_empty_module()), "has no parameters"),
+    ("ShardConfig:bucket-bool", lambda f: _cfg(grad_bucket_bytes=True), "config.grad_bucket_bytes must be an integer >= 1"),
+    ("ShardConfig:nodes-per-leaf-bool", lambda f: _cfg(nodes_per_leaf=True), "config.nodes_per_leaf must be an integer >= 1"),
+    ("FP16Config:growth-interval-str", lambda f: _fp16(growth_interval="x"), "fp16.growth_interval must be an integer >= 1"),
+    ("FP16Config:growth-interval-1.5", lambda f: _fp16(growth_interval=1.5), "fp16.growth_interval must be an integer >= 1"),
+    ("FP16Config:initial-scale-inf", lambda f: _fp16(initial_scale=math.inf), "fp16.initial_scale must be a number > 0"),
     ("shard:factory-not-callable", lambda f: _shard(factory=3), "optimizer_factory must be a callable"),
     ("shard:factory-is-optimizer", lambda f: _shard(factory=_sgd()), "optimizer_factory must be a callable"),
     ("shard:plan-int", lambda f: _shard(plan=3), "plan must be a Plan or a string"),

@@ -30,6 +30,7 @@ from typing import Any
 from amsp_ext.choices import MISSING_MESH, PRECISIONS
 from amsp_ext.engine_config import engine_default
 
+DEFAULT_SEQ_LEN = 2048
 HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
 
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default
@@ -57,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bandwidth profile (default paper-a800)")
     c.add_argument("--missing-mesh", choices=MISSING_MESH, default="error")
     t = p.add_argument_group("training (what the ds_config does not say)")
-    t.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    t.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}; given, it must fit the model)")
     t.add_argument("--micro-batch-size", type=int, default=None,
                    help="needed when train_micro_batch_size_per_gpu is 'auto'")
     t.add_argument("--micro-batches", type=int, default=None,
@@ -88,7 +90,7 @@ def old_layout(cfg: dict[str, Any]) -> tuple[str, int | None, int | None, str]:
     """``(baseline key, mics size, hpz size, label)`` of the config's ZeRO setting."""
     zero = cfg.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):  # True == 1 in Python
         raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     mics = zero.get("mics_shard_size", -1)
     hpz = zero.get("zero_hpz_partition_size", 1)
@@ -156,7 +158,7 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(migrated ds_config, report)``."""
     from amsp_ext.integrations import ds_keys
     from amsp_ext.integrations.settings import (AMSPSettings, check_optimizer_block, ds_bucket_bytes,
-                                                load_ds_config)
+                                                gradient_clipping, load_ds_config)
     from amsp_ext.planner.baselines import baselines
     from amsp_ext.planner.plan import resolve_plan, validate_plan
     from amsp_ext.planner.search import evaluate, make_problem, search
@@ -170,10 +172,15 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
             raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
     cfg = load_ds_config(args.config)
     check_optimizer_block(cfg)
+    gradient_clipping(cfg)  # the value the written config keeps, refused now if AMSP would refuse it
     out_path = Path(args.output) if args.output else Path(args.config).with_suffix(".amsp.json")
     if not out_path.parent.is_dir():  # refuse before planning, not after
         raise ValueError(f"-o/--output: directory {out_path.parent} does not exist")
     spec = model_spec(args.model, args.model_config)
+    if args.seq_len is None:  # the planner's estimate only; amsp.seq_len can be changed later
+        args.seq_len = DEFAULT_SEQ_LEN
+    else:
+        spec.check_seq_len(args.seq_len)
     R, N = args.gpus_per_node, args.nodes
     cluster = ClusterSpec(num_nodes=N, gpus_per_node=R,
                           gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),

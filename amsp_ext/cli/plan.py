@@ -88,8 +88,8 @@ def _check_positive(args: argparse.Namespace) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        raise ValueError(f"--peak-tflops must be positive, got {args.peak_tflops}")
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
+        raise ValueError(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     engine = schema.from_namespace(EngineConfig, args)
     settings = planner_settings(engine)
     spec = model_spec(args.model, args.model_config)
+    spec.check_seq_len(args.seq_len)
     profile = load_profile(args.profile)
     if args.peak_tflops is not None:
         peak = args.peak_tflops * 1e12

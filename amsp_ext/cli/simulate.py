@@ -30,6 +30,14 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     return vals
 
 
+def _names(text: str, flag: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(","))
+    if not all(names):
+        raise ValueError(f"{flag} must be comma-separated names with none empty, e.g. llama-7b,llama-13b; "
+                         f"got {text!r}")
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
 
@@ -59,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node must be an integer >= 1, got {args.gpus_per_node}")
     settings = SimSettings(
-        models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
+        models=_names(args.models, "--models"),
         gpu_counts=_ints(args.gpus, "--gpus"), gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
         seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens, profile=args.profile,

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from amsp_ext import schema
 from amsp_ext.train.config import TrainConfig
@@ -31,32 +32,74 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
     that cannot run, and every ``--plan auto`` error (a bad profile, nothing fits), is one line
     from here. ``auto`` is planned here (the ranks get the factors) unless the device memory
     has to be read from a GPU."""
-    from amsp_ext.planner.plan import resolve_plan, validate_plan
-
-    if config.plan.strip().lower() != "auto":
-        validate_plan(resolve_plan(config.plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes),
-                      gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=True)
-        return config.plan
-    from amsp_ext.train.models import llama_config_dict
-    from amsp_ext.planner.auto import plan_auto
     from amsp_ext.engine_config import planner_settings
+    from amsp_ext.planner.auto import auto_problem, plan_auto
+    from amsp_ext.planner.plan import resolve_plan, validate_plan
+    from amsp_ext.planner.profile import load_profile
     from amsp_ext.train.config import auto_plan_config
+    from amsp_ext.train.models import llama_config_dict
 
-    memory = config.planner.gpu_memory_bytes
-    if memory is None:
-        import torch
-
-        if torch.cuda.is_available():
-            return config.plan  # the ranks read their device's memory
-        import psutil
-
-        memory = psutil.virtual_memory().total // gpus_per_node  # what a CPU rank assumes
+    load_profile(config.planner.profile)  # a bad --profile is refused whatever the plan
+    memory = _rank_memory(config, gpus_per_node)
     # the same settings the ranks' engine plans with (engine_config.planner_settings): the
     # launcher once planned without reduce_dtype, i.e. for half the gradient bytes under bf16
-    plan = plan_auto(llama_config_dict(config.model), auto_plan_config(config), num_nodes=num_nodes,
-                     gpus_per_node=gpus_per_node, gpu_memory_bytes=memory,
-                     **planner_settings(config.engine))
-    return str(plan)
+    shape = dict(num_nodes=num_nodes, gpus_per_node=gpus_per_node, **planner_settings(config.engine))
+    if config.plan.strip().lower() == "auto":
+        if memory is None:
+            return config.plan  # the ranks read their device's memory
+        return str(plan_auto(llama_config_dict(config.model), auto_plan_config(config),
+                             gpu_memory_bytes=memory, **shape))
+    plan = validate_plan(resolve_plan(config.plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes),
+                         gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=True)
+    if memory is not None:  # an explicit plan too: refuse what cannot fit before any rank starts
+        # with no reserve: only what the memory model says cannot fit at all
+        auto = dataclasses.replace(auto_plan_config(config),
+                                   memory_reserve_bytes=config.planner.memory_reserve_bytes or 0)
+        _check_fits(auto_problem(llama_config_dict(config.model), auto, gpu_memory_bytes=memory, **shape),
+                    plan, memory)
+    return config.plan
+
+
+def _rank_memory(config: TrainConfig, gpus_per_node: int) -> int | None:
+    """Memory per rank: --gpu-memory, else on CPU the RAM shared by a node's ranks, else None
+    (a GPU rank reads its device's)."""
+    if config.planner.gpu_memory_bytes is not None:
+        return config.planner.gpu_memory_bytes
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    import psutil
+
+    return psutil.virtual_memory().total // gpus_per_node  # what a CPU rank assumes
+
+
+def _check_fits(problem, plan, memory: int) -> None:
+    from amsp_ext.planner.search import evaluate
+    from amsp_ext.planner.specs import format_size
+
+    mem = evaluate(problem, plan).memory
+    if mem.total > problem.memory_limit:
+        raise ValueError(
+            f"plan {plan} does not fit: the planner's memory model needs {format_size(mem.total)} per "
+            f"rank (activations {format_size(mem.activations)}) of {format_size(memory)}; lower "
+            f"--micro-batch-size or --seq-len, use --recompute or a more sharded --plan, or give "
+            f"--gpu-memory")
+
+
+def _check_save_dir(config: TrainConfig) -> None:
+    """--save-dir is a directory this process can write, checked before any rank trains."""
+    save_dir = config.checkpoint.save_dir
+    if not save_dir:
+        return
+    path = Path(save_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".amsp-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--save-dir {save_dir}: cannot write there ({e.strerror or e})") from None
 
 
 def _check_resume(config: TrainConfig) -> None:
@@ -85,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             f"--gpus-per-node={gpus} must divide --nproc-per-node={args.nproc_per_node}"
         )
     plan = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
+    _check_save_dir(config)
     _check_resume(config)
     config = dataclasses.replace(
         config, plan=plan, engine=dataclasses.replace(config.engine, gpus_per_node=gpus))

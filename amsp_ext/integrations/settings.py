@@ -305,6 +305,9 @@ def _json_object(v: Any, where: str) -> dict[str, Any]:
     return v
 
 
+_MAX_BUCKET_ELEMENTS = 1e12  # 4 TB of fp32 gradients: beyond any model, and an int64 count of bytes
+
+
 def ds_bucket_bytes(cfg: Mapping[str, Any], precision: str) -> int | None:
     """The config's explicit ``zero_optimization.reduce_bucket_size`` in bytes (DeepSpeed counts
     elements), or None when it is absent or "auto"; anything else is a ConfigError."""
@@ -314,9 +317,9 @@ def ds_bucket_bytes(cfg: Mapping[str, Any], precision: str) -> int | None:
     v = zero.get("reduce_bucket_size")
     if v is None or v == "auto":
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 1 or v == float("inf"):
-        raise ConfigError(f"zero_optimization.reduce_bucket_size must be a number of elements >= 1 "
-                          f"or 'auto', got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v <= _MAX_BUCKET_ELEMENTS:
+        raise ConfigError(f"zero_optimization.reduce_bucket_size must be a number of elements in "
+                          f"1..{_MAX_BUCKET_ELEMENTS:.0e} or 'auto', got {v!r}")
     return int(v) * (4 if precision == "fp32" else 2)
 
 
@@ -479,6 +482,10 @@ def check_optimizer_block(cfg: Mapping[str, Any]) -> None:
         if k in _NUMBER_PARAMS and (isinstance(v, bool) or not isinstance(v, (int, float))
                                     or v != v or v in (float("inf"), float("-inf"))):
             raise ConfigError(f"optimizer.params.{k} must be a finite number, got {v!r}")
+        if k == "lr" and v <= 0:
+            raise ConfigError(f"optimizer.params.lr must be > 0, got {v!r}")
+        if k in ("weight_decay", "eps") and v < 0:
+            raise ConfigError(f"optimizer.params.{k} must be >= 0, got {v!r}")
         if k == "betas" and not (isinstance(v, (list, tuple)) and len(v) == 2 and all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < 1 for x in v)):
             raise ConfigError(f"optimizer.params.betas must be a list of 2 numbers in [0, 1), got {v!r}")
@@ -517,6 +524,6 @@ def gradient_clipping(cfg: Mapping[str, Any]) -> float:
     v = cfg.get("gradient_clipping", 0.0)
     if v == "auto":
         raise ConfigError("gradient_clipping is 'auto': the launcher fills it; called directly, give a number")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise ConfigError(f"gradient_clipping must be a number >= 0 (0: off), got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        raise ConfigError(f"gradient_clipping must be a finite number >= 0 (0: off), got {v!r}")
     return float(v)

@@ -83,6 +83,13 @@ class ModelSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    max_positions: int | None = None  # config.json max_position_embeddings (None: unknown)
+
+    def check_seq_len(self, seq_len: int, *, flag: str = "--seq-len") -> None:
+        """A sequence longer than the model's positions is refused (one line)."""
+        if self.max_positions is not None and seq_len > self.max_positions:
+            raise ModelSpecError(f"{flag} must be <= {self.max_positions} for {self.name} "
+                                 f"(max_position_embeddings), got {seq_len}")
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -185,12 +192,26 @@ class ModelSpec:
         def need(key: str) -> int:
             if key not in config:
                 raise ModelSpecError(f"model {label}: config.json has no {key!r}")
-            return config[key]
+            return count(key)
+
+        def count(key: str) -> int:  # checked under the name the config.json uses
+            v = config[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelSpecError(f"model {label}: config.json {key} must be an integer >= 1, got {v!r}")
+            return v
 
         h, heads = need("hidden_size"), need("num_attention_heads")
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or (h // heads if isinstance(h, int) and
-                                              isinstance(heads, int) and heads else 0)
+        kv_heads = count("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+        if config.get("head_dim") is not None:
+            head_dim = count("head_dim")
+        elif h % heads:
+            raise ModelSpecError(f"model {label}: config.json hidden_size={h} must be a multiple of "
+                                 f"num_attention_heads={heads} (or give head_dim)")
+        else:
+            head_dim = h // heads
+        if heads % kv_heads:
+            raise ModelSpecError(f"model {label}: config.json num_attention_heads={heads} must be a "
+                                 f"multiple of num_key_value_heads={kv_heads}")
         qkv_b, o_b = _ATTN_BIAS_DEFAULT[model_type]
         if "attention_bias" in config:
             qkv_b = o_b = bool(config["attention_bias"])
@@ -207,6 +228,7 @@ class ModelSpec:
             qkv_bias=qkv_b,
             o_bias=o_b,
             mlp_bias=bool(config.get("mlp_bias", False)),
+            max_positions=count("max_position_embeddings") if config.get("max_position_embeddings") is not None else None,
         )
 
     @classmethod

@@ -43,6 +43,9 @@ def shard(model: nn.Module, plan: "Plan | str",
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"amsp_ext.shard: model must be a torch.nn.Module, got {type(model).__name__}")
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"amsp_ext.shard: model {type(model).__name__} has no parameters; there is "
+                         f"nothing to shard or train")
     if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
         raise ValueError(
             f"amsp_ext.shard: optimizer_factory must be a callable that builds the optimizer from a "

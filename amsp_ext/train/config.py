@@ -169,7 +169,7 @@ class TrainConfig:
         help="'auto' (the planner), ddp, zero1, zero2, zero3, mics:K, or factors "
              f"'p=S0xS1,g=S0xS1,os=S0xS1' (default {DEFAULT_PLAN}: the paper's LLaMA-7B shape, "
              "optimizer states sharded inside a node)")
-    seed: int = option(0, minimum=0, help="model initialisation seed")
+    seed: int = option(0, minimum=0, below=2**63, help="model initialisation seed")
     planner: PlannerOptions = section(PlannerOptions)
     batch: BatchOptions = section(BatchOptions)
     optim: OptimOptions = section(OptimOptions)
