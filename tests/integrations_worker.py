@@ -410,7 +410,7 @@ def adaptive_config():
     """zero3 on 2 x 2 (its gathers cross nodes), M = 1, ds_config ``amsp.adaptive`` with the
     band of tests/test_adaptive_train.py (the bundled A800 profile is ~200x off on CPU)."""
     cfg = base_config(plan="zero3", seq_len=SEQ, adaptive=ADAPTIVE, granularity="layer",
-                      cluster={"gpus_per_node": R, "gpu_memory": "4GiB"})
+                      gpus_per_node=R, gpu_memory="4GiB")
     cfg["gradient_accumulation_steps"] = 1
     return cfg
 

@@ -116,7 +116,7 @@ def _trainer(env, out, *extra, plan="p=2x1,g=2x1,os=2x1", blocks=True):
     """The example configs/hf_trainer/ds_config.json with the plan fixed to a sharded one;
     ``blocks=False`` drops its optimizer and scheduler blocks (the Trainer then builds its own)."""
     cfg = json.loads((REPO / "configs" / "hf_trainer" / "ds_config.json").read_text())
-    cfg["amsp"].update(plan=plan, cluster={"gpus_per_node": 2})
+    cfg["amsp"].update(plan=plan, gpus_per_node=2)
     if not blocks:
         cfg.pop("optimizer")
         cfg.pop("scheduler")

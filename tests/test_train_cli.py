@@ -52,7 +52,9 @@ def test_train_auto_plan_shards_when_memory_binds():
     # must shard; whatever it picks must be legal and train.
     proc = amsp("train", "--steps", "2", "--seq-len", "32", "--micro-batch-size", "1",
                 "--plan", "auto", "--profile", "configs/clusters/lab-2x2.profile.json",
-                "--gpu-memory", "1536KiB", "--memory-reserve", "0B", "--json")
+                "--gpu-memory", "1536KiB", "--memory-reserve", "0B", "--json",
+                # the units and bucket these budgets were worked out for (not the engine's defaults)
+                "--granularity", "module", "--grad-bucket-bytes", "1MiB")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     p = out["plan"]

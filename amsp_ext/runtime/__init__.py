@@ -6,32 +6,24 @@ non-finite guard, loss scaling), ``state/`` (checkpoints, their files, export), 
 (switching plans, adaptive AMSP) and ``measure/`` (profiler, comm trace, peak); ``shard.py``,
 ``engine.py``, ``collectives.py`` (the only module that issues collectives) and
 ``_torch_compat.py`` (every private torch name) at the top.
-
-The names below are loaded on first use, so importing one submodule (``topology/mesh.py``
-needs ``_torch_compat``) does not import the whole engine.
 """
 
-from importlib import import_module
+from amsp_ext.runtime.collectives import CollectiveTimeout
+from amsp_ext.runtime.config import AdaptiveConfig, AutoPlanConfig, FP16Config, OverlapConfig, ShardConfig
+from amsp_ext.runtime.engine import AMSPModule, Engine, MismatchError
+from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
+from amsp_ext.runtime.replan.switch import switch_plan
+from amsp_ext.runtime.shard import shard
+from amsp_ext.runtime.state.checkpoint import (CheckpointError, PendingSave, checkpoint_step, load_checkpoint,
+                                               read_checkpoint_meta, save_checkpoint, verify_checkpoint,
+                                               wait_for_save)
+from amsp_ext.runtime.state.export import consolidated_state_dict, export_checkpoint, save_pretrained
+from amsp_ext.runtime.sync.units import list_units, unit_param_counts
 
-_HOME = {
-    "amsp_ext.runtime.state.checkpoint": ("CheckpointError", "PendingSave", "checkpoint_step",
-                                          "load_checkpoint", "read_checkpoint_meta",
-                                          "save_checkpoint", "verify_checkpoint", "wait_for_save"),
-    "amsp_ext.runtime.collectives": ("CollectiveTimeout",),
-    "amsp_ext.runtime.config": ("AdaptiveConfig", "AutoPlanConfig", "FP16Config", "OverlapConfig",
-                                "ShardConfig"),
-    "amsp_ext.runtime.engine": ("AMSPModule", "Engine", "MismatchError"),
-    "amsp_ext.runtime.shard": ("shard",),
-    "amsp_ext.runtime.state.export": ("consolidated_state_dict", "export_checkpoint", "save_pretrained"),
-    "amsp_ext.runtime.optim.optimizer": ("AMSPOptimizer",),
-    "amsp_ext.runtime.replan.switch": ("switch_plan",),
-    "amsp_ext.runtime.sync.units": ("list_units", "unit_param_counts"),
-}
-_WHERE = {name: module for module, names in _HOME.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name):
-    if name in _WHERE:
-        return getattr(import_module(_WHERE[name]), name)
-    raise AttributeError(f"module 'amsp_ext.runtime' has no attribute {name!r}")
+__all__ = [
+    "AdaptiveConfig", "AMSPModule", "AMSPOptimizer", "AutoPlanConfig", "CheckpointError", "CollectiveTimeout",
+    "checkpoint_step", "Engine", "FP16Config", "MismatchError", "OverlapConfig", "ShardConfig",
+    "consolidated_state_dict", "export_checkpoint", "list_units", "load_checkpoint", "PendingSave",
+    "read_checkpoint_meta", "save_checkpoint", "save_pretrained", "shard", "switch_plan",
+    "unit_param_counts", "verify_checkpoint", "wait_for_save",
+]

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from amsp_ext.planner.plan import Plan
-from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.topology.groups import GROUP_AXES, GROUP_KINDS, MESH_AXES, World, axis_sizes, mesh_ranks, rank_groups
 
 __all__ = ["PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
@@ -42,13 +41,21 @@ class PlanMesh:
         return f"{kind}[{','.join(map(str, self.ranks[kind]))}]"
 
 
+def _compat():
+    """runtime/_torch_compat, imported when a mesh is built: importing it at the top would run
+    amsp_ext/runtime/__init__.py, which imports the engine, which imports this module."""
+    from amsp_ext.runtime import _torch_compat
+
+    return _torch_compat
+
+
 def _backend_override(timeout: datetime.timedelta | None):
     """Process-group options carrying ``timeout`` for the default backend (None: defaults).
 
     The group timeout bounds every collective on the group, including the waits that
     torch (FSDP2) does itself, and on NCCL it arms the watchdog that aborts a hung collective.
     """
-    return None if timeout is None else compat.backend_options(timeout)
+    return None if timeout is None else _compat().backend_options(timeout)
 
 
 def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
@@ -74,7 +81,7 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
     ranks: dict[str, list[int]] = {}
     for kind in GROUP_KINDS:
         axes = GROUP_AXES[kind]
-        sub = (compat.flatten_mesh(mesh[axes], kind, backend_override=_backend_override(timeout))
+        sub = (_compat().flatten_mesh(mesh[axes], kind, backend_override=_backend_override(timeout))
                if len(axes) > 1 else mesh[axes[0]])
         pg = sub.get_group()
         got = sorted(dist.get_process_group_ranks(pg))
