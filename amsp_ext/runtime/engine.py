@@ -38,7 +38,7 @@ from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_curr
 from amsp_ext.runtime.sync.param_sync import ParamSync
 from amsp_ext.runtime.sync.units import Unit, decoder_layers, list_units, refresh_params
 from amsp_ext.topology.groups import World
-from amsp_ext.topology.mesh import PlanMesh, build_plan_mesh
+from amsp_ext.topology.mesh import GroupHandle, PlanMesh, build_plan_mesh
 
 __all__ = ["AMSPModule", "Engine", "EngineParts", "MismatchError", "build_parts", "full_state_dict", "install"]
 
@@ -327,8 +327,9 @@ def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 def norm_group(parts: EngineParts) -> NormGroup:
     # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
-    return NormGroup(group=dist.group.WORLD, name="world", timeout=parts.config.timeout,
-                     replicas=parts.world.size // parts.mesh.size("optim"))
+    world = GroupHandle(pg=dist.group.WORLD, name="world", size=parts.world.size,
+                        timeout=parts.config.timeout, cross_node=parts.world.num_nodes > 1)
+    return NormGroup(group=world, replicas=parts.world.size // parts.mesh.size("optim"))
 
 
 def run_info(parts: EngineParts) -> dict:
@@ -371,15 +372,13 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     grad_sync = GradSync(
         tensors, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
         dp_size=world.size,
-        replica=(mesh.group("param_replica"), mesh.name("param_replica"), mesh.size("param_replica")),
-        grad=(mesh.group("grad"), mesh.name("grad"), mesh.size("grad")),
-        overlap=config.overlap.allreduce, timeout=config.timeout,
-        reduce_dtype=reduce_dtype_of(config))
+        replica=mesh.handle("param_replica", timeout=config.timeout),
+        grad=mesh.handle("grad", timeout=config.timeout),
+        overlap=config.overlap.allreduce, reduce_dtype=reduce_dtype_of(config))
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
     param_sync = ParamSync(
-        tensors, units, group=mesh.group("optim_bcast"), name=mesh.name("optim_bcast"),
-        size=mesh.size("optim_bcast"), rank=rank, prefetch=fwd_prefetch,
-        overlap=config.overlap.broadcast, timeout=config.timeout,
+        tensors, units, group=mesh.handle("optim_bcast", timeout=config.timeout), rank=rank,
+        prefetch=fwd_prefetch, overlap=config.overlap.broadcast,
         bucket_bytes=config.broadcast_staging_bytes)
     if plan.sp > 1 and device.type != "cpu":
         param_sync.after_wait = lambda: fsdp_streams_wait_current(model)

@@ -18,7 +18,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from amsp_ext.planner.plan import Plan
 from amsp_ext.topology.groups import GROUP_AXES, GROUP_KINDS, MESH_AXES, World, axis_sizes, mesh_ranks, rank_groups
 
-__all__ = ["PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
+__all__ = ["GroupHandle", "PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupHandle:
+    """One process group as the engine hands it around: the group (None: the default world
+    group), the label traces and timeout errors name it by, its size, how long a wait on it may
+    take, and whether it spans nodes (its collectives cross the slow links)."""
+
+    pg: dist.ProcessGroup | None
+    name: str
+    size: int
+    timeout: float
+    cross_node: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +52,12 @@ class PlanMesh:
     def name(self, kind: str) -> str:
         """Label used in traces and timeout messages, e.g. ``param_replica[0,2]``."""
         return f"{kind}[{','.join(map(str, self.ranks[kind]))}]"
+
+    def handle(self, kind: str, *, timeout: float) -> GroupHandle:
+        """This rank's group of ``kind`` as one object."""
+        nodes = {r // self.world.gpus_per_node for r in self.ranks[kind]}
+        return GroupHandle(pg=self.groups[kind], name=self.name(kind), size=self.size(kind),
+                           timeout=timeout, cross_node=len(nodes) > 1)
 
 
 def _compat():

@@ -59,6 +59,7 @@ from amsp_ext.runtime.config import FP16Config
 from amsp_ext.runtime.optim.layout import LocalTensor
 from amsp_ext.runtime.optim.loss_scale import DynamicLossScaler
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
+from amsp_ext.topology.mesh import GroupHandle
 
 __all__ = ["AMSPOptimizer", "GradSource", "NormGroup", "ParamBroadcaster"]
 
@@ -83,14 +84,12 @@ class NormGroup:
     this process alone); ``replicas``: how many times the group holds each gradient (its sum of
     squares is divided by it)."""
 
-    group: dist.ProcessGroup | None = None
-    name: str = "local"
-    timeout: float | None = None  # the engine's (EngineConfig.timeout); unused when group is None
+    group: GroupHandle | None = None
     replicas: int = 1
 
-    def __post_init__(self) -> None:
-        if self.group is not None and self.timeout is None:
-            raise ValueError(f"NormGroup {self.name}: a group needs the engine's timeout")
+    @property
+    def name(self) -> str:
+        return "local" if self.group is None else self.group.name
 
 
 class AMSPOptimizer(torch.optim.Optimizer):
@@ -200,7 +199,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         g = self._norm_group
         if g.group is not None:
-            C.all_reduce(t, g.group, name=g.name, op=op, async_op=False, timeout=g.timeout)
+            C.all_reduce(t, g.group.pg, name=g.group.name, op=op, async_op=False, timeout=g.group.timeout)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm (of the unscaled, averaged gradients); clip to ``max_norm``."""
@@ -285,8 +284,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         ranks = None
         g = self._norm_group
         if self.guard.enabled and counts and g.group is not None:  # rare: name the ranks
-            flags = C.all_gather_bytes(b"1" if self.guard.loss_was_bad() else b"0", g.group,
-                                       name=g.name, timeout=g.timeout)
+            flags = C.all_gather_bytes(b"1" if self.guard.loss_was_bad() else b"0", g.group.pg,
+                                       name=g.group.name, timeout=g.group.timeout)
             ranks = [r for r, f in enumerate(flags) if f == b"1"]
         if self.guard.enabled:
             self.guard.after_step(step=step, bad=True, counts=counts, ranks=ranks,

@@ -68,12 +68,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.optim.layout import LocalTensor
+from amsp_ext.topology.mesh import GroupHandle
 
 __all__ = ["GradSync"]
 
@@ -103,15 +103,14 @@ def _plan_buckets(tensors: Sequence[LocalTensor], bucket_numel: int) -> list[_Bu
 class GradSync:
     def __init__(self, tensors: Sequence[LocalTensor], *, rank: int, dtype: torch.dtype,
                  device: torch.device, bucket_bytes: int, dp_size: int,
-                 replica: tuple[dist.ProcessGroup, str, int], grad: tuple[dist.ProcessGroup, str, int],
-                 overlap: bool, timeout: float, reduce_dtype: torch.dtype | None = None) -> None:
+                 replica: GroupHandle, grad: GroupHandle, overlap: bool,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.tensors = list(tensors)
         self.rank, self.dtype, self.device = rank, dtype, device
         self.reduce_dtype = reduce_dtype or dtype  # see [Note: reduce dtype]
         self.dp_size = dp_size
-        self.replica_group, self.replica_name, self.replica_size = replica
-        self.grad_group, self.grad_name, self.grad_size = grad
-        self.overlap, self.timeout = overlap, timeout
+        self.replica, self.grad = replica, grad  # the boundary's group and the others'
+        self.overlap = overlap
         elem = torch.empty((), dtype=self.reduce_dtype).element_size()
         self.buckets = _plan_buckets(self.tensors, max(1, bucket_bytes // elem))
         self.slot_of = {idx: (b, off, n) for b, bk in enumerate(self.buckets) for idx, off, n in bk.slots}
@@ -154,7 +153,7 @@ class GradSync:
     def _begin_pass(self) -> None:
         if self.is_boundary:
             self.mode = "replica"
-        elif self.grad_size > 1:
+        elif self.grad.size > 1:
             self.mode = "grad"
         else:
             self.mode = "local"
@@ -233,12 +232,10 @@ class GradSync:
             self.next_launch += 1
             while len(self.in_flight) >= MAX_IN_FLIGHT:
                 self._complete(*self.in_flight.popleft())
-            group, name, size = ((self.replica_group, self.replica_name, self.replica_size)
-                                 if self.mode == "replica" else
-                                 (self.grad_group, self.grad_name, self.grad_size))
+            group = self.replica if self.mode == "replica" else self.grad
             pending = None
-            if size > 1:
-                pending = C.all_reduce(self.buffers[b], group, name=name, async_op=True,
+            if group.size > 1:
+                pending = C.all_reduce(self.buffers[b], group.pg, name=group.name, async_op=True,
                                        stream=self.stream)
             if self.overlap:
                 self.in_flight.append((b, pending))
@@ -246,7 +243,7 @@ class GradSync:
                 self._complete(b, pending)
 
     def _complete(self, b: int, pending) -> None:
-        C.wait(pending, timeout=self.timeout)
+        C.wait(pending, timeout=(self.replica if self.mode == "replica" else self.grad).timeout)
         buf = self.buffers.pop(b)
         with record_function("amsp::select_and_drop"), torch.no_grad():
             for idx, off, n in self.buckets[b].slots:

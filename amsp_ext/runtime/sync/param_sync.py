@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.optim.layout import LocalTensor
 from amsp_ext.runtime.sync.units import Unit
+from amsp_ext.topology.mesh import GroupHandle
 
 __all__ = ["BroadcastItem", "ParamSync", "broadcast_items"]
 
@@ -98,14 +98,14 @@ def broadcast_items(tensors: Sequence[LocalTensor], bucket_bytes: int) -> list[B
 
 class ParamSync:
     def __init__(self, tensors: Sequence[LocalTensor], units: Sequence[Unit], *,
-                 group: dist.ProcessGroup, name: str, size: int, rank: int,
-                 prefetch: dict[int, int], overlap: bool, timeout: float,
+                 group: GroupHandle, rank: int, prefetch: dict[int, int], overlap: bool,
                  bucket_bytes: int) -> None:
         self.tensors, self.units = list(tensors), list(units)
-        self.group, self.name, self.size, self.rank = group, name, size, rank
-        self.prefetch, self.overlap, self.timeout = prefetch, overlap, timeout
+        self.group, self.rank = group, rank
+        self.size, self.timeout = group.size, group.timeout
+        self.prefetch, self.overlap = prefetch, overlap
         self.staging_limit = bucket_bytes
-        self.items = broadcast_items(self.tensors, bucket_bytes) if size > 1 else []
+        self.items = broadcast_items(self.tensors, bucket_bytes) if group.size > 1 else []
         self._items_of: dict[int, list[int]] = collections.defaultdict(list)  # unit -> items
         for k, it in enumerate(self.items):
             for u in it.units:
@@ -172,7 +172,7 @@ class ParamSync:
         else:
             buf = None
         target = buf if buf is not None else it.tensors[0].local()
-        p = C.broadcast(target, it.owner_rank, self.group, name=self.name, async_op=True)
+        p = C.broadcast(target, it.owner_rank, self.group.pg, name=self.group.name, async_op=True)
         self._inflight[k] = (p, buf)
         if self.log is not None:
             self.log.append(("issue", it.units[0]))
