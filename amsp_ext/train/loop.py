@@ -92,26 +92,14 @@ def train(config: TrainConfig) -> dict | None:
     engine_config = shard_config(config)
     model, optimizer = amsp_ext.shard(model, config.plan, optimizer_factory(config),
                                       config=engine_config)
-    plan = model.amsp.plan
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
     log(f"amsp train: {config.model} ({num_params / 1e6:.2f}M params) on {world_size} ranks "
-        f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}), plan {plan}")
+        f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}), plan {model.amsp.plan}")
 
     # -- 3. where to start: fresh, or a checkpoint (after a restart: the newest one) --------
-    ck = config.checkpoint
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    M = b.micro_batches
-    global_batch = M * b.micro_batch_size * world_size  # sequences (samples) per step
-    samples, history = 0, []  # the data position, and every step the model has taken
-    resume = _agreed_resume("auto" if restart else ck.resume, ck.save_dir, e.timeout)
-    if resume is not None:
-        state = load_checkpoint(model, optimizer, resume, lr_scheduler=scheduler)
-        samples, history = state["samples"], state["history"]
-        log(f"resumed from {resume}{f' (restart {restart})' if restart else ''}: {samples} samples "
-            f"consumed in {len(history)} steps; global batch {state['global_batch']} then, "
-            f"{global_batch} now")
-    elif restart or ck.resume == "auto":
-        log(f"no checkpoint in {ck.save_dir} yet: a fresh start")
+    global_batch = b.micro_batches * b.micro_batch_size * world_size  # sequences per step
+    start = _start(config, model, optimizer, scheduler, global_batch=global_batch, log=log)
+    samples, history = start.samples, start.history  # the data position, every step taken
     injected = faults()
     # [Note: adaptive in amsp train] with --adaptive, shard() installed runtime/replan/adaptive.py's
     # monitor as a post-step hook of the optimizer: at the end of every optimizer.step() it
@@ -126,60 +114,38 @@ def train(config: TrainConfig) -> dict | None:
         adaptive.num_steps = len(history)  # a resumed run goes on counting
 
     # -- 4. the peak for MFU (train/metrics.py [Note: one MFU]) ---------------------------------
-    dtype = compute_dtype(engine_config)
-    peak = device_peak(device, dtype, timeout=e.timeout)
-    flops_per_token = metrics.flops_per_token(llama_config_dict(config.model), b.seq_len)
+    peak = device_peak(device, compute_dtype(engine_config), timeout=e.timeout)
 
     # -- 5. the loop: global batch after global batch, until steps x global batch samples ---
-    tokens_per_rank_step = M * b.micro_batch_size * b.seq_len
-    step_times = []
+    tokens_per_rank_step = b.micro_batches * b.micro_batch_size * b.seq_len
+    ck, step_times = config.checkpoint, []
     while samples < b.steps * global_batch:
         step = len(history)
         kill_now(injected, rank=rank, step=step)
         t0 = time.perf_counter()
-        step_loss = torch.zeros((), device=device)
-        for micro in range(M):
-            batch = micro_batch_at(samples, micro, rank, world_size=world_size, num_micro_batches=M,
-                                   micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
-            with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
-                loss = causal_lm_loss(model, batch) / M
-                if nan_now(injected, rank=rank, step=step):
-                    loss = loss * float("nan")
-                optimizer.backward(loss)
-            step_loss += loss.detach().float()
-        clip = config.optim.clip
-        grad_norm = optimizer.clip_grad_norm_(clip) if clip > 0 else None
-        skipped = optimizer.skipped_steps
-        optimizer.step()  # skipped on every rank if the loss or the norm is not finite
-        scheduler.step()
-        optimizer.zero_grad()
-        # the logged loss is the global-batch mean: average over the data-parallel world
-        collectives.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
-                               timeout=e.timeout)
+        loss, grad_norm, applied = train_step(model, optimizer, scheduler, config, samples=samples,
+                                              step=step, device=device, injected=injected)
         history.append({"step": step, "first_sample": samples, "num_samples": global_batch,
-                        "loss": step_loss.item() / world_size,
-                        "applied": optimizer.skipped_steps == skipped})
+                        "loss": loss, "applied": applied})
         samples += global_batch
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - t0)
-        log(f"step {step:3d}  loss {history[-1]['loss']:.4f}  "
+        log(f"step {step:3d}  loss {loss:.4f}  "
             f"grad-norm {float(grad_norm) if grad_norm is not None else float('nan'):.3f}  "
-            f"{tokens_per_rank_step / step_times[-1]:8.0f} tok/rank/s"
-            f"{'' if history[-1]['applied'] else '  (skipped)'}")
+            f"{tokens_per_rank_step / step_times[-1]:8.0f} tok/rank/s{'' if applied else '  (skipped)'}")
         done = samples >= b.steps * global_batch
         if ck.save_dir and ((ck.save_every and (step + 1) % ck.save_every == 0) or done):
             _save(model, optimizer, scheduler, ck, step=step + 1, samples=samples,
                   global_batch=global_batch, history=history, rank=rank)
     if adaptive is not None:
         adaptive.close()
-    plan = model.amsp.plan  # the last plan, after any adaptive switch
     if ck.save_dir:
         wait_for_save(model)
         if rank == 0:
             prune(Path(ck.save_dir), ck.keep)
 
-    # -- 5. summary ------------------------------------------------------------------------
+    # -- 6. summary ------------------------------------------------------------------------
     model.amsp.wait_params()  # the last step's broadcasts, before measuring memory
     tokens_per_gpu_per_s = (tokens_per_rank_step / metrics.median_after_warmup(step_times)
                             if step_times else 0.0)
@@ -189,43 +155,111 @@ def train(config: TrainConfig) -> dict | None:
         json.dumps(mine).encode(), dist.group.WORLD, name="world", width=1024, timeout=e.timeout)]
     result = None
     if rank == 0:
-        predicted = memory_breakdown(
-            ModelSpec.from_hf_config(llama_config_dict(config.model)), plan,
-            TrainingSpec(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
-                         num_micro_batches=M, precision=e.precision, reduce_dtype=e.reduce_dtype,
-                         bucket_bytes=engine_config.grad_bucket_bytes,
-                         granularity=e.granularity, recompute=e.recompute),
-            gpus_per_node=model.amsp.world.gpus_per_node, num_nodes=model.amsp.world.num_nodes)
-        result = {
-            "model": config.model, "num_params": num_params, "plan": plan.as_dict(),
-            "plan_str": str(plan), "world": {"num_nodes": model.amsp.world.num_nodes,
-                                             "gpus_per_node": model.amsp.world.gpus_per_node},
-            "steps": b.steps, "micro_batches": M, "micro_batch_size": b.micro_batch_size,
-            "seq_len": b.seq_len, "precision": e.precision, "reduce_dtype": e.reduce_dtype,
-            "loss": [h["loss"] for h in history],
-            "switches": list(model.amsp.switches),
-            "adaptive_decisions": ([{**dataclasses.asdict(d), "line": d.line()} for d in adaptive.decisions]
-                                   if adaptive is not None else None),
-            "adaptive_ratios": list(adaptive.ratios) if adaptive is not None else None,
-            "history": history, "samples": samples, "resumed_from": str(resume) if resume else None,
-            "restart": restart, "skipped_steps": sum(not h["applied"] for h in history),
-            "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,
-            "mfu": metrics.mfu(flops_per_token=flops_per_token,
-                               tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak.flops),
-            **peak.as_dict(),
-            "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
-            "peak_memory_source": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "peak RSS of each rank (ru_maxrss)",
-            "model_state_bytes": {"measured": [r["model_state_bytes"] for r in per_rank],
-                                  "predicted": {"params": predicted.params, "grads": predicted.grads,
-                                                "optim": predicted.optim,
-                                                "total": predicted.model_states}},
-        }
-        result["mfu_check"] = metrics.mfu_check(result["mfu"])
+        result = _summary(config, model, start, history=history, samples=samples, step_times=step_times,
+                          tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak=peak, per_rank=per_rank,
+                          num_params=num_params, device=device)
         log(f"done: {tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {result['mfu']:.1%} "
             f"(peak {peak.flops / 1e9:.1f} GFLOP/s per rank, {peak.source})"
             + (f"; {result['mfu_check']}" if result["mfu_check"] else ""))
     collectives.barrier(dist.group.WORLD, name="world", timeout=e.timeout)
     dist.destroy_process_group()
+    return result
+
+
+def train_step(model, optimizer, scheduler, config: TrainConfig, *, samples: int, step: int,
+               device: torch.device, injected) -> tuple[float, torch.Tensor | None, bool]:
+    """One optimizer step over the global batch that starts at sample ``samples``: M
+    micro-batches (gradients synchronised on the last), clipping, the step. Returns the
+    global-batch mean loss, the gradient norm (None without clipping) and whether the step was
+    applied (a non-finite loss or norm skips it on every rank)."""
+    b = config.batch
+    rank, world_size, M = dist.get_rank(), dist.get_world_size(), b.micro_batches
+    step_loss = torch.zeros((), device=device)
+    for micro in range(M):
+        batch = micro_batch_at(samples, micro, rank, world_size=world_size, num_micro_batches=M,
+                               micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
+        with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
+            loss = causal_lm_loss(model, batch) / M
+            if nan_now(injected, rank=rank, step=step):
+                loss = loss * float("nan")
+            optimizer.backward(loss)
+        step_loss += loss.detach().float()
+    clip = config.optim.clip
+    grad_norm = optimizer.clip_grad_norm_(clip) if clip > 0 else None
+    skipped = optimizer.skipped_steps
+    optimizer.step()  # skipped on every rank if the loss or the norm is not finite
+    scheduler.step()
+    optimizer.zero_grad()
+    # the logged loss is the global-batch mean: average over the data-parallel world
+    collectives.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
+                           timeout=config.engine.timeout)
+    return step_loss.item() / world_size, grad_norm, optimizer.skipped_steps == skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    samples: int  # the data position
+    history: list  # every step the model has taken
+    resume: Path | None  # the checkpoint it came from
+    restart: int  # torchrun's restart count
+
+
+def _start(config: TrainConfig, model, optimizer, scheduler, *, global_batch: int, log) -> _Start:
+    """Fresh, or from a checkpoint: ``--resume``, or after an elastic restart the newest one."""
+    ck = config.checkpoint
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    resume = _agreed_resume("auto" if restart else ck.resume, ck.save_dir, config.engine.timeout)
+    if resume is None:
+        if restart or ck.resume == "auto":
+            log(f"no checkpoint in {ck.save_dir} yet: a fresh start")
+        return _Start(samples=0, history=[], resume=None, restart=restart)
+    state = load_checkpoint(model, optimizer, resume, lr_scheduler=scheduler)
+    log(f"resumed from {resume}{f' (restart {restart})' if restart else ''}: {state['samples']} samples "
+        f"consumed in {len(state['history'])} steps; global batch {state['global_batch']} then, "
+        f"{global_batch} now")
+    return _Start(samples=state["samples"], history=state["history"], resume=resume, restart=restart)
+
+
+def _summary(config: TrainConfig, model, start: _Start, *, history: list, samples: int,
+             step_times: list[float], tokens_per_gpu_per_s: float, peak, per_rank: list[dict],
+             num_params: int, device: torch.device) -> dict:
+    """Rank 0's JSON summary of the run, with the planner's memory prediction for its plan."""
+    b, e = config.batch, config.engine
+    plan, world = model.amsp.plan, model.amsp.world  # the last plan, after any adaptive switch
+    adaptive = model.amsp.optimizer.adaptive
+    predicted = memory_breakdown(
+        ModelSpec.from_hf_config(llama_config_dict(config.model)), plan,
+        TrainingSpec(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
+                     num_micro_batches=b.micro_batches, precision=e.precision,
+                     reduce_dtype=e.reduce_dtype, bucket_bytes=e.grad_bucket_bytes,
+                     granularity=e.granularity, recompute=e.recompute),
+        gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
+    flops_per_token = metrics.flops_per_token(llama_config_dict(config.model), b.seq_len)
+    result = {
+        "model": config.model, "num_params": num_params, "plan": plan.as_dict(),
+        "plan_str": str(plan), "world": {"num_nodes": world.num_nodes, "gpus_per_node": world.gpus_per_node},
+        "steps": b.steps, "micro_batches": b.micro_batches, "micro_batch_size": b.micro_batch_size,
+        "seq_len": b.seq_len, "precision": e.precision, "reduce_dtype": e.reduce_dtype,
+        "loss": [h["loss"] for h in history],
+        "switches": list(model.amsp.switches),
+        "adaptive_decisions": ([{**dataclasses.asdict(d), "line": d.line()} for d in adaptive.decisions]
+                               if adaptive is not None else None),
+        "adaptive_ratios": list(adaptive.ratios) if adaptive is not None else None,
+        "history": history, "samples": samples,
+        "resumed_from": str(start.resume) if start.resume else None,
+        "restart": start.restart, "skipped_steps": sum(not h["applied"] for h in history),
+        "step_time_s": step_times, "tokens_per_gpu_per_s": tokens_per_gpu_per_s,
+        "mfu": metrics.mfu(flops_per_token=flops_per_token,
+                           tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak_flops=peak.flops),
+        **peak.as_dict(),
+        "peak_memory_bytes": [r["peak_memory_bytes"] for r in per_rank],
+        "peak_memory_source": ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                               else "peak RSS of each rank (ru_maxrss)"),
+        "model_state_bytes": {"measured": [r["model_state_bytes"] for r in per_rank],
+                              "predicted": {"params": predicted.params, "grads": predicted.grads,
+                                            "optim": predicted.optim, "total": predicted.model_states}},
+    }
+    result["mfu_check"] = metrics.mfu_check(result["mfu"])
     return result
 
 
