@@ -30,6 +30,7 @@ import amsp_ext
 from amsp_ext import schema
 from amsp_ext.train import metrics
 from amsp_ext.choices import OVERLAP_OPS
+from amsp_ext.runtime.rendezvous import init_process_group
 from amsp_ext.train.supervise import die_with_parent, report_error
 from amsp_ext.train.data import micro_batch_at
 from amsp_ext.train.faults import faults, kill_now, nan_now
@@ -89,7 +90,7 @@ def train(config: TrainConfig) -> dict | None:
     b, e = config.batch, config.engine
     # -- 1. processes ----------------------------------------------------------------------
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=e.timeout))
+    init_process_group(backend, timeout=datetime.timedelta(seconds=e.timeout))  # loopback store
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = pick_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
     log = print if (rank == 0 and not config.output.json) else (lambda *a, **k: None)
