@@ -290,3 +290,34 @@ def test_a_killed_save_never_loses_the_previous_checkpoint(tmp_path):
     assert final["loaded"] == {"gen": survivor, "probe_ok": True}, final
     assert survivor > 0  # a kill after the publish kept the new checkpoint
     assert lines[-1]["final_listing"] == ["ckpt", "events.json"]  # no staging left behind
+
+
+def test_hostile_checkpoints_run_no_code_and_keys_are_checked(runs):
+    """Pickles planted where a loader could unpickle them (a .metadata for DCP's pickle reader,
+    the JSON state files, a tensor file), with amsp.json's checksums recomputed as an attacker who
+    can write the folder would: nothing is executed (the payload would create PWNED), the
+    planted files are refused in one line or ignored; a keyed load refuses unsigned, otherwise
+    signed and re-tabled checkpoints. Every refusal comes before any collective (but one)."""
+    root = runs[0]
+    refused = {
+        "pickle-state": "file amsp.state.json is damaged (not amsp data",
+        "pickle-rng": "file rng-0.json is damaged (not amsp data",
+        "pickle-tensor-file": "a tensor file cannot be read",
+        "old-format": "amsp checkpoint convert --trust",
+        "extra-tensor-file": "file shard-00009-model-00001-of-00001.safetensors is not one this checkpoint wrote",
+        "signed-wrong-key": "signed with another key than this run's",
+        "unsigned-keyed": "not signed, and this run has a checkpoint key",
+        "tampered-signed": "signed with another key than this run's",
+    }
+    for name in ["pickle-metadata", "signed-right-key", *refused]:
+        per_rank = runs[1][f"error:{name}"]
+        assert sorted(per_rank) == [0, 1, 2, 3], per_rank
+        for rank, r in per_rank.items():
+            assert r["marker"] is False, r
+            if name in refused:
+                assert r["type"] == "CheckpointError" and refused[name] in r["error"], r
+                # rng-<r>.json is read by rank r alone: one all-gather tells the others
+                assert "\n" not in r["error"] and r["collectives_issued"] == (name == "pickle-rng"), r
+            else:
+                assert r["error"] is None, r  # loaded; the planted .metadata was never read
+    assert not (root / "PWNED").exists()

@@ -435,9 +435,18 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     meta = read_checkpoint_meta(path)
     e = engine_of(model, optimizer)
     restore_rng = rng and meta.get("rng") and meta["world"]["size"] == e.world.size
-    # the small JSON files every rank reads are checked by every rank, before they are parsed
-    verify_files(path, meta, [STATE_FILE] + ([RNG_FILE.format(rank=e.rank)] if restore_rng else []))
+    # the JSON every rank reads is checked (and parsed) by every rank: one line on all of them
+    verify_files(path, meta, [STATE_FILE])
     glob = _read_json(path, STATE_FILE)
+    rng_file = RNG_FILE.format(rank=e.rank)
+    rng_state, rng_error = None, None
+    if restore_rng:  # this rank's alone: what is wrong with it is shared by _verify_shared
+        rng_error = damage(path, rng_file, meta["files"].get(rng_file, {}))
+        if rng_error is None:
+            try:
+                rng_state = wire.loads((path / rng_file).read_bytes())
+            except wire.WireError as err:
+                rng_error = f"is damaged ({err})"
     opt = e.optimizer
     md = dcp_metadata(path)
     current = model.sharded_state_dict(keep_vars=True)
@@ -446,8 +455,8 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
         _check_optimizer(path, meta, e)
     # -- no collective above this line ------------------------------------------------------
     wait_for_save(model)
-    if verify:
-        _verify_shared(path, meta, e)
+    if verify or restore_rng:
+        _verify_shared(path, meta, e, files=verify, own=(rng_file, rng_error) if rng_error else None)
     e.wait_params()  # no broadcast may land after the load
     _reshard(model)
     opt.zero_grad()
@@ -471,29 +480,30 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
         else:
             lr_scheduler.load_state_dict(glob["lr_scheduler"])
     if restore_rng:
-        _set_rng_state(_read_json(path, RNG_FILE.format(rank=e.rank)), e.device)
+        _set_rng_state(rng_state, e.device)
     elif rng and meta.get("rng") and e.rank == 0:
         warnings.warn(f"amsp checkpoint {path}: saved on {meta['world']['size']} ranks, loaded on "
                       f"{e.world.size}: RNG states not restored")
     return glob["extra"]
 
 
-def _verify_shared(path: Path, meta: dict, e: "Engine") -> None:
+def _verify_shared(path: Path, meta: dict, e: "Engine", *, files: bool = True,
+                   own: tuple[str, str] | None = None) -> None:
     """Every data file checked once across the ranks (rank r reads files r, r + W, ...); one
     all-gather of the findings, so every rank refuses with the same line, naming the file."""
     names = sorted(meta["files"])
-    found = ""
-    for i in range(e.rank, len(names), e.world.size):
+    found = f"{own[0]}\0{own[1]}" if own else ""
+    for i in (range(e.rank, len(names), e.world.size) if files and not found else ()):
         what = damage(path, names[i], meta["files"][names[i]])
         if what is not None:
-            found = f"{i}:{what}"
+            found = f"{names[i]}\0{what}"
             break
-    got = [g.decode() for g in C.all_gather_bytes(found.encode()[:128], None, name="world",
-                                                  timeout=e.config.timeout)]
-    bad = sorted((int(g.split(":", 1)[0]), g.split(":", 1)[1]) for g in got if g)
+    got = [g.decode(errors="replace") for g in C.all_gather_bytes(found.encode()[:200], None, name="world",
+                                                                  width=200, timeout=e.config.timeout)]
+    bad = sorted(tuple(g.split("\0", 1)) for g in got if "\0" in g)
     if bad:
-        i, what = bad[0]
-        raise CheckpointError(f"amsp checkpoint {path}: file {names[i]} {what}; the checkpoint "
+        name, what = bad[0]
+        raise CheckpointError(f"amsp checkpoint {path}: file {name} {what}; the checkpoint "
                               f"cannot be used (load an older one)")
 
 
