@@ -66,13 +66,24 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
 def _check_resume(config: TrainConfig) -> None:
     """A checkpoint to resume from is checked (every file against its checksum) here, once."""
     ck = config.checkpoint
+    from amsp_ext.train.state import clean_staging, newest_intact, resolve_resume, verify
+
+    for p in clean_staging(ck.save_dir):  # what interrupted saves left; no rank runs yet
+        print(f"amsp train: removed {p} (the staging folder of an interrupted save)", file=sys.stderr)
     if not ck.resume:
         return
-    from amsp_ext.train.state import resolve_resume, verify
-
     path = resolve_resume(ck.resume, ck.save_dir)
-    if path is not None:
+    if path is None:
+        return
+    try:
         verify(path)
+    except ValueError as err:
+        if ck.resume != "auto":
+            raise
+        older = newest_intact(ck.save_dir, path)
+        hint = (f"; the newest intact checkpoint is {older} (pass --resume {older})" if older
+                else "; no older intact checkpoint in --save-dir")
+        raise type(err)(f"{err}{hint}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from amsp_ext import schema
 from amsp_ext.train import metrics
 from amsp_ext.choices import OVERLAP_OPS
 from amsp_ext.runtime.rendezvous import init_process_group
-from amsp_ext.train.supervise import die_with_parent, report_error
+from amsp_ext.train.supervise import JOB_DIR_ENV, die_with_parent, report_error
 from amsp_ext.train.data import micro_batch_at
 from amsp_ext.train.faults import faults, kill_now, nan_now
 from amsp_ext.train.models import build_llama, causal_lm_loss, llama_config_dict
@@ -265,8 +266,14 @@ def run_worker(config: TrainConfig, result_file: str | None = None) -> int:
     """One rank of the job: train, then rank 0 writes the summary to ``result_file`` (or
     prints it under ``--json``)."""
     die_with_parent()  # never outlive the launcher's agent (amsp_ext/train/supervise.py)
+    if os.environ.get(JOB_DIR_ENV):  # Ctrl-C: the launcher says it once, no traceback per rank
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     try:
         result = train(config)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says it once (and exits 130), not every rank
+        if os.environ.get(JOB_DIR_ENV):
+            os._exit(130)
+        raise
     except (ValueError, NonFiniteError, collectives.CollectiveTimeout) as err:  # one line
         if report_error(err):
             return 1
