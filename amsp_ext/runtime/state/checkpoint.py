@@ -438,6 +438,8 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     # the JSON every rank reads is checked (and parsed) by every rank: one line on all of them
     verify_files(path, meta, [STATE_FILE])
     glob = _read_json(path, STATE_FILE)
+    if not isinstance(glob, dict) or not {"num_steps", "scaler", "lr_scheduler", "extra"} <= set(glob):
+        raise CheckpointError(f"amsp checkpoint {path}: file {STATE_FILE} is damaged (not the training state)")
     rng_file = RNG_FILE.format(rank=e.rank)
     rng_state, rng_error = None, None
     if restore_rng:  # this rank's alone: what is wrong with it is shared by _verify_shared
