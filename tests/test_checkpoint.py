@@ -303,7 +303,7 @@ def test_hostile_checkpoints_run_no_code_and_keys_are_checked(runs):
         "pickle-state": "file amsp.state.json is damaged (not amsp data",
         "pickle-rng": "file rng-0.json is damaged (not amsp data",
         "pickle-tensor-file": "a tensor file cannot be read",
-        "old-format": "amsp checkpoint convert --trust",
+        "old-format": "pickles (loading them could run code): refused",
         "extra-tensor-file": "file shard-00009-model-00001-of-00001.safetensors is not one this checkpoint wrote",
         "signed-wrong-key": "signed with another key than this run's",
         "unsigned-keyed": "not signed, and this run has a checkpoint key",

@@ -202,8 +202,8 @@ def read_meta(path: Path, *, format: str) -> dict:
     if meta.get("format") in PICKLED_FORMATS and format == FORMAT:
         raise CheckpointError(
             f"amsp checkpoint: {path} has the old format {meta['format']!r}, whose .metadata and state are "
-            f"pickles (loading them could run code); refused. If you wrote it yourself, convert it with "
-            f"`amsp checkpoint convert --trust {path}`")
+            f"pickles (loading them could run code): refused. To keep a checkpoint you wrote yourself, "
+            f"export its weights with the amsp_ext that wrote it (amsp_ext.export_checkpoint) and start from those")
     if meta.get("format") != format:
         raise CheckpointError(f"amsp checkpoint: {path} has format {meta.get('format')!r}, expected {format!r}")
     if meta.get("checksum") != _self_checksum(meta) or not isinstance(meta.get("files"), dict):
