@@ -152,9 +152,13 @@ def test_errors_are_one_line_and_issue_no_collective(runs):
         "flipped-amsp.state.json": "file amsp.state.json is damaged (sha256 mismatch)",
         "truncated-amsp.state.json": "file amsp.state.json has",
     }
-    # a damaged data file is found by the rank that reads it: one all-gather tells the others
-    after_one_gather = {"flipped-shard-00003-model-00001-of-00001.safetensors": "file shard-00003-model-00001-of-00001.safetensors is damaged (sha256 mismatch)",
-                        "truncated-shard-00001-model-00001-of-00001.safetensors": "file shard-00001-model-00001-of-00001.safetensors has"}
+    # a truncated tensor file breaks its safetensors header, which every rank reads before any
+    # collective: the checksums name it there
+    want["truncated-shard-00001-model-00001-of-00001.safetensors"] = \
+        "file shard-00001-model-00001-of-00001.safetensors has"
+    # a flipped byte of data is found by the rank that reads it: one all-gather tells the others
+    after_one_gather = {"flipped-shard-00003-model-00001-of-00001.safetensors":
+                        "file shard-00003-model-00001-of-00001.safetensors is damaged (sha256 mismatch)"}
     for name, text in {**want, **after_one_gather}.items():
         per_rank = runs[1][f"error:{name}"]
         assert sorted(per_rank) == [0, 1, 2, 3], per_rank
