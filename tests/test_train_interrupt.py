@@ -48,3 +48,38 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert proc.returncode == 130, (proc.returncode, err[-3000:])
     assert len(lines) == 1 and "interrupted by SIGINT" in lines[0], err[-3000:]
+
+
+def test_checkpoint_key_flag_refuses_unsigned_and_wrongly_signed_before_launch(tmp_path):
+    """`amsp train --checkpoint-key` (and AMSP_CHECKPOINT_KEY) refuse, in the launcher and in one
+    line, a checkpoint without a signature or signed with another key; no rank starts."""
+    from amsp_ext.runtime.state.checkpoint_files import FORMAT, write_meta
+
+    def ckpt(name, key):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "amsp.state.json").write_text("{}")
+        env_old = os.environ.pop("AMSP_CHECKPOINT_KEY", None)
+        if key:
+            os.environ["AMSP_CHECKPOINT_KEY"] = key
+        try:
+            write_meta(d, {"format": FORMAT, "info": {"samples": 0}}, {})
+        finally:
+            os.environ.pop("AMSP_CHECKPOINT_KEY", None)
+            if env_old is not None:
+                os.environ["AMSP_CHECKPOINT_KEY"] = env_old
+        return d
+
+    cases = {"unsigned": (ckpt("unsigned", None), "not signed, and this run has a checkpoint key"),
+             "other-key": (ckpt("other", "key-B"), "signed with another key than this run's")}
+    env = _env()
+    env.pop("AMSP_CHECKPOINT_KEY", None)
+    for name, (path, text) in cases.items():
+        for how in ("flag", "env"):
+            args = ["--checkpoint-key", "key-A"] if how == "flag" else []
+            e = {**env, "AMSP_CHECKPOINT_KEY": "key-A"} if how == "env" else env
+            p = subprocess.run([sys.executable, "-m", "amsp_ext.cli", "train", "--nproc-per-node", "2",
+                                "--steps", "1", *args, "--resume", str(path)], cwd=REPO, env=e,
+                               capture_output=True, text=True, timeout=120)
+            lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+            assert p.returncode != 0 and len(lines) == 1 and text in lines[0], (name, how, p.stderr[-2000:])
