@@ -349,7 +349,7 @@ def hostile_copies(src: Path, root: Path) -> None:
     import shutil
 
     bomb = pickle.dumps(_Payload(root / "PWNED"))
-    tensor_file = sorted(src.glob("*.safetensors"))[0].name
+    tensor_file = min(src.glob("*.safetensors")).name
 
     def copy(name):
         shutil.rmtree(root / name, ignore_errors=True)

@@ -44,7 +44,6 @@ def test_no_unpickling_anywhere_in_amsp_ext():
 
 def test_the_scan_finds_what_it_forbids(tmp_path, monkeypatch):
     """The scan can fail: a planted offender is reported."""
-    global PKG
     (tmp_path / "amsp_ext").mkdir()
     (tmp_path / "amsp_ext" / "bad.py").write_text("import torch\nx = torch.load(f, weights_only=False)\n")
     monkeypatch.setattr(__import__(__name__), "PKG", tmp_path / "amsp_ext")

@@ -89,7 +89,7 @@ def init_process_group(backend: str, *, timeout: datetime.timedelta, **kw) -> No
     ``MASTER_ADDR`` only (see [Note: no server on every interface]). Without ``MASTER_ADDR``
     (or when that address is not this machine's), torch's own ``env://`` initialisation."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if not host or not port or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or \
             (rank == 0 and not _is_local(host)):
         dist.init_process_group(backend, timeout=timeout, **kw)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WireError", "dumps", "loads", "to_data", "from_data"]
+__all__ = ["WireError", "dumps", "from_data", "loads", "to_data"]
 
 _T, _D, _TUP, _MAP, _F = "__tensor__", "__dtype__", "__tuple__", "__map__", "__float__"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
