@@ -277,24 +277,123 @@ def suite_errors(root: Path, R):
              ("other-optimizer", sgd_model, sgd_opt, root / "fp32-A"),
              ("optimizer-of-another-model", model, other_opt, root / "fp32-A"),
              ("per-shard-state-other-sp", ada_model, ada_opt, root / "adafactor")]
-    for how, name in (("flipped", "amsp.json"), ("truncated", "amsp.json"), ("flipped", ".metadata"),
-                      ("truncated", ".metadata"), ("flipped", "__2_0.distcp"), ("truncated", "__0_0.distcp")):
+    for how, name in (("flipped", "amsp.json"), ("truncated", "amsp.json"), ("flipped", "amsp.state.json"),
+                      ("truncated", "amsp.state.json"), ("flipped", "shard-00003-model-00001-of-00001.safetensors"), ("truncated", "shard-00001-model-00001-of-00001.safetensors")):
         case = f"{how}-{name}"
         if dist.get_rank() == 0:
             damaged_copy(root / "fp32-A", root / case, name, how)
         cases.append((case, model, opt, root / case))
+    if dist.get_rank() == 0:
+        hostile_copies(root / "fp32-A", root)
+    keyed = {"signed-right-key": "key-A", "signed-wrong-key": "key-B", "unsigned-keyed": "key-B"}
+    cases += [(c, model, opt, root / c) for c in ("pickle-metadata", "pickle-state", "pickle-rng", "old-format",
+                                                   "pickle-tensor-file", "extra-tensor-file", "tampered-signed",
+                                                   *keyed)]
     dist.barrier()
     for case, m, o, path in cases:
         issued = sum(C.stats.values())
+        os.environ.pop("AMSP_CHECKPOINT_KEY", None)
+        if case in keyed or case == "tampered-signed":
+            os.environ["AMSP_CHECKPOINT_KEY"] = keyed.get(case, "key-A")
         try:
             load_checkpoint(m, o, path)
             err, kind = None, None
         except Exception as e:  # noqa: BLE001 - the test checks the type
             err, kind = str(e), type(e).__name__
-        emit({"case": f"error:{case}", "error": err, "type": kind,
+        os.environ.pop("AMSP_CHECKPOINT_KEY", None)
+        emit({"case": f"error:{case}", "error": err, "type": kind, "marker": (root / "PWNED").exists(),
               "collectives_issued": sum(C.stats.values()) - issued}, all_ranks=True)
     for m in (model, other, fewer, sgd_model, ada_model):
         release(m)
+
+
+class _Payload:
+    """Unpickling this creates the file ``marker``: what a hostile checkpoint would plant."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _retable(d: Path, *, fmt=None, key=None, keep_signature=False) -> None:
+    """What an attacker who can write the folder does: recompute amsp.json's table and checksum
+    (and, with ``key``, its signature) over whatever files are there now."""
+    from amsp_ext.runtime.state.checkpoint_files import META_FILE, file_digest, write_meta
+
+    meta = json.loads((d / META_FILE).read_text())
+    sig = meta.get("signature")
+    for k in ("files", "checksum", "signature"):
+        meta.pop(k, None)
+    if keep_signature:
+        meta["signature"] = sig
+    if fmt:
+        meta["format"] = fmt
+    files = {f.name: file_digest(f) for f in sorted(d.iterdir()) if f.name != META_FILE}
+    old = os.environ.pop("AMSP_CHECKPOINT_KEY", None)
+    if key:
+        os.environ["AMSP_CHECKPOINT_KEY"] = key
+    try:
+        write_meta(d, meta, files)
+    finally:
+        os.environ.pop("AMSP_CHECKPOINT_KEY", None)
+        if old is not None:
+            os.environ["AMSP_CHECKPOINT_KEY"] = old
+
+
+def hostile_copies(src: Path, root: Path) -> None:
+    """Copies of ``src`` with pickles planted where a loader might unpickle them, checksums
+    recomputed so that only the format stands between the payload and a load."""
+    import pickle
+    import shutil
+
+    bomb = pickle.dumps(_Payload(root / "PWNED"))
+    tensor_file = min(src.glob("*.safetensors")).name
+
+    def copy(name):
+        shutil.rmtree(root / name, ignore_errors=True)
+        shutil.copytree(src, root / name)
+        return root / name
+
+    d = copy("pickle-metadata")
+    (d / ".metadata").write_bytes(bomb)  # what DCP's FileSystemReader would pickle.load
+    _retable(d)
+    for name, target in (("pickle-state", "amsp.state.json"), ("pickle-rng", "rng-0.json"),
+                         ("pickle-tensor-file", tensor_file)):
+        d = copy(name)
+        (d / target).write_bytes(bomb)
+        _retable(d)
+    d = copy("old-format")
+    (d / ".metadata").write_bytes(bomb)
+    _retable(d, fmt="amsp-checkpoint/2")
+    d = copy("extra-tensor-file")
+    shutil.copy(d / tensor_file, d / "shard-00009-model-00001-of-00001.safetensors")
+    _retable(d)
+    (d / "shard-00009-model-00001-of-00001.safetensors").write_bytes((d / tensor_file).read_bytes())
+    meta = json.loads((d / "amsp.json").read_text())
+    meta["files"].pop("shard-00009-model-00001-of-00001.safetensors")
+    (d / "amsp.json").write_text(json.dumps(meta))  # table without it; checksum refreshed below
+    _retable_keep(d)
+    d = copy("signed-right-key")
+    _retable(d, key="key-A")
+    d = copy("signed-wrong-key")
+    _retable(d, key="key-A")
+    copy("unsigned-keyed")
+    d = copy("tampered-signed")
+    _retable(d, key="key-A")
+    (d / "rng-0.json").write_bytes(bomb)
+    _retable(d, keep_signature=True)  # checksums recomputed, the old signature kept: no key
+
+
+def _retable_keep(d: Path) -> None:
+    """amsp.json's own checksum over its current table (the table itself kept)."""
+    from amsp_ext.runtime.state.checkpoint_files import META_FILE, write_meta
+
+    meta = json.loads((d / META_FILE).read_text())
+    files = meta.pop("files")
+    meta.pop("checksum", None)
+    write_meta(d, meta, files)
 
 
 def damaged_copy(src: Path, dst: Path, name: str, how: str) -> None:

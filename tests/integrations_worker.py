@@ -381,7 +381,7 @@ def _checkpoint_cases(root):
     # a flipped byte in one rank's data file: every rank refuses with one line naming the file
     if dist.get_rank() == 0:
         shutil.copytree(root, root + "-damaged")
-        f = os.path.join(root + "-damaged", "global_step3", "__1_0.distcp")
+        f = os.path.join(root + "-damaged", "global_step3", "shard-00002-model-00001-of-00001.safetensors")
         data = bytearray(open(f, "rb").read())
         data[len(data) // 2] ^= 0xFF
         open(f, "wb").write(bytes(data))

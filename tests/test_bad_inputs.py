@@ -69,7 +69,7 @@ def _files(tmp: Path) -> dict[str, Path]:
     (tmp / "ckpt_nometa" / ".metadata").write_bytes(b"x")
     for name, meta in {"ckpt_badjson": "{\"format\": ", "ckpt_list": "[]",
                        "ckpt_format": json.dumps({"format": "other/9"}),
-                       "ckpt_checksum": json.dumps({"format": "amsp-checkpoint/2", "files": {}, "checksum": "0" * 64})}.items():
+                       "ckpt_checksum": json.dumps({"format": "amsp-checkpoint/3", "files": {}, "checksum": "0" * 64})}.items():
         (tmp / name).mkdir()
         (tmp / name / ".metadata").write_bytes(b"x")
         (tmp / name / "amsp.json").write_text(meta)
@@ -353,7 +353,7 @@ PY = [
     ("checkpoint:no-amsp-json", lambda f: _verify(f["ckpt_nometa"]), "is not a complete amsp checkpoint"),
     ("checkpoint:amsp-json-truncated", lambda f: _verify(f["ckpt_badjson"]), "file amsp.json is damaged (not valid JSON"),
     ("checkpoint:amsp-json-list", lambda f: _verify(f["ckpt_list"]), "file amsp.json is damaged (not a JSON object)"),
-    ("checkpoint:other-format", lambda f: _verify(f["ckpt_format"]), "has format 'other/9', expected 'amsp-checkpoint/2'"),
+    ("checkpoint:other-format", lambda f: _verify(f["ckpt_format"]), "has format 'other/9', expected 'amsp-checkpoint/3'"),
     ("checkpoint:checksum", lambda f: _verify(f["ckpt_checksum"]), "file amsp.json is damaged (checksum mismatch)"),
 ]
 

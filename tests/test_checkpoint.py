@@ -149,12 +149,16 @@ def test_errors_are_one_line_and_issue_no_collective(runs):
         "per-shard-state-other-sp": "can only be loaded with the same sp, not sp=2",
         "flipped-amsp.json": "file amsp.json is damaged",
         "truncated-amsp.json": "file amsp.json is damaged (not valid JSON",
-        "flipped-.metadata": "file .metadata is damaged (sha256 mismatch)",
-        "truncated-.metadata": "file .metadata has",
+        "flipped-amsp.state.json": "file amsp.state.json is damaged (sha256 mismatch)",
+        "truncated-amsp.state.json": "file amsp.state.json has",
     }
-    # a damaged data file is found by the rank that reads it: one all-gather tells the others
-    after_one_gather = {"flipped-__2_0.distcp": "file __2_0.distcp is damaged (sha256 mismatch)",
-                        "truncated-__0_0.distcp": "file __0_0.distcp has"}
+    # a truncated tensor file breaks its safetensors header, which every rank reads before any
+    # collective: the checksums name it there
+    want["truncated-shard-00001-model-00001-of-00001.safetensors"] = \
+        "file shard-00001-model-00001-of-00001.safetensors has"
+    # a flipped byte of data is found by the rank that reads it: one all-gather tells the others
+    after_one_gather = {"flipped-shard-00003-model-00001-of-00001.safetensors":
+                        "file shard-00003-model-00001-of-00001.safetensors is damaged (sha256 mismatch)"}
     for name, text in {**want, **after_one_gather}.items():
         per_rank = runs[1][f"error:{name}"]
         assert sorted(per_rank) == [0, 1, 2, 3], per_rank
@@ -187,7 +191,7 @@ def test_metadata_table_and_one_writer_per_chunk(runs):
     assert "model.norm.weight" not in {c["name"] for c in meta["tensors"]}  # frozen: no state
     md = dcp_metadata(root / "tied-frozen")
     numel = sum(torch.Size(m.size).numel() for k, m in md.items() if hasattr(m, "size"))
-    written = sum(f.stat().st_size for f in (root / "tied-frozen").glob("*.distcp"))
+    written = sum(f.stat().st_size for f in (root / "tied-frozen").glob("*.safetensors"))
     assert all(len(m.chunks) == 1 for k, m in md.items() if hasattr(m, "chunks"))
     assert written < 1.2 * 4 * numel, (written, numel)  # fp32; without dedup: ~2-4x
 
@@ -254,8 +258,8 @@ def test_every_file_checksummed_and_a_flipped_byte_refused(runs, tmp_path):
                 verify_checkpoint(dst)
             msg = str(err.value)
             assert "\n" not in msg and f"file {name} " in msg, (name, how, msg)
-    with pytest.raises(CheckpointError, match=r"file __1_0\.distcp is damaged"):
-        export_checkpoint(tmp_path / "__1_0.distcp-flip")
+    with pytest.raises(CheckpointError, match=r"file shard-00002-model-00001-of-00001\.safetensors is damaged"):
+        export_checkpoint(tmp_path / "shard-00002-model-00001-of-00001.safetensors-flip")
 
 
 def test_a_killed_save_never_loses_the_previous_checkpoint(tmp_path):
@@ -290,3 +294,34 @@ def test_a_killed_save_never_loses_the_previous_checkpoint(tmp_path):
     assert final["loaded"] == {"gen": survivor, "probe_ok": True}, final
     assert survivor > 0  # a kill after the publish kept the new checkpoint
     assert lines[-1]["final_listing"] == ["ckpt", "events.json"]  # no staging left behind
+
+
+def test_hostile_checkpoints_run_no_code_and_keys_are_checked(runs):
+    """Pickles planted where a loader could unpickle them (a .metadata for DCP's pickle reader,
+    the JSON state files, a tensor file), with amsp.json's checksums recomputed as an attacker who
+    can write the folder would: nothing is executed (the payload would create PWNED), the
+    planted files are refused in one line or ignored; a keyed load refuses unsigned, otherwise
+    signed and re-tabled checkpoints. Every refusal comes before any collective (but one)."""
+    root = runs[0]
+    refused = {
+        "pickle-state": "file amsp.state.json is damaged (not amsp data",
+        "pickle-rng": "file rng-0.json is damaged (not amsp data",
+        "pickle-tensor-file": "a tensor file cannot be read",
+        "old-format": "pickles (loading them could run code): refused",
+        "extra-tensor-file": "file shard-00009-model-00001-of-00001.safetensors is not one this checkpoint wrote",
+        "signed-wrong-key": "signed with another key than this run's",
+        "unsigned-keyed": "not signed, and this run has a checkpoint key",
+        "tampered-signed": "signed with another key than this run's",
+    }
+    for name in ["pickle-metadata", "signed-right-key", *refused]:
+        per_rank = runs[1][f"error:{name}"]
+        assert sorted(per_rank) == [0, 1, 2, 3], per_rank
+        for rank, r in per_rank.items():
+            assert r["marker"] is False, r
+            if name in refused:
+                assert r["type"] == "CheckpointError" and refused[name] in r["error"], r
+                # rng-<r>.json is read by rank r alone: one all-gather tells the others
+                assert "\n" not in r["error"] and r["collectives_issued"] == (name == "pickle-rng"), r
+            else:
+                assert r["error"] is None, r  # loaded; the planted .metadata was never read
+    assert not (root / "PWNED").exists()

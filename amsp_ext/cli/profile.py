@@ -119,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
     world = World.with_leaves(num_nodes=world_size // local_world, gpus_per_node=local_world,
                               nodes_per_leaf=nodes_per_leaf)
     device = pick_device(backend, local_rank)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
+    from amsp_ext.runtime.rendezvous import init_process_group
+
+    init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" else None)
     try:
         measurements = measure(config, world, device, progress=True)

@@ -24,6 +24,10 @@ HELP = "train a Llama with AMSP on real text (default: tiny-llama, 4 ranks as 2 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, default=4,
                    help="ranks to launch on this machine (default 4)")
+    # not a TrainConfig field: the config travels to the ranks as a file, a secret must not
+    p.add_argument("--checkpoint-key", default=None, metavar="KEY",
+                   help="sign checkpoints (HMAC-SHA256 over amsp.json) and refuse unsigned or otherwise "
+                        "signed ones; default: $AMSP_CHECKPOINT_KEY (preferred: a flag is visible in ps)")
     schema.add_arguments(p, TrainConfig)
 
 
@@ -105,17 +109,35 @@ def _check_save_dir(config: TrainConfig) -> None:
 def _check_resume(config: TrainConfig) -> None:
     """A checkpoint to resume from is checked (every file against its checksum) here, once."""
     ck = config.checkpoint
+    from amsp_ext.train.state import clean_staging, newest_intact, resolve_resume, verify
+
+    for p in clean_staging(ck.save_dir):  # what interrupted saves left; no rank runs yet
+        print(f"amsp train: removed {p} (the staging folder of an interrupted save)", file=sys.stderr)
     if not ck.resume:
         return
-    from amsp_ext.train.state import resolve_resume, verify
-
     path = resolve_resume(ck.resume, ck.save_dir)
-    if path is not None:
+    if path is None:
+        return
+    try:
         verify(path)
+    except ValueError as err:
+        if ck.resume != "auto":
+            raise
+        older = newest_intact(ck.save_dir, path)
+        hint = (f"; the newest intact checkpoint is {older} (pass --resume {older})" if older
+                else "; no older intact checkpoint in --save-dir")
+        raise type(err)(f"{err}{hint}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     config = schema.from_namespace(TrainConfig, args)  # one-line ValueError on a bad flag
+    key = getattr(args, "checkpoint_key", None)
+    if key is not None:
+        if not key:
+            raise ValueError("--checkpoint-key must not be empty")
+        from amsp_ext.runtime.state.checkpoint_files import KEY_ENV
+
+        os.environ[KEY_ENV] = key  # this process's resume check, and every rank (inherited)
     if "LOCAL_RANK" in os.environ:  # already one rank of a launched job
         from amsp_ext.train.loop import run_worker
 
@@ -145,10 +167,15 @@ def launch(config: TrainConfig, *, nproc_per_node: int) -> int:
            # a fresh TCP store per attempt: with torchrun's shared one, the ranks of an elastic
            # restart can read the dead ranks' gloo addresses (same keys) and fail to connect
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    with Job("amsp-train-") as job:
+    from amsp_ext.runtime.rendezvous import LoopbackRendezvous
+
+    env = LoopbackRendezvous.env(env)
+    # the rendezvous store lives here, on 127.0.0.1 only (runtime/rendezvous.py); the elastic
+    # agent and every restart's ranks are its clients
+    with Job("amsp-train-") as job, LoopbackRendezvous(config.engine.timeout + 600) as rdzv:
         config_file, result_file = job.dir / "config.json", job.dir / "result.json"
         config_file.write_text(schema.to_json(config))
-        rc = job.run(["--standalone", f"--nproc-per-node={nproc_per_node}",
+        rc = job.run([*rdzv.torchrun_args, f"--nproc-per-node={nproc_per_node}",
                       f"--max-restarts={config.checkpoint.max_restarts}", "-m", "amsp_ext.train",
                       "--config", str(config_file), "--result-file", str(result_file)],
                      env=env, stdout=subprocess.DEVNULL if config.output.json else None)

@@ -7,6 +7,7 @@ reproduced on its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from amsp_ext.compare.config import RunSpec
+from amsp_ext.runtime.rendezvous import LoopbackRendezvous
 
 __all__ = ["LAUNCHERS", "LaunchConfig", "run_system", "worker_command"]
 
@@ -43,11 +45,14 @@ class LaunchConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
-def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig) -> list[str]:
+def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig,
+                   rdzv_args: list[str] | None = None) -> list[str]:
+    """``rdzv_args``: the torchrun rendezvous flags (runtime/rendezvous.py, loopback only);
+    None: ``--standalone``."""
     worker = ["-m", "amsp_ext.compare.worker", "--spec", str(spec_path), "--system", system,
               "--out", str(out)]
     if launch.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        return [sys.executable, "-m", "torch.distributed.run", *(rdzv_args or ["--standalone"]),
                 f"--nproc-per-node={launch.nproc_per_node}", *worker]
     return [sys.executable, "-m", "amsp_ext.cli", "cluster", "run", "--name", launch.cluster_name,
             "--timeout", str(int(launch.timeout_s)), "--master-port", str(launch.master_port),
@@ -101,12 +106,15 @@ def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,
         stale.unlink(missing_ok=True)
     spec_path = out / "spec.json"
     spec_path.write_text(spec.to_json() + "\n")
-    cmd = worker_command(system, spec_path, out, launch)
-    base = {"system": system, "key": row_key or system, "command": shlex.join(cmd)}
+    local = launch.launcher == "torchrun"
+    rdzv = LoopbackRendezvous(launch.timeout_s) if local else contextlib.nullcontext()
     t0 = time.perf_counter()
     rc: int | None
-    with open(out / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+    with rdzv, open(out / "log.txt", "w") as log:  # the rendezvous store on 127.0.0.1 only
+        cmd = worker_command(system, spec_path, out, launch, rdzv.torchrun_args if local else None)
+        base = {"system": system, "key": row_key or system, "command": shlex.join(cmd)}
+        env = LoopbackRendezvous.env(_env()) if local else _env()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             rc = proc.wait(timeout=launch.timeout_s)

@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         # [Note: CPU only] The runners place models on CPU (FSDP meshes, autocast, DeepSpeed's
         # CPU accelerator); a GPU path needs per-rank devices and NCCL and is not built yet.
         backend = "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec.dist_timeout_s))
+        from amsp_ext.runtime.rendezvous import init_process_group
+
+        init_process_group(backend, timeout=datetime.timedelta(seconds=spec.dist_timeout_s))
         result = run(args.system, spec, out)
         if dist.get_rank() == 0:
             result["backend"] = backend

@@ -201,17 +201,16 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: s
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, timeout=None) -> list:
-    """Every rank's ``obj`` (pickled with torch.save, so tensors travel too), in rank order: two
-    ``all_gather_bytes``, the lengths and then the payloads, so it times out naming its group."""
-    import io
+    """Every rank's ``obj`` (as JSON data, runtime/wire.py: tensors, dtypes and tuples travel
+    too, nothing is unpickled), in rank order: two ``all_gather_bytes``, the lengths and then the
+    payloads, so it times out naming its group."""
+    from amsp_ext.runtime import wire
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    mine = buf.getvalue()
+    mine = wire.dumps(obj, f"object sent on {name}")
     sizes = all_gather_bytes(len(mine).to_bytes(8, "little"), group, name=name, width=8, timeout=timeout)
     width = max(int.from_bytes(s, "little") for s in sizes)
     got = all_gather_bytes(mine, group, name=name, width=width, timeout=timeout)
-    return [torch.load(io.BytesIO(g), weights_only=False) for g in got]
+    return [wire.loads(g) for g in got]
 
 
 def barrier(group: dist.ProcessGroup | None, *, name: str, timeout=None) -> None:
@@ -262,13 +261,27 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
 # timeout bounds them.
 
 
+def checkpoint_writer(path):
+    """DCP's safetensors storage, one file per rank (checkpoint.py: [Note: nothing is unpickled])."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.HuggingFaceStorageWriter(str(path), save_distributed=True)
+
+
+def checkpoint_reader(path):
+    """Reads what ``checkpoint_writer`` wrote: metadata from the safetensors headers (JSON)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.HuggingFaceStorageReader(str(path))
+
+
 def checkpoint_save(state_dict: dict, path, *, name: str = "world") -> None:
     """``torch.distributed.checkpoint.save`` of ``state_dict`` into the directory ``path``."""
     import torch.distributed.checkpoint as dcp
 
     with record_function(f"amsp::checkpoint_save::{_kind(name)}"):
         _issue("checkpoint_save", name)
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)))
+        dcp.save(state_dict, storage_writer=checkpoint_writer(path))
 
 
 _checkpoint_group: tuple[dist.ProcessGroup, str] | None = None
@@ -292,7 +305,7 @@ def checkpoint_async_save(state_dict: dict, path, *, group: dist.ProcessGroup, n
 
     with record_function(f"amsp::checkpoint_async_save::{_kind(name)}"):
         _issue("checkpoint_async_save", name)
-        return dcp.async_save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)),
+        return dcp.async_save(state_dict, storage_writer=checkpoint_writer(path),
                               process_group=group)
 
 
@@ -306,16 +319,16 @@ def checkpoint_load(state_dict: dict, path, *, name: str = "world", no_dist: boo
     with record_function(f"amsp::checkpoint_load::{_kind(name)}"):
         if not no_dist:
             _issue("checkpoint_load", name)
-        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(str(path)), no_dist=no_dist)
+        dcp.load(state_dict, storage_reader=checkpoint_reader(path), no_dist=no_dist)
 
 
-def gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, dst: int = 0) -> list | None:
-    """Pickle-gather one small object per rank to global rank ``dst`` (others get None)."""
-    with record_function(f"amsp::gather_object::{_kind(name)}"):
-        _issue("gather_object", name)
-        out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-        dist.gather_object(obj, out, dst=dst, group=group)
-    return out
+def gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, dst: int = 0,
+                   timeout=None) -> list | None:
+    """One small object per rank (JSON data, as ``all_gather_objects``: never a pickle) to
+    global rank ``dst``; the others get None. An all-gather underneath (the objects are small),
+    so it runs through ``wait`` and times out naming its group, unlike ``dist.gather_object``."""
+    got = all_gather_objects(obj, group, name=name, timeout=timeout)
+    return got if dist.get_rank() == dst else None
 
 
 def full_tensor(tensor: torch.Tensor, *, name: str) -> torch.Tensor:

@@ -19,6 +19,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,8 @@ import torch.distributed as dist
 import amsp_ext
 from amsp_ext import schema
 from amsp_ext.train import metrics
-from amsp_ext.train.supervise import die_with_parent, report_error
+from amsp_ext.runtime.rendezvous import init_process_group
+from amsp_ext.train.supervise import JOB_DIR_ENV, die_with_parent, report_error
 from amsp_ext.train.data import micro_batch_at
 from amsp_ext.train.faults import faults, kill_now, nan_now
 from amsp_ext.train.models import build_llama, causal_lm_loss, llama_config_dict
@@ -81,7 +83,7 @@ def train(config: TrainConfig) -> dict | None:
     b, e = config.batch, config.engine
     # -- 1. processes ----------------------------------------------------------------------
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=e.timeout))
+    init_process_group(backend, timeout=datetime.timedelta(seconds=e.timeout))  # loopback store
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = pick_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
     log = print if (rank == 0 and not config.output.json) else (lambda *a, **k: None)
@@ -290,8 +292,14 @@ def run_worker(config: TrainConfig, result_file: str | None = None) -> int:
     """One rank of the job: train, then rank 0 writes the summary to ``result_file`` (or
     prints it under ``--json``)."""
     die_with_parent()  # never outlive the launcher's agent (amsp_ext/train/supervise.py)
+    if os.environ.get(JOB_DIR_ENV):  # Ctrl-C: the launcher says it once, no traceback per rank
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     try:
         result = train(config)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says it once (and exits 130), not every rank
+        if os.environ.get(JOB_DIR_ENV):
+            os._exit(130)
+        raise
     except (ValueError, NonFiniteError, collectives.CollectiveTimeout) as err:  # one line
         if report_error(err):
             return 1

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from amsp_ext.runtime.state.checkpoint_files import FORMAT, CheckpointError, read_meta, resolve, verify_files
 
-__all__ = ["checkpoint_name", "list_checkpoints", "newest_checkpoint", "prune", "resolve_resume",
-           "verify"]
+__all__ = ["checkpoint_name", "clean_staging", "list_checkpoints", "newest_checkpoint", "newest_intact",
+           "prune", "resolve_resume", "verify"]
 
 _NAME = re.compile(r"^step-(\d+)$")
 
@@ -31,9 +32,23 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+def clean_staging(save_dir) -> list[Path]:
+    """Remove what interrupted saves left in ``save_dir`` (``.step-*.amsp-staging``: never a
+    published checkpoint, see checkpoint_files.py [Note: atomic publish]); the launcher calls it
+    before any rank starts. Returns what it removed."""
+    save_dir = Path(save_dir) if save_dir else None
+    if save_dir is None or not save_dir.is_dir():
+        return []
+    gone = sorted(save_dir.glob(".step-*.amsp-staging"))
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+def list_checkpoints(save_dir: Path, skipped: list[str] | None = None) -> list[tuple[int, Path]]:
     """``(samples, path)`` of every published checkpoint in ``save_dir``, oldest first. A
-    directory with a damaged ``amsp.json`` is an error (never skipped in silence)."""
+    directory with a damaged ``amsp.json`` is an error (never skipped in silence); one without
+    it is skipped, and named with the reason in ``skipped``."""
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         return []
@@ -44,7 +59,10 @@ def list_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
     for name in sorted(names):
         path = resolve(save_dir / name)
         if not (path / "amsp.json").is_file():
-            continue  # not published (cannot happen with our saves; someone else's directory)
+            # not published (cannot happen with our saves; someone else's directory)
+            if skipped is not None:
+                skipped.append(f"{path.name} (no amsp.json: not a complete checkpoint)")
+            continue
         info = read_meta(path, format=FORMAT).get("info") or {}
         if not isinstance(info.get("samples"), int):
             raise CheckpointError(f"amsp train: {path} is an amsp checkpoint but not one of `amsp train` "
@@ -64,7 +82,13 @@ def resolve_resume(resume: str | None, save_dir: str | None) -> Path | None:
     if not resume:
         return None
     if resume == "auto":
-        return newest_checkpoint(Path(save_dir)) if save_dir else None
+        if not save_dir:
+            return None
+        skipped: list[str] = []
+        found = list_checkpoints(Path(save_dir), skipped)
+        if skipped:
+            print(f"amsp train: --resume auto skipped {', '.join(skipped)}", file=sys.stderr, flush=True)
+        return found[-1][1] if found else None
     path = Path(resume)
     read_meta(path, format=FORMAT)  # one line if it is not a complete checkpoint
     return path
@@ -76,6 +100,19 @@ def verify(path: Path) -> dict:
     meta = read_meta(path, format=FORMAT)
     verify_files(path, meta)
     return meta
+
+
+def newest_intact(save_dir, below: Path) -> Path | None:
+    """The newest checkpoint older than ``below`` whose every file matches its checksum."""
+    for _, p in reversed(list_checkpoints(Path(save_dir))):
+        if p.name >= Path(below).name:
+            continue
+        try:
+            verify(p)
+            return p
+        except CheckpointError:
+            continue
+    return None
 
 
 def prune(save_dir: Path, keep: int) -> list[Path]:

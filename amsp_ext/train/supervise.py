@@ -176,6 +176,12 @@ def _agent(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # elastic's modules set their own loggers' levels (get_logger): quiet each of them too, so
+    # that Ctrl-C is the launcher's one line and not also "Received 2 death signal"
+    for name, lg in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(lg, logging.Logger):
+            lg.setLevel(logging.CRITICAL)
+
     try:
         run(parse_args(argv))
         return 0

@@ -47,7 +47,9 @@ def run_tune(config, *, command: str) -> int:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = pick_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
     t = config.tune
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.engine.timeout),
+    from amsp_ext.runtime.rendezvous import init_process_group
+
+    init_process_group(backend, timeout=datetime.timedelta(seconds=config.engine.timeout),
                             device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     R = config.engine.gpus_per_node or local_world

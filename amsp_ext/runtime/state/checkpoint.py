@@ -27,14 +27,28 @@ global tensor with the right offsets, and to choose which keys each rank present
   replicas (dp / sos of them) are deduplicated like parameter replicas.
 - 0-d states (Adam's ``step``) are replicated scalars; any other shape is per-shard and can
   only be reloaded under the same sp (checked before any collective).
-- Non-tensor values (param-group hyper-parameters per tensor, step counter, loss scaler,
-  LR scheduler, ``extra``, RNG per rank) are pickled bytes; ``amsp.state`` comes from rank 0.
+- Non-tensor values are JSON (runtime/wire.py, [Note: data, not code]): the param-group
+  hyper-parameters and non-tensor optimizer states of each chunk in its row of ``amsp.json``;
+  the step counter, loss scaler, LR scheduler and ``extra`` in ``amsp.state.json`` (rank 0);
+  each rank's RNG states in ``rng-<rank>.json``. All are files of the SHA-256 table.
+  See [Note: nothing is unpickled].
 - ``amsp.json`` (rank 0, written after every rank finished: it marks the checkpoint complete) is
   the human-readable table: plan, world, precision, every model tensor (name, shape, dtype),
   every optimizer chunk (name, global and local shape, shard index, offset, owner ranks), the
   size and SHA-256 of every file, and the caller's ``info``. Loading validates the model
   against it on every rank before any collective. The directory is staged next to ``path``
   and published by one rename (see checkpoint_files.py: [Note: atomic publish]).
+
+[Note: nothing is unpickled]
+DCP's FileSystemWriter pickles its ``.metadata`` (FileSystemReader.read_metadata is
+``pickle.load``) and DefaultLoadPlanner.load_bytes is an unrestricted ``torch.load``: a
+checkpoint in that format is a program. So the tensors go through DCP's Hugging Face storage
+(``HuggingFaceStorageWriter(save_distributed=True)``: one safetensors file per rank, each chunk's
+offsets as JSON in the file's safetensors header; ``HuggingFaceStorageReader`` rebuilds DCP's
+metadata from those headers and reads slices with safetensors), DCP carries no bytes items, and
+everything else is JSON. Loading a checkpoint therefore parses JSON and safetensors headers and
+copies raw tensor bytes; it never unpickles. Optional authenticity (an HMAC over ``amsp.json``,
+whose SHA-256 table covers every other file) is in checkpoint_files.py ([Note: signatures]).
 
 [Note: async save]
 ``save_checkpoint(..., async_save=True)`` stalls training only for DCP's staging (a copy of
@@ -65,7 +79,6 @@ losses across plans and 4 <-> 8 ranks; bf16/fp16 across plans ~2e-6 relative).
 
 from __future__ import annotations
 
-import io
 import json
 import random
 import threading
@@ -79,7 +92,8 @@ from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.state.checkpoint_files import (DCP_METADATA, FORMAT, CheckpointError, begin_staging,
+from amsp_ext.runtime import wire
+from amsp_ext.runtime.state.checkpoint_files import (FORMAT, RNG_FILE, STATE_FILE, CheckpointError, begin_staging,
                                                damage, file_digest, publish, rank_files, read_meta,
                                                resolve, staging_path, verify_files, write_meta)
 
@@ -93,9 +107,6 @@ __all__ = ["CheckpointError", "PendingSave", "checkpoint_step", "load_checkpoint
 MODEL = "model."  # + state_dict key
 MASTER = "optim.master."  # + tensor name (mixed precision only)
 STATE = "optim.state."  # + tensor name + "." + state key
-GROUP = "optim.param_groups."  # + tensor name: the hyper-parameters of its param group
-GLOBAL = "amsp.state"
-RNG = "amsp.rng."  # + rank
 
 
 # -- shared helpers (also used by export.py) -------------------------------------------------------
@@ -117,15 +128,18 @@ def as_global(t: "LocalTensor", local: torch.Tensor) -> torch.Tensor:
     return local.detach()
 
 
-def _pack(obj: Any) -> bytes:
-    # pre-pickled so that DCP stores one opaque item (it would flatten a dict into many)
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+def _encode(obj: Any, where: str) -> bytes:
+    try:
+        return wire.dumps(obj, where)
+    except wire.WireError as e:
+        raise CheckpointError(f"amsp checkpoint: {e}") from None
 
 
-def _unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+def _read_json(path: Path, name: str) -> Any:
+    try:
+        return wire.loads((path / name).read_bytes())
+    except (OSError, wire.WireError) as e:
+        raise CheckpointError(f"amsp checkpoint {path}: file {name} is damaged ({e})") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -149,9 +163,13 @@ def verify_checkpoint(path) -> dict:
 
 def dcp_metadata(path) -> dict:
     """DCP's key -> storage metadata (global size, dtype, chunks) of ``path`` (no collective)."""
-    import torch.distributed.checkpoint as dcp
-
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    path = Path(path)
+    try:
+        return C.checkpoint_reader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a damaged safetensors header: name the file if we can
+        verify_files(path, read_checkpoint_meta(path))
+        raise CheckpointError(f"amsp checkpoint {path}: a tensor file cannot be read "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def trainable_by_id(e: "Engine") -> dict[int, "LocalTensor"]:
@@ -201,8 +219,8 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
                     async_save: bool = False) -> PendingSave | None:
     """Write a sharded checkpoint of ``model`` + ``optimizer`` into the directory ``path``.
 
-    Collective. ``extra``: any picklable object (rank 0's is saved), returned by
-    ``load_checkpoint``. ``rng``: also save each rank's RNG states (restored under the same
+    Collective. ``extra``: data (None, bool, int, float, str, lists, tuples, dicts, tensors;
+    rank 0's is saved as JSON), returned by ``load_checkpoint``. ``rng``: also save each rank's RNG states (restored under the same
     world size). ``info``: a small JSON-able dict recorded in ``amsp.json`` (readable without
     torch). Call between steps; pending parameter broadcasts are awaited first. ``path`` is
     replaced atomically: until the new checkpoint is complete on every rank, the previous one
@@ -218,35 +236,48 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     staging = staging_path(path)
     C.barrier(None, name="world", timeout=e.config.timeout)  # nobody writes before it is empty
     e.wait_params()
-    sd: dict[str, Any] = {MODEL + k: v for k, v in model.sharded_state_dict().items()}
+    by_id = trainable_by_id(e)
+    # a tied alias is stored once, under its first name (safetensors refuses shared storage)
+    sd: dict[str, Any] = {MODEL + k: v.detach() for k, v in model.sharded_state_dict(keep_vars=True).items()
+                          if by_id.get(id(v)) is None or by_id[id(v)].name == k}
     group_of = {id(p): g for g in opt.inner.param_groups for p in g["params"]}
     rows = []
     for idx, m in opt.masters.items():
         t = e.tensors[idx]
         if not opt._aliased:
             sd[MASTER + t.name] = as_global(t, m)
-        kinds = {}
+        kinds, objects = {}, {}
         for k, v in opt.inner.state.get(m, {}).items():
             kinds[k] = _state_item(sd, t, k, v, e.plan.sp)
-        sd[GROUP + t.name] = _pack({k: v for k, v in group_of[id(m)].items() if k != "params"})
+            if kinds[k] == "object":
+                objects[k] = v
+        hps = {k: v for k, v in group_of[id(m)].items() if k != "params"}
+        try:
+            row_data = wire.to_data({"group": hps, "objects": objects}, f"optimizer state of {t.name!r}")
+        except wire.WireError as err:
+            raise CheckpointError(f"amsp checkpoint: {err}") from None
         rows.append({"name": t.name, "index": t.index, "shard_index": t.shard_index,
                      "global_shape": list(t.global_shape), "local_shape": list(t.local_shape),
-                     "offset": _chunk_offset(t), "state": kinds})
+                     "offset": _chunk_offset(t), "state": kinds, **row_data})
+    # encoded now: what cannot be stored fails at this call, and async saves write this state
+    mine_json: dict[str, bytes] = {}
     if e.rank == 0:
-        sd[GLOBAL] = _pack({"num_steps": opt.num_steps,
-                            "scaler": opt.scaler.state_dict() if opt.scaler else None,
-                            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
-                            "extra": extra})
+        mine_json[STATE_FILE] = _encode({
+            "num_steps": opt.num_steps, "scaler": opt.scaler.state_dict() if opt.scaler else None,
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "extra": extra}, "extra / LR scheduler state")
     if rng:
-        sd[RNG + str(e.rank)] = _pack(rng_state(e.device))
+        mine_json[RNG_FILE.format(rank=e.rank)] = _encode(rng_state(e.device), "RNG state")
     meta = _meta(model, e, rng, info) if e.rank == 0 else None
 
     def finish(group, name: str) -> None:
-        # every rank hashes the files it wrote; rank 0 records them and publishes
-        mine = {f: file_digest(staging / f) for f in rank_files(staging, e.rank)}
+        # every rank writes its JSON and hashes the files it wrote; rank 0 records them and publishes
+        for f, data in mine_json.items():
+            (staging / f).write_bytes(data)
+        mine = {f: file_digest(staging / f) for f in [*rank_files(staging, e.rank), *mine_json]}
         table = C.gather_objects((rows, mine), group, name=name)
         if e.rank == 0:
-            files = {DCP_METADATA: file_digest(staging / DCP_METADATA)}
+            files = {}
             for _, digests in table:
                 files.update(digests)
             write_meta(staging, {**meta, "tensors": _chunks([r for r, _ in table])}, files)
@@ -274,8 +305,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
 def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:
     key = f"{STATE}{t.name}.{k}"
     if not torch.is_tensor(v):
-        sd[key] = _pack(v)
-        return "object"
+        return "object"  # in the chunk's row of amsp.json
     if v.dim() == 0:
         sd[key] = v.detach()
         return "scalar"
@@ -293,7 +323,7 @@ def _chunk_offset(t: "LocalTensor") -> list[int]:
 def rng_state(device: torch.device) -> dict:
     import numpy as np
 
-    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state().clone()}
     if device.type == "cuda":
         out["cuda"] = torch.cuda.get_rng_state(device)
     return out
@@ -303,7 +333,8 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     import numpy as np
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -402,8 +433,22 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     """
     path = resolve(Path(path))
     meta = read_checkpoint_meta(path)
-    verify_files(path, meta, [DCP_METADATA] if verify else [])  # every rank reads it
     e = engine_of(model, optimizer)
+    restore_rng = rng and meta.get("rng") and meta["world"]["size"] == e.world.size
+    # the JSON every rank reads is checked (and parsed) by every rank: one line on all of them
+    verify_files(path, meta, [STATE_FILE])
+    glob = _read_json(path, STATE_FILE)
+    if not isinstance(glob, dict) or not {"num_steps", "scaler", "lr_scheduler", "extra"} <= set(glob):
+        raise CheckpointError(f"amsp checkpoint {path}: file {STATE_FILE} is damaged (not the training state)")
+    rng_file = RNG_FILE.format(rank=e.rank)
+    saved_rng, rng_error = None, None
+    if restore_rng:  # this rank's alone: what is wrong with it is shared by _verify_shared
+        rng_error = damage(path, rng_file, meta["files"].get(rng_file, {}))
+        if rng_error is None:
+            try:
+                saved_rng = wire.loads((path / rng_file).read_bytes())
+            except wire.WireError as err:
+                rng_error = f"is damaged ({err})"
     opt = e.optimizer
     md = dcp_metadata(path)
     current = model.sharded_state_dict(keep_vars=True)
@@ -412,8 +457,8 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
         _check_optimizer(path, meta, e)
     # -- no collective above this line ------------------------------------------------------
     wait_for_save(model)
-    if verify:
-        _verify_shared(path, meta, e)
+    if verify or restore_rng:
+        _verify_shared(path, meta, e, files=verify, own=(rng_file, rng_error) if rng_error else None)
     e.wait_params()  # no broadcast may land after the load
     reshard_all(model)
     opt.zero_grad()
@@ -422,21 +467,12 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     names = [t.name for t in e.tensors]
     if optimizer_states:
         states = _state_targets(e, meta, md, sd)
-        for idx in opt.masters:
-            sd[GROUP + e.tensors[idx].name] = b""
-        if not opt.masters and names:  # nothing owned: lr and friends still feed schedulers
-            sd[GROUP + names[0]] = b""
-    sd[GLOBAL] = b""
-    restore_rng = rng and meta.get("rng") and meta["world"]["size"] == e.world.size
-    if restore_rng:
-        sd[RNG + str(e.rank)] = b""
     C.checkpoint_load(sd, path)
 
     for idx in masters_to_params:
         e.tensors[idx].local().copy_(opt.masters[idx])
-    glob = _unpack(sd[GLOBAL])
     if optimizer_states:
-        _load_inner(e, sd, states, names)
+        _load_inner(e, meta, states, names)
         opt.num_steps = int(glob["num_steps"])
         if opt.scaler is not None and glob["scaler"]:
             opt.scaler.load_state_dict(glob["scaler"])
@@ -446,29 +482,30 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
         else:
             lr_scheduler.load_state_dict(glob["lr_scheduler"])
     if restore_rng:
-        set_rng_state(_unpack(sd[RNG + str(e.rank)]), e.device)
+        set_rng_state(saved_rng, e.device)
     elif rng and meta.get("rng") and e.rank == 0:
         warnings.warn(f"amsp checkpoint {path}: saved on {meta['world']['size']} ranks, loaded on "
                       f"{e.world.size}: RNG states not restored")
     return glob["extra"]
 
 
-def _verify_shared(path: Path, meta: dict, e: "Engine") -> None:
+def _verify_shared(path: Path, meta: dict, e: "Engine", *, files: bool = True,
+                   own: tuple[str, str] | None = None) -> None:
     """Every data file checked once across the ranks (rank r reads files r, r + W, ...); one
     all-gather of the findings, so every rank refuses with the same line, naming the file."""
-    names = sorted(n for n in meta["files"] if n != DCP_METADATA)
-    found = ""
-    for i in range(e.rank, len(names), e.world.size):
+    names = sorted(meta["files"])
+    found = f"{own[0]}\0{own[1]}" if own else ""
+    for i in (range(e.rank, len(names), e.world.size) if files and not found else ()):
         what = damage(path, names[i], meta["files"][names[i]])
         if what is not None:
-            found = f"{i}:{what}"
+            found = f"{names[i]}\0{what}"
             break
-    got = [g.decode() for g in C.all_gather_bytes(found.encode()[:128], None, name="world",
-                                                  timeout=e.config.timeout)]
-    bad = sorted((int(g.split(":", 1)[0]), g.split(":", 1)[1]) for g in got if g)
+    got = [g.decode(errors="replace") for g in C.all_gather_bytes(found.encode()[:200], None, name="world",
+                                                                  width=200, timeout=e.config.timeout)]
+    bad = sorted(tuple(g.split("\0", 1)) for g in got if "\0" in g)
     if bad:
-        i, what = bad[0]
-        raise CheckpointError(f"amsp checkpoint {path}: file {names[i]} {what}; the checkpoint "
+        name, what = bad[0]
+        raise CheckpointError(f"amsp checkpoint {path}: file {name} {what}; the checkpoint "
                               f"cannot be used (load an older one)")
 
 
@@ -516,8 +553,7 @@ def _state_targets(e: "Engine", meta: dict, md: dict, sd: dict) -> dict[int, dic
         for k, kind in kinds.get(t.name, {}).items():
             key = f"{STATE}{t.name}.{k}"
             if kind == "object":
-                sd[key] = b""
-                st[k] = (key,)  # unpacked after the load
+                st[k] = (k,)  # from the chunk's row of amsp.json, after the load
                 continue
             if kind == "shard":
                 key = f"{key}.shard{t.shard_index}of{e.plan.sp}"
@@ -536,17 +572,33 @@ def _state_targets(e: "Engine", meta: dict, md: dict, sd: dict) -> dict[int, dic
     return out
 
 
-def _load_inner(e: "Engine", sd: dict, states: dict[int, dict[str, Any]], names: list[str]) -> None:
+def _rows_by_name(meta: dict) -> dict[str, dict]:
+    """The first chunk row of every tensor (param-group hyper-parameters are per tensor)."""
+    out: dict[str, dict] = {}
+    for r in meta["tensors"]:
+        out.setdefault(r["name"], r)
+    return out
+
+
+def _load_inner(e: "Engine", meta: dict, states: dict[int, dict[str, Any]], names: list[str]) -> None:
     """Hand the loaded states and hyper-parameters to the inner optimizer's own load_state_dict
     (which casts ``step`` & co. the way that optimizer wants)."""
     opt = e.optimizer
     inner_sd = opt.inner.state_dict()
     pos = {id(p): i for i, p in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
+    rows = _rows_by_name(meta)
+    chunk = {(r["name"], r["shard_index"]): r for r in meta["tensors"]}
+
+    def obj(t, k):
+        r = chunk.get((t.name, t.shard_index), rows[t.name])
+        return wire.from_data(r.get("objects", {})[k])
+
     new_state = {}
     for idx, st in states.items():
         if st:
+            t = e.tensors[idx]
             new_state[pos[id(opt.masters[idx])]] = {
-                k: _unpack(sd[v[0]]) if isinstance(v, tuple) else v for k, v in st.items()}
+                k: obj(t, v[0]) if isinstance(v, tuple) else v for k, v in st.items()}
     inner_sd["state"] = new_state
     for g_sd, g in zip(inner_sd["param_groups"], opt.inner.param_groups):
         gnames = [p.amsp_name for p in g["params"] if hasattr(p, "amsp_name")]
@@ -554,7 +606,7 @@ def _load_inner(e: "Engine", sd: dict, states: dict[int, dict[str, Any]], names:
             gnames = names[:1]  # the placeholder group of a rank that owns nothing
         if not gnames:
             continue  # a group with none of this rank's tensors keeps what the factory gave it
-        hps = [_unpack(sd[GROUP + n]) for n in gnames]
+        hps = [wire.from_data(rows[n]["group"]) for n in gnames]
         if any(_hp_key(h) != _hp_key(hps[0]) for h in hps[1:]):
             warnings.warn(f"amsp checkpoint: a param group mixes tensors saved with different "
                           f"hyper-parameters (e.g. {gnames[0]!r}); using those of {gnames[0]!r}")

@@ -21,24 +21,39 @@ own content (canonical JSON without the ``checksum`` field). Loading checks all 
 DCP reads a byte, and refuses a damaged checkpoint with one line naming the file. A single
 flipped byte in ``amsp.json`` either breaks the JSON (a byte of its whitespace or punctuation)
 or changes its content, so it is caught too.
+
+[Note: signatures]
+A checksum only detects damage: whoever can write the folder can recompute it. With a key
+(``AMSP_CHECKPOINT_KEY``, which ``amsp train --checkpoint-key`` sets for its ranks) ``amsp.json``
+also carries ``signature``, an HMAC-SHA256 of the same canonical JSON the checksum covers; since
+that JSON holds the size and SHA-256 of every other file, the signature vouches for the whole
+checkpoint. A keyed process refuses an unsigned checkpoint and one signed with another key before
+it reads anything else; an unkeyed one loads signed checkpoints too (it cannot check them).
+Checkpoints carry no code either way ([Note: nothing is unpickled] in checkpoint.py); the key
+adds "written by someone who holds the key".
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import hmac
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["CheckpointError", "FORMAT", "META_FILE", "begin_staging", "file_digest", "publish", "rank_files",
-           "read_meta", "resolve", "staging_path", "verify_files", "write_meta"]
+__all__ = ["CheckpointError", "FORMAT", "KEY_ENV", "META_FILE", "RNG_FILE", "STATE_FILE", "begin_staging",
+           "checkpoint_key", "file_digest", "publish", "rank_files", "read_meta", "resolve", "staging_path",
+           "verify_files", "write_meta"]
 
-FORMAT = "amsp-checkpoint/2"  # /2: atomic publish, checksums of every file
+FORMAT = "amsp-checkpoint/3"  # /2: atomic publish, checksums of every file; /3: no pickle anywhere
+PICKLED_FORMATS = ("amsp-checkpoint/1", "amsp-checkpoint/2")
 META_FILE = "amsp.json"
-DCP_METADATA = ".metadata"
+STATE_FILE = "amsp.state.json"  # rank 0: step counter, loss scaler, LR scheduler, extra
+RNG_FILE = "rng-{rank}.json"
+KEY_ENV = "AMSP_CHECKPOINT_KEY"
 _CHUNK = 8 << 20
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -91,12 +106,23 @@ def file_digest(path: Path) -> dict:
 
 
 def rank_files(directory: Path, rank: int) -> list[str]:
-    """The data files DCP's FileSystemWriter wrote for ``rank`` (``__<rank>_<i>.distcp``)."""
-    return sorted(p.name for p in Path(directory).glob(f"__{rank}_*.distcp"))
+    """The safetensors files DCP's HuggingFaceStorageWriter(save_distributed=True) wrote for
+    ``rank`` (``shard-<rank + 1>-model-00001-of-00001.safetensors``; none if it wrote nothing)."""
+    return sorted(p.name for p in Path(directory).glob(f"shard-{rank + 1:05d}-model-*.safetensors"))
+
+
+def checkpoint_key() -> bytes | None:
+    key = os.environ.get(KEY_ENV)
+    return key.encode() if key else None
+
+
+def _signature(meta: dict, key: bytes) -> str:
+    body = {k: v for k, v in meta.items() if k not in ("checksum", "signature")}
+    return hmac.new(key, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(), "sha256").hexdigest()
 
 
 def _self_checksum(meta: dict) -> str:
-    body = {k: v for k, v in meta.items() if k != "checksum"}
+    body = {k: v for k, v in meta.items() if k not in ("checksum", "signature")}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -112,6 +138,9 @@ def write_meta(directory: Path, meta: dict, files: dict[str, dict]) -> None:
     """Write ``amsp.json`` (the table plus ``files`` and its own checksum) durably."""
     meta = {**meta, "files": dict(sorted(files.items()))}
     meta["checksum"] = _self_checksum(meta)
+    key = checkpoint_key()
+    if key is not None:
+        meta["signature"] = {"hmac-sha256": _signature(meta, key)}
     tmp = Path(directory) / (META_FILE + ".tmp")
     with open(tmp, "w") as f:
         f.write(json.dumps(meta, indent=1))
@@ -160,9 +189,9 @@ def read_meta(path: Path, *, format: str) -> dict:
     if not path.is_dir():
         raise CheckpointError(f"amsp checkpoint: {path} is not a directory")
     meta_file = path / META_FILE
-    if not meta_file.is_file() or not (path / DCP_METADATA).is_file():
+    if not meta_file.is_file():
         raise CheckpointError(f"amsp checkpoint: {path} is not a complete amsp checkpoint "
-                              f"(no {META_FILE} or {DCP_METADATA}: another format, or the save did not finish)")
+                              f"(no {META_FILE}: another format, or the save did not finish)")
     try:
         meta = json.loads(meta_file.read_bytes())
     except (ValueError, UnicodeDecodeError) as e:
@@ -170,11 +199,40 @@ def read_meta(path: Path, *, format: str) -> dict:
                               f"(not valid JSON: {str(e).splitlines()[0]})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"amsp checkpoint {path}: file {META_FILE} is damaged (not a JSON object)")
+    if meta.get("format") in PICKLED_FORMATS and format == FORMAT:
+        raise CheckpointError(
+            f"amsp checkpoint: {path} has the old format {meta['format']!r}, whose .metadata and state are "
+            f"pickles (loading them could run code): refused. To keep a checkpoint you wrote yourself, "
+            f"export its weights with the amsp_ext that wrote it (amsp_ext.export_checkpoint) and start from those")
     if meta.get("format") != format:
         raise CheckpointError(f"amsp checkpoint: {path} has format {meta.get('format')!r}, expected {format!r}")
     if meta.get("checksum") != _self_checksum(meta) or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"amsp checkpoint {path}: file {META_FILE} is damaged (checksum mismatch)")
+    _check_signature(path, meta)
+    _check_listing(path, meta)
     return meta
+
+
+def _check_signature(path: Path, meta: dict) -> None:
+    key = checkpoint_key()
+    if key is None:
+        return
+    sig = meta.get("signature")
+    if not isinstance(sig, dict) or "hmac-sha256" not in sig:
+        raise CheckpointError(f"amsp checkpoint {path}: not signed, and this run has a checkpoint key "
+                              f"(--checkpoint-key / {KEY_ENV}); refused")
+    if not hmac.compare_digest(str(sig["hmac-sha256"]), _signature(meta, key)):
+        raise CheckpointError(f"amsp checkpoint {path}: signed with another key than this run's "
+                              f"(--checkpoint-key / {KEY_ENV}); refused")
+
+
+def _check_listing(path: Path, meta: dict) -> None:
+    """Every tensor file in the folder is one the table records: DCP's reader takes every
+    ``*.safetensors`` file it finds, so an added one would add chunks nobody checked."""
+    for f in sorted(path.glob("*.safetensors")):
+        if f.name not in meta["files"]:
+            raise CheckpointError(f"amsp checkpoint {path}: file {f.name} is not one this checkpoint "
+                                  f"wrote (not in {META_FILE}); refused")
 
 
 def damage(path: Path, name: str, expected: dict) -> str | None:
