@@ -57,7 +57,7 @@ def plan_text(name: str, ctx: Context) -> str:
 def setup(name: str, model, ctx: Context) -> SystemRun:
     import contextlib
 
-    from amsp_ext import shard
+    from amsp_ext.runtime.shard import shard  # the function: `amsp_ext.shard` can resolve to the module
 
     plan = plan_text(name, ctx)
     config = shard_config(ctx.spec, ctx.gpus_per_node)
