@@ -29,7 +29,7 @@ def cpu_precision(requested: str | None, default: str, *, flag: str = "--precisi
     if probe.fast:
         return precision
     if requested is None:
-        say(f"precision: fp32, not the default bf16, since this CPU has no native bf16 "
+        say(f"precision: fp32, not the default bf16: this CPU has no native bf16 "
             f"({probe.describe()}); pass {flag} bf16 to run bf16 anyway")
         return "fp32"
     say(f"warning: {flag} bf16 on a CPU without native bf16: {probe.describe()}, so every "

@@ -243,7 +243,7 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
                 head = (f"[{p.index}/{len(items)}]" if repeats == 1
                         else f"[round {r + 1}/{repeats}, {position}/{len(order)}]")
                 if bar is not None:
-                    bar.set_description(f"{head} {p.item.key}")
+                    bar.set_description(f"{head} {p.item.key}", refresh=True)
                 # The profiled step runs in round 1 only: it comes after the timed steps, so it
                 # does not change them, and one trace per system answers the exposed-
                 # communication question; repeating it would only add profiler time to every round.
@@ -282,7 +282,7 @@ def _bar(*, total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="run", dynamic_ncols=True,
-                bar_format="{desc}: {n_fmt}/{total_fmt} runs |{bar}| {elapsed}<{remaining}")
+                bar_format="{desc} | {n_fmt}/{total_fmt} runs |{bar}| {elapsed}<{remaining}")
 
 
 ORDER_SCHEME = ("round r (1-based) runs the systems in the base order rotated left by "

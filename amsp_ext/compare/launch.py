@@ -109,7 +109,7 @@ def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,
             # here as an exception): nothing of this system may outlive it.
             left = stop_job(proc.pid if proc.poll() is None else None, job_id,
                             grace_s=10.0 if proc.poll() is None else 3.0)
-    base["stopped_pids"] = left
+    base["stragglers_stopped"] = left  # pids still alive when the system ended (normally none)
     wall = time.perf_counter() - t0
     base["wall_s"] = wall
     result_file = out / "result.json"

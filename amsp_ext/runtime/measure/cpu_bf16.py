@@ -35,7 +35,7 @@ class Bf16Probe:
 
     def describe(self) -> str:
         flags = ", ".join(self.flags) if self.flags else f"none of {', '.join(NATIVE_FLAGS)}"
-        return f"a bf16 matmul takes {self.slowdown:.1f}x the fp32 time on this CPU (flags: {flags})"
+        return f"a bf16 matmul takes {self.slowdown:.1f}x the fp32 time; CPU flags: {flags}"
 
 
 def _flags() -> tuple[str, ...]:
