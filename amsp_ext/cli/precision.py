@@ -32,6 +32,6 @@ def cpu_precision(requested: str | None, default: str, *, flag: str = "--precisi
         say(f"precision: fp32, not the default bf16: this CPU has no native bf16 "
             f"({probe.describe()}); pass {flag} bf16 to run bf16 anyway")
         return "fp32"
-    say(f"warning: {flag} bf16 on a CPU without native bf16: {probe.describe()}, so every "
+    say(f"warning: {flag} bf16 on a CPU without native bf16 ({probe.describe()}): every "
         f"step runs about {probe.slowdown:.0f}x slower than in fp32")
     return precision
