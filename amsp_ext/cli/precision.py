@@ -5,7 +5,7 @@ one line) and an explicit bf16 runs with a warning that quotes the measured slow
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["cpu_precision"]
 

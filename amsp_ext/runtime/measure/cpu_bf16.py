@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Bf16Probe", "SLOW_RATIO", "probe_cpu_bf16"]
+__all__ = ["SLOW_RATIO", "Bf16Probe", "probe_cpu_bf16"]
 
 NATIVE_FLAGS = ("avx512_bf16", "amx_bf16")
 SLOW_RATIO = 1.5  # bf16 matmul time / fp32 above which bf16 counts as "not native"
