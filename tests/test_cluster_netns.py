@@ -111,7 +111,7 @@ def test_a_failing_rank_fails_the_job_fast(lab, tmp_path):
 
 
 def test_a_hung_job_times_out(lab, tmp_path):
-    proc = amsp("cluster", "run", "--name", LAB, "--master-port", "29543", "--timeout", "8",
+    proc = amsp("cluster", "run", "--name", LAB, "--master-port", "0", "--timeout", "8",  # 0: a free port
                 "--", "tests/lab_worker.py", "hang", "3", env={**lab, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 124 and "timed out after 8s" in proc.stdout
     logs = list(tmp_path.glob("amsp-cluster-run-*"))  # kept after a timeout, and named

@@ -42,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup-steps", type=int, help="steps left out of the throughput median")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="compute dtype of every system (default bf16, or fp32 on a CPU without "
+                   "native bf16, which says so before the run)")
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "cluster"))
     p.add_argument("--nproc-per-node", type=int, help="ranks (torchrun launcher)")
     p.add_argument("--gpus-per-node", type=int,
@@ -83,14 +85,22 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.compare.launch import LaunchConfig
     from amsp_ext.compare.report import format_table, ratios
 
+    import dataclasses
+    import signal
+
+    from amsp_ext.cli.precision import cpu_precision
+
     d = QUICK if args.quick else FULL
+    # RunSpec holds the one default; only a CPU without native bf16 changes it
+    default = {f.name: f.default for f in dataclasses.fields(RunSpec)}["precision"]
+    precision = cpu_precision(args.precision, default)
     pick = lambda v, k: d[k] if v is None else v  # noqa: E731
     spec = RunSpec(
         model=pick(args.model, "model"), seq_len=pick(args.seq_len, "seq_len"),
         micro_batch_size=pick(args.micro_batch_size, "micro_batch_size"),
         num_micro_batches=pick(args.micro_batches, "num_micro_batches"),
         num_steps=pick(args.steps, "num_steps"), num_warmup_steps=pick(args.warmup_steps, "num_warmup_steps"),
-        seed=args.seed, precision=args.precision,
+        seed=args.seed, precision=precision,
         gpus_per_node=args.gpus_per_node if args.gpus_per_node is not None
         else (d["gpus_per_node"] if args.launcher == "torchrun" else None),
         mics_shard_size=args.mics_shard_size, hpz_partition_size=args.hpz_partition_size,
@@ -113,10 +123,20 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--ablation-micro-batches must be integers like 1,2,4,8, "
                              f"got {args.ablation_micro_batches!r}") from None
-    path, rows = run_comparison(mode=args.mode, spec=spec, launch=launch, out_dir=Path(args.out),
-                                command=command.strip(), systems=systems,
-                                ablation_micro_batches=ablation_ms, planner=planner,
-                                repeats=args.repeats)
+
+    def stop(signum, frame):  # noqa: ARG001 - a scheduler's SIGTERM stops it like Ctrl-C
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        path, rows = run_comparison(mode=args.mode, spec=spec, launch=launch, out_dir=Path(args.out),
+                                    command=command.strip(), systems=systems,
+                                    ablation_micro_batches=ablation_ms, planner=planner,
+                                    repeats=args.repeats, show_bar=True)
+    except KeyboardInterrupt as e:
+        print(f"amsp compare: stopped ({e or 'SIGINT'}); every system it started is stopped",
+              file=sys.stderr)
+        return 130
     print()
     print(format_table(rows))
     for line in ratios(rows):

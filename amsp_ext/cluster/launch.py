@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Sequence, TextIO
 
 from amsp_ext.cluster.lab import Lab, LabError, LabSpec
+from amsp_ext.cluster.proctree import JOB_ENV, new_job_id, stop_job
 
 __all__ = ["NodeLaunch", "node_launches", "run_on_lab"]
 
@@ -99,19 +100,30 @@ def _pump(node: int, stream: TextIO, sink: TextIO, lock: threading.Lock) -> None
             sink.flush()
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.1)
-        if all(p.poll() is not None for p in procs):
-            return
+def _stop(procs: list[subprocess.Popen], job_id: str, grace_s: float = 5.0) -> None:
+    """Every node's torchrun and its ranks (in sessions of their own: cluster/proctree.py)."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running[1:]:
+        stop_job(p.pid, None, grace_s=grace_s)
+    stop_job(running[0].pid if running else None, job_id, grace_s=grace_s)
+
+
+def free_port(namespace: str) -> int:
+    """A port the kernel calls free in ``namespace`` (node 0's: where the rendezvous listens)."""
+    probe = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+    out = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", probe],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0 or not out.stdout.strip().isdigit():
+        raise LabError(f"cluster run: could not find a free port in {namespace}: {out.stderr.strip()[:200]}")
+    return int(out.stdout.strip())
+
+
+class _Stopped(Exception):
+    """SIGTERM/SIGHUP while the job ran: the nodes are stopped on the way out."""
+
+
+def _raise_stopped(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise _Stopped(signal.Signals(signum).name)
 
 
 def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master_port: int = 29500,
@@ -125,14 +137,22 @@ def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master
     # (its path printed) after a failure or a timeout. A folder the caller named is its own.
     made_log_dir = log_dir is None
     log_dir = log_dir or tempfile.mkdtemp(prefix="amsp-cluster-run-")
+    if master_port == 0:
+        master_port = free_port(Lab(spec=spec).node_ns(0))
     launches = node_launches(spec, command, master_port=master_port, state_file=state_file, log_dir=log_dir)
+    # every rank of every node carries the id, so a straggler is found wherever it runs
+    job_id = os.environ.get(JOB_ENV) or new_job_id()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, _raise_stopped)
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     try:
         for launch in launches:
             p = subprocess.Popen(
-                launch.argv, env={**os.environ, **launch.env}, stdout=subprocess.PIPE,
+                launch.argv, env={**os.environ, **launch.env, JOB_ENV: job_id}, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
             )
             procs.append(p)
@@ -144,7 +164,7 @@ def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if now > deadline:
-                _stop(procs)
+                _stop(procs, job_id)
                 with lock:
                     sink.write(f"[cluster] timed out after {timeout_s:g}s; stopped all nodes (logs: {log_dir})\n")
                 return TIMEOUT_EXIT
@@ -155,8 +175,14 @@ def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master
                     sink.write("[cluster] a node failed; stopping the others\n")
                 break  # the finally below stops them
             time.sleep(0.1)
+    except _Stopped as e:
+        with lock:
+            sink.write(f"[cluster] {e}: stopping all nodes (logs: {log_dir})\n")
+        raise SystemExit(128 + signal.SIGTERM) from None
     finally:
-        _stop(procs)
+        _stop(procs, job_id)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for t in pumps:
             t.join(timeout=5)
     codes = [p.returncode for p in procs]

@@ -178,9 +178,11 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
                    command: str, systems: list[str] | None = None,
                    ablation_micro_batches: list[int] | None = None,
                    planner: PlannerInputs | None = None, repeats: int = 1,
-                   progress: Callable[[str], None] = print) -> tuple[Path, list[dict[str, Any]]]:
+                   progress: Callable[[str], None] = print,
+                   show_bar: bool = False) -> tuple[Path, list[dict[str, Any]]]:
     """Run every row ``repeats`` times, in rounds whose order alternates (amsp_ext.compare.rounds),
-    and write the report. Rows come back in plan_runs' order."""
+    and write the report - after every system, and at the end with plots. Rows come back in
+    plan_runs' order. ``show_bar``: a tqdm bar with ETA (lines go through ``tqdm.write``)."""
     from amsp_ext.compare.report import write_report
 
     repeats = validate_repeats(repeats)
@@ -205,45 +207,83 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     runnable = [p for p in prepared if not p.why]
     orders: list[list[str]] = []
     round_loads: list[list[float] | None] = []
-    for r in range(repeats):
-        order = round_order(runnable, r)
-        orders.append([p.item.key for p in order])
-        round_loads.append(_load())
-        folder = runs_dir if repeats == 1 else runs_dir / f"round{r + 1}"
-        for position, p in enumerate(order, 1):
-            # The profiled step runs in round 1 only: it comes after the timed steps, so it does
-            # not change them, and one trace per system answers the exposed-communication
-            # question; repeating it would only add profiler time to every round.
-            run_spec = p.spec if r == 0 else p.spec.replace(trace=False)
-            started_at = time.time()
-            res = run_system(p.item.system, run_spec,
-                             folder / p.item.key.replace("[", "_").replace("]", ""),
-                             launch, row_key=p.item.key)
-            res.update(p.base)
-            res.update(round=r + 1, position=position, started_at=started_at)
-            if r > 0:
-                res["spec"] = dataclasses.asdict(run_spec)
-            raw_by_key.setdefault(p.item.key, []).append(res)
-            head = (f"[{p.index}/{len(items)}]" if repeats == 1
-                    else f"[round {r + 1}/{repeats}, {position}/{len(order)}]")
-            progress(f"{head} {p.item.label}: {res['status']}"
-                     + (f" - {res['reason']}" if res.get("reason") else "")
-                     + f" ({res.get('wall_s', 0):.0f} s)")
 
-    raw = [res for p in prepared for res in raw_by_key[p.item.key]]
-    peak = peak_flops(raw)
-    rows = [_row(raw_by_key[p.item.key], peak, repeats) for p in prepared]
-    meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
-                 hardware=stem_hw)
-    meta["planner"] = planner.describe()
-    meta["load"] = {"start": load_start, "end": _load()}
-    meta["repeats"] = repeats
-    meta["round_orders"] = orders
-    if repeats > 1:
-        meta["round_loads"] = round_loads
-        meta["order_scheme"] = ORDER_SCHEME
-    path = write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem)
-    return path, rows
+    def report(*, final: bool, stopped: str | None = None) -> Path:
+        # [Note: a report after every system]
+        # Written (JSON + markdown, no plots) each time a system finishes, so a later failure,
+        # a timeout or a stopped harness loses nothing; the final write adds the plots.
+        done = [p for p in prepared if p.item.key in raw_by_key]
+        raw = [res for p in done for res in raw_by_key[p.item.key]]
+        peak = peak_flops(raw)
+        rows = [_row(raw_by_key[p.item.key], peak, repeats) for p in done]
+        meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
+                     hardware=stem_hw)
+        meta["planner"] = planner.describe()
+        meta["load"] = {"start": load_start, "end": _load()}
+        meta["repeats"] = repeats
+        meta["round_orders"] = orders
+        if not final or stopped:
+            meta["incomplete"] = (f"stopped ({stopped})" if stopped else "in progress") + \
+                f": {sum(len(v) for v in raw_by_key.values())} of {total} runs reported"
+        if repeats > 1:
+            meta["round_loads"] = round_loads
+            meta["order_scheme"] = ORDER_SCHEME
+        report.rows = rows
+        return write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem, plots=final)
+
+    total = len(runnable) * repeats + len(prepared) - len(runnable)
+    bar = _bar(total=len(runnable) * repeats, enabled=show_bar)
+    say = bar.write if bar is not None else progress
+    try:
+        for r in range(repeats):
+            order = round_order(runnable, r)
+            orders.append([p.item.key for p in order])
+            round_loads.append(_load())
+            folder = runs_dir if repeats == 1 else runs_dir / f"round{r + 1}"
+            for position, p in enumerate(order, 1):
+                head = (f"[{p.index}/{len(items)}]" if repeats == 1
+                        else f"[round {r + 1}/{repeats}, {position}/{len(order)}]")
+                if bar is not None:
+                    bar.set_description(f"{head} {p.item.key}", refresh=True)
+                # The profiled step runs in round 1 only: it comes after the timed steps, so it
+                # does not change them, and one trace per system answers the exposed-
+                # communication question; repeating it would only add profiler time to every round.
+                run_spec = p.spec if r == 0 else p.spec.replace(trace=False)
+                started_at = time.time()
+                res = run_system(p.item.system, run_spec,
+                                 folder / p.item.key.replace("[", "_").replace("]", ""),
+                                 launch, row_key=p.item.key)
+                res.update(p.base)
+                res.update(round=r + 1, position=position, started_at=started_at)
+                if r > 0:
+                    res["spec"] = dataclasses.asdict(run_spec)
+                raw_by_key.setdefault(p.item.key, []).append(res)
+                report(final=False)  # on disk before anyone hears of it
+                say(f"{head} {p.item.label}: {res['status']}"
+                    + (f" - {res['reason']}" if res.get("reason") else "")
+                    + f" ({res.get('wall_s', 0):.0f} s)")
+                if bar is not None:
+                    bar.update(1)
+    except BaseException as e:  # SIGINT/SIGTERM (the CLI turns SIGTERM into KeyboardInterrupt)
+        if raw_by_key:
+            path = report(final=False, stopped=type(e).__name__)
+            say(f"stopped: the {sum(len(v) for v in raw_by_key.values())} finished run(s) are in {path}")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    path = report(final=True)
+    return path, report.rows
+
+
+def _bar(*, total: int, enabled: bool):
+    """A tqdm bar over every (round, system) run, with ETA; None when disabled."""
+    if not enabled or total == 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="run", dynamic_ncols=True,
+                bar_format="{desc} | {n_fmt}/{total_fmt} runs |{bar}| {elapsed}<{remaining}")
 
 
 ORDER_SCHEME = ("round r (1-based) runs the systems in the base order rotated left by "

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from amsp_ext.cluster.proctree import JOB_ENV, new_job_id, stop_job
 from amsp_ext.compare.config import RunSpec
 from amsp_ext.runtime.rendezvous import LoopbackRendezvous
 
@@ -34,7 +34,9 @@ class LaunchConfig:
     nproc_per_node: int = 4  # torchrun only; the cluster's size comes from `amsp cluster up`
     cluster_name: str = "amsp"
     timeout_s: float = 600.0  # per system
-    master_port: int = 29511
+    # cluster only: 0 picks a free port in node 0's namespace for every system, so a port a
+    # stopped system's straggler still holds is never reused (issue 22's EADDRINUSE)
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
@@ -43,6 +45,8 @@ class LaunchConfig:
             raise ValueError(f"nproc_per_node must be in 1..8 on this machine, got {self.nproc_per_node}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in 0..65535 (0: a free one), got {self.master_port}")
 
 
 def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig,
@@ -59,26 +63,13 @@ def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig
             "--", *worker]
 
 
-def _env() -> dict[str, str]:
+def _env(job_id: str) -> dict[str, str]:
     env = dict(os.environ)
+    env[JOB_ENV] = job_id  # every process of this system inherits it (cluster/proctree.py)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
     return env
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """Stop the launcher and every rank it started (they share the session we created)."""
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _failure(out: Path, proc_rc: int | None, log_tail: str, timeout_s: float) -> dict[str, Any]:
@@ -110,17 +101,23 @@ def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,
     rdzv = LoopbackRendezvous(launch.timeout_s) if local else contextlib.nullcontext()
     t0 = time.perf_counter()
     rc: int | None
+    job_id = new_job_id()
     with rdzv, open(out / "log.txt", "w") as log:  # the rendezvous store on 127.0.0.1 only
         cmd = worker_command(system, spec_path, out, launch, rdzv.torchrun_args if local else None)
         base = {"system": system, "key": row_key or system, "command": shlex.join(cmd)}
-        env = LoopbackRendezvous.env(_env()) if local else _env()
+        env = LoopbackRendezvous.env(_env(job_id)) if local else _env(job_id)
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             rc = proc.wait(timeout=launch.timeout_s)
         except subprocess.TimeoutExpired:
             rc = None
-            _stop_group(proc)
+        finally:
+            # Timed out, failed, finished, or the harness itself stopped (SIGTERM/SIGINT arrive
+            # here as an exception): nothing of this system may outlive it.
+            left = stop_job(proc.pid if proc.poll() is None else None, job_id,
+                            grace_s=10.0 if proc.poll() is None else 3.0)
+    base["stragglers_stopped"] = left  # pids still alive when the system ended (normally none)
     wall = time.perf_counter() - t0
     base["wall_s"] = wall
     result_file = out / "result.json"

@@ -302,20 +302,22 @@ def rounds_section(rows: list[dict[str, Any]], ratio_recs: list[dict[str, Any]],
 
 
 def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path,
-                 stem: str) -> Path:
+                 stem: str, plots: bool = True) -> Path:
+    """``plots=False``: the JSON and the markdown only (the harness's after-every-system write)."""
     folder = out_dir / stem
     folder.mkdir(parents=True, exist_ok=True)
     ratio_recs = ratio_records(rows)
     (folder / "results.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "ratios": ratio_recs}, indent=2, sort_keys=True,
                    default=str) + "\n")
-    plots = write_plots(rows, folder)
+    plots = write_plots(rows, folder) if plots else []
     peak = meta.get("peak_flops")
     peak_text = f"{peak / 1e9:.1f} GFLOP/s per rank ({meta['compute_dtype']})" if peak else "n/a"
     spec = meta["spec"]
     lines = [
         f"# amsp compare: {spec['model']} on {meta['hardware']}, {meta['date']}",
         "",
+        *([f"**Incomplete: {meta['incomplete']}.**", ""] if meta.get("incomplete") else []),
         f"Machine: {meta['cpu']}." + _load_text(meta.get("load")),
         "",
         f"Mode: **{meta['mode']}**. Command:",

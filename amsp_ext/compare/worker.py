@@ -77,6 +77,7 @@ def run(system: str, spec, out: Path) -> dict:
     from amsp_ext.compare.config import resolve_topology
     from amsp_ext.compare.systems import SYSTEMS, runner
     from amsp_ext.compare.systems.base import Context
+    from amsp_ext.train.faults import faults, hang_now
     from amsp_ext.train.models import build_llama
 
     info = SYSTEMS[system]
@@ -103,8 +104,10 @@ def run(system: str, spec, out: Path) -> dict:
     sysrun = runner(system).setup(system, model, ctx)
     setup_s = time.perf_counter() - t_setup
 
+    fs = faults()  # test-only fault injection (AMSP_FAULTS; never set in normal runs)
     losses, step_s = [], []
     for step in range(spec.num_steps):
+        hang_now(fs, rank=rank, step=step, system=system)
         t = time.perf_counter()
         losses.append(sysrun.train_step(step))
         step_s.append(time.perf_counter() - t)

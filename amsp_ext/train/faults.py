@@ -8,6 +8,9 @@
 - ``slow`` (``slow:rank=R:step=S[-E]:x=F``): what ``amsp train --adaptive`` measured on rank R
   at steps S..E for the collective kinds that cross nodes is multiplied by F (a fake slow
   link: only the adaptive monitor's input changes, not the collectives; runtime/replan/adaptive.py).
+- ``hang`` (``hang:rank=R:step=S[:system=NAME]``): rank R spins forever at the start of step S,
+  ignoring SIGTERM, as a rank stuck in a computation would (``amsp compare``'s leave-nothing-
+  behind test; ``system=`` limits it to that compare system, so the next one runs clean).
 
 A malformed value is a one-line ValueError (it is read once, at start-up).
 """
@@ -18,7 +21,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-__all__ = ["Fault", "faults", "kill_now", "nan_now", "slow_factor"]
+__all__ = ["Fault", "faults", "hang_now", "kill_now", "nan_now", "slow_factor"]
 
 ENV = "AMSP_FAULTS"
 
@@ -30,6 +33,7 @@ class Fault:
     first: int
     last: int
     factor: float = 1.0
+    system: str | None = None  # hang only: the `amsp compare` system it applies to (None: all)
 
 
 def faults(text: str | None = None) -> list[Fault]:
@@ -41,12 +45,13 @@ def faults(text: str | None = None) -> list[Fault]:
             d = dict(x.split("=", 1) for x in kv)
             first, _, last = d["step"].partition("-")
             factor = float(d.pop("x")) if kind == "slow" else 1.0
-            out.append(Fault(kind, int(d["rank"]), int(first), int(last or first), factor))
+            system = d.pop("system", None) if kind == "hang" else None
+            out.append(Fault(kind, int(d["rank"]), int(first), int(last or first), factor, system))
         except (ValueError, KeyError):
             raise ValueError(f"{ENV}: {item!r} is not KIND:rank=R:step=S[-E] "
                              f"(slow: slow:rank=R:step=S[-E]:x=F)") from None
-        if kind not in ("nan", "kill", "slow"):
-            raise ValueError(f"{ENV}: fault kind must be nan, kill or slow, got {kind!r}")
+        if kind not in ("nan", "kill", "slow", "hang"):
+            raise ValueError(f"{ENV}: fault kind must be nan, kill, slow or hang, got {kind!r}")
         if not factor > 0:
             raise ValueError(f"{ENV}: {item!r}: x must be a number > 0, got {factor!r}")
     return out
@@ -70,3 +75,13 @@ def slow_factor(fs: list[Fault], *, rank: int, step: int) -> float:
         if x.kind == "slow" and x.rank == rank and x.first <= step <= x.last:
             f *= x.factor
     return f
+
+
+def hang_now(fs: list[Fault], *, rank: int, step: int, system: str | None = None) -> None:
+    """Spin forever (SIGTERM ignored: only SIGKILL ends it) if a hang fault names this step."""
+    if any(f.kind == "hang" and f.rank == rank and f.first <= step <= f.last
+           and f.system in (None, system) for f in fs):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        x = 0
+        while True:  # busy, not blocked in a syscall: what issue 22's stuck workers did
+            x += 1
