@@ -79,7 +79,9 @@ losses across plans and 4 <-> 8 ranks; bf16/fp16 across plans ~2e-6 relative).
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import random
 import threading
 import warnings
@@ -92,6 +94,7 @@ from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
+from amsp_ext.planner.specs import format_size
 from amsp_ext.runtime import wire
 from amsp_ext.runtime.state.checkpoint_files import (FORMAT, RNG_FILE, STATE_FILE, CheckpointError, begin_staging,
                                                damage, file_digest, publish, rank_files, read_meta,
@@ -270,21 +273,40 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
         mine_json[RNG_FILE.format(rank=e.rank)] = _encode(rng_state(e.device), "RNG state")
     meta = _meta(model, e, rng, info) if e.rank == 0 else None
 
+    needed = sum(v.numel() * v.element_size() for v in sd.values() if torch.is_tensor(v)) + sum(
+        len(d) for d in mine_json.values())
+
     def finish(group, name: str) -> None:
-        # every rank writes its JSON and hashes the files it wrote; rank 0 records them and publishes
-        for f, data in mine_json.items():
-            (staging / f).write_bytes(data)
-        mine = {f: file_digest(staging / f) for f in [*rank_files(staging, e.rank), *mine_json]}
-        table = C.gather_objects((rows, mine), group, name=name)
+        # every rank writes its JSON and hashes the files it wrote; rank 0 records them and publishes.
+        # A rank that cannot write says so through the same all-gather, so no rank waits for it.
+        failed, mine = None, {}
+        try:
+            for f, data in mine_json.items():
+                (staging / f).write_bytes(data)
+            mine = {f: file_digest(staging / f) for f in [*rank_files(staging, e.rank), *mine_json]}
+        except OSError as err:
+            failed = str(_disk_full(path, staging, needed) if _no_space(err) else
+                         CheckpointError(f"amsp checkpoint {path}: cannot write {staging} ({err})"))
+        table = C.all_gather_objects((rows, mine, failed), group, name=name, timeout=e.config.timeout)
+        errors = [f for _, _, f in table if f]
+        if errors:
+            _drop_staging(e.rank, staging)
+            raise CheckpointError(errors[0])
         if e.rank == 0:
             files = {}
-            for _, digests in table:
+            for _, digests, _ in table:
                 files.update(digests)
-            write_meta(staging, {**meta, "tensors": _chunks([r for r, _ in table])}, files)
+            write_meta(staging, {**meta, "tensors": _chunks([r for r, _, _ in table])}, files)
             publish(staging, path)
 
     if not async_save:
-        C.checkpoint_save(sd, staging)
+        try:
+            C.checkpoint_save(sd, staging)
+        except Exception as err:  # DCP raises the failure of any rank on every rank
+            if not _no_space(err):
+                raise
+            _drop_staging(e.rank, staging)
+            raise _disk_full(path, staging, needed) from None
         finish(None, "world")
         C.barrier(None, name="world", timeout=e.config.timeout)  # published when any rank returns
         return None
@@ -300,6 +322,48 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     threading.Thread(target=pending._run, args=(background,), name="amsp-async-save", daemon=True).start()
     e.pending_save = pending
     return pending
+
+
+# [Note: a full disk]
+# A save that runs out of space must say so once, in words a cluster operator acts on: which
+# folder, about how much this save needs, how much is free, and that nothing was published (the
+# previous checkpoints are intact: a save only ever writes its own staging folder). DCP raises
+# any rank's write failure on every rank (wrapped in its CheckpointException), so every rank
+# raises the same line and the launcher prints it once; the staging folder is removed so that
+# the disk is not left full.
+def _no_space(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps, DCP's per-rank failures included) is ENOSPC."""
+    stack, seen = [err], set()
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if (isinstance(x, OSError) and x.errno == errno.ENOSPC) or "No space left on device" in str(x):
+            return True
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            stack += [v for v in failures.values() if isinstance(v, BaseException)]
+            stack += [v[0] for v in failures.values() if isinstance(v, tuple) and v and isinstance(v[0], BaseException)]
+        stack += [x.__cause__, x.__context__]
+    return False
+
+
+def _disk_full(path: Path, staging: Path, needed: int) -> CheckpointError:
+    folder = staging.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = 0
+    return CheckpointError(
+        f"amsp checkpoint {path}: no space left on {folder} (this save needs about "
+        f"{format_size(needed)} per rank, {format_size(free)} free); nothing was published: {path} "
+        f"and the checkpoints next to it are unchanged; free space or save elsewhere")
+
+
+def _drop_staging(rank: int, staging: Path) -> None:
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:
