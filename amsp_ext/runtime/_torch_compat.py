@@ -33,7 +33,8 @@ __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
     "backend_options", "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors", "flatten_mesh",
-    "fsdp_all_gather_streams", "local_chunk_offset", "optimizer_hooks", "queue_backward_callback",
+    "fake_store", "fake_tensor_mode", "fsdp_all_gather_streams", "local_chunk_offset", "mem_tracker",
+    "real_tensors", "optimizer_hooks", "queue_backward_callback",
     "set_fsdp_unshard_async_op", "start_coalescing",
 ]
 
@@ -220,3 +221,35 @@ def start_coalescing(group, device: torch.device) -> None:
 
 def end_coalescing(group, device: torch.device) -> None:
     group._end_coalescing(device)
+
+
+# -- dry run (runtime/measure/dryrun.py): one rank of a huge world, tensors without storage -----
+def fake_store():
+    """``torch.testing._internal.distributed.fake_pg.FakeStore``: the store of the ``"fake"``
+    backend (every collective returns at once, moving no data), checked with 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode():
+    """``FakeTensorMode`` (torch._subclasses): tensors with shapes, dtypes and devices but no
+    storage; ``device="cuda"`` works on a CPU-only build."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def real_tensors():
+    """A context in which tensors are real again inside a FakeTensorMode (host-side bookkeeping
+    such as the fingerprint all-gather); a no-op outside one."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def mem_tracker():
+    """``torch.distributed._tools.mem_tracker.MemTracker`` (memory of a step by category)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()

@@ -327,8 +327,9 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
     the mesh, the units (FSDP2 when sp > 1), the layout, the owners' fp32 masters
     (``engine.masters``), the model in the compute dtype, GradSync and ParamSync (not yet
     installed). No optimizer: ``shard`` builds one, ``switch_plan`` rebinds the existing one."""
-    mesh = build_plan_mesh(plan, world, device_type=device.type,
-                           timeout=datetime.timedelta(seconds=config.timeout))
+    with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
+        mesh = build_plan_mesh(plan, world, device_type=device.type,
+                               timeout=datetime.timedelta(seconds=config.timeout))
     units = list_units(model, config.granularity)
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.submeshes["param_shard"], name=mesh.name("param_shard"),

@@ -1,0 +1,384 @@
+"""``amsp dryrun``: one rank of a huge world in one CPU process, the real engine on fake tensors.
+
+    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
+    result = dry_run(DryRunSpec(model="llama-7b", num_nodes=128, gpus_per_node=8, plan="zero3"))
+
+[Note: dry run]
+Each sampled rank runs in a subprocess of its own (:func:`run_rank`, at most two at once):
+``init_process_group("fake", FakeStore(), rank=r, world_size=R)`` (every collective returns at
+once and moves no data), then under ``FakeTensorMode`` (tensors with shapes, dtypes, devices and
+no storage) the model is built (weights never initialised: on ``meta``, then given fake storage),
+``amsp_ext.shard`` applies the plan exactly as a real run does (same groups, buckets, ownership),
+and ``steps`` full steps run (M micro-batches forward/backward, clip, optimizer step, the
+post-step broadcasts). Every collective runtime/collectives.py issues is logged through its
+``observer`` (kind, group size, cross-node, bytes as the planner counts them, phase), and
+torch's ``MemTracker`` counts the step's memory by category.
+
+What a fake run cannot be, and how it is handled:
+* host reads of tensor values (``float(norm)`` in clipping, the non-finite guard's verdict)
+  have no value: :func:`_nominal_scalars` makes them return a nominal finite value (1.0, 0,
+  False), so control flow takes the ordinary "finite, no skip" path of a healthy step;
+* the fake backend's all-gather of fingerprints returns no data: collectives.all_gather_bytes
+  answers with this rank's payload on the fake backend (every simulated rank runs this code);
+* the device is ``cpu`` (fake CPU tensors): FSDP2 on a ``cuda`` mesh needs CUDA streams and
+  events, which cannot be faked on a CPU-only build, and FSDP2 moves its states to the mesh's
+  device. Memory is counted per tensor, so the figures do not depend on the device; the CUDA
+  branches of the engine (streams, events, device placement) do not run in a dry run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["DryRunSpec", "dry_run", "planner_numbers", "run_rank", "hf_config_of"]
+
+_GROUP_KINDS_AR = ("param_replica", "grad")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunSpec:
+    """What ``amsp dryrun`` runs. ``ranks`` None: rank 0, one rank of a middle node, the last."""
+
+    model: str | None = "tiny-llama"
+    model_config: str | None = None
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_bytes: int = 80 * 2**30
+    plan: str = "zero3"
+    seq_len: int = 128
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+    precision: str = "bf16"
+    reduce_dtype: str = "fp32"
+    recompute: bool = False
+    granularity: str = "module"
+    bucket_bytes: int = 25 * 2**20
+    steps: int = 2
+    ranks: tuple[int, ...] | None = None
+    profile: str = "paper-a800"
+
+    def __post_init__(self) -> None:
+        from amsp_ext.choices import GRANULARITIES, PRECISIONS, reduce_dtypes
+
+        for name in ("num_nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
+                     "steps", "bucket_bytes", "gpu_memory_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"dryrun: {name} must be an integer >= 1, got {v!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"dryrun: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.reduce_dtype not in reduce_dtypes(self.precision):
+            raise ValueError(f"dryrun: reduce_dtype must be one of {', '.join(reduce_dtypes(self.precision))}, "
+                             f"got {self.reduce_dtype!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"dryrun: granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        world = self.world
+        for r in self.ranks or ():
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+                raise ValueError(f"dryrun: --ranks: rank {r!r} is out of range 0..{world - 1} "
+                                 f"(world {self.num_nodes} x {self.gpus_per_node})")
+
+    @property
+    def world(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def sampled_ranks(self) -> tuple[int, ...]:
+        if self.ranks:
+            return tuple(dict.fromkeys(self.ranks))
+        middle = (self.num_nodes // 2) * self.gpus_per_node + self.gpus_per_node // 2
+        return tuple(dict.fromkeys((0, min(middle, self.world - 1), self.world - 1)))
+
+
+# -- checks before any process starts --------------------------------------------------------
+def model_spec_of(spec: DryRunSpec):
+    from amsp_ext.train.models import model_spec
+
+    return model_spec(spec.model, spec.model_config)
+
+
+def resolved_plan(spec: DryRunSpec):
+    """The plan (named, explicit or ``auto``), validated for the world: one-line ValueError."""
+    from amsp_ext.planner.plan import resolve_plan, validate_plan
+
+    if spec.plan == "auto":
+        return _auto_plan(spec)
+    plan = resolve_plan(spec.plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
+    validate_plan(plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes, structural_only=True)
+    return plan
+
+
+def _training(spec: DryRunSpec):
+    from amsp_ext.planner.specs import TrainingSpec
+
+    return TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
+                        num_micro_batches=spec.micro_batches, recompute=spec.recompute,
+                        precision=spec.precision, bucket_bytes=spec.bucket_bytes,
+                        granularity=spec.granularity)
+
+
+def _auto_plan(spec: DryRunSpec):
+    from amsp_ext.planner.profile import load_profile
+    from amsp_ext.planner.search import make_problem, search
+    from amsp_ext.planner.specs import ClusterSpec
+
+    cluster = ClusterSpec(num_nodes=spec.num_nodes, gpus_per_node=spec.gpus_per_node,
+                          gpu_memory_bytes=spec.gpu_memory_bytes, peak_flops=312e12)
+    problem = make_problem(model_spec_of(spec), cluster, _training(spec), load_profile(spec.profile))
+    return search(problem).best.plan
+
+
+def planner_numbers(spec: DryRunSpec, plan) -> dict:
+    """The planner's memory per category (planner/memory.py) and the bytes per rank per step of
+    each collective kind that its Tp, Tg, T0_os and T1_os charge (planner/cost.py's arguments)."""
+    from amsp_ext.planner.memory import grad_bytes, memory_breakdown, param_bytes
+
+    ms, training = model_spec_of(spec), _training(spec)
+    mem = memory_breakdown(ms, plan, training, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
+    phi, M = ms.num_params, spec.micro_batches
+    e, e_g = param_bytes(spec.precision), grad_bytes(training)
+    size = lambda m: m[0] * m[1]  # noqa: E731
+    ag = M * 2 * e * phi if size(plan.mesh("p")) > 1 else 0        # Tp: two gathers per micro-batch
+    rs = M * e_g * phi if size(plan.mesh("p")) > 1 else 0          # Tp: one reduce-scatter
+    ar = 0
+    if size(plan.grad_mesh()) > 1:
+        ar += (M - 1) * e_g * phi // plan.sp                        # Tg
+    if size(plan.replica_mesh(spec.gpus_per_node, spec.num_nodes)) > 1:
+        ar += e_g * phi // plan.sp                                  # T0_os
+    bc = e * phi // plan.sp if size(plan.bcast_mesh()) > 1 else 0   # T1_os
+    return {"memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim,
+                       "activations": mem.activations, "temporary": mem.tmp, "total": mem.total},
+            "bytes": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "broadcast": bc}}
+
+
+# -- the launcher ----------------------------------------------------------------------------
+def dry_run(spec: DryRunSpec, *, max_parallel: int = 2, timeout_s: float | None = None) -> dict:
+    """Check everything, then run each sampled rank in its own process; one JSON-able result."""
+    plan = resolved_plan(spec)
+    model_spec_of(spec)  # unknown model: one line, before any process
+    planner = planner_numbers(spec, plan)
+    t0 = time.perf_counter()
+    payload = json.dumps({**asdict(spec), "plan": str(plan), "ranks": None})
+    todo, running, results = list(spec.sampled_ranks()), [], {}
+    while todo or running:
+        while todo and len(running) < max_parallel:
+            r = todo.pop(0)
+            p = subprocess.Popen([sys.executable, "-m", "amsp_ext.runtime.measure.dryrun", str(r), payload],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env={**os.environ, "AMSP_DRYRUN": "1"})
+            running.append((r, p, time.perf_counter()))
+        r, p, started = running.pop(0)
+        out, err = p.communicate(timeout=timeout_s)
+        if p.returncode != 0:
+            last = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+            raise RuntimeError(f"dryrun: rank {r} failed (exit {p.returncode}): {last[0]}")
+        rec = json.loads(out.strip().splitlines()[-1])
+        rec["wall_s"] = time.perf_counter() - started
+        results[r] = rec
+    ranks = [results[r] for r in spec.sampled_ranks()]
+    fits = all(rec["peak_bytes"] <= spec.gpu_memory_bytes for rec in ranks)
+    return {"world": spec.world, "plan": str(plan), "model": spec.model or spec.model_config,
+            "shape": {"seq_len": spec.seq_len, "micro_batch_size": spec.micro_batch_size,
+                      "micro_batches": spec.micro_batches, "precision": spec.precision,
+                      "reduce_dtype": spec.reduce_dtype, "recompute": spec.recompute},
+            "ranks": ranks, "planner": planner, "fits": fits,
+            "gpu_memory_bytes": spec.gpu_memory_bytes, "seconds": time.perf_counter() - t0}
+
+
+# -- one rank (runs in its own process) -------------------------------------------------------
+def hf_config_of(spec: DryRunSpec) -> dict:
+    """A Llama ``config.json`` dict for the model (built-ins, presets, or --model-config)."""
+    from amsp_ext.train.models import MODEL_CONFIGS, llama_config_dict
+
+    if spec.model in MODEL_CONFIGS:
+        return llama_config_dict(spec.model)
+    if spec.model_config is not None:
+        with open(spec.model_config) as f:
+            return json.load(f)
+    ms = model_spec_of(spec)
+    return {"vocab_size": ms.vocab_size, "hidden_size": ms.hidden_size,
+            "intermediate_size": ms.intermediate_size, "num_hidden_layers": ms.num_layers,
+            "num_attention_heads": ms.num_heads, "num_key_value_heads": ms.num_kv_heads,
+            "head_dim": ms.head_dim, "tie_word_embeddings": ms.tie_word_embeddings,
+            "attention_bias": ms.qkv_bias, "mlp_bias": ms.mlp_bias,
+            "max_position_embeddings": max(4096, spec.seq_len), "rms_norm_eps": 1e-5}
+
+
+def _build_fake_model(spec: DryRunSpec, device):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in hf_config_of(spec).items() if k not in ("architectures",)}
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = "sdpa"  # what a GPU run uses: the fused kernel, no s x s matrix
+    with torch.device("meta"):  # no initialisation compute; storage comes below (fake)
+        model = LlamaForCausalLM(config)
+    for m in model.modules():
+        for n, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[n] = torch.nn.Parameter(torch.empty_like(p, device=device),
+                                                      requires_grad=p.requires_grad)
+        for n, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[n] = torch.zeros_like(b, device=device)
+    return model
+
+
+class _nominal_scalars:
+    """Host reads of fake values return a nominal healthy value (see [Note: dry run])."""
+
+    _names = ("item", "__float__", "__int__", "__bool__", "tolist")
+
+    def __enter__(self):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self._cls, self._saved = FakeTensor, {n: FakeTensor.__dict__.get(n) for n in self._names}
+        FakeTensor.item = lambda t: 1.0 if t.dtype.is_floating_point else 0
+        FakeTensor.__float__ = lambda t: 1.0
+        FakeTensor.__int__ = lambda t: 0
+        FakeTensor.__bool__ = lambda t: False
+        FakeTensor.tolist = lambda t: [0] * t.numel()
+        return self
+
+    def __exit__(self, *exc):
+        for n, v in self._saved.items():
+            if v is None:
+                delattr(self._cls, n)
+            else:
+                setattr(self._cls, n, v)
+
+
+def _sdpa_kernel(model, spec: DryRunSpec, device) -> str:
+    """Which fused SDPA kernel torch would pick on a GPU for this attention's shape and dtype."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    flash_ok = dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
+    return ("flash (aten._scaled_dot_product_flash_attention, by shape/dtype; the fake CPU run "
+            "dispatched aten.scaled_dot_product_attention)" if flash_ok else
+            "efficient or math (dtype/head_dim exclude flash)")
+
+
+def run_rank(spec: DryRunSpec, rank: int) -> dict:
+    """Dry-run ``rank`` of ``spec.world`` in this process (see [Note: dry run])."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    import amsp_ext
+    from amsp_ext.runtime import _torch_compat as compat
+    from amsp_ext.runtime import collectives as C
+    from amsp_ext.runtime.config import ShardConfig
+
+    t0 = time.perf_counter()
+    dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
+    log: list[dict] = []
+    phase = ["setup"]
+    sizes: dict[str, tuple[int, bool]] = {}
+    R = spec.gpus_per_node
+
+    def observe(event, op, name, info):
+        if event != "issued":
+            return
+        key = name
+        if key not in sizes:  # PlanMesh.name lists this rank's group: "param_shard[8,9,...]"
+            if "[" in name:
+                ranks = [int(x) for x in name.split("[", 1)[1].rstrip("]").split(",") if x]
+                sizes[key] = (len(ranks), len({r // R for r in ranks}) > 1)
+            else:  # "world"
+                sizes[key] = (spec.world, spec.num_nodes > 1)
+        n, cross = sizes[key]
+        log.append({"kind": op, "group": name.split("[", 1)[0], "group_size": n, "cross_node": cross,
+                    "bytes": int(getattr(info, "nbytes", 0)), "phase": phase[0]})
+
+    C.observer = observe
+    device = torch.device("cpu")
+    config = ShardConfig(gpus_per_node=R, precision=spec.precision, reduce_dtype=spec.reduce_dtype,
+                         grad_bucket_bytes=spec.bucket_bytes, granularity=spec.granularity,
+                         recompute=spec.recompute)
+    mem: dict = {}
+    with compat.fake_tensor_mode(), _nominal_scalars():
+        model = _build_fake_model(spec, device)
+        t_build = time.perf_counter()
+        model, opt = amsp_ext.shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                    config=config)
+        t_shard = time.perf_counter()
+        state_bytes = model.model_state_bytes()
+        tracker = compat.mem_tracker()
+        tracker.track_external(model, opt)
+        M = spec.micro_batches
+        with tracker:
+            for step in range(spec.steps):
+                if step == spec.steps - 1:
+                    tracker.reset_mod_stats()
+                for micro in range(M):
+                    batch = torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long,
+                                        device=device)
+                    with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
+                        phase[0] = "forward"
+                        logits = model(input_ids=batch[:, :-1]).logits
+                        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                                 batch[:, 1:].flatten()) / M
+                        del logits
+                        phase[0] = "backward"
+                        opt.backward(loss)
+                phase[0] = "optimizer"
+                opt.clip_grad_norm_(1.0)
+                opt.step()
+                phase[0] = "post_step_broadcast"
+                opt.zero_grad()
+                model.amsp.wait_params()
+        peak = tracker.get_tracker_snapshot("peak")
+        mem = _categories(peak)
+    t_end = time.perf_counter()
+    steps = spec.steps
+    last = [c for c in log if c["phase"] != "setup"]
+    per_step = len(last) // steps if steps else 0
+    return {"rank": rank, "peak_bytes": mem.pop("_total"), "memory": mem,
+            "model_state_bytes": state_bytes, "collectives": last[-per_step:] if per_step else [],
+            "setup_collectives": [c for c in log if c["phase"] == "setup"],
+            "sdpa_kernel": _sdpa_kernel(model, spec, device),
+            "seconds": {"build": t_build - t0, "shard": t_shard - t_build, "steps": t_end - t_shard,
+                        "total": t_end - t0}}
+
+
+def _categories(peak: dict) -> dict:
+    """MemTracker's peak snapshot (device -> reference type -> bytes) as our five categories."""
+    out = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temporary": 0, "_total": 0}
+    for dev, by_type in peak.items():
+        for ref, n in by_type.items():
+            name = str(getattr(ref, "value", ref)).lower()
+            if name == "total":
+                out["_total"] += n
+            elif "param" in name:
+                out["params"] += n
+            elif "grad" in name:
+                out["grads"] += n
+            elif "opt" in name:
+                out["optimizer"] += n
+            elif "act" in name:
+                out["activations"] += n
+            else:
+                out["temporary"] += n
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    spec_d = json.loads(argv[1])
+    spec_d["ranks"] = None
+    spec = DryRunSpec(**spec_d)
+    rec = run_rank(spec, int(argv[0]))
+    sys.stdout.write(json.dumps(rec) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # the fake groups' teardown is not worth waiting for
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
