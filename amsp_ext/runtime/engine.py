@@ -305,8 +305,16 @@ def _enable_recompute(model: nn.Module) -> None:
 
 def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
     """Parameters to the compute dtype; buffers (e.g. rotary inv_freq) keep their precision."""
-    # ``p.data = ...`` is what ``model.to`` does for plain tensors; written out because ``.to``
-    # swaps tensor subclasses (a dry run's fake tensors), which fails for weak-referenced ones
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2's _apply re-registers its shards
+        saved = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
+        model.to(dtype)
+        for m, n, b in saved:
+            setattr(m, n, b)  # nn.Module.__setattr__ puts a tensor back into its buffer slot
+        return
+    # plain tensors: ``p.data = ...`` is what ``model.to`` does for them; written out because
+    # ``.to`` swaps tensor subclasses (a dry run's fake tensors), failing for weak-referenced ones
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point() and p.dtype != dtype:
