@@ -33,7 +33,7 @@ __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
     "backend_options", "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors", "flatten_mesh",
-    "fake_store", "fake_tensor_mode", "fsdp_all_gather_streams", "local_chunk_offset", "mem_tracker",
+    "fake_store", "fake_tensor_mode", "give_fake_storage", "nominal_fake_scalars", "fsdp_all_gather_streams", "local_chunk_offset", "mem_tracker",
     "real_tensors", "optimizer_hooks", "queue_backward_callback",
     "set_fsdp_unshard_async_op", "start_coalescing",
 ]
@@ -253,3 +253,42 @@ def mem_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker()
+
+
+def give_fake_storage(model: nn.Module, device) -> None:
+    """Replace every (meta) parameter and buffer of ``model`` by an uninitialised tensor on
+    ``device``, in place; under FakeTensorMode these are fake (no storage)."""
+    for m in model.modules():
+        for n, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[n] = nn.Parameter(torch.empty_like(p, device=device),
+                                                requires_grad=p.requires_grad)
+        for n, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[n] = torch.zeros_like(b, device=device)
+
+
+class nominal_fake_scalars:
+    """Host reads of fake values (``float(norm)``, ``bool(found_inf)``, ``.item()``) return a
+    nominal healthy value (1.0, 0, False, zeros) instead of raising DataDependentOutputException:
+    a dry run's control flow then takes the finite, no-skip path of an ordinary step."""
+
+    _names = ("item", "__float__", "__int__", "__bool__", "tolist")
+
+    def __enter__(self):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self._cls, self._saved = FakeTensor, {n: FakeTensor.__dict__.get(n) for n in self._names}
+        FakeTensor.item = lambda t: 1.0 if t.dtype.is_floating_point else 0
+        FakeTensor.__float__ = lambda t: 1.0
+        FakeTensor.__int__ = lambda t: 0
+        FakeTensor.__bool__ = lambda t: False
+        FakeTensor.tolist = lambda t: [0] * t.numel()
+        return self
+
+    def __exit__(self, *exc):
+        for n, v in self._saved.items():
+            if v is None:
+                delattr(self._cls, n)
+            else:
+                setattr(self._cls, n, v)

@@ -16,7 +16,7 @@ torch's ``MemTracker`` counts the step's memory by category.
 
 What a fake run cannot be, and how it is handled:
 * host reads of tensor values (``float(norm)`` in clipping, the non-finite guard's verdict)
-  have no value: :func:`_nominal_scalars` makes them return a nominal finite value (1.0, 0,
+  have no value: ``_torch_compat.nominal_fake_scalars`` makes them return a nominal finite value (1.0, 0,
   False), so control flow takes the ordinary "finite, no skip" path of a healthy step;
 * the fake backend's all-gather of fingerprints returns no data: collectives.all_gather_bytes
   answers with this rank's payload on the fake backend (every simulated rank runs this code);
@@ -215,41 +215,12 @@ def _build_fake_model(spec: DryRunSpec, device):
     cfg = {k: v for k, v in hf_config_of(spec).items() if k not in ("architectures",)}
     config = LlamaConfig(**cfg)
     config._attn_implementation = "sdpa"  # what a GPU run uses: the fused kernel, no s x s matrix
+    from amsp_ext.runtime import _torch_compat as compat
+
     with torch.device("meta"):  # no initialisation compute; storage comes below (fake)
         model = LlamaForCausalLM(config)
-    for m in model.modules():
-        for n, p in list(m._parameters.items()):
-            if p is not None:
-                m._parameters[n] = torch.nn.Parameter(torch.empty_like(p, device=device),
-                                                      requires_grad=p.requires_grad)
-        for n, b in list(m._buffers.items()):
-            if b is not None:
-                m._buffers[n] = torch.zeros_like(b, device=device)
+    compat.give_fake_storage(model, device)
     return model
-
-
-class _nominal_scalars:
-    """Host reads of fake values return a nominal healthy value (see [Note: dry run])."""
-
-    _names = ("item", "__float__", "__int__", "__bool__", "tolist")
-
-    def __enter__(self):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        self._cls, self._saved = FakeTensor, {n: FakeTensor.__dict__.get(n) for n in self._names}
-        FakeTensor.item = lambda t: 1.0 if t.dtype.is_floating_point else 0
-        FakeTensor.__float__ = lambda t: 1.0
-        FakeTensor.__int__ = lambda t: 0
-        FakeTensor.__bool__ = lambda t: False
-        FakeTensor.tolist = lambda t: [0] * t.numel()
-        return self
-
-    def __exit__(self, *exc):
-        for n, v in self._saved.items():
-            if v is None:
-                delattr(self._cls, n)
-            else:
-                setattr(self._cls, n, v)
 
 
 def _sdpa_kernel(model, spec: DryRunSpec, device) -> str:
@@ -272,10 +243,10 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    import amsp_ext
     from amsp_ext.runtime import _torch_compat as compat
     from amsp_ext.runtime import collectives as C
     from amsp_ext.runtime.config import ShardConfig
+    from amsp_ext.runtime.shard import shard
 
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
@@ -304,10 +275,10 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
                          grad_bucket_bytes=spec.bucket_bytes, granularity=spec.granularity,
                          recompute=spec.recompute)
     mem: dict = {}
-    with compat.fake_tensor_mode(), _nominal_scalars():
+    with compat.fake_tensor_mode(), compat.nominal_fake_scalars():
         model = _build_fake_model(spec, device)
         t_build = time.perf_counter()
-        model, opt = amsp_ext.shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                     config=config)
         t_shard = time.perf_counter()
         state_bytes = model.model_state_bytes()
