@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["DryRunSpec", "dry_run", "planner_numbers", "run_rank", "hf_config_of"]
+__all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "planner_numbers", "run_rank", "hf_config_of"]
 
 _GROUP_KINDS_AR = ("param_replica", "grad")
 
@@ -236,6 +236,54 @@ def _sdpa_kernel(model, spec: DryRunSpec, device) -> str:
             "efficient or math (dtype/head_dim exclude flash)")
 
 
+class CollectiveLog:
+    """collectives.py's observer: one record per issued collective (kind, group kind, group
+    size, cross-node, bytes as the planner counts them, phase). ``phase`` is set by the loop."""
+
+    def __init__(self, *, world: int, gpus_per_node: int) -> None:
+        self.world, self.R = world, gpus_per_node
+        self.phase, self.records, self._sizes = "setup", [], {}
+
+    def __call__(self, event, op, name, info) -> None:
+        if event != "issued":
+            return
+        if name not in self._sizes:  # PlanMesh.name lists this rank's group: "param_shard[8,9,...]"
+            if "[" in name:
+                ranks = [int(x) for x in name.split("[", 1)[1].rstrip("]").split(",") if x]
+            else:  # "world"
+                ranks = range(self.world)
+            self._sizes[name] = (len(ranks), len({r // self.R for r in ranks}) > 1)
+        n, cross = self._sizes[name]
+        self.records.append({"kind": op, "group": name.split("[", 1)[0], "group_size": n,
+                             "cross_node": cross, "bytes": int(getattr(info, "nbytes", 0)),
+                             "phase": self.phase})
+
+
+def train_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> None:
+    """One step as ``amsp train`` runs it: M micro-batches (no_sync but the last), clip, step."""
+    import contextlib
+
+    import torch
+
+    M = spec.micro_batches
+    for micro in range(M):
+        batch = torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long, device=device)
+        with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
+            clog.phase = "forward"
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                     batch[:, 1:].flatten()) / M
+            del logits
+            clog.phase = "backward"
+            opt.backward(loss)
+    clog.phase = "optimizer"  # the post-step broadcasts are issued inside step()
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    clog.phase = "post_step"
+    opt.zero_grad()
+    model.amsp.wait_params()
+
+
 def run_rank(spec: DryRunSpec, rank: int) -> dict:
     """Dry-run ``rank`` of ``spec.world`` in this process (see [Note: dry run])."""
     import contextlib
@@ -250,28 +298,10 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
 
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
-    log: list[dict] = []
-    phase = ["setup"]
-    sizes: dict[str, tuple[int, bool]] = {}
-    R = spec.gpus_per_node
-
-    def observe(event, op, name, info):
-        if event != "issued":
-            return
-        key = name
-        if key not in sizes:  # PlanMesh.name lists this rank's group: "param_shard[8,9,...]"
-            if "[" in name:
-                ranks = [int(x) for x in name.split("[", 1)[1].rstrip("]").split(",") if x]
-                sizes[key] = (len(ranks), len({r // R for r in ranks}) > 1)
-            else:  # "world"
-                sizes[key] = (spec.world, spec.num_nodes > 1)
-        n, cross = sizes[key]
-        log.append({"kind": op, "group": name.split("[", 1)[0], "group_size": n, "cross_node": cross,
-                    "bytes": int(getattr(info, "nbytes", 0)), "phase": phase[0]})
-
-    C.observer = observe
+    clog = CollectiveLog(world=spec.world, gpus_per_node=spec.gpus_per_node)
+    C.observer = clog
     device = torch.device("cpu")
-    config = ShardConfig(gpus_per_node=R, precision=spec.precision, reduce_dtype=spec.reduce_dtype,
+    config = ShardConfig(gpus_per_node=spec.gpus_per_node, precision=spec.precision, reduce_dtype=spec.reduce_dtype,
                          grad_bucket_bytes=spec.bucket_bytes, granularity=spec.granularity,
                          recompute=spec.recompute)
     mem: dict = {}
@@ -284,32 +314,16 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         state_bytes = model.model_state_bytes()
         tracker = compat.mem_tracker()
         tracker.track_external(model, opt)
-        M = spec.micro_batches
         with tracker:
             for step in range(spec.steps):
                 if step == spec.steps - 1:
                     tracker.reset_mod_stats()
-                for micro in range(M):
-                    batch = torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long,
-                                        device=device)
-                    with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
-                        phase[0] = "forward"
-                        logits = model(input_ids=batch[:, :-1]).logits
-                        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                                 batch[:, 1:].flatten()) / M
-                        del logits
-                        phase[0] = "backward"
-                        opt.backward(loss)
-                phase[0] = "optimizer"
-                opt.clip_grad_norm_(1.0)
-                opt.step()
-                phase[0] = "post_step_broadcast"
-                opt.zero_grad()
-                model.amsp.wait_params()
+                train_step(model, opt, spec, device, clog)
         peak = tracker.get_tracker_snapshot("peak")
         mem = _categories(peak)
     t_end = time.perf_counter()
     steps = spec.steps
+    log = clog.records
     last = [c for c in log if c["phase"] != "setup"]
     per_step = len(last) // steps if steps else 0
     return {"rank": rank, "peak_bytes": mem.pop("_total"), "memory": mem,
