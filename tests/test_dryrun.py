@@ -67,3 +67,28 @@ def test_bad_input_one_line_before_any_process(args, needle):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
     assert "rank" not in p.stdout
+
+
+def _per_phase(records):
+    import collections
+
+    return collections.Counter((c["kind"], c["group"], c["group_size"], c["cross_node"], c["bytes"],
+                                c["phase"]) for c in records)
+
+
+def test_equivalent_to_a_real_4_rank_run(tmp_path):
+    """The dry run's collective log of one step (kind, group, size, cross-node, bytes, count per
+    phase) and model-state bytes equal a real gloo run's, rank 0 of 2 x 2, for four plans."""
+    import json
+
+    from tests.dist_utils import run_torchrun
+    from tests.dryrun_real_worker import PLANS
+
+    out = tmp_path / "real.json"
+    run_torchrun(4, "tests.dryrun_real_worker", str(out), timeout=300)
+    real = json.loads(out.read_text())
+    for plan in PLANS:
+        dry = dry_run(DryRunSpec(model="tiny-llama", num_nodes=2, gpus_per_node=2, plan=plan,
+                                 seq_len=32, steps=1, ranks=(0,)))["ranks"][0]
+        assert _per_phase(dry["collectives"]) == _per_phase(real[plan]["collectives"]), plan
+        assert dry["model_state_bytes"] == real[plan]["model_state_bytes"], plan

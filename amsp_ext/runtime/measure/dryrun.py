@@ -311,7 +311,6 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                     config=config)
         t_shard = time.perf_counter()
-        state_bytes = model.model_state_bytes()
         tracker = compat.mem_tracker()
         tracker.track_external(model, opt)
         with tracker:
@@ -319,6 +318,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
                 if step == spec.steps - 1:
                     tracker.reset_mod_stats()
                 train_step(model, opt, spec, device, clog)
+        state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
         peak = tracker.get_tracker_snapshot("peak")
         mem = _categories(peak)
     t_end = time.perf_counter()
