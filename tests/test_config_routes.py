@@ -180,6 +180,8 @@ def test_each_engine_setting_is_defined_once():
         # `amsp simulate`'s grid and the lab's shape: their own job, not an engine setting
         ("precision", "planner/simulate.py:SimSettings"), ("gpus_per_node", "planner/simulate.py:SimSettings"),
         ("nodes_per_leaf", "cluster/lab.py:LabSpec"),
+        # the simulated world's shape of `amsp dryrun` (its engine settings are an EngineConfig)
+        ("gpus_per_node", "runtime/measure/dryrun.py:DryRunSpec"),
         # DeepSpeed's precision blocks, translated to the engine's fields
         ("precision", "integrations/settings.py:PrecisionSettings"),
         ("reduce_dtype", "integrations/settings.py:PrecisionSettings"),

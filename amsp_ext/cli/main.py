@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "migrate": "migrate",
     "config": "config",
     "tune": "tune",
+    "dryrun": "dryrun",
 }
 
 

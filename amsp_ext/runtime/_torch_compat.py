@@ -33,7 +33,9 @@ __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
     "backend_options", "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors", "flatten_mesh",
-    "fsdp_all_gather_streams", "live_process_groups", "local_chunk_offset", "optimizer_hooks", "queue_backward_callback",
+    "fake_store", "fake_tensor_mode", "give_fake_storage", "nominal_fake_scalars", "fsdp_all_gather_streams",
+    "live_process_groups", "local_chunk_offset", "mem_tracker", "real_tensors", "optimizer_hooks",
+    "queue_backward_callback",
     "set_fsdp_unshard_async_op", "start_coalescing",
 ]
 
@@ -226,3 +228,74 @@ def live_process_groups() -> list:
     """Every process group this process has created and not destroyed (``c10d._world.pg_map``),
     in creation order: what `amsp tune` destroys after each plan."""
     return list(dist.distributed_c10d._world.pg_map)
+
+
+# -- dry run (runtime/measure/dryrun.py): one rank of a huge world, tensors without storage -----
+def fake_store():
+    """``torch.testing._internal.distributed.fake_pg.FakeStore``: the store of the ``"fake"``
+    backend (every collective returns at once, moving no data), checked with 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode():
+    """``FakeTensorMode`` (torch._subclasses): tensors with shapes, dtypes and devices but no
+    storage; ``device="cuda"`` works on a CPU-only build."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def real_tensors():
+    """A context in which tensors are real again inside a FakeTensorMode (host-side bookkeeping
+    such as the fingerprint all-gather); a no-op outside one."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def mem_tracker():
+    """``torch.distributed._tools.mem_tracker.MemTracker`` (memory of a step by category)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
+
+
+def give_fake_storage(model: nn.Module, device) -> None:
+    """Replace every (meta) parameter and buffer of ``model`` by an uninitialised tensor on
+    ``device``, in place; under FakeTensorMode these are fake (no storage)."""
+    for m in model.modules():
+        for n, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[n] = nn.Parameter(torch.empty_like(p, device=device),
+                                                requires_grad=p.requires_grad)
+        for n, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[n] = torch.zeros_like(b, device=device)
+
+
+class nominal_fake_scalars:
+    """Host reads of fake values (``float(norm)``, ``bool(found_inf)``, ``.item()``) return a
+    nominal healthy value (1.0, 0, False, zeros) instead of raising DataDependentOutputException:
+    a dry run's control flow then takes the finite, no-skip path of an ordinary step."""
+
+    _names = ("item", "__float__", "__int__", "__bool__", "tolist")
+
+    def __enter__(self):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self._cls, self._saved = FakeTensor, {n: FakeTensor.__dict__.get(n) for n in self._names}
+        FakeTensor.item = lambda t: 1.0 if t.dtype.is_floating_point else 0
+        FakeTensor.__float__ = lambda t: 1.0
+        FakeTensor.__int__ = lambda t: 0
+        FakeTensor.__bool__ = lambda t: False
+        FakeTensor.tolist = lambda t: [0] * t.numel()
+        return self
+
+    def __exit__(self, *exc):
+        for n, v in self._saved.items():
+            if v is None:
+                delattr(self._cls, n)
+            else:
+                setattr(self._cls, n, v)

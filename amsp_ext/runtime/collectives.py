@@ -188,14 +188,19 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: s
     """
     if len(payload) > width:
         raise ValueError(f"all_gather_bytes: payload of {len(payload)} bytes exceeds width={width}")
+    from amsp_ext.runtime._torch_compat import real_tensors
+
     size = dist.get_world_size(group)
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     row = len(payload).to_bytes(4, "little") + payload + bytes(width - len(payload))  # length, bytes
-    mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(device)
-    out = torch.empty(size * (width + 4), dtype=torch.uint8, device=device)
-    all_gather_into_tensor(out, mine, group, name=name, async_op=False, timeout=timeout)
-    data = out.cpu().numpy().tobytes()
+    with real_tensors():  # host bookkeeping: real bytes even inside a dry run's FakeTensorMode
+        mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(device)
+        out = torch.empty(size * (width + 4), dtype=torch.uint8, device=device)
+        all_gather_into_tensor(out, mine, group, name=name, async_op=False, timeout=timeout)
+        if backend == "fake":  # [Note: dry run] the fake backend moves no data; every simulated
+            return [payload] * size  # rank runs the same code, so each sent what this one did
+        data = out.cpu().numpy().tobytes()
     rows = [data[i * (width + 4): (i + 1) * (width + 4)] for i in range(size)]
     return [r[4: 4 + int.from_bytes(r[:4], "little")] for r in rows]
 

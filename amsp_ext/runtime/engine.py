@@ -319,10 +319,20 @@ def enable_recompute(model: nn.Module) -> None:
 
 def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
     """Parameters to the compute dtype; buffers (e.g. rotary inv_freq) keep their precision."""
-    saved = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
-    model.to(dtype)
-    for m, n, b in saved:
-        setattr(m, n, b)  # nn.Module.__setattr__ puts a tensor back into its buffer slot
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2's _apply re-registers its shards
+        saved = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
+        model.to(dtype)
+        for m, n, b in saved:
+            setattr(m, n, b)  # nn.Module.__setattr__ puts a tensor back into its buffer slot
+        return
+    # plain tensors: ``p.data = ...`` is what ``model.to`` does for them; written out because
+    # ``.to`` swaps tensor subclasses (a dry run's fake tensors), failing for weak-referenced ones
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def norm_group(parts: EngineParts) -> NormGroup:
@@ -341,8 +351,9 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     """Steps 3-6 of [Note: order of construction] on an fp32 model that every rank holds whole:
     the mesh, the units (FSDP2 when sp > 1), the layout, the owners' fp32 masters, the model in
     the compute dtype, GradSync and ParamSync (not yet installed)."""
-    mesh = build_plan_mesh(plan, world, device_type=device.type,
-                           timeout=datetime.timedelta(seconds=config.timeout))
+    with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
+        mesh = build_plan_mesh(plan, world, device_type=device.type,
+                               timeout=datetime.timedelta(seconds=config.timeout))
     units = list_units(model, config.granularity)
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.submeshes["param_shard"], name=mesh.name("param_shard"),

@@ -1,0 +1,73 @@
+"""``amsp dryrun``: run the real engine for sampled ranks of a huge world on fake tensors.
+
+    amsp dryrun --model llama-7b --nodes 128 --gpus-per-node 8 --gpu-memory 80GiB \\
+                --seq-len 4096 --micro-batches 1 --precision bf16 --plan zero3 [--ranks 0,1023] [--json] [--out DIR]
+
+See runtime/measure/dryrun.py [Note: dry run]. Each sampled rank runs in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from amsp_ext import schema
+from amsp_ext.cli.plan import PLANNED_ENGINE_FIELDS
+from amsp_ext.engine_config import EngineConfig
+
+HELP = "dry-run the engine for sampled ranks of a large world (fake backend, fake tensors)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from amsp_ext.planner.model_spec import MODEL_PRESETS
+    from amsp_ext.train.models import MODEL_CONFIGS
+
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])}")
+    model.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json of a Llama-style model")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--nodes", type=int, required=True, help="N, number of nodes")
+    c.add_argument("--gpus-per-node", type=int, required=True, help="R, GPUs per node")
+    c.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="memory per GPU (default 80GiB)")
+    c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH", help="for --plan auto")
+    t = p.add_argument_group("training")
+    t.add_argument("--seq-len", type=int, required=True)
+    t.add_argument("--micro-batch-size", type=int, default=1)
+    t.add_argument("--micro-batches", type=int, default=1, help="M per step")
+    # the engine's own flags and defaults (engine_config.py), as `amsp plan` has them
+    schema.add_arguments(t, EngineConfig, only=PLANNED_ENGINE_FIELDS)
+    d = p.add_argument_group("dry run")
+    d.add_argument("--plan", default="auto", help="auto, a name (zero3, mics:8, ...) or p=..,g=..,os=..")
+    d.add_argument("--ranks", default=None, help="comma-separated ranks (default: 0, a middle node's, the last)")
+    d.add_argument("--steps", type=int, default=2)
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.add_argument("--out", default=None, metavar="DIR", help="write report.md, dryrun.json, memory.png")
+
+
+def _ranks(text: str | None):
+    if text is None:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--ranks must be comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from amsp_ext.planner.specs import parse_size
+    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
+    from amsp_ext.runtime.measure.dryrun_report import format_text, write_out
+
+    spec = DryRunSpec(model=args.model, model_config=args.model_config, num_nodes=args.nodes,
+                      gpus_per_node=args.gpus_per_node,
+                      gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
+                      plan=args.plan, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                      micro_batches=args.micro_batches,
+                      engine=dataclasses.replace(schema.from_namespace(EngineConfig, args), gpus_per_node=None),
+                      steps=args.steps, ranks=_ranks(args.ranks), profile=args.profile)
+    result = dry_run(spec)
+    if args.out:
+        write_out(result, args.out)
+    print(json.dumps(result) if args.json else format_text(result))
+    return 0

@@ -1,0 +1,366 @@
+"""``amsp dryrun``: one rank of a huge world in one CPU process, the real engine on fake tensors.
+
+    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
+    result = dry_run(DryRunSpec(model="llama-7b", num_nodes=128, gpus_per_node=8, plan="zero3"))
+
+[Note: dry run]
+Each sampled rank runs in a subprocess of its own (:func:`run_rank`, at most two at once):
+``init_process_group("fake", FakeStore(), rank=r, world_size=R)`` (every collective returns at
+once and moves no data), then under ``FakeTensorMode`` (tensors with shapes, dtypes, devices and
+no storage) the model is built (weights never initialised: on ``meta``, then given fake storage),
+``amsp_ext.shard`` applies the plan exactly as a real run does (same groups, buckets, ownership),
+and ``steps`` full steps run (M micro-batches forward/backward, clip, optimizer step, the
+post-step broadcasts). Every collective runtime/collectives.py issues is logged through its
+``observer`` (kind, group size, cross-node, bytes as the planner counts them, phase), and
+torch's ``MemTracker`` counts the step's memory by category.
+
+What a fake run cannot be, and how it is handled:
+* host reads of tensor values (``float(norm)`` in clipping, the non-finite guard's verdict)
+  have no value: ``_torch_compat.nominal_fake_scalars`` makes them return a nominal finite value (1.0, 0,
+  False), so control flow takes the ordinary "finite, no skip" path of a healthy step;
+* the fake backend's all-gather of fingerprints returns no data: collectives.all_gather_bytes
+  answers with this rank's payload on the fake backend (every simulated rank runs this code);
+* the device is ``cpu`` (fake CPU tensors): FSDP2 on a ``cuda`` mesh needs CUDA streams and
+  events, which cannot be faked on a CPU-only build, and FSDP2 moves its states to the mesh's
+  device. Memory is counted per tensor, so the figures do not depend on the device; the CUDA
+  branches of the engine (streams, events, device placement) do not run in a dry run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from amsp_ext import schema
+from amsp_ext.engine_config import EngineConfig
+
+__all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "planner_numbers", "run_rank", "hf_config_of"]
+
+_GROUP_KINDS_AR = ("param_replica", "grad")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunSpec:
+    """What ``amsp dryrun`` runs. ``ranks`` None: rank 0, one rank of a middle node, the last."""
+
+    model: str | None = "tiny-llama"
+    model_config: str | None = None
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_bytes: int = 80 * 2**30
+    plan: str = "zero3"
+    seq_len: int = 128
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the engine's settings, as a real run's
+    steps: int = 2
+    ranks: tuple[int, ...] | None = None
+    profile: str = "paper-a800"
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
+                     "steps", "gpu_memory_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"dryrun: {name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"dryrun: engine must be an EngineConfig, got {type(self.engine).__name__}")
+        world = self.world
+        for r in self.ranks or ():
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+                raise ValueError(f"dryrun: --ranks: rank {r!r} is out of range 0..{world - 1} "
+                                 f"(world {self.num_nodes} x {self.gpus_per_node})")
+
+    # the engine settings the dry run's own accounting reads (one definition: EngineConfig)
+    precision = property(lambda self: self.engine.precision)
+    reduce_dtype = property(lambda self: self.engine.reduce_dtype)
+    recompute = property(lambda self: self.engine.recompute)
+    granularity = property(lambda self: self.engine.granularity)
+    bucket_bytes = property(lambda self: self.engine.grad_bucket_bytes)
+
+    @property
+    def world(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def sampled_ranks(self) -> tuple[int, ...]:
+        if self.ranks:
+            return tuple(dict.fromkeys(self.ranks))
+        middle = (self.num_nodes // 2) * self.gpus_per_node + self.gpus_per_node // 2
+        return tuple(dict.fromkeys((0, min(middle, self.world - 1), self.world - 1)))
+
+
+# -- checks before any process starts --------------------------------------------------------
+def model_spec_of(spec: DryRunSpec):
+    from amsp_ext.train.models import model_spec
+
+    return model_spec(spec.model, spec.model_config)
+
+
+def resolved_plan(spec: DryRunSpec):
+    """The plan (named, explicit or ``auto``), validated for the world: one-line ValueError."""
+    from amsp_ext.planner.plan import resolve_plan, validate_plan
+
+    if spec.plan == "auto":
+        return _auto_plan(spec)
+    plan = resolve_plan(spec.plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
+    validate_plan(plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes, structural_only=True)
+    return plan
+
+
+def _training(spec: DryRunSpec):
+    from amsp_ext.planner.specs import TrainingSpec
+
+    return TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
+                        num_micro_batches=spec.micro_batches, recompute=spec.recompute,
+                        precision=spec.precision, bucket_bytes=spec.bucket_bytes,
+                        granularity=spec.granularity)
+
+
+def _auto_plan(spec: DryRunSpec):
+    from amsp_ext.planner.profile import load_profile
+    from amsp_ext.planner.search import make_problem, search
+    from amsp_ext.planner.specs import ClusterSpec
+
+    cluster = ClusterSpec(num_nodes=spec.num_nodes, gpus_per_node=spec.gpus_per_node,
+                          gpu_memory_bytes=spec.gpu_memory_bytes, peak_flops=312e12)
+    problem = make_problem(model_spec_of(spec), cluster, _training(spec), load_profile(spec.profile))
+    return search(problem).best.plan
+
+
+def planner_numbers(spec: DryRunSpec, plan) -> dict:
+    """The planner's memory per category (planner/memory.py) and the bytes per rank per step of
+    each collective kind that its Tp, Tg, T0_os and T1_os charge (planner/cost.py's arguments)."""
+    from amsp_ext.planner.memory import grad_bytes, memory_breakdown, param_bytes
+
+    ms, training = model_spec_of(spec), _training(spec)
+    mem = memory_breakdown(ms, plan, training, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
+    phi, M = ms.num_params, spec.micro_batches
+    e, e_g = param_bytes(spec.precision), grad_bytes(training)
+    size = lambda m: m[0] * m[1]  # noqa: E731
+    ag = M * 2 * e * phi if size(plan.mesh("p")) > 1 else 0        # Tp: two gathers per micro-batch
+    rs = M * e_g * phi if size(plan.mesh("p")) > 1 else 0          # Tp: one reduce-scatter
+    ar = 0
+    if size(plan.grad_mesh()) > 1:
+        ar += (M - 1) * e_g * phi // plan.sp                        # Tg
+    if size(plan.replica_mesh(spec.gpus_per_node, spec.num_nodes)) > 1:
+        ar += e_g * phi // plan.sp                                  # T0_os
+    bc = e * phi // plan.sp if size(plan.bcast_mesh()) > 1 else 0   # T1_os
+    return {"memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim,
+                       "activations": mem.activations, "temporary": mem.tmp, "total": mem.total},
+            "bytes": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "broadcast": bc}}
+
+
+# -- the launcher ----------------------------------------------------------------------------
+def dry_run(spec: DryRunSpec, *, max_parallel: int = 2, timeout_s: float | None = None) -> dict:
+    """Check everything, then run each sampled rank in its own process; one JSON-able result."""
+    plan = resolved_plan(spec)
+    model_spec_of(spec)  # unknown model: one line, before any process
+    planner = planner_numbers(spec, plan)
+    t0 = time.perf_counter()
+    payload = json.dumps({**asdict(spec), "plan": str(plan), "ranks": None})
+    todo, running, results = list(spec.sampled_ranks()), [], {}
+    while todo or running:
+        while todo and len(running) < max_parallel:
+            r = todo.pop(0)
+            p = subprocess.Popen([sys.executable, "-m", "amsp_ext.runtime.measure.dryrun", str(r), payload],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env={**os.environ, "AMSP_DRYRUN": "1"})
+            running.append((r, p, time.perf_counter()))
+        r, p, started = running.pop(0)
+        out, err = p.communicate(timeout=timeout_s)
+        if p.returncode != 0:
+            last = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+            raise RuntimeError(f"dryrun: rank {r} failed (exit {p.returncode}): {last[0]}")
+        rec = json.loads(out.strip().splitlines()[-1])
+        rec["wall_s"] = time.perf_counter() - started
+        results[r] = rec
+    ranks = [results[r] for r in spec.sampled_ranks()]
+    fits = all(rec["peak_bytes"] <= spec.gpu_memory_bytes for rec in ranks)
+    return {"world": spec.world, "plan": str(plan), "model": spec.model or spec.model_config,
+            "shape": {"seq_len": spec.seq_len, "micro_batch_size": spec.micro_batch_size,
+                      "micro_batches": spec.micro_batches, "precision": spec.precision,
+                      "reduce_dtype": spec.reduce_dtype, "recompute": spec.recompute},
+            "ranks": ranks, "planner": planner, "fits": fits,
+            "gpu_memory_bytes": spec.gpu_memory_bytes, "seconds": time.perf_counter() - t0}
+
+
+# -- one rank (runs in its own process) -------------------------------------------------------
+def hf_config_of(spec: DryRunSpec) -> dict:
+    """A Llama ``config.json`` dict for the model (built-ins, presets, or --model-config)."""
+    from amsp_ext.train.models import MODEL_CONFIGS, llama_config_dict
+
+    if spec.model in MODEL_CONFIGS:
+        return llama_config_dict(spec.model)
+    if spec.model_config is not None:
+        with open(spec.model_config) as f:
+            return json.load(f)
+    ms = model_spec_of(spec)
+    return {"vocab_size": ms.vocab_size, "hidden_size": ms.hidden_size,
+            "intermediate_size": ms.intermediate_size, "num_hidden_layers": ms.num_layers,
+            "num_attention_heads": ms.num_heads, "num_key_value_heads": ms.num_kv_heads,
+            "head_dim": ms.head_dim, "tie_word_embeddings": ms.tie_word_embeddings,
+            "attention_bias": ms.qkv_bias, "mlp_bias": ms.mlp_bias,
+            "max_position_embeddings": max(4096, spec.seq_len), "rms_norm_eps": 1e-5}
+
+
+def _build_fake_model(spec: DryRunSpec, device):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in hf_config_of(spec).items() if k not in ("architectures",)}
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = "sdpa"  # what a GPU run uses: the fused kernel, no s x s matrix
+    from amsp_ext.runtime import _torch_compat as compat
+
+    with torch.device("meta"):  # no initialisation compute; storage comes below (fake)
+        model = LlamaForCausalLM(config)
+    compat.give_fake_storage(model, device)
+    return model
+
+
+def _sdpa_kernel(model, spec: DryRunSpec, device) -> str:
+    """Which fused SDPA kernel torch would pick on a GPU for this attention's shape and dtype."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    flash_ok = dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
+    return ("flash (aten._scaled_dot_product_flash_attention, by shape/dtype; the fake CPU run "
+            "dispatched aten.scaled_dot_product_attention)" if flash_ok else
+            "efficient or math (dtype/head_dim exclude flash)")
+
+
+class CollectiveLog:
+    """collectives.py's observer: one record per issued collective (kind, group kind, group
+    size, cross-node, bytes as the planner counts them, phase). ``phase`` is set by the loop."""
+
+    def __init__(self, *, world: int, gpus_per_node: int) -> None:
+        self.world, self.R = world, gpus_per_node
+        self.phase, self.records, self._sizes = "setup", [], {}
+
+    def __call__(self, event, op, name, info) -> None:
+        if event != "issued":
+            return
+        if name not in self._sizes:  # PlanMesh.name lists this rank's group: "param_shard[8,9,...]"
+            if "[" in name:
+                ranks = [int(x) for x in name.split("[", 1)[1].rstrip("]").split(",") if x]
+            else:  # "world"
+                ranks = range(self.world)
+            self._sizes[name] = (len(ranks), len({r // self.R for r in ranks}) > 1)
+        n, cross = self._sizes[name]
+        self.records.append({"kind": op, "group": name.split("[", 1)[0], "group_size": n,
+                             "cross_node": cross, "bytes": int(getattr(info, "nbytes", 0)),
+                             "phase": self.phase})
+
+
+def train_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> None:
+    """One step as ``amsp train`` runs it: M micro-batches (no_sync but the last), clip, step."""
+    import contextlib
+
+    import torch
+
+    M = spec.micro_batches
+    for micro in range(M):
+        batch = torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long, device=device)
+        with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
+            clog.phase = "forward"
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                     batch[:, 1:].flatten()) / M
+            del logits
+            clog.phase = "backward"
+            opt.backward(loss)
+    clog.phase = "optimizer"  # the post-step broadcasts are issued inside step()
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    clog.phase = "post_step"
+    opt.zero_grad()
+    model.amsp.wait_params()
+
+
+def run_rank(spec: DryRunSpec, rank: int) -> dict:
+    """Dry-run ``rank`` of ``spec.world`` in this process (see [Note: dry run])."""
+
+    import torch
+    import torch.distributed as dist
+
+    from amsp_ext.runtime import _torch_compat as compat
+    from amsp_ext.runtime import collectives as C
+    from amsp_ext.runtime.shard import shard
+
+    t0 = time.perf_counter()
+    dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
+    clog = CollectiveLog(world=spec.world, gpus_per_node=spec.gpus_per_node)
+    C.observer = clog
+    device = torch.device("cpu")
+    config = dataclasses.replace(spec.engine, gpus_per_node=spec.gpus_per_node)
+    mem: dict = {}
+    with compat.fake_tensor_mode(), compat.nominal_fake_scalars():
+        model = _build_fake_model(spec, device)
+        t_build = time.perf_counter()
+        model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                    config=config)
+        t_shard = time.perf_counter()
+        tracker = compat.mem_tracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            for step in range(spec.steps):
+                if step == spec.steps - 1:
+                    tracker.reset_mod_stats()
+                train_step(model, opt, spec, device, clog)
+        state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
+        peak = tracker.get_tracker_snapshot("peak")
+        mem = _categories(peak)
+    t_end = time.perf_counter()
+    steps = spec.steps
+    log = clog.records
+    last = [c for c in log if c["phase"] != "setup"]
+    per_step = len(last) // steps if steps else 0
+    return {"rank": rank, "peak_bytes": mem.pop("_total"), "memory": mem,
+            "model_state_bytes": state_bytes, "collectives": last[-per_step:] if per_step else [],
+            "setup_collectives": [c for c in log if c["phase"] == "setup"],
+            "sdpa_kernel": _sdpa_kernel(model, spec, device),
+            "seconds": {"build": t_build - t0, "shard": t_shard - t_build, "steps": t_end - t_shard,
+                        "total": t_end - t0}}
+
+
+def _categories(peak: dict) -> dict:
+    """MemTracker's peak snapshot (device -> reference type -> bytes) as our five categories."""
+    out = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temporary": 0, "_total": 0}
+    for dev, by_type in peak.items():
+        for ref, n in by_type.items():
+            name = str(getattr(ref, "value", ref)).lower()
+            if name == "total":
+                out["_total"] += n
+            elif "param" in name:
+                out["params"] += n
+            elif "grad" in name:
+                out["grads"] += n
+            elif "opt" in name:
+                out["optimizer"] += n
+            elif "act" in name:
+                out["activations"] += n
+            else:
+                out["temporary"] += n
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    spec_d = json.loads(argv[1])
+    spec_d["ranks"] = None
+    spec_d["engine"] = schema.from_dict(EngineConfig, spec_d["engine"], where="engine")
+    spec = DryRunSpec(**spec_d)
+    rec = run_rank(spec, int(argv[0]))
+    sys.stdout.write(json.dumps(rec) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # the fake groups' teardown is not worth waiting for
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,81 @@
+"""Text, Markdown and PNG of a dry run's result (runtime/measure/dryrun.py): engine vs planner."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+__all__ = ["bytes_per_kind", "format_text", "write_out"]
+
+CATS = ("params", "grads", "optimizer", "activations", "temporary")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def bytes_per_kind(rank: dict) -> dict[str, int]:
+    """One step's bytes per collective kind of the engine's gradient/parameter groups (the
+    clip-norm and loss all-reduces on ``world``/``norm`` groups are not Eq. 3-7 terms)."""
+    out = collections.Counter()
+    for c in rank["collectives"]:
+        if c["kind"] == "all_reduce" and c["group"] not in ("param_replica", "grad"):
+            continue
+        if c["kind"] == "broadcast" and c["group"] != "optim_bcast":
+            continue
+        out[c["kind"]] += c["bytes"]
+    return {k: out.get(k, 0) for k in KINDS}
+
+
+def _rows(result: dict) -> list[str]:
+    lines = []
+    pm = result["planner"]["memory"]
+    for rank in result["ranks"]:
+        lines.append(f"rank {rank['rank']}: peak {_gib(rank['peak_bytes'])} GiB "
+                     f"(planner total {_gib(pm['total'])} GiB), {rank['seconds']['total']:.1f} s")
+        lines.append(f"  {'category':<12} {'engine GiB':>11} {'planner GiB':>12} {'ratio':>7}")
+        for c in CATS:
+            e, p = rank["memory"][c], pm[c]
+            lines.append(f"  {c:<12} {_gib(e):>11} {_gib(p):>12} {e / p if p else float('nan'):>7.2f}")
+        got, want = bytes_per_kind(rank), result["planner"]["bytes"]
+        lines.append(f"  {'collective':<15} {'engine MiB':>11} {'planner MiB':>12}")
+        for k in KINDS:
+            lines.append(f"  {k:<15} {got[k] / 2**20:>11.2f} {want[k] / 2**20:>12.2f}")
+    return lines
+
+
+def format_text(result: dict) -> str:
+    head = (f"dry run: {result['model']} on {result['world']} ranks, plan {result['plan']}, "
+            f"{result['shape']}")
+    verdict = ("fits" if result["fits"] else "does NOT fit") + \
+        f" in {_gib(result['gpu_memory_bytes'])} GiB by the engine's count"
+    kernel = result["ranks"][0]["sdpa_kernel"] if result["ranks"] else ""
+    return "\n".join([head, *_rows(result), f"attention: {kernel}", verdict,
+                      f"{result['seconds']:.1f} s"])
+
+
+def write_out(result: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "dryrun.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write("# amsp dryrun\n\n```\n" + format_text(result) + "\n```\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rank = result["ranks"][0]
+    x = range(len(CATS))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar([i - 0.2 for i in x], [rank["memory"][c] / 2**30 for c in CATS], 0.4, label="engine (dry run)")
+    ax.bar([i + 0.2 for i in x], [result["planner"]["memory"][c] / 2**30 for c in CATS], 0.4, label="planner")
+    ax.set_xticks(list(x), CATS)
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"{result['model']} {result['plan']} on {result['world']} ranks (rank {rank['rank']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "memory.png"), dpi=100)
+    plt.close(fig)
