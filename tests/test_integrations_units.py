@@ -92,7 +92,7 @@ def test_initialize_rejects_a_bad_config_before_any_collective():
         ({"train_batch_size": 8, "bf16": {"enabled": True}, "fp16": {"enabled": True},
           "amsp": {"enabled": True, "plan": "ddp"}}, "bf16.enabled and fp16.enabled are both true"),
         ({"train_batch_size": 8, "gradient_clipping": -1, "amsp": {"enabled": True, "plan": "ddp"}},
-         "gradient_clipping must be a number >= 0"),
+         "gradient_clipping must be a finite number >= 0"),
         ({"train_batch_size": 8, "optimizer": {"type": "OneBitLamb", "params": {}},
           "amsp": {"enabled": True, "plan": "ddp"}}, "optimizer.type 'OneBitLamb'"),
     ]:

@@ -302,7 +302,13 @@ def run_worker(config: TrainConfig, result_file: str | None = None) -> int:
         raise
     except (ValueError, NonFiniteError, collectives.CollectiveTimeout) as err:  # one line
         if report_error(err):
-            return 1
+            # [Note: a failed rank exits at once] its one line is in the job folder; a normal
+            # interpreter exit would run the destructors of the process groups and of torch's
+            # writer threads that the failure left joinable, and C++ then aborts with a line of its
+            # own ("terminate called without an active exception")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         raise
     except Exception as err:
         report_error(err)

@@ -113,12 +113,16 @@ def resolved_plan(spec: DryRunSpec):
 
 
 def _training(spec: DryRunSpec):
+    """The planner's TrainingSpec of the dry run's job, with the engine's settings
+    (planner_settings: the reduce dtype too, so both sides count the same gradient bytes)."""
+    from amsp_ext.engine_config import planner_settings
     from amsp_ext.planner.specs import TrainingSpec
 
+    s = planner_settings(spec.engine)
     return TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
-                        num_micro_batches=spec.micro_batches, recompute=spec.recompute,
-                        precision=spec.precision, bucket_bytes=spec.bucket_bytes,
-                        granularity=spec.granularity)
+                        num_micro_batches=spec.micro_batches, recompute=s["recompute"],
+                        precision=s["precision"], reduce_dtype=s["reduce_dtype"],
+                        bucket_bytes=s["grad_bucket_bytes"], granularity=s["granularity"])
 
 
 def _auto_plan(spec: DryRunSpec):

@@ -302,7 +302,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     if not async_save:
         try:
             C.checkpoint_save(sd, staging)
-        except Exception as err:  # DCP raises the failure of any rank on every rank
+        except BaseException as err:  # DCP raises any rank's failure on every rank (a BaseException)
             if not _no_space(err):
                 raise
             _drop_staging(e.rank, staging)
