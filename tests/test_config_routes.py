@@ -147,6 +147,10 @@ def test_compare_plans_auto_with_the_rows_engine(monkeypatch):
     planner = harness.PlannerInputs(profile="paper-a800")
     harness._resolve_planned(spec, num_nodes=2, gpus_per_node=2, planner=planner)
     assert {k: seen[k] for k in planner_settings(engine_config(spec))} == planner_settings(engine_config(spec))
+    # what the AMSP rows run with, by the comparison's rule: the compute dtype's 2-byte
+    # gradients (as the DeepSpeed rows), the engine's unit and bucket
+    assert (seen["precision"], seen["reduce_dtype"], seen["granularity"], seen["grad_bucket_bytes"]) == \
+        ("bf16", "bf16", "layer", 25 * 2**20)
 
 
 def _defined_defaults() -> dict[str, list[str]]:

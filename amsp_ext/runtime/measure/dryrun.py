@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from amsp_ext import schema
+from amsp_ext.choices import check_int
 from amsp_ext.engine_config import EngineConfig
 
 __all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "planner_numbers", "run_rank", "hf_config_of"]
@@ -65,9 +66,7 @@ class DryRunSpec:
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
                      "steps", "gpu_memory_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"dryrun: {name} must be an integer >= 1, got {v!r}")
+            check_int(getattr(self, name), f"dryrun: {name}", minimum=1)
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"dryrun: engine must be an EngineConfig, got {type(self.engine).__name__}")
         world = self.world
