@@ -229,15 +229,15 @@ def test_tune_end_to_end_two_ranks(tmp_path):
     calibration that ``amsp plan`` then uses, MFU within (0, 1], and the measured model-state
     bytes against the planner's memory model (an independent count: planner/memory.py)."""
     from amsp_ext.planner.profile import BandwidthProfile
-    from dist_utils import run_torchrun
+    from dist_utils import run_ranks
 
     out, cal = tmp_path / "out", tmp_path / "cal.json"
     plans = "p=1x1,g=1x1,os=1x1;p=2x1,g=2x1,os=2x1"
-    proc = run_torchrun(2, "amsp_ext.cli", "tune", "--model", "tiny-llama", "--seq-len", "32",
-                        "--micro-batch-size", "1", "--profile", LAB_PROFILE, "--gpus-per-node", "2",
-                        "--memory-reserve", "0B", "--steps", "1", "--warmup-steps", "1",
-                        "--repeats", "1", "--probe-steps", "2", "--plans", plans,
-                        "--out", str(out), "--calibrate-out", str(cal), timeout=240)
+    proc = run_ranks(2, "amsp_ext.cli", "tune", "--model", "tiny-llama", "--seq-len", "32",
+                     "--micro-batch-size", "1", "--profile", LAB_PROFILE, "--gpus-per-node", "2",
+                     "--memory-reserve", "0B", "--steps", "1", "--warmup-steps", "1",
+                     "--repeats", "1", "--probe-steps", "2", "--plans", plans,
+                     "--out", str(out), "--calibrate-out", str(cal), timeout=240)
     d = json.loads((out / "tune.json").read_text())
     assert (out / "tune.md").is_file() and (out / "predicted_vs_measured.png").stat().st_size > 0
     assert [r["key"] for r in d["plans"]] == plans.split(";")
