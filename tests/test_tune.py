@@ -125,15 +125,18 @@ def test_comm_trace_busy_and_exposed_by_hand(monkeypatch):
     monkeypatch.setattr("amsp_ext.runtime.measure.comm_trace.time.perf_counter", clock)
     w1, w2 = _Work(), _Work()
     p1, p2 = _Pending(100, w1), _Pending(200, w2)
-    with CommTrace() as trace:
-        from amsp_ext.runtime import collectives as C
-        C.observer("issued", "all_reduce", "param_replica[0,2]", p1)  # t=0
-        C.observer("issued", "all_reduce", "param_replica[0,2]", p2)  # t=2
+    from amsp_ext.runtime import collectives as C
+
+    ctx = C.CollectiveContext()
+    with CommTrace(ctx) as trace:
+        ctx.notify("issued", "all_reduce", "param_replica[0,2]", p1)  # t=0
+        ctx.notify("issued", "all_reduce", "param_replica[0,2]", p2)  # t=2
         w1.future.callbacks[0](None)  # completes at t=4
-        C.observer("wait_begin", "all_reduce", "param_replica[0,2]", p2)  # 4.5
+        ctx.notify("wait_begin", "all_reduce", "param_replica[0,2]", p2)  # 4.5
         w2.future.callbacks[0](None)  # 5.0
-        C.observer("wait_end", "all_reduce", "param_replica[0,2]", p2)  # 5.0
-        C.observer("issued", "broadcast", "optim_bcast[0,1]", _Pending(8))  # 6.0, no work
+        ctx.notify("wait_end", "all_reduce", "param_replica[0,2]", p2)  # 5.0
+        ctx.notify("issued", "broadcast", "optim_bcast[0,1]", _Pending(8))  # 6.0, no work
+    assert ctx.observers == []  # the trace left the context as it found it
     s = trace.summary()
     assert s["AR"] == {"count": 2, "bytes": 300, "busy_s": 5.0, "sum_s": 7.0, "exposed_s": 0.5,
                        "incomplete": 0}
