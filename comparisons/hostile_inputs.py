@@ -43,6 +43,10 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 TRAIN = ["train", "--steps", "2"]
 SIM = ["simulate", "--no-write", "--no-plot"]
+DRY0 = ["dryrun", "--nodes", "1", "--gpus-per-node", "2", "--seq-len", "32"]  # required; a case overrides one
+DRY = [*DRY0, "--model", "tiny-llama"]
+# `amsp tune` runs on every rank: these cases get one rank's torchrun environment (a 1-rank world)
+RANK_ENV_CASES = {"tune:plans-garbage", "tune:plans-too-big", "tune:model-config-heads-0"}
 
 # (id, argv after `amsp`, expected text in the one line)
 EXTRA_CLI = [
@@ -68,20 +72,20 @@ EXTRA_CLI = [
     ("compare:profile-unknown", ["compare", "--profile", "nosuch"], "nosuch"),
     ("compare:launcher-unknown", ["compare", "--launcher", "ssh"], "invalid choice"),
     # amsp dryrun
-    ("dryrun:nodes-0", ["dryrun", "--nodes", "0"], "--nodes"),
-    ("dryrun:steps-0", ["dryrun", "--steps", "0"], "--steps"),
-    ("dryrun:plan-garbage", ["dryrun", "--plan", "p=3"], "plan"),
-    ("dryrun:model-unknown", ["dryrun", "--model", "gpt-5"], "gpt-5"),
-    ("dryrun:memory-garbage", ["dryrun", "--gpu-memory", "x"], "--gpu-memory"),
-    ("dryrun:seq-len-negative", ["dryrun", "--seq-len", "-1"], "--seq-len"),
-    ("dryrun:micro-batch-0", ["dryrun", "--micro-batch-size", "0"], "--micro-batch-size"),
-    ("dryrun:out-a-file", ["dryrun", "--out", "{a_file}"], "a_file"),
-    ("dryrun:precision-fp8", ["dryrun", "--precision", "fp8"], "invalid choice"),
-    ("dryrun:bucket-0", ["dryrun", "--grad-bucket-bytes", "0B"], "--grad-bucket-bytes"),
-    ("dryrun:model-config-list", ["dryrun", "--model-config", "{list_json}"], "list_json.json"),
-    ("dryrun:profile-truncated", ["dryrun", "--profile", "{truncated_profile}"], "not valid JSON"),
-    ("dryrun:nodes-per-leaf-0", ["dryrun", "--nodes-per-leaf", "0"], "--nodes-per-leaf"),
-    ("dryrun:ranks-garbage", ["dryrun", "--ranks", "x,y"], "--ranks"),
+    ("dryrun:nodes-0", DRY + ["--nodes", "0"], "--nodes"),
+    ("dryrun:steps-0", DRY + ["--steps", "0"], "--steps"),
+    ("dryrun:plan-garbage", DRY + ["--plan", "p=3"], "plan"),
+    ("dryrun:model-unknown", DRY + ["--model", "gpt-5"], "gpt-5"),
+    ("dryrun:memory-garbage", DRY + ["--gpu-memory", "x"], "--gpu-memory"),
+    ("dryrun:seq-len-negative", DRY + ["--seq-len", "-1"], "--seq-len"),
+    ("dryrun:micro-batch-0", DRY + ["--micro-batch-size", "0"], "--micro-batch-size"),
+    ("dryrun:out-a-file", DRY + ["--out", "{a_file}"], "a_file"),
+    ("dryrun:precision-fp8", DRY + ["--precision", "fp8"], "invalid choice"),
+    ("dryrun:bucket-0", DRY + ["--grad-bucket-bytes", "0B"], "--grad-bucket-bytes"),
+    ("dryrun:model-config-list", DRY0 + ["--model-config", "{list_json}"], "list_json.json"),
+    ("dryrun:profile-truncated", DRY + ["--profile", "{truncated_profile}"], "not valid JSON"),
+    ("dryrun:nodes-per-leaf-0", DRY + ["--nodes-per-leaf", "0"], "--nodes-per-leaf"),
+    ("dryrun:ranks-garbage", DRY + ["--ranks", "x,y"], "--ranks"),
     # amsp simulate
     ("simulate:model-unknown", SIM + ["--models", "nosuch"], "nosuch"),
     ("simulate:gpus-0", SIM + ["--gpus", "0"], "--gpus"),
@@ -121,7 +125,7 @@ EXTRA_CLI = [
     ("train:fp16-backoff-2", TRAIN + ["--precision", "fp16", "--fp16-backoff-factor", "2"], "backoff"),
     ("train:fp16-interval-0", TRAIN + ["--precision", "fp16", "--fp16-growth-interval", "0"], "interval"),
     ("train:fp16-min-scale-negative", TRAIN + ["--precision", "fp16", "--fp16-min-scale", "-1"], "min"),
-    ("train:broadcast-bucket-0", TRAIN + ["--broadcast-bucket-bytes", "0B"], "--broadcast-bucket-bytes"),
+    ("train:broadcast-bucket-negative", TRAIN + ["--broadcast-bucket-bytes", "-1B"], "--broadcast-bucket-bytes"),
     ("train:nodes-per-leaf-0", TRAIN + ["--nodes-per-leaf", "0"], "--nodes-per-leaf"),
     ("train:checkpoint-key-empty", TRAIN + ["--checkpoint-key", ""], "--checkpoint-key"),
     ("train:adaptive-hysteresis-negative", TRAIN + ["--adaptive", "--adaptive-hysteresis", "-1"], "hysteresis"),
@@ -178,8 +182,9 @@ EXTRA_PY = [
     ("AdaptiveConfig:band-short", "_adaptive(band=(0.5,))", "adaptive.band"),
     ("AdaptiveConfig:window-bool", "_adaptive(window=True)", "adaptive.window"),
     ("OverlapConfig:int", "_overlap(allreduce=1)", "overlap.allreduce"),
-    ("shard:plan-zero-factor", "_shard(plan='p=0x1,g=1x1,os=1x1')", "p="),
-    ("shard:plan-empty", "_shard(plan='')", "plan"),
+    ("plan:parse-zero-factor", "_plan('p=0x1,g=1x1,os=1x1')", "p="),
+    ("plan:parse-empty", "_plan('')", "plan"),
+    ("plan:parse-mics-0", "_plan('mics:0')", "mics"),
     ("checkpoint:load-unsharded", "_load_plain(F['ck_good'])", "not sharded by amsp_ext.shard"),
     ("checkpoint:save-unsharded", "_save_plain(F['no_dir'])", "not sharded by amsp_ext.shard"),
     ("checkpoint:export-missing", "_export(F['no_dir'])", "does not exist"),
@@ -205,6 +210,12 @@ EXTRA_PY = [
 
 
 # -- helpers the API cases call (in the child) ------------------------------------------------------
+def _plan(text):
+    from amsp_ext.planner.plan import parse_plan
+
+    return parse_plan(text)
+
+
 def _load_plain(path):
     import torch
 
@@ -393,6 +404,14 @@ def run_case(case, files: dict[str, str], timeout: float) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     env.pop("AMSP_CHECKPOINT_KEY", None)
+    if cid in RANK_ENV_CASES:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     if kind == "cli":
         argv = [a.format(**files) for a in what]
         cmd = [sys.executable, "-m", "amsp_ext.cli.main", *argv]

@@ -76,6 +76,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="comparisons/results", help="report folder")
 
 
+def _check_before_launch(args: argparse.Namespace) -> None:
+    """What the runs would refuse one by one (after others ran), refused here in one line."""
+    from pathlib import Path
+
+    from amsp_ext.choices import check_number
+    from amsp_ext.planner.plan import parse_plan
+    from amsp_ext.planner.profile import load_profile
+
+    check_number(args.timeout, "--timeout", above=0)
+    if args.systems is not None and not [s for s in args.systems.split(",") if s.strip()]:
+        raise ValueError(f"--systems {args.systems!r} names no system (comma-separated, e.g. ddp,zero1,amsp-plan)")
+    if args.amsp_plan is not None and args.amsp_plan.strip().lower() != "auto":
+        try:
+            parse_plan(args.amsp_plan)
+        except ValueError as e:
+            raise ValueError(f"--amsp-plan {args.amsp_plan!r}: {e}") from None
+    load_profile(args.profile)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -90,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     from amsp_ext.cli.precision import cpu_precision
 
+    _check_before_launch(args)
     d = QUICK if args.quick else FULL
     # RunSpec holds the one default; only a CPU without native bf16 changes it
     default = {f.name: f.default for f in dataclasses.fields(RunSpec)}["precision"]

@@ -340,9 +340,10 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
 # [Note: a full disk]
 # A save that runs out of space must say so once, in words a cluster operator acts on: which
 # folder, about how much this save needs, how much is free, and that nothing was published (the
-# previous checkpoints are intact: a save only ever writes its own staging folder). DCP raises
-# any rank's write failure on every rank (wrapped in its CheckpointException), so every rank
-# raises the same line and the launcher prints it once; the staging folder is removed so that
+# previous checkpoints are intact: a save only ever writes its own staging folder). A rank's
+# write failure (DCP wraps it in its CheckpointException) becomes its line in the all-gather that
+# ends every save (``finish``), so every rank raises the first rank's line and the launcher prints
+# it once; the staging folder is removed so that
 # the disk is not left full.
 def _no_space(err: BaseException) -> bool:
     """Whether ``err`` (or what it wraps, DCP's per-rank failures included) is ENOSPC."""
