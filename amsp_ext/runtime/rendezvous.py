@@ -112,6 +112,15 @@ def init_process_group(backend: str, *, timeout: datetime.timedelta, **kw) -> No
 # with one change: the same static rendezvous under the backend name ``amsp-static``, whose node 0
 # store listens on ``A`` only (a socket bound to it, handed over as ``master_listen_fd``). The
 # ranks' gloo pairs follow ``GLOO_SOCKET_IFNAME`` (the lab's interface for ``amsp cluster run``).
+#
+# [Note: the one pickle left in a launch]
+# torchrun's c10d (dynamic) rendezvous, which the single-machine launchers use as clients of
+# :class:`LoopbackRendezvous`'s store, keeps its state as a pickle in that store:
+# ``torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder.sync``
+# ``pickle.loads`` the bytes the agents wrote (agent <-> agent, through the store). The store listens
+# on 127.0.0.1 only, so only a process on this machine can write there; the ranks and checkpoints
+# exchange no pickles (state/dcp_io.py: [Note: DCP without its object collectives]). The
+# ``amsp-static`` backend below keeps no pickled state (the static rendezvous only counts nodes).
 BOUND_BACKEND = "amsp-static"
 
 
