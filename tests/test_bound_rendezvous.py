@@ -77,3 +77,25 @@ def test_cluster_nodes_launch_through_the_bound_torchrun(tmp_path):
         i = n.argv.index("-m")
         assert n.argv[i + 1] == "amsp_ext.runtime.rendezvous", n.argv
         assert "--master-port=29555" in n.argv
+
+
+def test_two_ranks_meet_through_the_bound_store(tmp_path):
+    """2 ranks (CPU lock) launched by ``python -m amsp_ext.runtime.rendezvous`` with master address
+    127.0.0.2: they all-reduce, and the only socket listening on the master port is on 127.0.0.2."""
+    import json
+    import subprocess
+    import sys
+
+    from dist_utils import REPO
+
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    p = subprocess.run([sys.executable, "-m", "amsp_ext.runtime.rendezvous", "--nnodes=1", "--nproc-per-node=2",
+                        "--node-rank=0", "--master-addr=127.0.0.2", f"--master-port={port}",
+                        str(REPO / "tests" / "bound_rdzv_worker.py")], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert r["sum"] == 3.0 and r["master"] == "127.0.0.2" and r["agent_store"] == "True", r
+    assert r["addrs"] == ["0200007F"], r
