@@ -70,9 +70,9 @@ def test_two_rank_save_and_resharding_load_unpickle_nothing(tmp_path):
     DCP's own load with a process group trips the trap (so the trap can fail the test)."""
     import json
 
-    from dist_utils import run_torchrun
+    from dist_utils import run_ranks
 
-    p = run_torchrun(2, "tests.no_pickle_worker", str(tmp_path), timeout=300)
+    p = run_ranks(2, "tests.no_pickle_worker", str(tmp_path), timeout=300)
     r = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
     assert r["pickle_calls_during_save_and_load"] == [], r
     assert r["weights_max_abs_diff"] == 0.0 and r["extra"] == {"step": 1}

@@ -240,7 +240,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     if e.rank == 0:
         begin_staging(path)
     staging = staging_path(path)
-    C.barrier(None, name="world", timeout=e.config.timeout)  # nobody writes before it is empty
+    C.barrier(e.comm, None, name="world", timeout=e.config.timeout)  # nobody writes before it is empty
     e.wait_params()
     by_id = trainable_by_id(e)
     # a tied alias is stored once, under its first name (safetensors refuses shared storage)
@@ -278,7 +278,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
 
     # one writer per chunk, chosen alike on every rank from a JSON table ([Note: DCP without its
     # object collectives] in dcp_io.py); each rank then writes its own file, no collective inside DCP
-    tables = C.all_gather_objects(dcp_io.chunk_table(sd), None, name="world", timeout=e.config.timeout)
+    tables = C.all_gather_objects(e.comm, dcp_io.chunk_table(sd), None, name="world", timeout=e.config.timeout)
     mine_keys = dcp_io.assign_writers(tables)[e.rank]
     sd = {k: v for k, v in sd.items() if k in mine_keys}
     needed = sum(_local_bytes(v) for v in sd.values()) + sum(len(d) for d in mine_json.values())
@@ -298,7 +298,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
                 raise
             failed = str(_disk_full(path, staging, needed) if _no_space(err) else
                          f"amsp checkpoint {path}: cannot write {staging} ({_one_line(err)})")
-        table = C.all_gather_objects((rows, mine, failed), group, name=name, timeout=e.config.timeout)
+        table = C.all_gather_objects(e.comm, (rows, mine, failed), group, name=name, timeout=e.config.timeout)
         errors = [f for _, _, f in table if f]
         if errors:
             _drop_staging(e.rank, staging)
@@ -317,9 +317,9 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
         except BaseException as err:  # noqa: BLE001 - shared by finish's all-gather (DCP's is a BaseException)
             write_error = err
         finish(None, "world", write_error)
-        C.barrier(None, name="world", timeout=e.config.timeout)  # published when any rank returns
+        C.barrier(e.comm, None, name="world", timeout=e.config.timeout)  # published when any rank returns
         return None
-    group, name = C.checkpoint_group(e.config.timeout)
+    group, name = C.checkpoint_group(e.comm)
     written = dcp_io.write_async(sd, staging, rank=e.rank, group=group)  # staged on return
     pending = PendingSave(path)
 
@@ -330,7 +330,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
         except BaseException as err:  # noqa: BLE001 - shared by finish's all-gather
             write_error = err
         finish(group, name, write_error)
-        C.barrier(group, name=name, timeout=e.config.timeout)
+        C.barrier(e.comm, group, name=name, timeout=e.config.timeout)
 
     threading.Thread(target=pending._run, args=(background,), name="amsp-async-save", daemon=True).start()
     e.pending_save = pending
@@ -595,7 +595,7 @@ def _verify_shared(path: Path, meta: dict, e: "Engine", *, files: bool = True,
         if what is not None:
             found = f"{names[i]}\0{what}"
             break
-    got = [g.decode(errors="replace") for g in C.all_gather_bytes(found.encode()[:200], None, name="world",
+    got = [g.decode(errors="replace") for g in C.all_gather_bytes(e.comm, found.encode()[:200], None, name="world",
                                                                   width=200, timeout=e.config.timeout)]
     bad = sorted(tuple(g.split("\0", 1)) for g in got if "\0" in g)
     if bad:
@@ -614,7 +614,7 @@ def _read_shared(sd: dict, path: Path, e: "Engine") -> None:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
         found = f"rank {e.rank}: {_one_line(err)}"
-    got = [g.decode(errors="replace") for g in C.all_gather_bytes(found.encode()[:200], None, name="world",
+    got = [g.decode(errors="replace") for g in C.all_gather_bytes(e.comm, found.encode()[:200], None, name="world",
                                                                   width=200, timeout=e.config.timeout)]
     bad = [g for g in got if g]
     if bad:
