@@ -95,6 +95,28 @@ def run_spec(args: argparse.Namespace):
     return schema.from_namespace(RunSpec, argparse.Namespace(**values))
 
 
+def _check_before_launch(args: argparse.Namespace) -> None:
+    """What the runs would refuse one by one (after others ran), refused here in one line."""
+    from pathlib import Path
+
+    from amsp_ext.choices import check_number
+    from amsp_ext.planner.plan import parse_plan
+    from amsp_ext.planner.profile import load_profile
+
+    check_number(args.timeout, "--timeout", above=0)
+    if args.systems is not None and not [s for s in args.systems.split(",") if s.strip()]:
+        raise ValueError(f"--systems {args.systems!r} names no system (comma-separated, e.g. ddp,zero1,amsp-plan)")
+    if args.amsp_plan is not None and args.amsp_plan.strip().lower() != "auto":
+        try:
+            parse_plan(args.amsp_plan)
+        except ValueError as e:
+            raise ValueError(f"--amsp-plan {args.amsp_plan!r}: {e}") from None
+    load_profile(args.profile)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -105,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     import signal
 
+    _check_before_launch(args)
     spec = run_spec(args)
     d = QUICK if args.quick else FULL
     pick = lambda v, k: d[k] if v is None else v  # noqa: E731

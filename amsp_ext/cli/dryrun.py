@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 from amsp_ext import schema
 from amsp_ext.cli.plan import PLANNED_ENGINE_FIELDS
@@ -55,6 +56,8 @@ def _ranks(text: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file, not a folder")  # before the run, not after
     from amsp_ext.planner.specs import parse_size
     from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
     from amsp_ext.runtime.measure.dryrun_report import format_text, write_out

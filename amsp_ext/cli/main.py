@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "config": "config",
     "tune": "tune",
     "dryrun": "dryrun",
+    "checkpoint": "checkpoint",
 }
 
 

@@ -75,10 +75,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "broadcast",
-    "checkpoint_async_save",
     "checkpoint_group",
-    "checkpoint_load",
-    "checkpoint_save",
     "full_tensor",
     "gather_objects",
     "observing",
@@ -330,36 +327,13 @@ def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> 
 
 # -- checkpoint I/O ------------------------------------------------------------------------------
 # [Note: collectives of a checkpoint]
-# Checkpoints go through torch.distributed.checkpoint (DCP), which plans and coordinates over the
-# default group itself (gather of local plans, scatter of the global plan, a final all-reduce):
-# we wrap its two entry points here so that they, too, carry ``amsp::`` labels and are counted.
-# ``gather_objects`` collects the metadata table on rank 0, ``full_tensor`` is DTensor's own
-# all-gather of a sharded tensor (consolidated export), and ``barrier`` (above) marks a
-# checkpoint complete on every rank. All run on the default group or a plan group, whose
-# timeout bounds them.
-
-
-def checkpoint_writer(path):
-    """DCP's safetensors storage, one file per rank (checkpoint.py: [Note: nothing is unpickled])."""
-    import torch.distributed.checkpoint as dcp
-
-    return dcp.HuggingFaceStorageWriter(str(path), save_distributed=True)
-
-
-def checkpoint_reader(path):
-    """Reads what ``checkpoint_writer`` wrote: metadata from the safetensors headers (JSON)."""
-    import torch.distributed.checkpoint as dcp
-
-    return dcp.HuggingFaceStorageReader(str(path))
-
-
-def checkpoint_save(ctx: CollectiveContext, state_dict: dict, path, *, name: str = "world") -> None:
-    """``torch.distributed.checkpoint.save`` of ``state_dict`` into the directory ``path``."""
-    import torch.distributed.checkpoint as dcp
-
-    with record_function(f"amsp::checkpoint_save::{_kind(name)}"):
-        _issue(ctx, "checkpoint_save", name)
-        dcp.save(state_dict, storage_writer=checkpoint_writer(path))
+# A checkpoint's tensors are written and read by each rank alone (runtime/state/dcp_io.py: DCP
+# without a process group, whose own coordination pickles objects between ranks); what the ranks
+# must agree on travels here: ``all_gather_objects`` (JSON) of the chunk table and of the written
+# files, ``all_gather_bytes`` of what went wrong, ``barrier`` to mark a checkpoint complete on
+# every rank, ``full_tensor`` (DTensor's all-gather) for a consolidated export. An async save's
+# background thread uses ``checkpoint_group``. All run on the default group or a plan group,
+# whose timeout bounds them.
 
 
 def checkpoint_group(ctx: CollectiveContext) -> tuple[dist.ProcessGroup, str]:
@@ -370,33 +344,6 @@ def checkpoint_group(ctx: CollectiveContext) -> tuple[dist.ProcessGroup, str]:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.timeout))
         ctx.async_save_group = (group, f"checkpoint[0..{dist.get_world_size() - 1}]")
     return ctx.async_save_group
-
-
-def checkpoint_async_save(ctx: CollectiveContext, state_dict: dict, path, *,
-                          group: dist.ProcessGroup, name: str):
-    """DCP's ``async_save`` (background thread, coordinating over ``group``): returns once the
-    state is staged in CPU memory, with a future that completes when every rank's files and
-    ``.metadata`` are written."""
-    import torch.distributed.checkpoint as dcp
-
-    with record_function(f"amsp::checkpoint_async_save::{_kind(name)}"):
-        _issue(ctx, "checkpoint_async_save", name)
-        return dcp.async_save(state_dict, storage_writer=checkpoint_writer(path),
-                              process_group=group)
-
-
-def checkpoint_load(ctx: CollectiveContext, state_dict: dict, path, *, name: str = "world",
-                    no_dist: bool = False) -> None:
-    """``torch.distributed.checkpoint.load`` into ``state_dict`` (in place; objects replaced).
-
-    ``no_dist``: read in this process alone (offline export), no collective at all.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    with record_function(f"amsp::checkpoint_load::{_kind(name)}"):
-        if not no_dist:
-            _issue(ctx, "checkpoint_load", name)
-        dcp.load(state_dict, storage_reader=checkpoint_reader(path), no_dist=no_dist)
 
 
 def gather_objects(ctx: CollectiveContext, obj: Any, group: dist.ProcessGroup | None, *, name: str,

@@ -25,7 +25,8 @@ import uuid
 
 import torch.distributed as dist
 
-__all__ = ["LoopbackRendezvous", "LOOPBACK", "init_process_group"]
+__all__ = ["BOUND_BACKEND", "LOOPBACK", "LoopbackRendezvous", "bound_static_handler", "bound_torchrun_args",
+           "init_process_group", "main"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -101,3 +102,115 @@ def init_process_group(backend: str, *, timeout: datetime.timedelta, **kw) -> No
     else:
         store = dist.TCPStore(host, int(port), world, False, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
+
+
+# [Note: a static rendezvous bound to the master address]
+# Across machines torchrun's static rendezvous (``--node-rank i --master-addr A --master-port P``:
+# global rank = i * R + local rank, the order topology/groups.py assumes) makes node 0's agent host
+# a TCPStore that every agent and, through ``TORCHELASTIC_USE_AGENT_STORE``, every rank uses; torch
+# creates it listening on every interface. ``python -m amsp_ext.runtime.rendezvous`` is torchrun
+# with one change: the same static rendezvous under the backend name ``amsp-static``, whose node 0
+# store listens on ``A`` only (a socket bound to it, handed over as ``master_listen_fd``). The
+# ranks' gloo pairs follow ``GLOO_SOCKET_IFNAME`` (the lab's interface for ``amsp cluster run``).
+#
+# [Note: the one pickle left in a launch]
+# torchrun's c10d (dynamic) rendezvous, which the single-machine launchers use as clients of
+# :class:`LoopbackRendezvous`'s store, keeps its state as a pickle in that store:
+# ``torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder.sync``
+# ``pickle.loads`` the bytes the agents wrote (agent <-> agent, through the store). The store listens
+# on 127.0.0.1 only, so only a process on this machine can write there; the ranks and checkpoints
+# exchange no pickles (state/dcp_io.py: [Note: DCP without its object collectives]). The
+# ``amsp-static`` backend below keeps no pickled state (the static rendezvous only counts nodes).
+BOUND_BACKEND = "amsp-static"
+
+
+def _numeric(host: str) -> str:
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+
+
+def bound_static_handler(params):
+    """torchrun's handler factory for ``amsp-static`` (``rank`` in the rendezvous config)."""
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint.strip(), -1)
+    if port == -1:
+        raise ValueError(f"amsp-static rendezvous: no port in endpoint {params.endpoint!r}")
+    rank, world = int(params.config["rank"]), int(params.max_nodes)
+    timeout = datetime.timedelta(seconds=int(params.config.get("timeout", 900)))
+    run_id = params.run_id
+
+    class BoundStatic(RendezvousHandler):
+        def __init__(self) -> None:
+            self.store = None
+
+        def get_backend(self) -> str:
+            return BOUND_BACKEND
+
+        @property
+        def use_agent_store(self) -> bool:
+            return True
+
+        def next_rendezvous(self):
+            if self.store is None:
+                if rank == 0:
+                    _, fd = _listening_fd(_numeric(host), port)
+                    self.store = TCPStore(host, port, world, True, timeout, multi_tenant=True,
+                                          master_listen_fd=fd)
+                else:
+                    self.store = TCPStore(host, port, world, False, timeout, multi_tenant=True)
+            return RendezvousInfo(PrefixStore(run_id, self.store), rank, world, RendezvousStoreInfo(host, port))
+
+        def is_closed(self) -> bool:
+            return False
+
+        def set_closed(self) -> None:
+            pass
+
+        def num_nodes_waiting(self) -> int:
+            return 0
+
+        def get_run_id(self) -> str:
+            return run_id
+
+        def shutdown(self) -> bool:
+            self.store = None
+            return True
+
+    return BoundStatic()
+
+
+def bound_torchrun_args(argv: list[str]) -> list[str]:
+    """torchrun's static flags (``--node-rank=i --master-addr=A --master-port=P``) as the
+    ``amsp-static`` rendezvous; every other argument as given."""
+    opts: dict[str, str] = {}
+    rest: list[str] = []
+    for i, a in enumerate(argv):
+        key = a.split("=", 1)[0].replace("_", "-")
+        if key in ("--node-rank", "--master-addr", "--master-port") and "=" in a:
+            opts[key] = a.split("=", 1)[1]
+        elif a in ("-m", "--no-python") or not a.startswith("-"):
+            rest += argv[i:]  # the program and its own arguments
+            break
+        else:
+            rest.append(a)
+    missing = [k for k in ("--node-rank", "--master-addr", "--master-port") if k not in opts]
+    if missing:
+        raise ValueError(f"amsp_ext.runtime.rendezvous: needs {', '.join(m + '=...' for m in missing)}")
+    return [f"--rdzv-backend={BOUND_BACKEND}", f"--rdzv-endpoint={opts['--master-addr']}:{opts['--master-port']}",
+            f"--rdzv-conf=rank={opts['--node-rank']}", *rest]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.run import main as torchrun
+
+    rendezvous_handler_registry.register(BOUND_BACKEND, bound_static_handler)
+    torchrun(bound_torchrun_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -18,7 +18,7 @@ global tensor with the right offsets, and to choose which keys each rank present
 [Note: the layout as DCP chunks]
 - Parameters: ``model.sharded_state_dict()`` as is. For sp > 1 they are FSDP2's DTensors (Shard(0) on
   the ``param_shard`` mesh), so DCP sees chunk offsets directly. The ``param_replica`` ranks
-  hold the same chunks; DCP's dedup keeps one writer per chunk (balancing bytes per rank).
+  hold the same chunks; dcp_io.assign_writers keeps one writer per chunk (balancing bytes per rank).
 - fp32 masters and inner optimizer states exist only on the owner of each local tensor
   (inter-tensor sharding: the whole local tensor on one rank of its ``optim_bcast`` group).
   The owner presents each as a DTensor built on the parameter's own mesh and placements
@@ -43,10 +43,12 @@ global tensor with the right offsets, and to choose which keys each rank present
 DCP's FileSystemWriter pickles its ``.metadata`` (FileSystemReader.read_metadata is
 ``pickle.load``) and DefaultLoadPlanner.load_bytes is an unrestricted ``torch.load``: a
 checkpoint in that format is a program. So the tensors go through DCP's Hugging Face storage
-(``HuggingFaceStorageWriter(save_distributed=True)``: one safetensors file per rank, each chunk's
+(``HuggingFaceStorageWriter``: one safetensors file per rank, each chunk's
 offsets as JSON in the file's safetensors header; ``HuggingFaceStorageReader`` rebuilds DCP's
 metadata from those headers and reads slices with safetensors), DCP carries no bytes items, and
-everything else is JSON. Loading a checkpoint therefore parses JSON and safetensors headers and
+everything else is JSON. DCP is never given a process group, since its own plan exchange pickles
+objects between ranks (dcp_io.py: [Note: DCP without its object collectives]); the ranks agree
+on who writes which chunk through a JSON all-gather instead. Loading a checkpoint therefore parses JSON and safetensors headers and
 copies raw tensor bytes; it never unpickles. Optional authenticity (an HMAC over ``amsp.json``,
 whose SHA-256 table covers every other file) is in checkpoint_files.py ([Note: signatures]).
 
@@ -97,6 +99,7 @@ from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.planner.specs import format_size
 from amsp_ext.runtime import wire
+from amsp_ext.runtime.state import dcp_io
 from amsp_ext.runtime.state.checkpoint_files import (FORMAT, RNG_FILE, STATE_FILE, CheckpointError, begin_staging,
                                                damage, file_digest, publish, rank_files, read_meta,
                                                resolve, staging_path, verify_files, write_meta)
@@ -169,7 +172,7 @@ def dcp_metadata(path) -> dict:
     """DCP's key -> storage metadata (global size, dtype, chunks) of ``path`` (no collective)."""
     path = Path(path)
     try:
-        return C.checkpoint_reader(path).read_metadata().state_dict_metadata
+        return dcp_io.metadata(path)
     except Exception as e:  # noqa: BLE001 - a damaged safetensors header: name the file if we can
         verify_files(path, read_checkpoint_meta(path))
         raise CheckpointError(f"amsp checkpoint {path}: a tensor file cannot be read "
@@ -242,28 +245,34 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     sd, rows = _tensors_and_rows(model, e)
     # encoded now: what cannot be stored fails at this call, and async saves write this state
     files = _json_files(e, lr_scheduler=lr_scheduler, extra=extra, rng=rng)
+    # one writer per chunk, chosen alike on every rank from a JSON table ([Note: DCP without its
+    # object collectives] in dcp_io.py); each rank then writes its own file, no collective inside DCP
+    tables = C.all_gather_objects(e.comm, dcp_io.chunk_table(sd), None, name="world", timeout=e.config.timeout)
+    mine_keys = dcp_io.assign_writers(tables)[e.rank]
+    sd = {k: v for k, v in sd.items() if k in mine_keys}
     out = _Staged(path=path, staging=staging, rows=rows, files=files,
                   meta=_meta(model, e, rng, info) if e.rank == 0 else None,
-                  needed=sum(v.numel() * v.element_size() for v in sd.values() if torch.is_tensor(v))
-                  + sum(len(d) for d in files.values()))
+                  needed=sum(_local_bytes(v) for v in sd.values()) + sum(len(d) for d in files.values()))
     if not async_save:
+        write_error = None
         try:
-            C.checkpoint_save(e.comm, sd, staging)
-        except BaseException as err:  # DCP raises any rank's failure on every rank (a BaseException)
-            if not _no_space(err):
-                raise
-            _drop_staging(e.rank, staging)
-            raise _disk_full(path, staging, out.needed) from None
-        _finish_save(e, out, None, "world")
+            dcp_io.write(sd, staging, rank=e.rank)
+        except BaseException as err:  # noqa: BLE001 - shared by the finishing all-gather (DCP's is a BaseException)
+            write_error = err
+        _finish_save(e, out, None, "world", write_error)
         C.barrier(e.comm, None, name="world", timeout=e.config.timeout)  # published when any rank returns
         return None
     group, name = C.checkpoint_group(e.comm)
-    written = C.checkpoint_async_save(e.comm, sd, staging, group=group, name=name)  # staged on return
+    written = dcp_io.write_async(sd, staging, rank=e.rank, group=group)  # staged on return
     pending = PendingSave(path)
 
     def background() -> None:
-        written.result()
-        _finish_save(e, out, group, name)
+        write_error = None
+        try:
+            written.result()
+        except BaseException as err:  # noqa: BLE001 - shared by the finishing all-gather
+            write_error = err
+        _finish_save(e, out, group, name, write_error)
         C.barrier(e.comm, group, name=name, timeout=e.config.timeout)
 
     threading.Thread(target=pending._run, args=(background,), name="amsp-async-save", daemon=True).start()
@@ -328,18 +337,22 @@ def _json_files(e, *, lr_scheduler, extra: Any, rng: bool) -> dict[str, bytes]:
     return files
 
 
-def _finish_save(e, out: _Staged, group, name: str) -> None:
+def _finish_save(e, out: _Staged, group, name: str, write_error: BaseException | None = None) -> None:
     """After DCP wrote the tensors: every rank writes its JSON and hashes the files it wrote;
-    rank 0 records them and publishes. A rank that cannot write says so through the same
-    all-gather, so no rank waits for it."""
+    rank 0 records them and publishes. A rank that cannot write (its tensors: ``write_error``,
+    or its JSON) says so through the same all-gather, so no rank waits for it."""
     failed, mine = None, {}
     try:
+        if write_error is not None:
+            raise write_error
         for f, data in out.files.items():
             (out.staging / f).write_bytes(data)
         mine = {f: file_digest(out.staging / f) for f in [*rank_files(out.staging, e.rank), *out.files]}
-    except OSError as err:
+    except BaseException as err:  # DCP wraps its failures in a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
         failed = str(_disk_full(out.path, out.staging, out.needed) if _no_space(err) else
-                     CheckpointError(f"amsp checkpoint {out.path}: cannot write {out.staging} ({err})"))
+                     f"amsp checkpoint {out.path}: cannot write {out.staging} ({_one_line(err)})")
     table = C.all_gather_objects(e.comm, (out.rows, mine, failed), group, name=name,
                                  timeout=e.config.timeout)
     errors = [f for _, _, f in table if f]
@@ -357,10 +370,10 @@ def _finish_save(e, out: _Staged, group, name: str) -> None:
 # [Note: a full disk]
 # A save that runs out of space must say so once, in words a cluster operator acts on: which
 # folder, about how much this save needs, how much is free, and that nothing was published (the
-# previous checkpoints are intact: a save only ever writes its own staging folder). DCP raises
-# any rank's write failure on every rank (wrapped in its CheckpointException), so every rank
-# raises the same line and the launcher prints it once; the staging folder is removed so that
-# the disk is not left full.
+# previous checkpoints are intact: a save only ever writes its own staging folder). A rank's
+# write failure (DCP wraps it in its CheckpointException) becomes its line in the all-gather that
+# ends every save (``_finish_save``), so every rank raises the first rank's line and the launcher
+# prints it once; the staging folder is removed so that the disk is not left full.
 def _no_space(err: BaseException) -> bool:
     """Whether ``err`` (or what it wraps, DCP's per-rank failures included) is ENOSPC."""
     stack, seen = [err], set()
@@ -389,6 +402,23 @@ def _disk_full(path: Path, staging: Path, needed: int) -> CheckpointError:
         f"amsp checkpoint {path}: no space left on {folder} (this save needs about "
         f"{format_size(needed)} per rank, {format_size(free)} free); nothing was published: {path} "
         f"and the checkpoints next to it are unchanged; free space or save elsewhere")
+
+
+def _local_bytes(v: torch.Tensor) -> int:
+    local = v.to_local() if isinstance(v, DTensor) else v
+    return local.numel() * local.element_size()
+
+
+def _one_line(err: BaseException) -> str:
+    """The innermost cause of ``err`` in one line (DCP wraps each rank's failure)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) and inner else inner
+        if isinstance(inner, BaseException):
+            err = inner
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def _drop_staging(rank: int, staging: Path) -> None:
@@ -561,7 +591,7 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     names = [t.name for t in e.tensors]
     if optimizer_states:
         states = _state_targets(e, meta, md, sd)
-    C.checkpoint_load(e.comm, sd, path)
+    _read_shared(sd, path, e)
 
     for idx in masters_to_params:
         e.tensors[idx].local().copy_(opt.masters[idx])
@@ -601,6 +631,23 @@ def _verify_shared(path: Path, meta: dict, e: "Engine", *, files: bool = True,
         name, what = bad[0]
         raise CheckpointError(f"amsp checkpoint {path}: file {name} {what}; the checkpoint "
                               f"cannot be used (load an older one)")
+
+
+def _read_shared(sd: dict, path: Path, e: "Engine") -> None:
+    """Each rank reads its targets alone (dcp_io: [Note: DCP without its object collectives]);
+    one all-gather of what went wrong, so a rank that cannot read stops every rank with its line."""
+    found = ""
+    try:
+        dcp_io.read(sd, path)
+    except BaseException as err:  # DCP wraps its failures in a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        found = f"rank {e.rank}: {_one_line(err)}"
+    got = [g.decode(errors="replace") for g in C.all_gather_bytes(e.comm, found.encode()[:200], None, name="world",
+                                                                  width=200, timeout=e.config.timeout)]
+    bad = [g for g in got if g]
+    if bad:
+        raise CheckpointError(f"amsp checkpoint {path}: the tensors cannot be read ({bad[0]})")
 
 
 def reshard_all(model: nn.Module) -> None:

@@ -45,7 +45,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["CheckpointError", "FORMAT", "KEY_ENV", "META_FILE", "RNG_FILE", "STATE_FILE", "begin_staging",
-           "checkpoint_key", "file_digest", "publish", "rank_files", "read_meta", "resolve", "staging_path",
+           "checkpoint_key", "file_digest", "meta_checksum", "publish", "rank_files", "read_meta", "resolve", "staging_path",
            "verify_files", "write_meta"]
 
 FORMAT = "amsp-checkpoint/3"  # /2: atomic publish, checksums of every file; /3: no pickle anywhere
@@ -126,6 +126,11 @@ def _self_checksum(meta: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def meta_checksum(meta: dict) -> str:
+    """The SHA-256 ``amsp.json`` records of its own content (see [Note: checksums])."""
+    return _self_checksum(meta)
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -202,8 +207,8 @@ def read_meta(path: Path, *, format: str) -> dict:
     if meta.get("format") in PICKLED_FORMATS and format == FORMAT:
         raise CheckpointError(
             f"amsp checkpoint: {path} has the old format {meta['format']!r}, whose .metadata and state are "
-            f"pickles (loading them could run code): refused. To keep a checkpoint you wrote yourself, "
-            f"export its weights with the amsp_ext that wrote it (amsp_ext.export_checkpoint) and start from those")
+            f"pickles (loading them could run code): refused. To convert a checkpoint you trust: "
+            f"amsp checkpoint convert --trust {path} NEW_FOLDER")
     if meta.get("format") != format:
         raise CheckpointError(f"amsp checkpoint: {path} has format {meta.get('format')!r}, expected {format!r}")
     if meta.get("checksum") != _self_checksum(meta) or not isinstance(meta.get("files"), dict):

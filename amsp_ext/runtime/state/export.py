@@ -26,13 +26,13 @@ first (``from_pretrained`` re-ties the rest).
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.state import dcp_io
 from amsp_ext.runtime.state.checkpoint import (MASTER, MODEL, dtype_name, hf_info, as_global, dcp_metadata,
                                          engine_of, trainable_by_id, verify_checkpoint)
 from amsp_ext.runtime.state.checkpoint_files import resolve
@@ -142,10 +142,7 @@ def export_checkpoint(path, save_directory=None, *, dtype: torch.dtype | None = 
     for src in set(src_of.values()):
         props = md[src]
         sd[src] = torch.empty(tuple(props.size), dtype=props.properties.dtype)
-    with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the point
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        # one process, no collective: a context of its own only to satisfy the signature
-        C.checkpoint_load(C.CollectiveContext(timeout=1.0), sd, path, no_dist=True)
+    dcp_io.read(sd, path)  # in this process alone
     full = {src: _cast(t, dtype) for src, t in sd.items()}
     out = {k: full[src] for k, src in src_of.items()}
     if save_directory is not None:
