@@ -40,7 +40,8 @@ from amsp_ext import schema
 from amsp_ext.choices import check_int
 from amsp_ext.engine_config import EngineConfig
 
-__all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "planner_numbers", "run_rank", "hf_config_of"]
+__all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "dry_run_many", "planner_numbers",
+           "run_rank", "hf_config_of"]
 
 _GROUP_KINDS_AR = ("param_replica", "grad")
 
@@ -161,35 +162,54 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
 # -- the launcher ----------------------------------------------------------------------------
 def dry_run(spec: DryRunSpec, *, max_parallel: int = 2, timeout_s: float | None = None) -> dict:
     """Check everything, then run each sampled rank in its own process; one JSON-able result."""
-    plan = resolved_plan(spec)
-    model_spec_of(spec)  # unknown model: one line, before any process
-    planner = planner_numbers(spec, plan)
+    return dry_run_many([spec], max_parallel=max_parallel, timeout_s=timeout_s)[0]
+
+
+def dry_run_many(specs: list[DryRunSpec], *, max_parallel: int = 2,
+                 timeout_s: float | None = None) -> list[dict]:
+    """:func:`dry_run` of several specs (plans, shapes) with their rank processes sharing one
+    pool of ``max_parallel``: every spec is checked before any process starts, and the pool
+    stays full across specs (most of a small rank's time is its interpreter's imports)."""
+    checked = []
+    for spec in specs:
+        plan = resolved_plan(spec)
+        model_spec_of(spec)  # unknown model: one line, before any process
+        checked.append((spec, plan, planner_numbers(spec, plan)))
     t0 = time.perf_counter()
-    payload = json.dumps({**asdict(spec), "plan": str(plan), "ranks": None})
-    todo, running, results = list(spec.sampled_ranks()), [], {}
+    todo = [(i, r) for i, (spec, _, _) in enumerate(checked) for r in spec.sampled_ranks()]
+    running, results = [], {}
     while todo or running:
         while todo and len(running) < max_parallel:
-            r = todo.pop(0)
+            i, r = todo.pop(0)
+            spec, plan, _ = checked[i]
+            payload = json.dumps({**asdict(spec), "plan": str(plan), "ranks": None})
             p = subprocess.Popen([sys.executable, "-m", "amsp_ext.runtime.measure.dryrun", str(r), payload],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, env={**os.environ, "AMSP_DRYRUN": "1"})
-            running.append((r, p, time.perf_counter()))
-        r, p, started = running.pop(0)
+            running.append((i, r, p, time.perf_counter()))
+        i, r, p, started = running.pop(0)
         out, err = p.communicate(timeout=timeout_s)
         if p.returncode != 0:
+            for _, _, q, _ in running:
+                q.kill()
             last = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
-            raise RuntimeError(f"dryrun: rank {r} failed (exit {p.returncode}): {last[0]}")
+            raise RuntimeError(f"dryrun: {checked[i][1]} rank {r} failed (exit {p.returncode}): {last[0]}")
         rec = json.loads(out.strip().splitlines()[-1])
         rec["wall_s"] = time.perf_counter() - started
-        results[r] = rec
-    ranks = [results[r] for r in spec.sampled_ranks()]
+        results[i, r] = rec
+    seconds = time.perf_counter() - t0
+    return [_result(spec, plan, planner, [results[i, r] for r in spec.sampled_ranks()], seconds)
+            for i, (spec, plan, planner) in enumerate(checked)]
+
+
+def _result(spec: DryRunSpec, plan, planner: dict, ranks: list[dict], seconds: float) -> dict:
     fits = all(rec["peak_bytes"] <= spec.gpu_memory_bytes for rec in ranks)
     return {"world": spec.world, "plan": str(plan), "model": spec.model or spec.model_config,
             "shape": {"seq_len": spec.seq_len, "micro_batch_size": spec.micro_batch_size,
                       "micro_batches": spec.micro_batches, "precision": spec.precision,
                       "reduce_dtype": spec.reduce_dtype, "recompute": spec.recompute},
             "ranks": ranks, "planner": planner, "fits": fits,
-            "gpu_memory_bytes": spec.gpu_memory_bytes, "seconds": time.perf_counter() - t0}
+            "gpu_memory_bytes": spec.gpu_memory_bytes, "seconds": seconds}
 
 
 # -- one rank (runs in its own process) -------------------------------------------------------
