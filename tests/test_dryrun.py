@@ -56,6 +56,44 @@ def test_os_only_at_1024_ranks_bytes_by_hand():
     assert r["world"] == 1024 and r["ranks"][0]["rank"] == 1023
 
 
+def test_steady_state_categories_at_1024_ranks_by_hand():
+    """--steps 2 measures the second step: the optimizer states made by the first step and the
+    gradients kept across M = 2 micro-batches show at the peak, with hand-counted bytes."""
+    from amsp_ext.runtime.measure.dryrun import dry_run_many
+
+    plans = ("zero3", "mics:8", "p=1x1,g=1x1,os=8x1")
+    results = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8,
+                                       plan=plan, seq_len=32, micro_batches=2, steps=2, ranks=(0,))
+                            for plan in plans])
+    num_tensors = len(_SHAPES)  # AdamW keeps one fp32 "step" scalar per tensor
+    # rank 0's shard: zero3 pads dim 0 to 1,024 (one row of every tensor, _padded); mics:8 splits
+    # every tensor evenly in 8 (all dims 0 here are multiples of 8); os=8x1 keeps whole bf16 params
+    local = {"zero3": _padded(1024) // 1024, "mics:8": PHI // 8}
+    for plan, r in zip(plans, results):
+        rank = r["ranks"][0]
+        mem, states = rank["memory"], rank["model_state_bytes"]
+        assert sum(mem.values()) == rank["peak_bytes"], plan
+        assert all(mem[c] > 0 for c in ("params", "grads", "optimizer", "activations", "temporary")), (plan, mem)
+        if plan in local:
+            n = local[plan]
+            # fp32 master + m + v (12 bytes) per local element, all alive through the step
+            assert mem["optimizer"] == 12 * n + 4 * num_tensors, (plan, mem)
+            assert states["grads"] == 4 * n, plan  # fp32 sharded gradients, accumulated
+            # the peak is inside the second micro-batch's backward: the accumulated gradients,
+            # give or take the unit whose fresh gradient is being reduced into them
+            assert 0.5 * 4 * n <= mem["grads"] <= 1.5 * 4 * n, (plan, mem)
+            assert mem["params"] >= 2 * n, (plan, mem)  # bf16 shard (+ what is gathered)
+        else:
+            assert mem["params"] == 2 * PHI, mem  # whole bf16 parameters, nothing gathered
+            assert states["grads"] == 4 * PHI, states  # Tg at sg = 1: all fp32 grads kept
+            assert mem["grads"] >= 4 * PHI, mem  # kept at the peak (plus owned ones being reduced)
+            # ownership is by whole tensor: about an eighth of the elements, fp32 master + m + v
+            owned = states["master"] // 4
+            assert PHI / 8 <= owned <= 1.1 * PHI / 8, states
+            assert states["optim_states"] - 8 * owned in range(4, 4 * num_tensors + 1, 4), states
+            assert mem["optimizer"] == states["master"] + states["optim_states"], (mem, states)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--nodes", "3", "--gpus-per-node", "8", "--plan", "mics:16"], "num_nodes=3"),
     (["--nodes", "2", "--gpus-per-node", "8", "--plan", "p=3x1,g=1x1,os=1x1"], "p"),

@@ -14,6 +14,18 @@ post-step broadcasts). Every collective runtime/collectives.py issues is logged 
 ``observer`` (kind, group size, cross-node, bytes as the planner counts them, phase), and
 torch's ``MemTracker`` counts the step's memory by category.
 
+[Note: categories at the peak]
+``--steps 2`` (the default) measures the last step: the memory tracker's peak restarts there
+(``reset_peak``), so the optimizer's fp32 masters and Adam moments, created by the first step,
+are alive through the measured one. MemTracker files a tensor by where it was allocated; the
+engine's gradients (buckets' owned results, kept Tg gradients, FSDP2's sharded ``.grad``) are
+allocated in backward, where it would call them ``Temp``: ``grad_sync.grad_tensors()`` are
+re-filed as ``Grad`` whenever a new peak is about to be recorded. A gradient made by the very
+op that sets the peak is filed once it is stored, so at the peak the unit being reduced may
+show as ``Temp``. With M = 1 the peak is at the start of backward (activations largest, no
+gradient yet), so ``grads`` at the peak is ~0 there, as the planner's [Note: gradients at
+M = 1] says; ``model_state_bytes`` (after the step) is the engine's full count.
+
 What a fake run cannot be, and how it is handled:
 * host reads of tensor values (``float(norm)`` in clipping, the non-finite guard's verdict)
   have no value: ``_torch_compat.nominal_fake_scalars`` makes them return a nominal finite value (1.0, 0,
@@ -330,12 +342,13 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                     config=config)
         t_shard = time.perf_counter()
-        tracker = compat.mem_tracker()
+        tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors)
         tracker.track_external(model, opt)
         with tracker:
             for step in range(spec.steps):
-                if step == spec.steps - 1:
+                if step == spec.steps - 1:  # [Note: categories at the peak]: the last step only
                     tracker.reset_mod_stats()
+                    tracker.reset_peak()
                 train_step(model, opt, spec, device, clog)
         state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
         peak = tracker.get_tracker_snapshot("peak")
