@@ -140,3 +140,28 @@ def test_equivalent_to_a_real_4_rank_run(tmp_path):
         assert _per_phase(dry["collectives"]) == _per_phase(real[plan]["collectives"]), plan
         assert dry["model_state_bytes"] == real[plan]["model_state_bytes"], plan
         assert all(dry["model_state_bytes"][k] > 0 for k in ("params", "grads", "master", "optim_states")), plan
+
+
+def test_plan_verify_drops_a_candidate_that_does_not_fit_by_the_engine(capsys):
+    """amsp plan --verify K: the GPU memory is set between the top candidate's planner total and
+    its engine peak (measured here first), so the model says it fits and the engine says not."""
+    import json
+
+    from amsp_ext.cli.main import main
+
+    args = ["plan", "--model", "tiny-llama", "--nodes", "1", "--gpus-per-node", "4", "--memory-reserve", "0B",
+            "--seq-len", "32", "--micro-batches", "1", "--profile", "paper-a800", "--precision", "bf16",
+            "--reduce-dtype", "fp32", "--granularity", "module", "--json"]
+    assert main([*args, "--gpu-memory", "64MiB"]) == 0
+    top = json.loads(capsys.readouterr().out)["candidates"][0]
+    engine = dry_run(DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=1, gpus_per_node=4,
+                                plan=top["plan"], seq_len=32, steps=2, ranks=(0,)))["ranks"][0]["peak_bytes"]
+    assert engine > top["memory_bytes"], (engine, top)  # the premise: the model undercounts this one
+    squeeze = (engine + top["memory_bytes"]) // 2
+    rc = main([*args, "--gpu-memory", f"{squeeze}B", "--verify", "3"])
+    out = json.loads(capsys.readouterr().out) if rc == 0 else None
+    assert rc == 0
+    first = out["verify"][0]
+    assert first["plan"] == top["plan"] and first["engine_peak_bytes"] == engine and not first["fits"]
+    assert all(v["fits"] == (v["engine_peak_bytes"] <= squeeze) for v in out["verify"])
+    assert out["plan_text"] == next(v["plan"] for v in out["verify"] if v["fits"]) != top["plan"]
