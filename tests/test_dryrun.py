@@ -126,11 +126,11 @@ def test_equivalent_to_a_real_4_rank_run(tmp_path):
     import json
 
     from amsp_ext.runtime.measure.dryrun import dry_run_many
-    from tests.dist_utils import run_torchrun
+    from tests.dist_utils import run_ranks
     from tests.dryrun_real_worker import PLANS
 
     out = tmp_path / "real.json"
-    run_torchrun(4, "tests.dryrun_real_worker", str(out), timeout=300)
+    run_ranks(4, "tests.dryrun_real_worker", str(out), timeout=300)
     real = json.loads(out.read_text())
     dries = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=2, gpus_per_node=2,
                                      plan=plan, seq_len=32, steps=1, ranks=(0,)) for plan in PLANS])
