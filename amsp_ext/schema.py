@@ -199,9 +199,12 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def add_arguments(parser, cls: type, *, only: tuple[str, ...] | None = None) -> None:
+def add_arguments(parser, cls: type, *, only: tuple[str, ...] | None = None,
+                  unset: tuple[str, ...] = ()) -> None:
     """One flag per option of the tree under ``cls`` (``only``: of those fields); defaults are the
-    dataclasses' defaults. ``parser`` may be an argument group."""
+    dataclasses' defaults, except the ``unset`` fields' flags, whose default is None: the
+    command fills them when not given (a preset, a check of this machine) before it builds the
+    config. ``parser`` may be an argument group."""
     seen: dict[str, str] = {}
     for owner, f in options(cls):
         if only is not None and f.name not in only:
@@ -213,9 +216,10 @@ def add_arguments(parser, cls: type, *, only: tuple[str, ...] | None = None) -> 
         meta = _meta(f)
         base, _, many = _kind(owner, f.name)
         help_ = meta.help
-        if f.default not in (None, False, ()):
+        default = None if f.name in unset else f.default
+        if default not in (None, False, ()):
             help_ = f"{help_} (default: %(default)s)" if help_ else "default: %(default)s"
-        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": help_ or None}
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": help_ or None}
         if base is bool and not many:
             kw["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
         elif many:

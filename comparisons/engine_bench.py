@@ -180,7 +180,8 @@ def worker_overlap(a):
         elif event == "wait_end":
             waited["s"] += time.perf_counter() - starts.pop((name, op), time.perf_counter())
 
-    comm = C.CollectiveContext(observers=[observer])  # every configuration's engine issues through it
+    # every configuration's engine issues through it, with the engine's default timeout
+    comm = C.CollectiveContext(timeout=ShardConfig().timeout, observers=[observer])
     times: dict = {}
     waits: dict = {}
     # repeats outermost, configurations interleaved: contention spikes from other processes on

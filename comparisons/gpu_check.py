@@ -118,7 +118,7 @@ def check_calibration(device, quick: bool) -> dict:
     dtype = torch.bfloat16
     from amsp_ext.runtime.collectives import CollectiveContext
 
-    peak = device_peak(device, dtype, comm=CollectiveContext())
+    peak = device_peak(device, dtype, comm=CollectiveContext(timeout=60))
     shapes = {"small-llama": (llama_config_dict("small-llama"), 512, 8)}
     if quick:
         shapes = {"tiny-llama": (llama_config_dict("tiny-llama"), 128, 4)}

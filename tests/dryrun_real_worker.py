@@ -33,7 +33,7 @@ def main(out: str) -> None:
         model, opt = shard(build_llama("tiny-llama"), plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            config=ShardConfig(gpus_per_node=2, precision="bf16", reduce_dtype="fp32",
                                               granularity="module"),
-                           comm=C.CollectiveContext(observers=[clog]))
+                           comm=C.CollectiveContext(timeout=120, observers=[clog]))
         train_step(model, opt, spec, torch.device("cpu"), clog)
         got[plan] = {"collectives": [c for c in clog.records if c["phase"] != "setup"],
                      "model_state_bytes": model.model_state_bytes()}

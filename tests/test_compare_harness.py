@@ -186,3 +186,39 @@ def test_committed_results_record_configs_the_engine_accepts():
                 raise AssertionError(f"{path.relative_to(results)}: {e}") from None
             found += 1
     assert found >= 100
+
+
+def test_compare_flags_are_runspecs_and_keep_their_names_and_presets(monkeypatch):
+    """`amsp compare`'s RunSpec flags are generated (schema.py); the user-visible names, the
+    --quick / full presets (the values its help and docs/usage.md state) and the defaults stay."""
+    import argparse
+
+    from amsp_ext.cli import compare as cli
+    from amsp_ext.runtime.measure import cpu_bf16
+
+    monkeypatch.setenv(cpu_bf16.FORCE_ENV, "fast")  # bf16 stays the default on any CPU
+    cpu_bf16.probe_cpu_bf16.cache_clear()
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    quick = cli.run_spec(p.parse_args(["--quick"]))
+    assert (quick.model, quick.seq_len, quick.micro_batch_size, quick.num_micro_batches,
+            quick.num_steps, quick.num_warmup_steps, quick.gpus_per_node) == ("tiny-llama", 128, 2, 2, 8, 3, 2)
+    assert (quick.precision, quick.seed, quick.amsp_plan, quick.amsp_granularity, quick.trace,
+            quick.dist_timeout_s) == ("bf16", 0, "auto", "layer", True, 300.0)
+    full = cli.run_spec(p.parse_args(["--launcher", "cluster"]))
+    assert (full.model, full.seq_len, full.num_micro_batches, full.num_steps, full.gpus_per_node) == (
+        "small-llama", 256, 4, 20, None)  # the lab says its own gpus per node
+    given = cli.run_spec(p.parse_args(
+        ["--quick", "--model", "small-llama", "--seq-len", "64", "--micro-batch-size", "1",
+         "--micro-batches", "3", "--steps", "6", "--warmup-steps", "2", "--seed", "5",
+         "--precision", "fp32", "--gpus-per-node", "1", "--mics-shard-size", "2",
+         "--hpz-partition-size", "2", "--amsp-plan", "zero3", "--amsp-granularity", "module",
+         "--no-trace", "--timeout", "120"]))
+    assert given == RunSpec(model="small-llama", seq_len=64, micro_batch_size=1, num_micro_batches=3,
+                            num_steps=6, num_warmup_steps=2, seed=5, precision="fp32", gpus_per_node=1,
+                            mics_shard_size=2, hpz_partition_size=2, amsp_plan="zero3",
+                            amsp_granularity="module", trace=False, dist_timeout_s=120.0)
+    with pytest.raises(SpecError, match="^--warmup-steps must be in 0..num_steps-1") as e:
+        cli.run_spec(p.parse_args(["--quick", "--steps", "2", "--warmup-steps", "2"]))
+    assert "\n" not in str(e.value)
+    cpu_bf16.probe_cpu_bf16.cache_clear()

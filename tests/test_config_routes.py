@@ -193,3 +193,71 @@ def test_each_engine_setting_is_defined_once():
     extra = {n: [w for w in where if w != "engine_config.py:EngineConfig" and (n, w) not in allowed_elsewhere]
              for n, where in _defined_defaults().items()}
     assert not {n: w for n, w in extra.items() if w}, extra
+
+
+# [which configs each `amsp` command builds] A hand-written flag of a command that has the
+# same name as a field's generated flag of a config the command builds would be a second
+# definition of that setting (its default and help could drift): the command generates it
+# (schema.add_arguments) instead. The exceptions are flags with the same name that are not that
+# field, each with why.
+CLI_CONFIGS = {
+    "train.py": ("TrainConfig",), "tune.py": ("TuneConfig",), "compare.py": ("RunSpec",),
+    "plan.py": ("EngineConfig",), "dryrun.py": ("EngineConfig",),
+    "migrate.py": ("EngineConfig",), "config.py": ("EngineConfig",),  # they write amsp blocks
+}
+_CLUSTER_R = ("the target cluster's GPUs per node the planner plans for (a required shape, default "
+              "8), not the engine's logical R of the launched world (default: the world)")
+NOT_THE_FIELD = {
+    ("plan.py", "--gpus-per-node"): _CLUSTER_R,
+    ("dryrun.py", "--gpus-per-node"): _CLUSTER_R,
+    ("migrate.py", "--gpus-per-node"): _CLUSTER_R,
+    ("migrate.py", "--precision"): "which of the ds_config's bf16/fp16 blocks an 'auto' means; "
+                                   "the engine's precision comes from DeepSpeed's keys",
+    ("config.py", "--precision"): "DeepSpeed's bf16/fp16 blocks of the written ds_config ('auto' "
+                                  "included); the engine's precision comes from those keys",
+}
+
+
+def _config_classes() -> dict[str, type]:
+    from amsp_ext.compare.config import RunSpec
+    from amsp_ext.train.config import TrainConfig
+    from amsp_ext.tune.spec import TuneConfig
+
+    return {"TrainConfig": TrainConfig, "EngineConfig": EngineConfig, "TuneConfig": TuneConfig,
+            "RunSpec": RunSpec}
+
+
+def _hand_written_flags(path: Path) -> list[str]:
+    """The ``--flags`` of every ``add_argument(...)`` call in ``path`` (not schema's)."""
+    flags = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"):
+            flags += [a.value for a in node.args
+                      if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("--")]
+    return flags
+
+
+def test_no_hand_written_flag_duplicates_a_config_field():
+    classes = _config_classes()
+    generated = {name: {schema.flag_of(f): f"{owner.__name__}.{f.name}" for owner, f in schema.options(cls)}
+                 for name, cls in classes.items()}
+    assert {"--seq-len", "--micro-batches", "--trace", "--amsp-plan"} <= set(generated["RunSpec"])
+    dup = []
+    for module, names in CLI_CONFIGS.items():
+        for flag in _hand_written_flags(PKG / "cli" / module):
+            for name in names:
+                if flag in generated[name] and (module, flag) not in NOT_THE_FIELD:
+                    dup.append(f"cli/{module} {flag} (= {generated[name][flag]})")
+    assert not dup, f"hand-written flags that duplicate a config field; generate them: {dup}"
+    stale = [k for k in NOT_THE_FIELD if k[1] not in _hand_written_flags(PKG / "cli" / k[0])]
+    assert not stale, f"exceptions for flags that are gone: {stale}"
+
+
+def test_the_duplicate_check_sees_a_hand_written_copy(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("def add_arguments(p):\n    p.add_argument('--seq-len', type=int)\n"
+                   "    schema.add_arguments(p, RunSpec)\n")
+    assert _hand_written_flags(src) == ["--seq-len"]
+    flags = {schema.flag_of(f) for _, f in schema.options(_config_classes()["RunSpec"])}
+    assert "--seq-len" in flags

@@ -29,6 +29,21 @@ def test_default_bf16_becomes_fp32_on_a_slow_cpu(cpu):
     assert P.cpu_precision("fp32", "bf16", say=lines.append) == "fp32" and lines == []
 
 
+def test_a_decided_precision_is_kept_and_bf16_warned_on_a_slow_cpu(cpu):
+    """What amsp train / amsp tune call: the engine config's precision is never changed."""
+    lines: list[str] = []
+    cpu.setenv(cpu_bf16.FORCE_ENV, "slow")
+    P.warn_if_slow_bf16("fp32", say=lines.append)
+    assert lines == []
+    P.warn_if_slow_bf16("bf16", say=lines.append)
+    assert len(lines) == 1 and lines[0].startswith("warning: --precision bf16") and "10x slower" in lines[0]
+    cpu_bf16.probe_cpu_bf16.cache_clear()
+    cpu.setenv(cpu_bf16.FORCE_ENV, "fast")
+    lines.clear()
+    P.warn_if_slow_bf16("bf16", say=lines.append)
+    assert lines == []
+
+
 def test_fast_cpu_keeps_bf16_silently(cpu):
     cpu.setenv(cpu_bf16.FORCE_ENV, "fast")
     lines: list[str] = []

@@ -127,7 +127,7 @@ def test_comm_trace_busy_and_exposed_by_hand(monkeypatch):
     p1, p2 = _Pending(100, w1), _Pending(200, w2)
     from amsp_ext.runtime import collectives as C
 
-    ctx = C.CollectiveContext()
+    ctx = C.CollectiveContext(timeout=1.0)
     with CommTrace(ctx) as trace:
         ctx.notify("issued", "all_reduce", "param_replica[0,2]", p1)  # t=0
         ctx.notify("issued", "all_reduce", "param_replica[0,2]", p2)  # t=2

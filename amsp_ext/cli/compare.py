@@ -17,9 +17,7 @@ import argparse
 import shlex
 import sys
 
-from amsp_ext.choices import GRANULARITIES, MISSING_MESH
-from amsp_ext.compare.config import PRECISIONS
-from amsp_ext.engine_config import engine_default
+from amsp_ext.choices import MISSING_MESH
 
 HELP = "measured side-by-side: DDP, ZeRO-1/2/3, ZeRO++, MiCS, FSDP2/HSDP and AMSP on one job"
 
@@ -30,33 +28,33 @@ FULL = dict(model="small-llama", seq_len=256, micro_batch_size=2, num_micro_batc
             num_steps=20, num_warmup_steps=5, nproc_per_node=4, gpus_per_node=None)
 
 
+# RunSpec's options that are `amsp compare`'s flags (schema.py generates them); the others are
+# fixed for a comparison (optimizer) or set by the command (amsp_overlap by the ablation mode,
+# dist_timeout_s from --timeout)
+SPEC_FLAGS = ("model", "seq_len", "micro_batch_size", "num_micro_batches", "num_steps",
+              "num_warmup_steps", "seed", "precision", "gpus_per_node", "mics_shard_size",
+              "hpz_partition_size", "amsp_plan", "amsp_granularity", "trace")
+# unset on the command line: --quick's or the full table's value; precision: cpu_precision's
+PRESET = tuple(k for k in QUICK if k != "nproc_per_node")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from amsp_ext import schema
+    from amsp_ext.compare.config import RunSpec
+
     p.add_argument("--quick", action="store_true",
                    help="tiny-llama, seq 128, M=2, 8 steps, 4 ranks posing as 2 nodes x 2")
     p.add_argument("--mode", default="baselines", choices=("baselines", "dissociation", "ablation"))
     p.add_argument("--systems", help="comma-separated subset (baselines mode), e.g. ddp,zero1,mics")
-    p.add_argument("--model", help="tiny-llama | small-llama")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--micro-batch-size", type=int, help="sequences per rank per micro-batch")
-    p.add_argument("--micro-batches", type=int, help="M, gradient accumulation steps")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--warmup-steps", type=int, help="steps left out of the throughput median")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--precision", choices=PRECISIONS,
-                   help="compute dtype of every system (default bf16, or fp32 on a CPU without "
-                   "native bf16, which says so before the run)")
+    flag = {f.name: schema.flag_of(f) for _, f in schema.options(RunSpec)}
+    full = ", ".join(f"{flag[k]} {v}" for k, v in FULL.items() if k in PRESET and v is not None)
+    quick = ", ".join(f"{flag[k]} {v}" for k, v in QUICK.items() if k in PRESET)
+    t = p.add_argument_group("what every system runs (RunSpec)",
+                             f"unset: the full table's {full}; with --quick {quick}")
+    schema.add_arguments(t, RunSpec, only=SPEC_FLAGS, unset=(*PRESET, "precision"))
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "cluster"))
     p.add_argument("--nproc-per-node", type=int, help="ranks (torchrun launcher)")
-    p.add_argument("--gpus-per-node", type=int,
-                   help="logical GPUs per node (default: ranks per launched node)")
     p.add_argument("--cluster-name", default="amsp", help="lab name for --launcher cluster")
-    p.add_argument("--mics-shard-size", type=int, help="default: one node")
-    p.add_argument("--hpz-partition-size", type=int, help="default: one node")
-    p.add_argument("--amsp-plan", default="auto",
-                   help="plan of the 'AMSP (planner's plan)' row: auto | ddp | zero1 | mics:K | p=AxB,g=..,os=..")
-    p.add_argument("--amsp-granularity", default=engine_default("granularity"), choices=GRANULARITIES,
-                   help="sharding unit of the AMSP rows: one per decoder layer, as the FSDP2 rows "
-                   "wrap (default), or every Linear (the paper's module-level AG/RS)")
     p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
                    help="planner profile for --amsp-plan auto (bundled name or a JSON from `amsp profile`)")
     p.add_argument("--gpu-memory", default="80GiB", metavar="SIZE",
@@ -67,7 +65,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a mesh the profile lacks: estimate by alpha-beta fit (default) or refuse")
     p.add_argument("--ablation-micro-batches", help="ablation mode: comma-separated M values, "
                    "e.g. 1,2,4,8 as in the paper's Table V (default: --micro-batches)")
-    p.add_argument("--no-trace", action="store_true", help="skip the profiled step")
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every system N times, in rounds of alternating order; report the "
                    "median tokens/GPU/s, its range and ratios as the median of per-round ratios "
@@ -76,37 +73,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="comparisons/results", help="report folder")
 
 
+def run_spec(args: argparse.Namespace):
+    """The RunSpec of the parsed flags: the unset ones from the preset (the gpus-per-node preset
+    on torchrun only; the lab says its own), the precision checked against this CPU, the
+    workers' collective timeout from --timeout (at most 300 s)."""
+    import dataclasses
+
+    from amsp_ext import schema
+    from amsp_ext.cli.precision import cpu_precision
+    from amsp_ext.compare.config import RunSpec
+
+    d = QUICK if args.quick else FULL
+    values = {k: getattr(args, k) for k in SPEC_FLAGS}
+    for k in PRESET:
+        if values[k] is None and (k != "gpus_per_node" or args.launcher == "torchrun"):
+            values[k] = d[k]
+    # RunSpec holds the one default; only a CPU without native bf16 changes it
+    default = {f.name: f.default for f in dataclasses.fields(RunSpec)}["precision"]
+    values["precision"] = cpu_precision(args.precision, default)
+    values["dist_timeout_s"] = min(300.0, args.timeout)
+    return schema.from_namespace(RunSpec, argparse.Namespace(**values))
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from amsp_ext.compare.config import RunSpec
     from amsp_ext.compare.harness import PlannerInputs, run_comparison
     from amsp_ext.planner.specs import parse_size
     from amsp_ext.compare.launch import LaunchConfig
     from amsp_ext.compare.report import format_table, ratios
 
-    import dataclasses
     import signal
 
-    from amsp_ext.cli.precision import cpu_precision
-
+    spec = run_spec(args)
     d = QUICK if args.quick else FULL
-    # RunSpec holds the one default; only a CPU without native bf16 changes it
-    default = {f.name: f.default for f in dataclasses.fields(RunSpec)}["precision"]
-    precision = cpu_precision(args.precision, default)
     pick = lambda v, k: d[k] if v is None else v  # noqa: E731
-    spec = RunSpec(
-        model=pick(args.model, "model"), seq_len=pick(args.seq_len, "seq_len"),
-        micro_batch_size=pick(args.micro_batch_size, "micro_batch_size"),
-        num_micro_batches=pick(args.micro_batches, "num_micro_batches"),
-        num_steps=pick(args.steps, "num_steps"), num_warmup_steps=pick(args.warmup_steps, "num_warmup_steps"),
-        seed=args.seed, precision=precision,
-        gpus_per_node=args.gpus_per_node if args.gpus_per_node is not None
-        else (d["gpus_per_node"] if args.launcher == "torchrun" else None),
-        mics_shard_size=args.mics_shard_size, hpz_partition_size=args.hpz_partition_size,
-        amsp_plan=args.amsp_plan, amsp_granularity=args.amsp_granularity,
-        trace=not args.no_trace, dist_timeout_s=min(300.0, args.timeout),
-    )
     launch = LaunchConfig(launcher=args.launcher, nproc_per_node=pick(args.nproc_per_node, "nproc_per_node"),
                           cluster_name=args.cluster_name, timeout_s=args.timeout)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None

@@ -23,7 +23,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from amsp_ext import schema
 from amsp_ext.choices import PRECISIONS, check_int
+from amsp_ext.engine_config import EngineConfig
 
 HELP = "write a ready Accelerate YAML + ds_config pair (accelerate) or a ds_config (deepspeed) that runs AMSP"
 
@@ -46,8 +48,7 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
                         "zero3, mics:K) or factors such as p=8x1,g=8x1,os=8x4")
     p.add_argument("--seq-len", type=int, default=2048,
                    help="tokens per sequence, for the planner (plan auto; default 2048)")
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="ranks per node (default: the launcher's local world size)")
+    schema.add_arguments(p, EngineConfig, only=("gpus_per_node",))  # the amsp block's, as it is
     p.add_argument("--gpu-memory", default=None, metavar="SIZE",
                    help="memory per GPU for the planner, e.g. 80GiB (default: the device's)")
     p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",

@@ -27,8 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from amsp_ext import schema
 from amsp_ext.choices import MISSING_MESH, PRECISIONS
-from amsp_ext.engine_config import engine_default
+from amsp_ext.engine_config import EngineConfig, engine_default
 
 DEFAULT_SEQ_LEN = 2048
 HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="per GPU (default 80GiB)")
     c.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
                    help="memory the model cannot use (default 2GiB)")
-    c.add_argument("--nodes-per-leaf", type=int, default=None)
+    # written into the amsp block as they are: the engine's own flags (schema.py)
+    schema.add_arguments(c, EngineConfig, only=("nodes_per_leaf",))
     c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
                    help="bandwidth profile (default paper-a800)")
     c.add_argument("--missing-mesh", choices=MISSING_MESH, default="error")
@@ -66,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="needed when gradient_accumulation_steps is 'auto'")
     t.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="needed when bf16/fp16.enabled is 'auto'")
-    t.add_argument("--recompute", action="store_true", help="the job recomputes activations")
+    schema.add_arguments(t, EngineConfig, only=("recompute",))
     p.add_argument("--plan", default=None,
                    help="write this plan instead of the planner's choice (factors, a baseline "
                         "name, or 'auto' to plan again at start-up on the real cluster)")
@@ -154,16 +156,45 @@ def _column(c, plan_text: str, note: str = "") -> dict[str, Any]:
             "fits": c.feasible}
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Job:
+    """What ``build`` reads and plans, step by step: the ds_config, the model and cluster, and
+    the old layout's and the AMSP plan's problems, each with its own bucket ([Note: the two
+    bucket sizes])."""
+
+    cfg: dict[str, Any]
+    spec: Any = None
+    cluster: Any = None
+    reserve_bytes: int = 0
+    precision: str | None = None
+    explicit_bucket: int | None = None
+    old_bucket: int = 0
+    new_bucket: int = 0
+    batch: Any = None
+    training: Any = None  # the AMSP plan's TrainingSpec
+    prob_old: Any = None
+    prob_new: Any = None
+
+
 def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(migrated ds_config, report)``."""
-    from amsp_ext.integrations import ds_keys
-    from amsp_ext.integrations.settings import (AMSPSettings, check_optimizer_block, ds_bucket_bytes,
-                                                gradient_clipping, load_ds_config)
-    from amsp_ext.planner.baselines import baselines
-    from amsp_ext.planner.plan import resolve_plan, validate_plan
-    from amsp_ext.planner.search import evaluate, make_problem, search
-    from amsp_ext.planner.specs import ClusterSpec, parse_size
-    from amsp_ext.train.models import model_spec
+    job = _read_inputs(args)
+    _read_cluster(args, job)
+    job.precision = _precision(args, job.cfg)
+    _set_buckets(job)
+    key, mics, hpz, label = old_layout(job.cfg)
+    _make_problems(args, job)
+    old = next(b for b in _baselines(job.prob_old, mics, hpz) if b.key == key)
+    chosen, new_note, write_plan = _choose_plan(args, job)
+    out, rewrites = _migrated_config(job.cfg, _amsp_block(args, job, write_plan))
+    report = _report(args, job, label=label, old=old, hpz=hpz, chosen=chosen, new_note=new_note,
+                     write_plan=write_plan, rewrites=rewrites)
+    return out, report
+
+
+def _read_inputs(args) -> _Job:
+    """Flags and the ds_config checked (one-line errors) before anything is planned."""
+    from amsp_ext.integrations.settings import check_optimizer_block, gradient_clipping, load_ds_config
 
     for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
                  "nodes_per_leaf"):
@@ -176,83 +207,129 @@ def build(args) -> tuple[dict[str, Any], dict[str, Any]]:
     out_path = Path(args.output) if args.output else Path(args.config).with_suffix(".amsp.json")
     if not out_path.parent.is_dir():  # refuse before planning, not after
         raise ValueError(f"-o/--output: directory {out_path.parent} does not exist")
-    spec = model_spec(args.model, args.model_config)
+    return _Job(cfg=cfg)
+
+
+def _read_cluster(args, job: _Job) -> None:
+    """The model, its sequence length, the target cluster and the memory reserve."""
+    from amsp_ext.planner.specs import ClusterSpec, parse_size
+    from amsp_ext.train.models import model_spec
+
+    job.spec = model_spec(args.model, args.model_config)
     if args.seq_len is None:  # the planner's estimate only; amsp.seq_len can be changed later
         args.seq_len = DEFAULT_SEQ_LEN
     else:
-        spec.check_seq_len(args.seq_len)
+        job.spec.check_seq_len(args.seq_len)
+    job.cluster = ClusterSpec(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                              gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
+                              nodes_per_leaf=args.nodes_per_leaf)
+    job.reserve_bytes = parse_size(args.memory_reserve, field="--memory-reserve", allow_zero=True)
+
+
+def _set_buckets(job: _Job) -> None:
+    """The old layout's bucket and the AMSP plan's ([Note: the two bucket sizes])."""
+    from amsp_ext.integrations.settings import ds_bucket_bytes
+
+    elem = 4 if job.precision == "fp32" else 2
+    job.explicit_bucket = ds_bucket_bytes(job.cfg, job.precision)
+    job.old_bucket = job.explicit_bucket or DEEPSPEED_BUCKET_ELEMENTS * elem
+    job.new_bucket = job.explicit_bucket or engine_default("grad_bucket_bytes")
+
+
+def _make_problems(args, job: _Job) -> None:
+    """The batch and the planner problems of both layouts (they differ only in the bucket)."""
+    from amsp_ext.planner.search import make_problem
+
+    world = args.nodes * args.gpus_per_node
+    job.batch, job.training = _training(args, job.cfg, world, job.precision, job.new_bucket)
+    tr_old = dataclasses.replace(job.training, bucket_bytes=job.old_bucket)  # once: _training may warn
+    common = dict(missing=args.missing_mesh, memory_reserve_bytes=job.reserve_bytes)
+    job.prob_new = make_problem(job.spec, job.cluster, job.training, args.profile, **common)
+    job.prob_old = make_problem(job.spec, job.cluster, tr_old, args.profile, **common)
+
+
+def _baselines(problem, mics: int | None, hpz: int | None):
+    from amsp_ext.planner.baselines import baselines
+
+    return baselines(problem, mics_size=mics, hpz_size=hpz)
+
+
+def _choose_plan(args, job: _Job):
+    """``(costed candidate, note, plan text to write)``: the planner's choice, or ``--plan``."""
+    from amsp_ext.planner.plan import resolve_plan, validate_plan
+    from amsp_ext.planner.search import evaluate, search
+
     R, N = args.gpus_per_node, args.nodes
-    cluster = ClusterSpec(num_nodes=N, gpus_per_node=R,
-                          gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
-                          nodes_per_leaf=args.nodes_per_leaf)
-    reserve = parse_size(args.memory_reserve, field="--memory-reserve", allow_zero=True)
-    precision = _precision(args, cfg)
-    elem = 4 if precision == "fp32" else 2
-    explicit = ds_bucket_bytes(cfg, precision)
-    old_bucket = explicit or DEEPSPEED_BUCKET_ELEMENTS * elem
-    new_bucket = explicit or engine_default("grad_bucket_bytes")
-    key, mics, hpz, label = old_layout(cfg)
-    batch, tr_new = _training(args, cfg, N * R, precision, new_bucket)
-    tr_old = dataclasses.replace(tr_new, bucket_bytes=old_bucket)  # once: _training may warn
-    common = dict(missing=args.missing_mesh, memory_reserve_bytes=reserve)
-    prob_new = make_problem(spec, cluster, tr_new, args.profile, **common)
-    prob_old = make_problem(spec, cluster, tr_old, args.profile, **common)
-    old = next(b for b in baselines(prob_old, mics_size=mics, hpz_size=hpz) if b.key == key)
-    old_text = str(old.plan) + (f" + hpZ {hpz}" if key == "zero++" else "")
-
-    write_plan = args.plan
     if args.plan is None or args.plan.strip().lower() == "auto":
-        chosen = search(prob_new).best
-        new_note = "the planner's choice"
-        if write_plan is None:
-            write_plan = str(chosen.plan)
-    else:
-        plan = validate_plan(resolve_plan(args.plan, gpus_per_node=R, num_nodes=N),
-                             gpus_per_node=R, num_nodes=N, structural_only=True)
-        chosen = evaluate(prob_new, plan)
-        new_note = f"--plan {args.plan}"
+        chosen = search(job.prob_new).best
+        return chosen, "the planner's choice", args.plan if args.plan is not None else str(chosen.plan)
+    plan = validate_plan(resolve_plan(args.plan, gpus_per_node=R, num_nodes=N),
+                         gpus_per_node=R, num_nodes=N, structural_only=True)
+    return evaluate(job.prob_new, plan), f"--plan {args.plan}", args.plan
 
-    overlap = (cfg.get("zero_optimization") or {}).get("overlap_comm")
+
+def _amsp_block(args, job: _Job, write_plan: str) -> dict[str, Any]:
+    """The ``"amsp"`` block to write; refused here if it would not load."""
+    from amsp_ext.integrations.settings import AMSPSettings
+
+    overlap = (job.cfg.get("zero_optimization") or {}).get("overlap_comm")
     block: dict[str, Any] = {
         "enabled": True, "plan": write_plan, "seq_len": args.seq_len,
-        "gpus_per_node": R, "nodes_per_leaf": args.nodes_per_leaf, "gpu_memory": args.gpu_memory,
-        "profile": args.profile, "missing_mesh": args.missing_mesh,
+        "gpus_per_node": args.gpus_per_node, "nodes_per_leaf": args.nodes_per_leaf,
+        "gpu_memory": args.gpu_memory, "profile": args.profile, "missing_mesh": args.missing_mesh,
         "recompute": bool(args.recompute),
     }
     if isinstance(overlap, bool):
         block["overlap"] = {"allreduce": overlap}
-    if explicit:
-        block["grad_bucket_bytes"] = new_bucket
+    if job.explicit_bucket:
+        block["grad_bucket_bytes"] = job.new_bucket
     AMSPSettings.from_dict(block)  # what we write must load
+    return block
+
+
+def _migrated_config(cfg: dict[str, Any], block: dict[str, Any]) -> tuple[dict[str, Any], list]:
+    """The ds_config with the keys frameworks would act on removed, and the block; the removals."""
+    from amsp_ext.integrations import ds_keys
+
     if "amsp" in cfg:
         _err("the config already has an 'amsp' block; it is replaced")
     stripped, rewrites = ds_keys.strip_unhonoured(cfg)
     out = {k: v for k, v in stripped.items() if k != "amsp"}
     out["amsp"] = block
+    return out, rewrites
 
+
+def _report(args, job: _Job, *, label: str, old, hpz: int | None, chosen, new_note: str,
+            write_plan: str, rewrites: list) -> dict[str, Any]:
+    """The report: the old layout beside the AMSP plan, and every key not mapped."""
+    from amsp_ext.integrations import ds_keys
+
+    cfg, batch = job.cfg, job.batch
+    old_text = str(old.plan) + (f" + hpZ {hpz}" if old.key == "zero++" else "")
     unmapped = [{"key": k, "status": s, "note": n}
                 for k, s, n in ds_keys.walk(cfg) if s != "mapped" and k != "amsp"]
     report = {
         "input": str(args.config),
-        "model": {"name": spec.name, "num_params": spec.num_params},
-        "cluster": {"nodes": N, "gpus_per_node": R, "gpu_memory_bytes": cluster.gpu_memory_bytes,
-                    "memory_limit_bytes": prob_new.memory_limit},
+        "model": {"name": job.spec.name, "num_params": job.spec.num_params},
+        "cluster": {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
+                    "gpu_memory_bytes": job.cluster.gpu_memory_bytes,
+                    "memory_limit_bytes": job.prob_new.memory_limit},
         "training": {"seq_len": args.seq_len, "micro_batch_size": batch.micro_batch_size,
                      "gradient_accumulation_steps": batch.gradient_accumulation_steps,
-                     "train_batch_size": batch.train_batch_size, "precision": precision,
+                     "train_batch_size": batch.train_batch_size, "precision": job.precision,
                      "gradient_clipping": cfg.get("gradient_clipping", 0.0),
-                     "optimizer": tr_new.optimizer},
+                     "optimizer": job.training.optimizer},
         "profile": args.profile,
         "old": {"layout": label, **_column(old.candidate, old_text, old.note),
-                "bucket_bytes": old_bucket},
+                "bucket_bytes": job.old_bucket},
         "new": {"layout": "AMSP", **_column(chosen, str(chosen.plan), new_note),
-                "bucket_bytes": new_bucket, "written_plan": write_plan},
+                "bucket_bytes": job.new_bucket, "written_plan": write_plan},
         "unmapped": unmapped,
         "rewritten": [{"key": k, "action": a} for k, a in rewrites],
     }
     a, b = report["old"]["t_comm_s"]["total"], report["new"]["t_comm_s"]["total"]
     report["comm_ratio"] = (a / b) if b > 0 else None
-    return out, report
+    return report
 
 
 def _gib(b: float) -> str:

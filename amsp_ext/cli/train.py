@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--gpus-per-node={gpus} must divide --nproc-per-node={args.nproc_per_node}"
         )
-    from amsp_ext.cli.precision import cpu_precision
+    from amsp_ext.cli.precision import warn_if_slow_bf16
 
-    cpu_precision(config.engine.precision, config.engine.precision)  # the default is fp32: warns only
+    warn_if_slow_bf16(config.engine.precision)  # decided (the default is fp32): bf16 only warns
     plan = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
     _check_save_dir(config)
     _check_resume(config)

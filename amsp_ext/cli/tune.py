@@ -42,11 +42,11 @@ def run(args: argparse.Namespace) -> int:
             f"run -- -m amsp_ext.cli tune ...` (missing {', '.join(missing)})")
     _check_plans_fit_the_world(config, world=int(os.environ["WORLD_SIZE"]),
                                local_world=int(os.environ["LOCAL_WORLD_SIZE"]))
-    from amsp_ext.cli.precision import cpu_precision
+    from amsp_ext.cli.precision import warn_if_slow_bf16
     from amsp_ext.tune.run import run_tune
 
-    if os.environ["RANK"] == "0":  # the default is fp32: an explicit bf16 only warns
-        cpu_precision(config.engine.precision, config.engine.precision)
+    if os.environ["RANK"] == "0":  # the engine's precision is decided (default fp32): bf16 only warns
+        warn_if_slow_bf16(config.engine.precision)
 
     command = "amsp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     return run_tune(config, command=command)

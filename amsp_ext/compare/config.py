@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from amsp_ext import choices
-from amsp_ext.choices import GRANULARITIES, OVERLAP_OPS, check_one_of
+from amsp_ext.choices import GRANULARITIES, OVERLAP_OPS
 from amsp_ext.engine_config import engine_default
+from amsp_ext.schema import check_options, name_of, option
 from amsp_ext.train.models import MODEL_CONFIGS
 
 __all__ = ["GRANULARITIES", "OVERLAPS", "OVERLAP_LABELS", "OVERLAP_SWITCHES", "PRECISIONS", "RunSpec", "SpecError"]
@@ -36,54 +37,61 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    model: str = "tiny-llama"
-    seq_len: int = 128
-    micro_batch_size: int = 2  # sequences per rank per micro-batch
-    num_micro_batches: int = 2  # M, gradient accumulation steps
-    num_steps: int = 10  # optimizer steps whose loss and time are recorded
-    num_warmup_steps: int = 3  # first steps left out of the throughput median
-    seed: int = 0
-    precision: str = "bf16"
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    """Its options are ``amsp compare``'s flags (schema.py; cli/compare.py picks which and
+    fills the --quick / full-table presets); the others are fixed for every comparison. A bad
+    value is a one-line SpecError naming the flag (command line) or ``spec.<field>``."""
+
+    SCHEMA_NAME = "spec"
+
+    model: str = option("tiny-llama", choices=MODEL_CONFIGS, help="the model every system trains")
+    seq_len: int = option(128, minimum=1, help="tokens per sequence")
+    micro_batch_size: int = option(2, minimum=1, help="sequences per rank per micro-batch")
+    num_micro_batches: int = option(2, minimum=1, flag="--micro-batches",
+                                    help="M, gradient accumulation steps")
+    num_steps: int = option(10, minimum=1, flag="--steps",
+                            help="optimizer steps whose loss and time are recorded")
+    num_warmup_steps: int = option(3, minimum=0, flag="--warmup-steps",
+                                   help="steps left out of the throughput median")
+    seed: int = option(0, help="model initialisation and data seed, the same for every system")
+    precision: str = option("bf16", choices=PRECISIONS,
+                            help="compute dtype of every system (default bf16, or fp32 on a CPU "
+                                 "without native bf16, which says so before the run)")
+    lr: float = option(1e-3, above=0)
+    weight_decay: float = option(0.1, minimum=0)
+    grad_clip: float = option(1.0, above=0)
     # Logical GPUs per node. None: the launcher's local world size (LOCAL_WORLD_SIZE). Smaller
     # values let one machine pose as several nodes (no slower link between them, though).
-    gpus_per_node: int | None = None
-    mics_shard_size: int | None = None  # None: one node (the paper's MiCS setting)
-    hpz_partition_size: int | None = None  # None: one node (ZeRO++'s recommended setting)
-    amsp_plan: str = "auto"  # plan for the "amsp-plan" system: factors, a name, or "auto"
-    amsp_overlap: str = "all"  # one of OVERLAPS
+    gpus_per_node: int | None = option(None, minimum=1,
+                                       help="logical GPUs per node (default: ranks per launched node)")
+    mics_shard_size: int | None = option(None, minimum=1, help="default: one node (the paper's MiCS setting)")
+    hpz_partition_size: int | None = option(None, minimum=1,
+                                            help="default: one node (ZeRO++'s recommended setting)")
+    amsp_plan: str = option("auto", help="plan of the 'AMSP (planner's plan)' row: auto | ddp | zero1 "
+                                         "| mics:K | p=AxB,g=..,os=..")
+    amsp_overlap: str = option("all", choices=OVERLAPS)  # the ablation mode sets it per row
     # The AMSP rows' sharding unit; the engine's default ("layer", as the FSDP2 rows wrap: like
     # for like). "module": every Linear its own unit (the paper's module-level AG/RS).
-    amsp_granularity: str = engine_default("granularity")
-    trace: bool = True  # profile one extra step for the exposed-communication figure
-    dist_timeout_s: float = 300.0
+    amsp_granularity: str = option(engine_default("granularity"), choices=GRANULARITIES,
+                                   help="sharding unit of the AMSP rows: one per decoder layer, as "
+                                        "the FSDP2 rows wrap, or every Linear (the paper's "
+                                        "module-level AG/RS)")
+    trace: bool = option(True, help="profile one extra step for the exposed-communication figure")
+    dist_timeout_s: float = option(300.0, above=0)
 
     def __post_init__(self) -> None:
-        if self.model not in MODEL_CONFIGS:
-            raise SpecError(f"model must be one of {', '.join(MODEL_CONFIGS)}, got {self.model!r}")
-        max_pos = MODEL_CONFIGS[self.model]["max_position_embeddings"]
-        if not 1 <= self.seq_len <= max_pos:
-            raise SpecError(f"seq_len must be in 1..{max_pos} for {self.model}, got {self.seq_len}")
-        for name in ("micro_batch_size", "num_micro_batches", "num_steps"):
-            if getattr(self, name) < 1:
-                raise SpecError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.num_warmup_steps < self.num_steps:
-            raise SpecError(f"num_warmup_steps must be in 0..num_steps-1 ({self.num_steps - 1}), "
-                            f"got {self.num_warmup_steps}")
-        check_one_of(self.precision, PRECISIONS, "precision", error=SpecError)
-        check_one_of(self.amsp_granularity, GRANULARITIES, "amsp_granularity", error=SpecError)
-        check_one_of(self.amsp_overlap, OVERLAPS, "amsp_overlap", error=SpecError)
-        for name in ("gpus_per_node", "mics_shard_size", "hpz_partition_size"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise SpecError(f"{name} must be >= 1 or unset, got {v}")
-        if self.lr <= 0 or self.grad_clip <= 0 or self.weight_decay < 0:
-            raise SpecError("lr and grad_clip must be > 0 and weight_decay >= 0, got "
-                            f"{self.lr}, {self.grad_clip}, {self.weight_decay}")
-        if self.dist_timeout_s <= 0:
-            raise SpecError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        try:
+            check_options(self)
+            max_pos = MODEL_CONFIGS[self.model]["max_position_embeddings"]
+            if self.seq_len > max_pos:
+                raise SpecError(f"{name_of(self, 'seq_len')} must be in 1..{max_pos} for {self.model}, "
+                                f"got {self.seq_len}")
+            if self.num_warmup_steps >= self.num_steps:
+                raise SpecError(f"{name_of(self, 'num_warmup_steps')} must be in 0..num_steps-1 "
+                                f"({self.num_steps - 1}), got {self.num_warmup_steps}")
+        except SpecError:
+            raise
+        except ValueError as e:  # the schema's one-line error, as the comparison's error type
+            raise SpecError(str(e)) from None
 
     @property
     def tokens_per_rank_per_step(self) -> int:

@@ -183,97 +183,128 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     """Run every row ``repeats`` times, in rounds whose order alternates (amsp_ext.compare.rounds),
     and write the report - after every system, and at the end with plots. Rows come back in
     plan_runs' order. ``show_bar``: a tqdm bar with ETA (lines go through ``tqdm.write``)."""
-    from amsp_ext.compare.report import write_report
-
     repeats = validate_repeats(repeats)
     items = plan_runs(mode, spec, systems, ablation_micro_batches)
     nodes, gpn = resolve_world(spec, launch)
-    date = datetime.date.today().isoformat()
-    load_start = _load()
-    stem_hw = _hardware(launch, nodes, gpn)
-    stem = (f"{spec.model}_{stem_hw}_{date}" + ("" if mode == "baselines" else f"_{mode}")
-            + ("" if repeats == 1 else f"_repeats{repeats}"))
-    runs_dir = out_dir / stem / "runs"
-    planner = planner or PlannerInputs()
-
-    prepared = [_prepare(i, item, spec, nodes=nodes, gpn=gpn, planner=planner)
-                for i, item in enumerate(items, 1)]
-    raw_by_key: dict[str, list[dict[str, Any]]] = {}
-    for p in prepared:
-        if p.why:
-            status = "failed"
-            raw_by_key[p.item.key] = [{**p.base, "status": status, "reason": p.why}]
-            progress(f"[{p.index}/{len(items)}] {p.item.label}: {status}: {p.why}")
-    runnable = [p for p in prepared if not p.why]
-    orders: list[list[str]] = []
-    round_loads: list[list[float] | None] = []
-
-    def report(*, final: bool, stopped: str | None = None) -> Path:
-        # [Note: a report after every system]
-        # Written (JSON + markdown, no plots) each time a system finishes, so a later failure,
-        # a timeout or a stopped harness loses nothing; the final write adds the plots.
-        done = [p for p in prepared if p.item.key in raw_by_key]
-        raw = [res for p in done for res in raw_by_key[p.item.key]]
-        peak = peak_flops(raw)
-        rows = [_row(raw_by_key[p.item.key], peak, repeats) for p in done]
-        meta = _meta(raw, spec, launch, mode=mode, command=command, date=date, peak=peak,
-                     hardware=stem_hw)
-        meta["planner"] = planner.describe()
-        meta["load"] = {"start": load_start, "end": _load()}
-        meta["repeats"] = repeats
-        meta["round_orders"] = orders
-        if not final or stopped:
-            meta["incomplete"] = (f"stopped ({stopped})" if stopped else "in progress") + \
-                f": {sum(len(v) for v in raw_by_key.values())} of {total} runs reported"
-        if repeats > 1:
-            meta["round_loads"] = round_loads
-            meta["order_scheme"] = ORDER_SCHEME
-        report.rows = rows
-        return write_report(rows=rows, meta=meta, out_dir=out_dir, stem=stem, plots=final)
-
-    total = len(runnable) * repeats + len(prepared) - len(runnable)
+    c = _Comparison(mode=mode, spec=spec, launch=launch, out_dir=out_dir, command=command,
+                    planner=planner or PlannerInputs(), repeats=repeats,
+                    hardware=_hardware(launch, nodes, gpn), num_items=len(items))
+    c.prepared = [_prepare(i, item, spec, nodes=nodes, gpn=gpn, planner=c.planner)
+                  for i, item in enumerate(items, 1)]
+    runnable = c.refuse_unrunnable(progress)
+    c.total = len(runnable) * repeats + len(c.prepared) - len(runnable)
     bar = _bar(total=len(runnable) * repeats, enabled=show_bar)
     say = bar.write if bar is not None else progress
     try:
         for r in range(repeats):
-            order = round_order(runnable, r)
-            orders.append([p.item.key for p in order])
-            round_loads.append(_load())
-            folder = runs_dir if repeats == 1 else runs_dir / f"round{r + 1}"
-            for position, p in enumerate(order, 1):
-                head = (f"[{p.index}/{len(items)}]" if repeats == 1
-                        else f"[round {r + 1}/{repeats}, {position}/{len(order)}]")
-                if bar is not None:
-                    bar.set_description(f"{head} {p.item.key}", refresh=True)
-                # The profiled step runs in round 1 only: it comes after the timed steps, so it
-                # does not change them, and one trace per system answers the exposed-
-                # communication question; repeating it would only add profiler time to every round.
-                run_spec = p.spec if r == 0 else p.spec.replace(trace=False)
-                started_at = time.time()
-                res = run_system(p.item.system, run_spec,
-                                 folder / p.item.key.replace("[", "_").replace("]", ""),
-                                 launch, row_key=p.item.key)
-                res.update(p.base)
-                res.update(round=r + 1, position=position, started_at=started_at)
-                if r > 0:
-                    res["spec"] = dataclasses.asdict(run_spec)
-                raw_by_key.setdefault(p.item.key, []).append(res)
-                report(final=False)  # on disk before anyone hears of it
-                say(f"{head} {p.item.label}: {res['status']}"
-                    + (f" - {res['reason']}" if res.get("reason") else "")
-                    + f" ({res.get('wall_s', 0):.0f} s)")
-                if bar is not None:
-                    bar.update(1)
+            c.run_round(r, runnable, bar=bar, say=say)
     except BaseException as e:  # SIGINT/SIGTERM (the CLI turns SIGTERM into KeyboardInterrupt)
-        if raw_by_key:
-            path = report(final=False, stopped=type(e).__name__)
-            say(f"stopped: the {sum(len(v) for v in raw_by_key.values())} finished run(s) are in {path}")
+        if c.raw_by_key:
+            path = c.report(final=False, stopped=type(e).__name__)
+            say(f"stopped: the {c.num_reported()} finished run(s) are in {path}")
         raise
     finally:
         if bar is not None:
             bar.close()
-    path = report(final=True)
-    return path, report.rows
+    path = c.report(final=True)
+    return path, c.rows
+
+
+@dataclass(kw_only=True)
+class _Comparison:
+    """One ``run_comparison``: its settings, the runs reported so far, and their report."""
+
+    mode: str
+    spec: RunSpec
+    launch: LaunchConfig
+    out_dir: Path
+    command: str
+    planner: PlannerInputs
+    repeats: int
+    hardware: str
+    num_items: int
+    date: str = dataclasses.field(default_factory=lambda: datetime.date.today().isoformat())
+    load_start: Any = dataclasses.field(default_factory=lambda: _load())
+    prepared: list = dataclasses.field(default_factory=list)
+    raw_by_key: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    orders: list[list[str]] = dataclasses.field(default_factory=list)
+    round_loads: list[list[float] | None] = dataclasses.field(default_factory=list)
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    total: int = 0  # runs the report will have when complete
+
+    @property
+    def stem(self) -> str:
+        return (f"{self.spec.model}_{self.hardware}_{self.date}"
+                + ("" if self.mode == "baselines" else f"_{self.mode}")
+                + ("" if self.repeats == 1 else f"_repeats{self.repeats}"))
+
+    def num_reported(self) -> int:
+        return sum(len(v) for v in self.raw_by_key.values())
+
+    def refuse_unrunnable(self, progress: Callable[[str], None]) -> list:
+        """Rows that cannot run are reported failed, with why, at once; the others."""
+        for p in self.prepared:
+            if p.why:
+                self.raw_by_key[p.item.key] = [{**p.base, "status": "failed", "reason": p.why}]
+                progress(f"[{p.index}/{self.num_items}] {p.item.label}: failed: {p.why}")
+        return [p for p in self.prepared if not p.why]
+
+    def report(self, *, final: bool, stopped: str | None = None) -> Path:
+        """[Note: a report after every system]
+        Written (JSON + markdown, no plots) each time a system finishes, so a later failure,
+        a timeout or a stopped harness loses nothing; the final write adds the plots."""
+        from amsp_ext.compare.report import write_report
+
+        done = [p for p in self.prepared if p.item.key in self.raw_by_key]
+        raw = [res for p in done for res in self.raw_by_key[p.item.key]]
+        peak = peak_flops(raw)
+        rows = [_row(self.raw_by_key[p.item.key], peak, self.repeats) for p in done]
+        meta = _meta(raw, self.spec, self.launch, mode=self.mode, command=self.command,
+                     date=self.date, peak=peak, hardware=self.hardware)
+        meta["planner"] = self.planner.describe()
+        meta["load"] = {"start": self.load_start, "end": _load()}
+        meta["repeats"] = self.repeats
+        meta["round_orders"] = self.orders
+        if not final or stopped:
+            meta["incomplete"] = (f"stopped ({stopped})" if stopped else "in progress") + \
+                f": {self.num_reported()} of {self.total} runs reported"
+        if self.repeats > 1:
+            meta["round_loads"] = self.round_loads
+            meta["order_scheme"] = ORDER_SCHEME
+        self.rows = rows
+        return write_report(rows=rows, meta=meta, out_dir=self.out_dir, stem=self.stem, plots=final)
+
+    def run_round(self, r: int, runnable: list, *, bar, say: Callable[[str], None]) -> None:
+        """Round ``r``: every runnable row once, in the round's order, reported after each."""
+        order = round_order(runnable, r)
+        self.orders.append([p.item.key for p in order])
+        self.round_loads.append(_load())
+        runs_dir = self.out_dir / self.stem / "runs"
+        folder = runs_dir if self.repeats == 1 else runs_dir / f"round{r + 1}"
+        for position, p in enumerate(order, 1):
+            head = (f"[{p.index}/{self.num_items}]" if self.repeats == 1
+                    else f"[round {r + 1}/{self.repeats}, {position}/{len(order)}]")
+            if bar is not None:
+                bar.set_description(f"{head} {p.item.key}", refresh=True)
+            # The profiled step runs in round 1 only: it comes after the timed steps, so it
+            # does not change them, and one trace per system answers the exposed-
+            # communication question; repeating it would only add profiler time to every round.
+            run_spec = p.spec if r == 0 else p.spec.replace(trace=False)
+            started_at = time.time()
+            res = run_system(p.item.system, run_spec,
+                             folder / p.item.key.replace("[", "_").replace("]", ""),
+                             self.launch, row_key=p.item.key)
+            res.update(p.base)
+            res.update(round=r + 1, position=position, started_at=started_at)
+            if r > 0:
+                res["spec"] = dataclasses.asdict(run_spec)
+            self.raw_by_key.setdefault(p.item.key, []).append(res)
+            self.report(final=False)  # on disk before anyone hears of it
+            say(f"{head} {p.item.label}: {res['status']}"
+                + (f" - {res['reason']}" if res.get("reason") else "")
+                + f" ({res.get('wall_s', 0):.0f} s)")
+            if bar is not None:
+                bar.update(1)
 
 
 def _bar(*, total: int, enabled: bool):

@@ -311,10 +311,18 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         json.dumps({"meta": meta, "rows": rows, "ratios": ratio_recs}, indent=2, sort_keys=True,
                    default=str) + "\n")
     plots = write_plots(rows, folder) if plots else []
-    peak = meta.get("peak_flops")
-    peak_text = f"{peak / 1e9:.1f} GFLOP/s per rank ({meta['compute_dtype']})" if peak else "n/a"
+    lines = [*_header_lines(meta), *_results_lines(rows, ratio_recs, meta),
+             *[f"![{p}]({stem}/{p})" for p in plots], "",
+             *_setup_lines(meta), *_configuration_lines(rows)]
+    path = out_dir / f"{stem}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _header_lines(meta: dict[str, Any]) -> list[str]:
+    """Title, machine, mode and the command."""
     spec = meta["spec"]
-    lines = [
+    return [
         f"# amsp compare: {spec['model']} on {meta['hardware']}, {meta['date']}",
         "",
         *([f"**Incomplete: {meta['incomplete']}.**", ""] if meta.get("incomplete") else []),
@@ -328,11 +336,12 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         "",
         f"> {meta['noise_note']}",
         "",
-        "## Results",
-        "",
-        format_table(rows),
-        "",
     ]
+
+
+def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str, Any]) -> list[str]:
+    """The results table, the ratios, the rounds, the overlap ablation, the loss agreement."""
+    lines = ["## Results", "", format_table(rows), ""]
     rat = [_ratio_line(rec) for rec in ratio_recs]
     lines += ["### Ratios (tokens/GPU/s)", "", *(rat or ["- AMSP rows did not run (see their status)."]), ""]
     lines += rounds_section(rows, ratio_recs, meta)
@@ -346,8 +355,15 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
     agree = _loss_agreement(rows)
     if agree:
         lines += ["### Loss agreement with DDP (same data, same initial weights)", "", *agree, ""]
-    lines += [f"![{p}]({stem}/{p})" for p in plots] + [""]
-    lines += [
+    return lines
+
+
+def _setup_lines(meta: dict[str, Any]) -> list[str]:
+    """What every system shared, the caveats and how each figure is measured."""
+    spec = meta["spec"]
+    peak = meta.get("peak_flops")
+    peak_text = f"{peak / 1e9:.1f} GFLOP/s per rank ({meta['compute_dtype']})" if peak else "n/a"
+    return [
         "## Setup held fixed across systems",
         "",
         f"- Model: `{spec['model']}` (transformers LlamaForCausalLM from a config, seed {spec['seed']}); "
@@ -377,15 +393,16 @@ def write_report(*, rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: P
         "",
         METHOD.format(n=1024, peak=peak_text),
         "",
-        "## Per-system configuration",
-        "",
     ]
+
+
+def _configuration_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each system's settings, as it ran."""
+    lines = ["## Per-system configuration", ""]
     for r in rows:
         settings = r.get("settings")
         source = f" Plan from {r['plan_source']}." if r.get("plan_source") else ""
         lines.append(f"- **{r['label']}**:{source} `{json.dumps(settings, sort_keys=True)}`" if settings
                      else f"- **{r['label']}**:{source} {r.get('status')}")
     lines += ["", "Each row's own command is in `results.json` (`rows[].command`)."]
-    path = out_dir / f"{stem}.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return lines

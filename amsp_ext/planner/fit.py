@@ -101,56 +101,14 @@ def fit_calibration(problem: Problem, plans: list[PlanObservation], probe: Probe
     base = dataclasses.replace(problem.timer.profile, calibration=None)
     prob0 = problem.with_timer(dataclasses.replace(problem.timer, profile=base))
     M = problem.num_micro_batches
-    f_flops = _forward_flops(problem)
-    bwd_s = probe.backward_s
-    if problem.training.recompute:
-        bwd_s = max(probe.backward_s - probe.forward_s, 1e-9)
-    fwd_rate = f_flops / probe.forward_s
-    bwd_rate = 2.0 * f_flops / bwd_s
-
-    # 2. optimizer: t = a + bytes / B over the plans
-    traffic = np.array([optimizer_traffic_bytes(problem.spec, o.plan, problem.training) for o in plans])
-    t_opt = np.array([o.optimizer_s for o in plans])
-    if len(plans) >= 2 and np.ptp(traffic) > 0:
-        coef = nnls(np.column_stack([np.ones_like(traffic), traffic]), t_opt)
-        intercept, per_byte = float(coef[0]), float(coef[1])
-    else:
-        intercept, per_byte = 0.0, 0.0
-    if per_byte <= 0:  # no spread to fit on: the probe's full-model step
-        full = optimizer_traffic_bytes(problem.spec, Plan(), problem.training)
-        intercept, per_byte = 0.0, probe.optimizer_s / full
-    opt_bw = 1.0 / per_byte
-
-    # 3. per kind: measured busy - the profile's time ~ s_per_byte x bytes + latency x number
+    fwd_rate, bwd_rate = _compute_rates(problem, probe)  # 1.
+    intercept, opt_bw = _optimizer_rate(problem, plans, probe)  # 2.
     issued = [issued_profile_times(o.plan, prob0.spec, prob0.training, prob0.cluster, prob0.timer,
                                    num_micro_batches=M) for o in plans]
-    per_byte, latency, observed = {}, {}, {}
-    for k in KINDS:
-        rows = [(iss[k], o.busy_s.get(k, 0.0)) for o, iss in zip(plans, issued) if iss[k].count]
-        observed[k] = bool(rows) and sum(b for _, b in rows) > 0
-        per_byte[k], latency[k] = 0.0, 0.0
-        if not observed[k]:
-            continue
-        x = np.array([[i.nbytes, i.count] for i, _ in rows])
-        y = np.array([b - i.time_s for i, b in rows])
-        coef = nnls(x, y)
-        per_byte[k], latency[k] = float(coef[0]), float(coef[1])
+    per_byte, latency, observed = _comm_constants(plans, issued)  # 3.
+    blocking, mb_overhead, cpu_per_byte, inflation = _compute_inflation(  # 4.
+        plans, issued, probe, observed, M)
 
-    # 4. blocking kinds: exposed ~ busy in the trace; the others' compute time lost per byte,
-    #    and per micro-batch (NNLS)
-    blocking = tuple(k for k in KINDS if observed[k] and sum(o.exposed_s.get(k, 0.0) for o in plans)
-                     >= BLOCKING_SHARE * sum(o.busy_s.get(k, 0.0) for o in plans))
-    probe_compute = M * (probe.forward_s + probe.backward_s)
-    kinds = [k for k in KINDS if observed[k] and k not in blocking]
-    inflation = np.array([o.compute_s - probe_compute for o in plans])
-    x = np.array([[M] + [iss[k].nbytes for k in kinds] for iss in issued], dtype=float)
-    coef = nnls(x, inflation)
-    mb_overhead = float(coef[0])
-    cpu_per_byte = {k: 0.0 for k in KINDS}
-    for k, v in zip(kinds, coef[1:]):
-        cpu_per_byte[k] = float(v)
-
-    # 5. overhead: what is left, median over plans
     def calibrated(overhead: float) -> Calibration:
         return Calibration(source=source, date=date, device=device, peak_flops=peak_flops,
                            forward_flops_per_s=fwd_rate, backward_flops_per_s=bwd_rate,
@@ -160,16 +118,11 @@ def fit_calibration(problem: Problem, plans: list[PlanObservation], probe: Probe
                            comm_s_per_byte=per_byte, comm_latency_s=latency,
                            compute_s_per_byte=cpu_per_byte)
 
-    def predict(cal: Calibration, plan: Plan) -> float:
-        c = evaluate(prob0, plan, with_step=False)
-        return step_estimate(plan, prob0.spec, prob0.training, prob0.cluster, prob0.timer, c.comm,
-                             num_micro_batches=M, overlap=prob0.overlap, calibration=cal).step_s
-
+    # 5. overhead: what is left, median over plans
     cal0 = calibrated(0.0)
-    residual = [o.step_s - predict(cal0, o.plan) for o in plans]
-    overhead = max(0.0, statistics.median(residual))
-    cal = calibrated(overhead)
-    in_sample = {str(o.plan): {"measured_s": o.step_s, "predicted_s": predict(cal, o.plan)}
+    residual = [o.step_s - _predict(prob0, cal0, o.plan) for o in plans]
+    cal = calibrated(max(0.0, statistics.median(residual)))
+    in_sample = {str(o.plan): {"measured_s": o.step_s, "predicted_s": _predict(prob0, cal, o.plan)}
                  for o in plans}
     fit = {
         "num_plans": len(plans),
@@ -185,3 +138,72 @@ def fit_calibration(problem: Problem, plans: list[PlanObservation], probe: Probe
                                                for v in in_sample.values()),
     }
     return dataclasses.replace(cal, fit=fit)
+
+
+def _compute_rates(problem: Problem, probe: ProbeObservation) -> tuple[float, float]:
+    """1. forward and backward FLOP/s from the probe (backward = 2 x forward FLOPs; with
+    recomputation the probe's backward includes a forward, which is taken out)."""
+    f_flops = _forward_flops(problem)
+    bwd_s = probe.backward_s
+    if problem.training.recompute:
+        bwd_s = max(probe.backward_s - probe.forward_s, 1e-9)
+    return f_flops / probe.forward_s, 2.0 * f_flops / bwd_s
+
+
+def _optimizer_rate(problem: Problem, plans: list[PlanObservation],
+                    probe: ProbeObservation) -> tuple[float, float]:
+    """2. optimizer: t = a + bytes / B over the plans; ``(a, B)``."""
+    traffic = np.array([optimizer_traffic_bytes(problem.spec, o.plan, problem.training) for o in plans])
+    t_opt = np.array([o.optimizer_s for o in plans])
+    if len(plans) >= 2 and np.ptp(traffic) > 0:
+        coef = nnls(np.column_stack([np.ones_like(traffic), traffic]), t_opt)
+        intercept, per_byte = float(coef[0]), float(coef[1])
+    else:
+        intercept, per_byte = 0.0, 0.0
+    if per_byte <= 0:  # no spread to fit on: the probe's full-model step
+        full = optimizer_traffic_bytes(problem.spec, Plan(), problem.training)
+        intercept, per_byte = 0.0, probe.optimizer_s / full
+    return intercept, 1.0 / per_byte
+
+
+def _comm_constants(plans: list[PlanObservation], issued: list[dict]):
+    """3. per kind: measured busy - the profile's time ~ s_per_byte x bytes + latency x number;
+    ``(per_byte, latency, observed)`` by kind."""
+    per_byte, latency, observed = {}, {}, {}
+    for k in KINDS:
+        rows = [(iss[k], o.busy_s.get(k, 0.0)) for o, iss in zip(plans, issued) if iss[k].count]
+        observed[k] = bool(rows) and sum(b for _, b in rows) > 0
+        per_byte[k], latency[k] = 0.0, 0.0
+        if not observed[k]:
+            continue
+        x = np.array([[i.nbytes, i.count] for i, _ in rows])
+        y = np.array([b - i.time_s for i, b in rows])
+        coef = nnls(x, y)
+        per_byte[k], latency[k] = float(coef[0]), float(coef[1])
+    return per_byte, latency, observed
+
+
+def _compute_inflation(plans: list[PlanObservation], issued: list[dict], probe: ProbeObservation,
+                       observed: dict[str, bool], M: int):
+    """4. blocking kinds: exposed ~ busy in the trace; the others' compute time lost per byte,
+    and per micro-batch (NNLS). ``(blocking, micro-batch overhead, per-byte by kind,
+    inflation per plan)``."""
+    blocking = tuple(k for k in KINDS if observed[k] and sum(o.exposed_s.get(k, 0.0) for o in plans)
+                     >= BLOCKING_SHARE * sum(o.busy_s.get(k, 0.0) for o in plans))
+    probe_compute = M * (probe.forward_s + probe.backward_s)
+    kinds = [k for k in KINDS if observed[k] and k not in blocking]
+    inflation = np.array([o.compute_s - probe_compute for o in plans])
+    x = np.array([[M] + [iss[k].nbytes for k in kinds] for iss in issued], dtype=float)
+    coef = nnls(x, inflation)
+    cpu_per_byte = {k: 0.0 for k in KINDS}
+    for k, v in zip(kinds, coef[1:]):
+        cpu_per_byte[k] = float(v)
+    return blocking, float(coef[0]), cpu_per_byte, inflation
+
+
+def _predict(prob0: Problem, cal: Calibration, plan: Plan) -> float:
+    """The calibrated step model's step time of ``plan`` (the profile without calibration)."""
+    c = evaluate(prob0, plan, with_step=False)
+    return step_estimate(plan, prob0.spec, prob0.training, prob0.cluster, prob0.timer, c.comm,
+                         num_micro_batches=prob0.num_micro_batches, overlap=prob0.overlap,
+                         calibration=cal).step_s

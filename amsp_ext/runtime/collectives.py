@@ -70,7 +70,6 @@ __all__ = [
     "barrier",
     "CollectiveContext",
     "CollectiveTimeout",
-    "DEFAULT_TIMEOUT_S",
     "all_gather_bytes",
     "all_gather_objects",
     "all_gather_into_tensor",
@@ -88,18 +87,16 @@ __all__ = [
     "WorkHandle",
 ]
 
-# torch.distributed's own default process-group timeout; EngineConfig.timeout's default too
-DEFAULT_TIMEOUT_S = 600.0
-
 Observer = Callable[[str, str, str, Any], None]
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class CollectiveContext:
     """What every collective of one engine (or one loop) shares; see [Note: the collective
-    context]. ``timeout``: seconds a wait may take when the call gives none."""
+    context]. ``timeout``: seconds a wait may take when the call gives none; no default here:
+    the engine's is ``EngineConfig.timeout`` (the one definition), others say their own."""
 
-    timeout: float = DEFAULT_TIMEOUT_S
+    timeout: float
     # (op, group kind) -> number of collectives issued through this context ([Note: counters])
     counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     # ``fn(event, op, name, info)``, see [Note: observer]; keep them cheap

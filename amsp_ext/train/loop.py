@@ -121,8 +121,31 @@ def train(config: TrainConfig) -> dict | None:
     peak = device_peak(device, compute_dtype(engine_config), comm=comm)
 
     # -- 5. the loop: global batch after global batch, until steps x global batch samples ---
+    samples, step_times = _run_steps(config, model, optimizer, scheduler, samples=samples,
+                                     history=history, global_batch=global_batch, device=device,
+                                     injected=injected, log=log)
+    if adaptive is not None:
+        adaptive.close()
+    ck = config.checkpoint
+    if ck.save_dir:
+        wait_for_save(model)
+        if rank == 0:
+            prune(Path(ck.save_dir), ck.keep)
+
+    # -- 6. summary ------------------------------------------------------------------------
+    result = _finish(config, model, start, comm, samples=samples, step_times=step_times, peak=peak,
+                     num_params=num_params, device=device, log=log)
+    dist.destroy_process_group()
+    return result
+
+
+def _run_steps(config: TrainConfig, model, optimizer, scheduler, *, samples: int, history: list[dict],
+               global_batch: int, device: torch.device, injected, log) -> tuple[int, list[float]]:
+    """Steps from sample ``samples`` on (each appended to ``history``, checkpointed as
+    ``--save-every`` says); the data position at the end and each step's wall time."""
+    b, ck, rank = config.batch, config.checkpoint, dist.get_rank()
     tokens_per_rank_step = b.micro_batches * b.micro_batch_size * b.seq_len
-    ck, step_times = config.checkpoint, []
+    step_times: list[float] = []
     while samples < b.steps * global_batch:
         step = len(history)
         kill_now(injected, rank=rank, step=step)
@@ -142,14 +165,15 @@ def train(config: TrainConfig) -> dict | None:
         if ck.save_dir and ((ck.save_every and (step + 1) % ck.save_every == 0) or done):
             _save(model, optimizer, scheduler, ck, step=step + 1, samples=samples,
                   global_batch=global_batch, history=history, rank=rank)
-    if adaptive is not None:
-        adaptive.close()
-    if ck.save_dir:
-        wait_for_save(model)
-        if rank == 0:
-            prune(Path(ck.save_dir), ck.keep)
+    return samples, step_times
 
-    # -- 6. summary ------------------------------------------------------------------------
+
+def _finish(config: TrainConfig, model, start, comm: collectives.CollectiveContext, *, samples: int,
+            step_times: list[float], peak, num_params: int, device: torch.device, log) -> dict | None:
+    """Every rank's memory to rank 0, which builds the JSON summary (None elsewhere); a final
+    barrier."""
+    b, e, rank = config.batch, config.engine, dist.get_rank()
+    tokens_per_rank_step = b.micro_batches * b.micro_batch_size * b.seq_len
     model.amsp.wait_params()  # the last step's broadcasts, before measuring memory
     tokens_per_gpu_per_s = (tokens_per_rank_step / metrics.median_after_warmup(step_times)
                             if step_times else 0.0)
@@ -159,14 +183,13 @@ def train(config: TrainConfig) -> dict | None:
         comm, json.dumps(mine).encode(), dist.group.WORLD, name="world", width=1024, timeout=e.timeout)]
     result = None
     if rank == 0:
-        result = _summary(config, model, start, history=history, samples=samples, step_times=step_times,
-                          tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak=peak, per_rank=per_rank,
-                          num_params=num_params, device=device)
+        result = _summary(config, model, start, history=start.history, samples=samples,
+                          step_times=step_times, tokens_per_gpu_per_s=tokens_per_gpu_per_s, peak=peak,
+                          per_rank=per_rank, num_params=num_params, device=device)
         log(f"done: {tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {result['mfu']:.1%} "
             f"(peak {peak.flops / 1e9:.1f} GFLOP/s per rank, {peak.source})"
             + (f"; {result['mfu_check']}" if result["mfu_check"] else ""))
     collectives.barrier(comm, dist.group.WORLD, name="world", timeout=e.timeout)
-    dist.destroy_process_group()
     return result
 
 

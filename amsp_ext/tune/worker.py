@@ -134,10 +134,8 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     import amsp_ext
     from amsp_ext.compare import memory
     from amsp_ext.train.metrics import peak_memory_bytes
-    from amsp_ext.train.models import causal_lm_loss
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    M, timeout, optim = config.batch.micro_batches, config.engine.timeout, OptimOptions()
+    rank, timeout = dist.get_rank(), config.engine.timeout
     engine = dataclasses.replace(config.engine, gpus_per_node=gpus_per_node)
     engine_config = engine_shard_config(engine, config.planner, config.batch)
     gc.collect()
@@ -150,44 +148,15 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     cpu0 = cpu_counters()
     groups_before = set(compat.live_process_groups())
     t_setup = time.perf_counter()
-    model, opt = amsp_ext.shard(build_model(config), cand.plan, adamw_factory(optim),
+    model, opt = amsp_ext.shard(build_model(config), cand.plan, adamw_factory(OptimOptions()),
                                 config=engine_config, comm=comm)
     setup_s = time.perf_counter() - t_setup
     steps: list[dict[str, Any]] = []
     with CommTrace(comm) as trace:
         for step in range(config.tune.warmup_steps + config.batch.steps):
-            phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
-            t_start = time.perf_counter()
-            step_loss = torch.zeros((), device=device)
-            for micro in range(M):
-                batch = _batch(config, step, micro, rank, world, device)
-                with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
-                    t0 = time.perf_counter()
-                    loss = causal_lm_loss(model, batch) / M
-                    _sync(device)
-                    t1 = time.perf_counter()
-                    opt.backward(loss)
-                    _sync(device)
-                    t2 = time.perf_counter()
-                phases["forward"].append((t0, t1))
-                phases["backward"].append((t1, t2))
-                step_loss += loss.detach().float()
-            t_opt = time.perf_counter()
-            if optim.clip > 0:
-                opt.clip_grad_norm_(optim.clip)
-            opt.step()
-            opt.zero_grad()
-            _sync(device)
-            t_opt_end = time.perf_counter()
-            C.all_reduce(comm, step_loss, dist.group.WORLD, name="world", stream=None,
-                         async_op=False, timeout=timeout)  # blocking, after _sync
-            t_end = time.perf_counter()
-            phases["optimizer"] = [(t_opt, t_opt_end)]
-            phases["loss_sync"] = [(t_opt_end, t_end)]
-            if step < config.tune.warmup_steps:
-                continue
-            steps.append({"step_s": t_end - t_start, "loss": float(step_loss.item()),
-                          "window": (t_start, t_end), "phases": phases})
+            st = _timed_step(config, model, opt, step=step, device=device, comm=comm)
+            if step >= config.tune.warmup_steps:
+                steps.append(st)
         model.amsp.wait_params()  # the last broadcasts complete before the trace is read
         C.barrier(comm, dist.group.WORLD, name="world", timeout=timeout)
     for st in steps:  # a step's collectives: issued in its window (completed whenever)
@@ -204,13 +173,57 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     model.amsp.param_sync.remove()
     del model, opt
     gc.collect()
+    _destroy_new_groups(groups_before)
+    return record
+
+
+def _timed_step(config: TuneConfig, model, opt, *, step: int, device,
+                comm: C.CollectiveContext) -> dict[str, Any]:
+    """One step as ``amsp train`` runs it, every phase timed: step time, loss, window, phases."""
+    from amsp_ext.train.models import causal_lm_loss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    M, optim = config.batch.micro_batches, OptimOptions()
+    phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
+    t_start = time.perf_counter()
+    step_loss = torch.zeros((), device=device)
+    for micro in range(M):
+        batch = _batch(config, step, micro, rank, world, device)
+        with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            loss = causal_lm_loss(model, batch) / M
+            _sync(device)
+            t1 = time.perf_counter()
+            opt.backward(loss)
+            _sync(device)
+            t2 = time.perf_counter()
+        phases["forward"].append((t0, t1))
+        phases["backward"].append((t1, t2))
+        step_loss += loss.detach().float()
+    t_opt = time.perf_counter()
+    if optim.clip > 0:
+        opt.clip_grad_norm_(optim.clip)
+    opt.step()
+    opt.zero_grad()
+    _sync(device)
+    t_opt_end = time.perf_counter()
+    C.all_reduce(comm, step_loss, dist.group.WORLD, name="world", stream=None,
+                 async_op=False, timeout=config.engine.timeout)  # blocking, after _sync
+    t_end = time.perf_counter()
+    phases["optimizer"] = [(t_opt, t_opt_end)]
+    phases["loss_sync"] = [(t_opt_end, t_end)]
+    return {"step_s": t_end - t_start, "loss": float(step_loss.item()),
+            "window": (t_start, t_end), "phases": phases}
+
+
+def _destroy_new_groups(groups_before: set) -> None:
+    """The process groups made since ``groups_before`` (the plan's), destroyed."""
     # [Note: one plan's process groups] Every shard() builds its plan's groups (13 on 2 x 2, each
     # with gloo threads). Kept, they pile up over the rounds (hundreds of groups, thousands of
     # threads) and the system time they cost slowed the later plans of a 54-plan run 4x; so
     # each plan's groups go with it. Every rank destroys the same groups in the same order.
     for group in [g for g in compat.live_process_groups() if g not in groups_before]:
         dist.destroy_process_group(group)
-    return record
 
 
 def _trim_heap() -> None:

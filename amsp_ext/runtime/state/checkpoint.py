@@ -79,6 +79,7 @@ losses across plans and 4 <-> 8 ranks; bf16/fp16 across plans ~2e-6 relative).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import shutil
@@ -232,13 +233,61 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     """
     e = engine_of(model, optimizer)
     wait_for_save(model)  # one save at a time; the staging directory is reused
-    opt = e.optimizer
     path = Path(path)
     if e.rank == 0:
         begin_staging(path)
     staging = staging_path(path)
     C.barrier(e.comm, None, name="world", timeout=e.config.timeout)  # nobody writes before it is empty
     e.wait_params()
+    sd, rows = _tensors_and_rows(model, e)
+    # encoded now: what cannot be stored fails at this call, and async saves write this state
+    files = _json_files(e, lr_scheduler=lr_scheduler, extra=extra, rng=rng)
+    out = _Staged(path=path, staging=staging, rows=rows, files=files,
+                  meta=_meta(model, e, rng, info) if e.rank == 0 else None,
+                  needed=sum(v.numel() * v.element_size() for v in sd.values() if torch.is_tensor(v))
+                  + sum(len(d) for d in files.values()))
+    if not async_save:
+        try:
+            C.checkpoint_save(e.comm, sd, staging)
+        except BaseException as err:  # DCP raises any rank's failure on every rank (a BaseException)
+            if not _no_space(err):
+                raise
+            _drop_staging(e.rank, staging)
+            raise _disk_full(path, staging, out.needed) from None
+        _finish_save(e, out, None, "world")
+        C.barrier(e.comm, None, name="world", timeout=e.config.timeout)  # published when any rank returns
+        return None
+    group, name = C.checkpoint_group(e.comm)
+    written = C.checkpoint_async_save(e.comm, sd, staging, group=group, name=name)  # staged on return
+    pending = PendingSave(path)
+
+    def background() -> None:
+        written.result()
+        _finish_save(e, out, group, name)
+        C.barrier(e.comm, group, name=name, timeout=e.config.timeout)
+
+    threading.Thread(target=pending._run, args=(background,), name="amsp-async-save", daemon=True).start()
+    e.pending_save = pending
+    return pending
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Staged:
+    """What a save has prepared before DCP writes the tensors: where, this rank's optimizer
+    rows and JSON files, rank 0's ``amsp.json`` contents, and the bytes it needs on disk."""
+
+    path: Path
+    staging: Path
+    rows: list[dict]
+    files: dict[str, bytes]
+    meta: dict | None
+    needed: int
+
+
+def _tensors_and_rows(model: nn.Module, e) -> tuple[dict[str, Any], list[dict]]:
+    """The state dict DCP writes (model, masters unless aliased, tensor states) and one row per
+    owned tensor (its layout, state kinds, param-group hyper-parameters and object states)."""
+    opt = e.optimizer
     by_id = trainable_by_id(e)
     # a tied alias is stored once, under its first name (safetensors refuses shared storage)
     sd: dict[str, Any] = {MODEL + k: v.detach() for k, v in model.sharded_state_dict(keep_vars=True).items()
@@ -262,66 +311,47 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
         rows.append({"name": t.name, "index": t.index, "shard_index": t.shard_index,
                      "global_shape": list(t.global_shape), "local_shape": list(t.local_shape),
                      "offset": _chunk_offset(t), "state": kinds, **row_data})
-    # encoded now: what cannot be stored fails at this call, and async saves write this state
-    mine_json: dict[str, bytes] = {}
+    return sd, rows
+
+
+def _json_files(e, *, lr_scheduler, extra: Any, rng: bool) -> dict[str, bytes]:
+    """This rank's JSON files, encoded: rank 0's global state, every rank's RNG states."""
+    opt = e.optimizer
+    files: dict[str, bytes] = {}
     if e.rank == 0:
-        mine_json[STATE_FILE] = _encode({
+        files[STATE_FILE] = _encode({
             "num_steps": opt.num_steps, "scaler": opt.scaler.state_dict() if opt.scaler else None,
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
             "extra": extra}, "extra / LR scheduler state")
     if rng:
-        mine_json[RNG_FILE.format(rank=e.rank)] = _encode(rng_state(e.device), "RNG state")
-    meta = _meta(model, e, rng, info) if e.rank == 0 else None
+        files[RNG_FILE.format(rank=e.rank)] = _encode(rng_state(e.device), "RNG state")
+    return files
 
-    needed = sum(v.numel() * v.element_size() for v in sd.values() if torch.is_tensor(v)) + sum(
-        len(d) for d in mine_json.values())
 
-    def finish(group, name: str) -> None:
-        # every rank writes its JSON and hashes the files it wrote; rank 0 records them and publishes.
-        # A rank that cannot write says so through the same all-gather, so no rank waits for it.
-        failed, mine = None, {}
-        try:
-            for f, data in mine_json.items():
-                (staging / f).write_bytes(data)
-            mine = {f: file_digest(staging / f) for f in [*rank_files(staging, e.rank), *mine_json]}
-        except OSError as err:
-            failed = str(_disk_full(path, staging, needed) if _no_space(err) else
-                         CheckpointError(f"amsp checkpoint {path}: cannot write {staging} ({err})"))
-        table = C.all_gather_objects(e.comm, (rows, mine, failed), group, name=name, timeout=e.config.timeout)
-        errors = [f for _, _, f in table if f]
-        if errors:
-            _drop_staging(e.rank, staging)
-            raise CheckpointError(errors[0])
-        if e.rank == 0:
-            files = {}
-            for _, digests, _ in table:
-                files.update(digests)
-            write_meta(staging, {**meta, "tensors": _chunks([r for r, _, _ in table])}, files)
-            publish(staging, path)
-
-    if not async_save:
-        try:
-            C.checkpoint_save(e.comm, sd, staging)
-        except BaseException as err:  # DCP raises any rank's failure on every rank (a BaseException)
-            if not _no_space(err):
-                raise
-            _drop_staging(e.rank, staging)
-            raise _disk_full(path, staging, needed) from None
-        finish(None, "world")
-        C.barrier(e.comm, None, name="world", timeout=e.config.timeout)  # published when any rank returns
-        return None
-    group, name = C.checkpoint_group(e.comm)
-    written = C.checkpoint_async_save(e.comm, sd, staging, group=group, name=name)  # staged on return
-    pending = PendingSave(path)
-
-    def background() -> None:
-        written.result()
-        finish(group, name)
-        C.barrier(e.comm, group, name=name, timeout=e.config.timeout)
-
-    threading.Thread(target=pending._run, args=(background,), name="amsp-async-save", daemon=True).start()
-    e.pending_save = pending
-    return pending
+def _finish_save(e, out: _Staged, group, name: str) -> None:
+    """After DCP wrote the tensors: every rank writes its JSON and hashes the files it wrote;
+    rank 0 records them and publishes. A rank that cannot write says so through the same
+    all-gather, so no rank waits for it."""
+    failed, mine = None, {}
+    try:
+        for f, data in out.files.items():
+            (out.staging / f).write_bytes(data)
+        mine = {f: file_digest(out.staging / f) for f in [*rank_files(out.staging, e.rank), *out.files]}
+    except OSError as err:
+        failed = str(_disk_full(out.path, out.staging, out.needed) if _no_space(err) else
+                     CheckpointError(f"amsp checkpoint {out.path}: cannot write {out.staging} ({err})"))
+    table = C.all_gather_objects(e.comm, (out.rows, mine, failed), group, name=name,
+                                 timeout=e.config.timeout)
+    errors = [f for _, _, f in table if f]
+    if errors:
+        _drop_staging(e.rank, out.staging)
+        raise CheckpointError(errors[0])
+    if e.rank == 0:
+        files = {}
+        for _, digests, _ in table:
+            files.update(digests)
+        write_meta(out.staging, {**out.meta, "tensors": _chunks([r for r, _, _ in table])}, files)
+        publish(out.staging, out.path)
 
 
 # [Note: a full disk]

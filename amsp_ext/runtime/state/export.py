@@ -145,7 +145,7 @@ def export_checkpoint(path, save_directory=None, *, dtype: torch.dtype | None = 
     with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the point
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         # one process, no collective: a context of its own only to satisfy the signature
-        C.checkpoint_load(C.CollectiveContext(), sd, path, no_dist=True)
+        C.checkpoint_load(C.CollectiveContext(timeout=1.0), sd, path, no_dist=True)
     full = {src: _cast(t, dtype) for src, t in sd.items()}
     out = {k: full[src] for k, src in src_of.items()}
     if save_directory is not None:
