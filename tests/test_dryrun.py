@@ -56,6 +56,44 @@ def test_os_only_at_1024_ranks_bytes_by_hand():
     assert r["world"] == 1024 and r["ranks"][0]["rank"] == 1023
 
 
+def test_steady_state_categories_at_1024_ranks_by_hand():
+    """--steps 2 measures the second step: the optimizer states made by the first step and the
+    gradients kept across M = 2 micro-batches show at the peak, with hand-counted bytes."""
+    from amsp_ext.runtime.measure.dryrun import dry_run_many
+
+    plans = ("zero3", "mics:8", "p=1x1,g=1x1,os=8x1")
+    results = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8,
+                                       plan=plan, seq_len=32, micro_batches=2, steps=2, ranks=(0,))
+                            for plan in plans])
+    num_tensors = len(_SHAPES)  # AdamW keeps one fp32 "step" scalar per tensor
+    # rank 0's shard: zero3 pads dim 0 to 1,024 (one row of every tensor, _padded); mics:8 splits
+    # every tensor evenly in 8 (all dims 0 here are multiples of 8); os=8x1 keeps whole bf16 params
+    local = {"zero3": _padded(1024) // 1024, "mics:8": PHI // 8}
+    for plan, r in zip(plans, results):
+        rank = r["ranks"][0]
+        mem, states = rank["memory"], rank["model_state_bytes"]
+        assert sum(mem.values()) == rank["peak_bytes"], plan
+        assert all(mem[c] > 0 for c in ("params", "grads", "optimizer", "activations", "temporary")), (plan, mem)
+        if plan in local:
+            n = local[plan]
+            # fp32 master + m + v (12 bytes) per local element, all alive through the step
+            assert mem["optimizer"] == 12 * n + 4 * num_tensors, (plan, mem)
+            assert states["grads"] == 4 * n, plan  # fp32 sharded gradients, accumulated
+            # the peak is inside the second micro-batch's backward: the accumulated gradients,
+            # give or take the unit whose fresh gradient is being reduced into them
+            assert 0.5 * 4 * n <= mem["grads"] <= 1.5 * 4 * n, (plan, mem)
+            assert mem["params"] >= 2 * n, (plan, mem)  # bf16 shard (+ what is gathered)
+        else:
+            assert mem["params"] == 2 * PHI, mem  # whole bf16 parameters, nothing gathered
+            assert states["grads"] == 4 * PHI, states  # Tg at sg = 1: all fp32 grads kept
+            assert mem["grads"] >= 4 * PHI, mem  # kept at the peak (plus owned ones being reduced)
+            # ownership is by whole tensor: about an eighth of the elements, fp32 master + m + v
+            owned = states["master"] // 4
+            assert PHI / 8 <= owned <= 1.1 * PHI / 8, states
+            assert states["optim_states"] - 8 * owned in range(4, 4 * num_tensors + 1, 4), states
+            assert mem["optimizer"] == states["master"] + states["optim_states"], (mem, states)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--nodes", "3", "--gpus-per-node", "8", "--plan", "mics:16"], "num_nodes=3"),
     (["--nodes", "2", "--gpus-per-node", "8", "--plan", "p=3x1,g=1x1,os=1x1"], "p"),
@@ -81,21 +119,62 @@ def _per_phase(records):
                                 c["phase"]) for c in records)
 
 
-@pytest.mark.skip(reason="unfinished: zero3 collectives matched, model_state_bytes then differed (fixed: now taken "
-                  "after the step); the rerun did not complete within 240 s under the CPU lock, not yet diagnosed")
 def test_equivalent_to_a_real_4_rank_run(tmp_path):
     """The dry run's collective log of one step (kind, group, size, cross-node, bytes, count per
-    phase) and model-state bytes equal a real gloo run's, rank 0 of 2 x 2, for four plans."""
+    phase) and model-state bytes equal a real gloo run's, rank 0 of 2 x 2, for four plans: one
+    real launch runs all four, the four dry runs share one pool of two processes."""
     import json
 
+    from amsp_ext.runtime.measure.dryrun import dry_run_many
     from tests.dist_utils import run_ranks
     from tests.dryrun_real_worker import PLANS
 
     out = tmp_path / "real.json"
     run_ranks(4, "tests.dryrun_real_worker", str(out), timeout=300)
     real = json.loads(out.read_text())
-    for plan in PLANS:
-        dry = dry_run(DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=2, gpus_per_node=2, plan=plan,
-                                 seq_len=32, steps=1, ranks=(0,)))["ranks"][0]
+    dries = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=2, gpus_per_node=2,
+                                     plan=plan, seq_len=32, steps=1, ranks=(0,)) for plan in PLANS])
+    for plan, result in zip(PLANS, dries):
+        dry = result["ranks"][0]
+        assert dry["collectives"], plan  # a log that recorded nothing would match an empty trace
         assert _per_phase(dry["collectives"]) == _per_phase(real[plan]["collectives"]), plan
         assert dry["model_state_bytes"] == real[plan]["model_state_bytes"], plan
+        assert all(dry["model_state_bytes"][k] > 0 for k in ("params", "grads", "master", "optim_states")), plan
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "measured: on tiny-llama (1 x 4, seq 32) the memory model overcounts all 9 fitting candidates "
+    "(p=1x1,g=1x1,os=1x1: engine 2,755,877 B vs model 3,528,448; p=2x1,g=2x1,os=2x1: 1,442,789 vs "
+    "2,096,832), so no GPU size makes the model say fits and the engine say not; the roomy "
+    "--verify 9 part passes (all kept)"))
+def test_plan_verify_drops_a_candidate_that_does_not_fit_by_the_engine(capsys):
+    """amsp plan --verify K: first every fitting candidate is verified at a roomy GPU (all fit);
+    then the GPU memory is set between the model's and the engine's count of one whose engine
+    peak is above the model's (tiny-llama: the model overcounts some plans and undercounts
+    others), so the model says it fits and the engine says not: it is dropped."""
+    import json
+
+    from amsp_ext.cli.main import main
+
+    args = ["plan", "--model", "tiny-llama", "--nodes", "1", "--gpus-per-node", "4", "--memory-reserve", "0B",
+            "--seq-len", "32", "--micro-batches", "1", "--profile", "paper-a800", "--precision", "bf16",
+            "--reduce-dtype", "fp32", "--granularity", "module", "--json"]
+    assert main([*args, "--gpu-memory", "64MiB", "--verify", "9"]) == 0
+    roomy = json.loads(capsys.readouterr().out)["verify"]
+    assert len(roomy) > 1 and all(v["fits"] for v in roomy)
+    under = [v for v in roomy if v["engine_peak_bytes"] > v["planner_bytes"]]
+    assert under, roomy  # the premise: the model undercounts at least one candidate
+    victim = under[0]
+    squeeze = (victim["engine_peak_bytes"] + victim["planner_bytes"]) // 2
+    k = next(i for i, v in enumerate(roomy) if v is victim) + 3
+    rc = main([*args, "--gpu-memory", f"{squeeze}B", "--verify", str(k)])
+    text = capsys.readouterr()
+    if rc != 0:  # nothing fits by the engine: one line saying so, naming the victim
+        assert len(text.err.strip().splitlines()) == 1 and victim["plan"] in text.err, text.err
+        return
+    out = json.loads(text.out)
+    got = {v["plan"]: v for v in out["verify"]}
+    assert not got[victim["plan"]]["fits"]  # fits by the model, not by the engine: dropped
+    assert got[victim["plan"]]["engine_peak_bytes"] == victim["engine_peak_bytes"]
+    assert all(v["fits"] == (v["engine_peak_bytes"] <= squeeze) for v in out["verify"])
+    assert out["plan_text"] == next(v["plan"] for v in out["verify"] if v["fits"]) != victim["plan"]

@@ -9,11 +9,15 @@ groups of that shape that share a node's NICs in training (see profile.py). Unde
 the T0_os all-reduce moves the same bytes through each node's NICs whatever sp is (R/s0_p
 groups each all-reducing 2Phi/sp), so sharding parameters inside a node no longer buys a
 cheaper T0_os; it only adds Tp. Where sp = 1 fits (with sg = sos, which costs nothing extra at
-M = 1) the planner keeps sp = 1: 13B gets p=1x1,g=8x1,os=8x1 (76 GiB of 78 usable) and 30B
+M = 1) the planner keeps sp = 1: 13B gets p=1x1,g=8x2,os=8x2 (72.1 GiB of 78 usable; before
+the unfused-RMSNorm activation correction, planner/memory.py, measured by ``amsp dryrun``, it
+was p=1x1,g=8x1,os=8x1 at 76.4 GiB, which the corrected count puts at 82.6 and ``amsp dryrun``
+measures at 79.78 GiB on rank 0, over the 78 GiB usable: comparisons/results/
+dryrun_paper-a800_2026-12-02.md) and 30B
 p=1x1,g=8x8,os=8x8. Costed in isolation (no contention), the same search drifts to MiCS-like
 sp = 8 plans instead (checked below). Neither reproduces the paper's sp = 4 (13B) / sp = 8,
 sos = 32 (30B); we keep the contention model because it is what the hardware does. The memory
-model is not the cause: its 7B estimate (55 GiB, 59 GB) is close to the paper's measured
+model is not the cause: its 7B estimate (58.8 GiB, 63 GB) is close to the paper's measured
 ~60 GB (Fig. 13). With --objective step the paper's plans are within 1-4% of the chosen ones.
 """
 

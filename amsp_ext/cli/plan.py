@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from amsp_ext import schema
@@ -79,12 +80,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="re-plan with intra- and cross-node bandwidths x (1 +- F)")
     o.add_argument("--top", type=int, default=10, help="candidates shown in the table")
     o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.add_argument("--verify", type=int, default=None, metavar="K",
+                   help="dry-run the top K fitting candidates (amsp dryrun, rank 0, 2 steps) and "
+                        "drop those whose engine peak exceeds the usable memory")
 
 
 def _check_positive(args: argparse.Namespace) -> None:
     for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "global_batch_tokens",
                  "global_batch_size", "micro_batches", "mics_size",
-                 "hpz_size", "top"):
+                 "hpz_size", "top", "verify"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
@@ -133,11 +137,48 @@ def run(args: argparse.Namespace) -> int:
         memory_reserve_bytes=parse_size(args.memory_reserve, field="--memory-reserve",
                                         allow_zero=True),
     )
-    report = build_report(search(problem), with_pareto=args.pareto,
+    result = search(problem)
+    report = build_report(result, with_pareto=args.pareto,
                           sensitivity_factor=args.sensitivity, mics_size=args.mics_size,
                           hpz_size=args.hpz_size)
+    lines = []
+    if args.verify:
+        usable = cluster.gpu_memory_bytes - problem.memory_reserve_bytes
+        report["verify"] = _verify(result, args, engine, training, usable)
+        kept = [v for v in report["verify"] if v["fits"]]
+        lines = [f"verify: {v['plan']}: engine peak {v['engine_peak_bytes'] / 2**30:.2f} GiB "
+                 f"(planner {v['planner_bytes'] / 2**30:.2f}) "
+                 + ("fits" if v["fits"] else f"> usable {usable / 2**30:.2f} GiB: dropped")
+                 for v in report["verify"]]
+        if not kept:
+            raise ValueError(f"--verify {args.verify}: none of the top {len(report['verify'])} candidates fits "
+                             f"in {usable / 2**30:.2f} GiB by the engine's count (" +
+                             "; ".join(ln.split(": ", 1)[1] for ln in lines) + ")")
+        report["plan_text"] = kept[0]["plan"]
+        lines.append(f"chosen after verification: {kept[0]['plan']}")
     if args.json:
         print(json.dumps(report))
     else:
-        print(format_text(report, top=args.top))
+        print("\n".join([format_text(report, top=args.top), *lines]))
     return 0
+
+
+def _verify(result, args, engine, training, usable: int) -> list[dict]:
+    """[Note: plan --verify] The planner's memory model is an estimate; the dry run counts what
+    the engine allocates (runtime/measure/dryrun.py). The top K candidates that fit by the
+    model are dry-run (rank 0, two steps, all in one pool of two processes) at the usable
+    memory (--gpu-memory less --memory-reserve), in rank order; the first that also fits by the
+    engine's count becomes the plan. Rank 0 only: other ranks own other tensors."""
+    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run_many
+
+    world = args.nodes * args.gpus_per_node
+    feasible = [c for c in result.ranked if c.feasible][:args.verify]
+    specs = [DryRunSpec(model=args.model, model_config=args.model_config, num_nodes=args.nodes,
+                        gpus_per_node=args.gpus_per_node, gpu_memory_bytes=usable, plan=str(c.plan),
+                        seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+                        micro_batches=training.micro_batches(world),
+                        engine=dataclasses.replace(engine, gpus_per_node=None), steps=2,
+                        ranks=(0,), profile=args.profile) for c in feasible]
+    return [{"plan": str(c.plan), "planner_bytes": int(c.memory.total),
+             "engine_peak_bytes": r["ranks"][0]["peak_bytes"], "fits": r["fits"]}
+            for c, r in zip(feasible, dry_run_many(specs))]

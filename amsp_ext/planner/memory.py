@@ -52,7 +52,8 @@ the bytes one decoder layer keeps per token are
             + 2*4                the two norms' fp32 1/rms
             = e*(4h + 2q + 2kv + 4i) + 4a + 8
 
-(for LLaMA-7B in bf16: 37.5*h bytes per token, against GPT's 34*h). Outside the layers the model
+(for LLaMA-7B in bf16: 37.5*h bytes per token, against GPT's 34*h; 45.5*h with the unfused
+RMSNorms the engine runs, [Note: unfused RMSNorm]). Outside the layers the model
 keeps the final norm's input, lm_head's input, the logits (e*V), their fp32 copy and the fp32
 log-softmax the loss saves (4*V + 4*V): ``A_out = 2*e*h + 4 + (e + 8)*V``. Per micro-batch of T
 tokens (seq_len x micro_batch_size), with L layers:
@@ -63,6 +64,20 @@ tokens (seq_len x micro_batch_size), with L layers:
 (recomputation keeps each layer's input and rebuilds one layer at a time in backward). Only one
 micro-batch's activations are alive at a time. Transient gradients of activations in backward
 are not counted (as in Korthikanti et al.).
+
+[Note: unfused RMSNorm]
+The count above assumes fused RMSNorms. The engine runs HF's LlamaRMSNorm, which is unfused:
+it casts its input to fp32 (``x.to(float32)``, kept by ``pow`` and the ``* rsqrt`` product), keeps
+the normalised tensor cast back to e bytes (the weight product's input) and its output (the next
+Linear's input), and the fp32 1/rms: 4h + e*h + e*h + 4 bytes per token, where the list above
+has e*h + e*h + 4 (its input was the residual stream, which the unfused norm does not keep; in
+fp32 the cast is a no-op and that input is the kept fp32 tensor). So each norm keeps 4h bytes
+more, 8h per layer in any precision. Found by the dry run (LLaMA-7B, 1,024 ranks, bf16, seq 4096:
+engine 23.38 GiB of activations, the fused count 20.05 GiB) and read off one decoder layer's
+saved tensors under FakeTensorMode (``saved_tensors_hooks``): 187,016 bytes per token, where the
+fused count is 153,736; the difference is 8h = 32,768 plus RoPE's cos and sin (2 x 256 bytes,
+computed once per model and shared by every layer: left out). LLaMA-7B in bf16: 45.5 h per
+token per layer.
 
 [Note: temporary buffers and the peak]
 * Gradient buckets: two buckets of U bytes in flight (one filling, one all-reducing), whenever
@@ -158,7 +173,8 @@ def activation_bytes(spec: ModelSpec, training: TrainingSpec) -> int:
     """Activation bytes of one micro-batch (see the Note)."""
     e = param_bytes(training.precision)
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    a_layer = e * (4 * h + 2 * q + 2 * kv + 4 * i) + 4 * spec.num_heads + 8
+    # + 8h: the two RMSNorms as HF runs them, unfused (see [Note: unfused RMSNorm])
+    a_layer = e * (4 * h + 2 * q + 2 * kv + 4 * i) + 8 * h + 4 * spec.num_heads + 8
     a_out = 2 * e * h + 4 + (e + 8) * spec.vocab_size
     if training.recompute:
         per_token = spec.num_layers * e * h + a_layer + a_out

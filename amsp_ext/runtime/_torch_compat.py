@@ -255,11 +255,40 @@ def real_tensors():
     return unset_fake_temporarily()
 
 
-def mem_tracker():
-    """``torch.distributed._tools.mem_tracker.MemTracker`` (memory of a step by category)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+def mem_tracker(grads_of: Callable[[], list] | None = None):
+    """``torch.distributed._tools.mem_tracker.MemTracker`` (memory of a step by category), with
+    two additions that read its private state (2.13's ``_peak_mem``, ``_peak_mem_snap``,
+    ``_curr_mem_snap``, ``_update_peak_stats``, ``_update_and_maybe_create_winfos``,
+    ``_pre_fw_hook``, ``memory_tracking``):
 
-    return MemTracker()
+    * ``reset_peak()``: the peak restarts from the current memory, so a run can measure its
+      last step only (the first creates the optimizer states and gradient buffers);
+    * ``grads_of()`` (tensors): the engine's gradient storage, filed under ``Grad`` whenever a
+      new peak is about to be recorded. MemTracker files a tensor by where it was allocated;
+      gradients reduced into buckets, owned or kept buffers and FSDP2's sharded ``.grad`` are
+      allocated in backward outside any parameter's grad hook, so it would file them as
+      ``Temp``. See dryrun.py [Note: categories at the peak]."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    class _StepMemTracker(MemTracker):
+        def reset_peak(self) -> None:
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+
+        def _update_peak_stats(self, peak_state) -> None:
+            if grads_of is not None and any(self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]
+                                            for dev, snap in self._curr_mem_snap.items()):
+                for t in grads_of():
+                    self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+            super()._update_peak_stats(peak_state)
+
+        def _pre_fw_hook(self, module, args) -> None:
+            # per-module stats are not used; forget them so a module may run forward once per
+            # micro-batch (MemTracker refuses a second forward of a module it has stats for)
+            self.memory_tracking.pop(module, None)
+            super()._pre_fw_hook(module, args)
+
+    return _StepMemTracker()
 
 
 def give_fake_storage(model: nn.Module, device) -> None:

@@ -15,6 +15,18 @@ of the collective context ``run_rank`` hands to ``shard`` (kind, group size, cro
 as the planner counts them, phase), and
 torch's ``MemTracker`` counts the step's memory by category.
 
+[Note: categories at the peak]
+``--steps 2`` (the default) measures the last step: the memory tracker's peak restarts there
+(``reset_peak``), so the optimizer's fp32 masters and Adam moments, created by the first step,
+are alive through the measured one. MemTracker files a tensor by where it was allocated; the
+engine's gradients (buckets' owned results, kept Tg gradients, FSDP2's sharded ``.grad``) are
+allocated in backward, where it would call them ``Temp``: ``grad_sync.grad_tensors()`` are
+re-filed as ``Grad`` whenever a new peak is about to be recorded. A gradient made by the very
+op that sets the peak is filed once it is stored, so at the peak the unit being reduced may
+show as ``Temp``. With M = 1 the peak is at the start of backward (activations largest, no
+gradient yet), so ``grads`` at the peak is ~0 there, as the planner's [Note: gradients at
+M = 1] says; ``model_state_bytes`` (after the step) is the engine's full count.
+
 What a fake run cannot be, and how it is handled:
 * host reads of tensor values (``float(norm)`` in clipping, the non-finite guard's verdict)
   have no value: ``_torch_compat.nominal_fake_scalars`` makes them return a nominal finite value (1.0, 0,
@@ -41,7 +53,8 @@ from amsp_ext import schema
 from amsp_ext.choices import check_int
 from amsp_ext.engine_config import EngineConfig
 
-__all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "planner_numbers", "run_rank", "hf_config_of"]
+__all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "dry_run_many", "planner_numbers",
+           "run_rank", "hf_config_of"]
 
 _GROUP_KINDS_AR = ("param_replica", "grad")
 
@@ -162,35 +175,54 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
 # -- the launcher ----------------------------------------------------------------------------
 def dry_run(spec: DryRunSpec, *, max_parallel: int = 2, timeout_s: float | None = None) -> dict:
     """Check everything, then run each sampled rank in its own process; one JSON-able result."""
-    plan = resolved_plan(spec)
-    model_spec_of(spec)  # unknown model: one line, before any process
-    planner = planner_numbers(spec, plan)
+    return dry_run_many([spec], max_parallel=max_parallel, timeout_s=timeout_s)[0]
+
+
+def dry_run_many(specs: list[DryRunSpec], *, max_parallel: int = 2,
+                 timeout_s: float | None = None) -> list[dict]:
+    """:func:`dry_run` of several specs (plans, shapes) with their rank processes sharing one
+    pool of ``max_parallel``: every spec is checked before any process starts, and the pool
+    stays full across specs (most of a small rank's time is its interpreter's imports)."""
+    checked = []
+    for spec in specs:
+        plan = resolved_plan(spec)
+        model_spec_of(spec)  # unknown model: one line, before any process
+        checked.append((spec, plan, planner_numbers(spec, plan)))
     t0 = time.perf_counter()
-    payload = json.dumps({**asdict(spec), "plan": str(plan), "ranks": None})
-    todo, running, results = list(spec.sampled_ranks()), [], {}
+    todo = [(i, r) for i, (spec, _, _) in enumerate(checked) for r in spec.sampled_ranks()]
+    running, results = [], {}
     while todo or running:
         while todo and len(running) < max_parallel:
-            r = todo.pop(0)
+            i, r = todo.pop(0)
+            spec, plan, _ = checked[i]
+            payload = json.dumps({**asdict(spec), "plan": str(plan), "ranks": None})
             p = subprocess.Popen([sys.executable, "-m", "amsp_ext.runtime.measure.dryrun", str(r), payload],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, env={**os.environ, "AMSP_DRYRUN": "1"})
-            running.append((r, p, time.perf_counter()))
-        r, p, started = running.pop(0)
+            running.append((i, r, p, time.perf_counter()))
+        i, r, p, started = running.pop(0)
         out, err = p.communicate(timeout=timeout_s)
         if p.returncode != 0:
+            for _, _, q, _ in running:
+                q.kill()
             last = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
-            raise RuntimeError(f"dryrun: rank {r} failed (exit {p.returncode}): {last[0]}")
+            raise RuntimeError(f"dryrun: {checked[i][1]} rank {r} failed (exit {p.returncode}): {last[0]}")
         rec = json.loads(out.strip().splitlines()[-1])
         rec["wall_s"] = time.perf_counter() - started
-        results[r] = rec
-    ranks = [results[r] for r in spec.sampled_ranks()]
+        results[i, r] = rec
+    seconds = time.perf_counter() - t0
+    return [_result(spec, plan, planner, [results[i, r] for r in spec.sampled_ranks()], seconds)
+            for i, (spec, plan, planner) in enumerate(checked)]
+
+
+def _result(spec: DryRunSpec, plan, planner: dict, ranks: list[dict], seconds: float) -> dict:
     fits = all(rec["peak_bytes"] <= spec.gpu_memory_bytes for rec in ranks)
     return {"world": spec.world, "plan": str(plan), "model": spec.model or spec.model_config,
             "shape": {"seq_len": spec.seq_len, "micro_batch_size": spec.micro_batch_size,
                       "micro_batches": spec.micro_batches, "precision": spec.precision,
                       "reduce_dtype": spec.reduce_dtype, "recompute": spec.recompute},
             "ranks": ranks, "planner": planner, "fits": fits,
-            "gpu_memory_bytes": spec.gpu_memory_bytes, "seconds": time.perf_counter() - t0}
+            "gpu_memory_bytes": spec.gpu_memory_bytes, "seconds": seconds}
 
 
 # -- one rank (runs in its own process) -------------------------------------------------------
@@ -312,12 +344,13 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            config=config, comm=comm)
         t_shard = time.perf_counter()
-        tracker = compat.mem_tracker()
+        tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors)
         tracker.track_external(model, opt)
         with tracker:
             for step in range(spec.steps):
-                if step == spec.steps - 1:
+                if step == spec.steps - 1:  # [Note: categories at the peak]: the last step only
                     tracker.reset_mod_stats()
+                    tracker.reset_peak()
                 train_step(model, opt, spec, device, clog)
         state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
         peak = tracker.get_tracker_snapshot("peak")

@@ -298,12 +298,16 @@ class GradSync:
             else:
                 t.param.grad.zero_()
 
-    def grad_bytes(self) -> int:
-        """Gradient bytes held now: owned + kept + not-yet-reduced local ``.grad`` (no buckets)."""
-        n = sum(g.numel() * g.element_size() for g in self.owned.values())
-        n += sum(g.numel() * g.element_size() for g in self.kept.values())
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradient storage held now: owned + kept + not-yet-reduced local ``.grad`` (no
+        buckets); the dry run's memory tracker files these as gradients."""
+        out = [*self.owned.values(), *self.kept.values()]
         for t in self.tensors:
             g = t.local_grad()
             if g is not None:
-                n += g.numel() * g.element_size()
-        return n
+                out.append(g)
+        return out
+
+    def grad_bytes(self) -> int:
+        """Gradient bytes held now: owned + kept + not-yet-reduced local ``.grad`` (no buckets)."""
+        return sum(g.numel() * g.element_size() for g in self.grad_tensors())
