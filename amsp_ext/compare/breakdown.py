@@ -10,7 +10,8 @@ dispatcher op, ``c10d::allreduce_`` etc., short for async ones) and its *run* on
 process group's gloo worker threads (``gloo:all_reduce``, with the tensor's numel and dtype as
 its input; gloo runs a reduce-scatter as ``gloo:all_reduce`` of the whole input). Runs are
 matched to issues in order (gloo's queue is FIFO): each run takes the earliest unmatched issue
-of a compatible op (and the same numel, where the issue records shapes) that began before it.
+of a compatible op that began before it: the earliest with the run's numel, else (an issue
+that records no shape: ``allreduce_`` takes a tensor list) the earliest of unknown numel.
 
 Per collective: ``issued`` (its issue's start), ``ended`` (its run's end): busy = ended - issued,
 i.e. queueing behind earlier collectives of its group and waiting for the slowest rank count.
@@ -43,7 +44,7 @@ from typing import Any, Iterable
 
 from amsp_ext.compare.trace import COMM_WORKER_PREFIXES, subtract, total, union
 
-__all__ = ["KINDS", "PHASES", "Collective", "step_breakdown", "timeline"]
+__all__ = ["KINDS", "PHASES", "Collective", "overlap_windows", "step_breakdown", "timeline"]
 
 KINDS = ("AG", "RS", "AR", "BC", "other")
 PHASES = ("forward", "backward", "optimizer", "post_step_broadcast", "outside")
@@ -158,9 +159,17 @@ def collectives(events: list) -> tuple[list[Collective], set]:
         op, accepts = _ISSUE_OPS[op_name]
         phase, label = _issue_info(e)
         shapes = list(getattr(e, "input_shapes", None) or [])
+        numels = [_numel(s) for s in shapes]
+        # what the worker's event will show: gloo runs a reduce-scatter as an all-reduce of its
+        # input (the second argument); an all-gather shows one of its two tensors; a tensor
+        # list (allreduce_) records no shape: unknown, matched only where no known one fits
+        known = ({numels[1]} if op == "reduce_scatter" and len(numels) > 1 and numels[1]
+                 else {n for n in numels[:2] if n} if op == "all_gather" else
+                 {n for n in numels[:1] if n} if op_name not in ("allreduce_", "allreduce_coalesced_")
+                 else set())
         issues.append({"event": e, "op": op, "accepts": accepts, "phase": phase, "label": label,
-                       "numels": {n for n in (_numel(s) for s in shapes) if n},
-                       "first_numel": _numel(shapes[0]) if shapes else None, "used": False})
+                       "numels": known, "first_numel": numels[0] if numels else None,
+                       "used": False})
     issues.sort(key=lambda i: i["event"].time_range.start)
     out: list[Collective] = []
     for w in sorted(workers, key=lambda e: e.time_range.start):
@@ -168,16 +177,19 @@ def collectives(events: list) -> tuple[list[Collective], set]:
         shapes = list(getattr(w, "input_shapes", None) or [])
         wnumel = _numel(shapes[0]) if shapes else None
         elem = _elem_bytes(getattr(w, "input_dtypes", None))
-        match = None
+        exact = fallback = None  # the earliest issue of this numel; else of an unknown one
         for i in issues:
-            if i["used"] or wop not in i["accepts"]:
-                continue
             if i["event"].time_range.start > w.time_range.start:
                 break
-            if wnumel and i["numels"] and wnumel not in i["numels"]:
+            if i["used"] or wop not in i["accepts"]:
                 continue
-            match = i
-            break
+            if i["numels"]:
+                if wnumel in i["numels"]:
+                    exact = i
+                    break
+            elif fallback is None:
+                fallback = i
+        match = exact or fallback
         ws, we = _span(w)
         if match is None:  # issued before the profile started
             out.append(Collective(kind=_OP_KIND.get(wop, "other"), phase="outside", op=wop, label="",
@@ -267,7 +279,9 @@ def step_breakdown(events: list) -> dict[str, Any] | None:
     totals = {"step_s": t1 - t0, "compute_s": total(_intersect(compute, [(t0, t1)])),
               "comm_s": total(all_spans), "exposed_s": total(subtract(all_spans, compute_in)),
               "count": len(chosen), "bytes": sum(c.nbytes for c in chosen)}
+    step_events = [e for e in events if e.time_range.end > t0 * 1e6 and e.time_range.start < t1 * 1e6]
     return {"rows": rows, "kinds": kinds, "totals": totals,
+            "overlap_windows": overlap_windows(step_events),
             "timeline": timeline(chosen, compute_in, origin=t0)}
 
 
@@ -282,3 +296,53 @@ def timeline(chosen: list[Collective], compute: list, *, origin: float) -> dict[
         per_kind[c.kind].append({"issued": rel(c.issued, c.issued)[0], "start": rel(c.worker_start, c.worker_start)[0],
                                  "end": rel(c.ended, c.ended)[0], "phase": c.phase, "bytes": c.nbytes})
     return {"compute": [rel(a, b) for a, b in compute], "collectives": dict(per_kind)}
+
+
+# [Note: issue-to-wait windows]
+# Whether a collective overlapped anything is, without any timing, a fact of program order: did
+# the training thread run compute (a matmul) between issuing the collective and waiting for
+# it? AMSP's collectives carry ``amsp::<op>::<group>`` labels where issued and
+# ``amsp::wait::<op>::<group>`` where waited (collectives.py); waits of one (op, group) follow
+# issue order (buckets complete oldest first, broadcasts and gathers in forward order), so the
+# k-th wait of a label is the k-th issue's. A Table V switch turned off waits for each
+# collective where it is issued: none of that kind's windows holds a matmul; on, the
+# prefetched gathers, the buckets launched mid-backward and the broadcasts waited in the next
+# forward do. A collective never waited (its handle dropped) has no window.
+_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+
+
+def overlap_windows(events: list) -> dict[str, dict[str, int]]:
+    """Per kind: ``waited`` collectives (issued and waited inside ``events``) and ``with_compute``
+    (a matmul started on the issuing thread between the issue and the wait)."""
+    marks = []  # (time, what, key)
+    for e in events:
+        n = e.name
+        if n.startswith("amsp::wait::"):
+            _, _, op, group = n.split("::", 3)
+            marks.append((e.time_range.start, 2, (op, group), e.thread))
+        elif n.startswith(("amsp::all_reduce::", "amsp::all_gather::", "amsp::reduce_scatter::",
+                           "amsp::broadcast::")):
+            _, op, group = n.split("::", 2)
+            marks.append((e.time_range.end, 0, (op, group), e.thread))
+        elif n in _MATMULS:
+            marks.append((e.time_range.start, 1, None, e.thread))
+    marks.sort(key=lambda m: (m[0], m[1]))
+    open_issues: dict[tuple, list[list]] = defaultdict(list)  # key -> [[matmul seen?]] FIFO
+    out: dict[str, dict[str, int]] = {}
+    for _, what, key, thread in marks:
+        if what == 1:
+            for q in open_issues.values():
+                for entry in q:
+                    if entry[1] == thread:
+                        entry[0] = True
+        elif what == 0:
+            open_issues[key].append([False, thread])
+        elif open_issues[key]:
+            seen, _ = open_issues[key].pop(0)
+            op, group = key
+            label = f"amsp::{op}::{group}"
+            kind = _kind(op, "c10d::", label)
+            rec = out.setdefault(kind, {"waited": 0, "with_compute": 0})
+            rec["waited"] += 1
+            rec["with_compute"] += int(seen)
+    return out
