@@ -180,7 +180,7 @@ def worker_overlap(a):
         elif event == "wait_end":
             waited["s"] += time.perf_counter() - starts.pop((name, op), time.perf_counter())
 
-    C.observer = observer
+    comm = C.CollectiveContext(observers=[observer])  # every configuration's engine issues through it
     times: dict = {}
     waits: dict = {}
     # repeats outermost, configurations interleaved: contention spikes from other processes on
@@ -192,7 +192,7 @@ def worker_overlap(a):
                 model, opt = shard(build_llama(a.model, seed=0), plan,
                                    lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                    config=ShardConfig(gpus_per_node=R, precision=a.precision,
-                                                      overlap=OverlapConfig(**ov)))
+                                                      overlap=OverlapConfig(**ov)), comm=comm)
                 run = _engine_loop(model, opt, rank, world, a.micro_batches, a.mbs, a.seq)
                 waited["s"] = 0.0
                 t = _time_steps(run, a.steps, a.warmup)

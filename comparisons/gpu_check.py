@@ -116,7 +116,9 @@ def check_calibration(device, quick: bool) -> dict:
     from amsp_ext.runtime.measure.peak import device_peak
 
     dtype = torch.bfloat16
-    peak = device_peak(device, dtype)
+    from amsp_ext.runtime.collectives import CollectiveContext
+
+    peak = device_peak(device, dtype, comm=CollectiveContext())
     shapes = {"small-llama": (llama_config_dict("small-llama"), 512, 8)}
     if quick:
         shapes = {"tiny-llama": (llama_config_dict("tiny-llama"), 128, 4)}
@@ -228,27 +230,28 @@ def check_collectives(device) -> dict:
     from amsp_ext.runtime import collectives as C
 
     g = dist.group.WORLD
+    ctx = C.CollectiveContext(timeout=30)
     out = {}
     x = torch.arange(8, dtype=torch.float32, device=device)
-    p = C.all_reduce(x, g, name="world", async_op=True)
-    C.wait(p, timeout=30)
+    p = C.all_reduce(ctx, x, g, name="world", stream=None, async_op=True)
+    C.wait(p)
     out["all_reduce"] = bool(torch.equal(x, torch.arange(8, dtype=torch.float32, device=device)))
     y = torch.full((4,), 3.0, device=device)
-    C.wait(C.broadcast(y, 0, g, name="world", async_op=True), timeout=30)
+    C.wait(C.broadcast(ctx, y, 0, g, name="world", stream=None, async_op=True))
     out["broadcast"] = bool((y == 3).all())
     o = torch.empty(8, device=device)
-    C.wait(C.all_gather_into_tensor(o, x, g, name="world", async_op=True), timeout=30)
+    C.wait(C.all_gather_into_tensor(ctx, o, x, g, name="world", stream=None, async_op=True))
     out["all_gather"] = bool(torch.equal(o, x))
     r = torch.empty(8, device=device)
-    C.wait(C.reduce_scatter_tensor(r, x, g, name="world", async_op=True), timeout=30)
+    C.wait(C.reduce_scatter_tensor(ctx, r, x, g, name="world", stream=None, async_op=True))
     out["reduce_scatter"] = bool(torch.equal(r, x))
-    C.barrier(g, name="world", timeout=30)
+    C.barrier(ctx, g, name="world")
     out["barrier"] = True
     big = torch.ones(64 * 2**20 // 4, device=device)  # 64 MiB: an async op the host can outrun
     t0 = time.perf_counter()
-    p = C.all_reduce(big, g, name="world", async_op=True)
+    p = C.all_reduce(ctx, big, g, name="world", stream=None, async_op=True)
     issue = time.perf_counter() - t0
-    C.wait(p, timeout=30)
+    C.wait(p)
     _sync(device)
     out["issue_s_64mib"], out["done_s_64mib"] = issue, time.perf_counter() - t0
     return out

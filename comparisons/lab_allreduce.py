@@ -47,6 +47,7 @@ def worker(size_mb: float, reps: int, warmup: int) -> None:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
+    comm = C.CollectiveContext(timeout=300)
     cases = json.loads(os.environ["AMSP_BENCH_CASES"])  # label -> list of rank groups
     numel = int(size_mb * 1e6) // 4
     buf = torch.ones(numel)
@@ -59,13 +60,13 @@ def worker(size_mb: float, reps: int, warmup: int) -> None:
             group, _ = dist.new_subgroups_by_enumeration(groups)
         times = []
         for rep in range(warmup + reps):
-            C.all_reduce(flag, None, name="world", async_op=False, timeout=300)
+            C.all_reduce(comm, flag, None, name="world", stream=None, async_op=False)
             t0 = time.perf_counter()
-            C.all_reduce(buf, group, name=f"bench_{label}", async_op=False, timeout=300)
+            C.all_reduce(comm, buf, group, name=f"bench_{label}", stream=None, async_op=False)
             if rep >= warmup:
                 times.append(time.perf_counter() - t0)
         slowest = torch.tensor(times, dtype=torch.float64)
-        C.all_reduce(slowest, None, name="world", op=dist.ReduceOp.MAX, async_op=False, timeout=300)
+        C.all_reduce(comm, slowest, None, name="world", stream=None, op=dist.ReduceOp.MAX, async_op=False)
         results[label] = statistics.median(slowest.tolist())
     if rank == 0:
         print("RESULT " + json.dumps({"median_s": results, "bytes": numel * 4}), flush=True)

@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from amsp_ext.train.data import micro_batch
 from amsp_ext.train.models import build_llama, causal_lm_loss
-from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint
 from amsp_ext.runtime.config import FP16Config, ShardConfig, compute_dtype
 from amsp_ext.runtime.shard import shard
@@ -291,7 +290,7 @@ def suite_errors(root: Path, R):
                                                    *keyed)]
     dist.barrier()
     for case, m, o, path in cases:
-        issued = sum(C.stats.values())
+        issued = sum(m.amsp.comm.counts.values())  # the engine's context counts its collectives
         os.environ.pop("AMSP_CHECKPOINT_KEY", None)
         if case in keyed or case == "tampered-signed":
             os.environ["AMSP_CHECKPOINT_KEY"] = keyed.get(case, "key-A")
@@ -302,7 +301,7 @@ def suite_errors(root: Path, R):
             err, kind = str(e), type(e).__name__
         os.environ.pop("AMSP_CHECKPOINT_KEY", None)
         emit({"case": f"error:{case}", "error": err, "type": kind, "marker": (root / "PWNED").exists(),
-              "collectives_issued": sum(C.stats.values()) - issued}, all_ranks=True)
+              "collectives_issued": sum(m.amsp.comm.counts.values()) - issued}, all_ranks=True)
     for m in (model, other, fewer, sgd_model, ada_model):
         release(m)
 

@@ -1,4 +1,4 @@
-"""Launch a tiny gloo job with torchrun from a test, with a hard timeout and the output on failure."""
+"""Launch a tiny gloo job from a test, with a hard timeout and the output on failure."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_torchrun(nproc: int, module: str, *args: str, timeout: float = 300, env: dict | None = None,
-                 check: bool = True) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node N -m module args`` with the repo on PYTHONPATH."""
+def run_ranks(nproc: int, module: str, *args: str, timeout: float = 300, env: dict | None = None,
+              check: bool = True, preload: str = "torch,amsp") -> subprocess.CompletedProcess:
+    """``python -m module args`` on ``nproc`` gloo ranks, forked by tests/fork_launch.py from one
+    interpreter that imported ``preload`` once (see [Note: forked ranks in tests]); the repo on
+    PYTHONPATH. Tests of the launch path itself use the real ``amsp train`` / torchrun."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", module, *args]
+    cmd = [sys.executable, "-m", "tests.fork_launch", str(nproc), preload, module, *args]
     try:
         proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True,
                               timeout=timeout)

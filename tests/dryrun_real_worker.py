@@ -30,12 +30,11 @@ def main(out: str) -> None:
     for plan in PLANS:
         spec = DryRunSpec(engine=ENGINE, model="tiny-llama", num_nodes=2, gpus_per_node=2, plan=plan, seq_len=32, steps=1)
         clog = CollectiveLog(world=4, gpus_per_node=2)
-        C.observer = clog
         model, opt = shard(build_llama("tiny-llama"), plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            config=ShardConfig(gpus_per_node=2, precision="bf16", reduce_dtype="fp32",
-                                              granularity="module"))
+                                              granularity="module"),
+                           comm=C.CollectiveContext(observers=[clog]))
         train_step(model, opt, spec, torch.device("cpu"), clog)
-        C.observer = None
         got[plan] = {"collectives": [c for c in clog.records if c["phase"] != "setup"],
                      "model_state_bytes": model.model_state_bytes()}
         model.amsp.grad_sync.remove()

@@ -181,9 +181,8 @@ def suite_extras(world, R):
     for p in ("p=2x1,g=2x1,os=2x2", "p=2x2,g=2x2,os=2x2"):
         counts = {}
         for rc in (False, True):
-            before = C.stats[("all_gather", "param_shard")]
             model, opt, run = train(p, cfg(recompute=rc), world=world)
-            counts[rc] = C.stats[("all_gather", "param_shard")] - before
+            counts[rc] = model.amsp.comm.counts[("all_gather", "param_shard")]  # this engine's
             units = sum(1 for u in model.amsp.units if u.params)
             if not rc:
                 release(model)
@@ -291,15 +290,15 @@ def suite_guards(world, R):
     # 1. a plan that does not fit the world: refused before any collective or process group
     for plan, kw in (("p=4x1,g=4x1,os=4x1", {}), ("p=1x1,g=1x1,os=2x1", {"gpus_per_node": 3}),
                      ("mics:3", {}), ("p=2x1,g=1x1,os=2x1", {})):
-        issued, groups = sum(C.stats.values()), len(c10d._world.pg_map)
+        comm, groups = C.CollectiveContext(timeout=30), len(c10d._world.pg_map)
         try:
             shard(build_llama("tiny-llama"), plan, adamw,
-                  config=ShardConfig(**{"gpus_per_node": R, "timeout": 30, **kw}))
+                  config=ShardConfig(**{"gpus_per_node": R, "timeout": 30, **kw}), comm=comm)
             err = None
         except PlanError as e:
             err = str(e)
         _emit({"case": f"unfit:{plan}:{kw}", "error": err,
-               "collectives_issued": sum(C.stats.values()) - issued,
+               "collectives_issued": sum(comm.counts.values()),
                "groups_created": len(c10d._world.pg_map) - groups})
     # 2. ranks with different plans (and configs) are detected at init on every rank
     for what, plan, cfg in (

@@ -38,38 +38,55 @@ def check_collectives() -> None:
     mine, _ = dist.new_subgroups_by_enumeration(pairs)
     pair = pairs[rank // 2]
     name = f"test_pair[{pair[0]},{pair[1]}]"
+    ctx, other = C.CollectiveContext(timeout=30), C.CollectiveContext(timeout=30)
+    seen = []
+    ctx.observers.append(lambda event, op, label, info: seen.append((event, op, label)))
 
     t = torch.full((6,), float(rank + 1))
-    C.all_reduce(t, None, name="world", async_op=False, timeout=30)
+    C.all_reduce(ctx, t, None, name="world", stream=None, async_op=False)
     assert torch.equal(t, torch.full((6,), 10.0)), t  # 1+2+3+4
 
     t = torch.full((4,), float(rank + 1))
-    C.all_reduce(t, mine, name=name, async_op=False, timeout=30)
+    C.all_reduce(ctx, t, mine, name=name, stream=None, async_op=False)
     assert torch.equal(t, torch.full((4,), float(sum(r + 1 for r in pair)))), t
 
     shard = torch.tensor([10.0 * rank, 10.0 * rank + 1], dtype=torch.bfloat16)
     out = torch.empty(4, dtype=torch.bfloat16)
-    C.all_gather_into_tensor(out, shard, mine, name=name, async_op=False, timeout=30)
+    C.all_gather_into_tensor(ctx, out, shard, mine, name=name, stream=None, async_op=False)
     want = torch.tensor([10.0 * pair[0], 10.0 * pair[0] + 1, 10.0 * pair[1], 10.0 * pair[1] + 1])
     assert torch.equal(out.float(), want), out
 
     inp = torch.arange(4, dtype=torch.float32) + 100 * rank  # [100r, 100r+1, 100r+2, 100r+3]
     out = torch.empty(2)
-    C.reduce_scatter_tensor(out, inp, mine, name=name, async_op=False, timeout=30)
+    C.reduce_scatter_tensor(ctx, out, inp, mine, name=name, stream=None, async_op=False)
     idx = pair.index(rank)
     want = torch.tensor([sum(100.0 * r + 2 * idx + k for r in pair) for k in range(2)])
     assert torch.equal(out, want), (out, want)
 
     b = torch.full((3,), float(rank))
-    pending = C.broadcast(b, pair[0], mine, name=name, async_op=True)
-    C.wait(pending, timeout=30)
+    pending = C.broadcast(ctx, b, pair[0], mine, name=name, stream=None, async_op=True)
+    C.wait(pending)
     assert torch.equal(b, torch.full((3,), float(pair[0]))), b
+
+    # objects: JSON data in rank order; gather_objects only on dst
+    got = C.all_gather_objects(ctx, {"rank": rank, "t": (rank, "x")}, None, name="world")
+    assert got == [{"rank": r, "t": (r, "x")} for r in range(4)], got
+    assert C.gather_objects(ctx, rank * 10, mine, name=name, dst=pair[0]) == (
+        [pair[0] * 10, pair[1] * 10] if rank == pair[0] else None)
+
+    # the context counted what went through it (hand count of the calls above: two all_gathers
+    # per object gather) and saw it; the other context saw nothing
+    assert dict(ctx.counts) == {("all_reduce", "world"): 1, ("all_reduce", "test_pair"): 1,
+                                ("all_gather", "test_pair"): 3, ("reduce_scatter", "test_pair"): 1,
+                                ("broadcast", "test_pair"): 1, ("all_gather", "world"): 2}, ctx.counts
+    assert [e for e, _, _ in seen].count("issue") == 9 and seen[-1][0] == "wait_end", seen
+    assert not other.counts and not other.observers, other
 
     # A collective one rank joins late: the other's wait must time out naming the group.
     t = torch.ones(2)
     if rank == 0:
         try:
-            C.all_reduce(t, mine, name=name, async_op=False, timeout=1.5)
+            C.all_reduce(other, t, mine, name=name, stream=None, async_op=False, timeout=1.5)
         except C.CollectiveTimeout as e:
             assert name in str(e) and "all_reduce" in str(e), str(e)
             print(f"CHECK timeout-named rank={rank}: {str(e)[:80]}", flush=True)
@@ -78,7 +95,7 @@ def check_collectives() -> None:
     else:
         if rank == 1:
             time.sleep(4)
-        C.all_reduce(t, mine, name=name, async_op=False, timeout=30)
+        C.all_reduce(other, t, mine, name=name, stream=None, async_op=False)
     print(f"CHECK ok collectives rank={rank}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -93,7 +110,7 @@ def check_lab() -> None:
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     assert Path(f"/sys/class/net/{ifname}").exists(), f"{ifname} missing: not inside a lab namespace"
     t = torch.full((1 << 20,), float(rank + 1))  # 4 MiB
-    C.all_reduce(t, None, name="world", async_op=False, timeout=60)
+    C.all_reduce(C.CollectiveContext(timeout=60), t, None, name="world", stream=None, async_op=False)
     want = world * (world + 1) / 2
     assert torch.all(t == want), (t[:4], want)
     print(f"CHECK ok lab rank={rank} node={node} sum={t[0].item():g}", flush=True)

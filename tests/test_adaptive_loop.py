@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -36,7 +36,7 @@ def check_adaptive_switch(r: dict) -> None:
 
 
 def test_own_loop_switches_by_itself_and_trains_like_ddp():
-    proc = run_torchrun(4, "tests.adaptive_loop_worker", timeout=300, env=SLOW_LINK)
+    proc = run_ranks(4, "tests.adaptive_loop_worker", timeout=300, env=SLOW_LINK)
     lines = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert [r["case"] for r in lines] == ["loop"]
     check_adaptive_switch(lines[0])

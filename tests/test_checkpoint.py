@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_torchrun
+from dist_utils import run_ranks
 
 FP32_TOL, LOW_PRECISION_TOL = 1e-6, 1e-4
 
@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     res = {}
     for nproc, suite in ((4, "save4"), (8, "cross8"), (4, "cross4")):
-        res.update(_results(run_torchrun(nproc, "tests.checkpoint_worker", suite, str(root), timeout=300)))
+        res.update(_results(run_ranks(nproc, "tests.checkpoint_worker", suite, str(root), timeout=300)))
     return root, res
 
 

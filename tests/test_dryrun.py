@@ -88,11 +88,11 @@ def test_equivalent_to_a_real_4_rank_run(tmp_path):
     phase) and model-state bytes equal a real gloo run's, rank 0 of 2 x 2, for four plans."""
     import json
 
-    from tests.dist_utils import run_torchrun
+    from tests.dist_utils import run_ranks
     from tests.dryrun_real_worker import PLANS
 
     out = tmp_path / "real.json"
-    run_torchrun(4, "tests.dryrun_real_worker", str(out), timeout=300)
+    run_ranks(4, "tests.dryrun_real_worker", str(out), timeout=300)
     real = json.loads(out.read_text())
     for plan in PLANS:
         dry = dry_run(DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=2, gpus_per_node=2, plan=plan,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -20,7 +20,7 @@ def _lines(proc):
 def launch():
     """ONE 4-rank launch for the trace, then the guards (which end the launch: the timeout case
     breaks a group on purpose)."""
-    return _lines(run_torchrun(4, "tests.engine_worker", "trace,guards", "2", timeout=300))
+    return _lines(run_ranks(4, "tests.engine_worker", "trace,guards", "2", timeout=300))
 
 
 @pytest.fixture(scope="module")

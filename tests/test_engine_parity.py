@@ -44,7 +44,7 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_torchrun
+from dist_utils import run_ranks
 from parity_check import (DTYPES, STEPS, initial_params, load_cases, loss_rel_diffs, master_update_rel_l2,
                           param_max_abs_diffs, reference, replicas_match_owners)
 
@@ -82,7 +82,7 @@ def _plans_line(proc):
 @pytest.fixture(scope="module")
 def extras(tmp_path_factory):
     out = tmp_path_factory.mktemp("extras")
-    run_torchrun(4, "tests.engine_worker", "extras", "2", str(out), timeout=600)
+    run_ranks(4, "tests.engine_worker", "extras", "2", str(out), timeout=600)
     return load_cases(out / "extras")
 
 
@@ -94,7 +94,7 @@ def test_parity_every_prefiltered_plan(nproc, R, num_plans, steps, tmp_path):
     them, and step 2 waits for step 1's broadcasts in its forward; the final local parameters
     are checked against the owners' masters after step 2 (its broadcasts landed). Steps 3-5 add
     no path on 8 ranks that the 4-rank run (5 steps, same code) does not take."""
-    proc = run_torchrun(nproc, "tests.engine_worker", "parity", str(R), str(tmp_path), str(steps), timeout=600)
+    proc = run_ranks(nproc, "tests.engine_worker", "parity", str(R), str(tmp_path), str(steps), timeout=600)
     plans, named = _plans_line(proc)
     assert len(plans) == num_plans
     assert set(named.values()) <= set(plans)  # DDP, ZeRO-1, ZeRO-3, MiCS are in the set
@@ -202,7 +202,7 @@ def test_model_state_bytes_match_the_planners_memory_model():
     and fp32), and bf16 with fp32 reduction on four plans."""
     import json
 
-    proc = run_torchrun(4, "tests.engine_worker", "memory", "2", timeout=600)
+    proc = run_ranks(4, "tests.engine_worker", "memory", "2", timeout=600)
     res = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from dist_utils import REPO, run_torchrun
+from dist_utils import REPO, run_ranks
 from test_adaptive_loop import SLOW_LINK, check_adaptive_switch
 
 pytestmark = pytest.mark.distributed
@@ -46,8 +46,9 @@ def results(tmp_path_factory):
         paths.append(str(path))
     suites = "ds,migrated,checkpoint,adaptive"
     scratch = tmp_path_factory.mktemp("worker-tmp")  # the worker's mkdtemp folders land here
-    proc = run_torchrun(4, "tests.integrations_worker", suites, *paths, timeout=600,
-                        env={"TMPDIR": str(scratch), **SLOW_LINK})  # SLOW_LINK: the adaptive case
+    proc = run_ranks(4, "tests.integrations_worker", suites, *paths, timeout=600,
+                     env={"TMPDIR": str(scratch), **SLOW_LINK},  # SLOW_LINK: the adaptive case
+                     preload="torch,amsp,deepspeed")
     assert not list(scratch.glob("amsp-*")), list(scratch.iterdir())  # the worker cleaned up
     res = {}
     for line in proc.stdout.splitlines():

@@ -10,14 +10,14 @@ import json
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import run_ranks
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
 def results():
-    proc = run_torchrun(4, "tests.nonfinite_worker", timeout=300)
+    proc = run_ranks(4, "tests.nonfinite_worker", timeout=300)
     out: dict[str, dict[int, dict]] = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

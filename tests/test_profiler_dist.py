@@ -7,21 +7,21 @@ import json
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import run_ranks
 
 pytestmark = pytest.mark.distributed
 
 
 def test_collectives_values_and_named_timeout():
-    proc = run_torchrun(4, "tests.lab_worker", "collectives", timeout=120)
+    proc = run_ranks(4, "tests.lab_worker", "collectives", timeout=120)
     assert proc.stdout.count("CHECK ok collectives") == 4, proc.stdout
     assert "CHECK timeout-named rank=0" in proc.stdout and "test_pair[0,1]" in proc.stdout
 
 
 def test_profile_quick_on_one_node(tmp_path):
     out = tmp_path / "profile.json"
-    proc = run_torchrun(4, "amsp_ext.cli", "profile", "--quick", "--max-size", "4MiB", "--dtype", "float32",
-                        "-o", str(out), "--inter-link", "none (one node)", timeout=180)
+    proc = run_ranks(4, "amsp_ext.cli", "profile", "--quick", "--max-size", "4MiB", "--dtype", "float32",
+                     "-o", str(out), "--inter-link", "none (one node)", timeout=180)
     doc = json.loads(out.read_text())
     assert doc["schema"] == "amsp-profile/1"
     md = doc["metadata"]

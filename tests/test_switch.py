@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import run_ranks
 from parity_check import load_cases, reference
 from test_engine_parity import check_fp32, check_mixed
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("switch")
-    run_torchrun(4, "tests.switch_worker", str(out), timeout=300)
+    run_ranks(4, "tests.switch_worker", str(out), timeout=300)
     return load_cases(out)
 
 

@@ -125,15 +125,18 @@ def test_comm_trace_busy_and_exposed_by_hand(monkeypatch):
     monkeypatch.setattr("amsp_ext.runtime.measure.comm_trace.time.perf_counter", clock)
     w1, w2 = _Work(), _Work()
     p1, p2 = _Pending(100, w1), _Pending(200, w2)
-    with CommTrace() as trace:
-        from amsp_ext.runtime import collectives as C
-        C.observer("issued", "all_reduce", "param_replica[0,2]", p1)  # t=0
-        C.observer("issued", "all_reduce", "param_replica[0,2]", p2)  # t=2
+    from amsp_ext.runtime import collectives as C
+
+    ctx = C.CollectiveContext()
+    with CommTrace(ctx) as trace:
+        ctx.notify("issued", "all_reduce", "param_replica[0,2]", p1)  # t=0
+        ctx.notify("issued", "all_reduce", "param_replica[0,2]", p2)  # t=2
         w1.future.callbacks[0](None)  # completes at t=4
-        C.observer("wait_begin", "all_reduce", "param_replica[0,2]", p2)  # 4.5
+        ctx.notify("wait_begin", "all_reduce", "param_replica[0,2]", p2)  # 4.5
         w2.future.callbacks[0](None)  # 5.0
-        C.observer("wait_end", "all_reduce", "param_replica[0,2]", p2)  # 5.0
-        C.observer("issued", "broadcast", "optim_bcast[0,1]", _Pending(8))  # 6.0, no work
+        ctx.notify("wait_end", "all_reduce", "param_replica[0,2]", p2)  # 5.0
+        ctx.notify("issued", "broadcast", "optim_bcast[0,1]", _Pending(8))  # 6.0, no work
+    assert ctx.observers == []  # the trace left the context as it found it
     s = trace.summary()
     assert s["AR"] == {"count": 2, "bytes": 300, "busy_s": 5.0, "sum_s": 7.0, "exposed_s": 0.5,
                        "incomplete": 0}
@@ -229,15 +232,15 @@ def test_tune_end_to_end_two_ranks(tmp_path):
     calibration that ``amsp plan`` then uses, MFU within (0, 1], and the measured model-state
     bytes against the planner's memory model (an independent count: planner/memory.py)."""
     from amsp_ext.planner.profile import BandwidthProfile
-    from dist_utils import run_torchrun
+    from dist_utils import run_ranks
 
     out, cal = tmp_path / "out", tmp_path / "cal.json"
     plans = "p=1x1,g=1x1,os=1x1;p=2x1,g=2x1,os=2x1"
-    proc = run_torchrun(2, "amsp_ext.cli", "tune", "--model", "tiny-llama", "--seq-len", "32",
-                        "--micro-batch-size", "1", "--profile", LAB_PROFILE, "--gpus-per-node", "2",
-                        "--memory-reserve", "0B", "--steps", "1", "--warmup-steps", "1",
-                        "--repeats", "1", "--probe-steps", "2", "--plans", plans,
-                        "--out", str(out), "--calibrate-out", str(cal), timeout=240)
+    proc = run_ranks(2, "amsp_ext.cli", "tune", "--model", "tiny-llama", "--seq-len", "32",
+                     "--micro-batch-size", "1", "--profile", LAB_PROFILE, "--gpus-per-node", "2",
+                     "--memory-reserve", "0B", "--steps", "1", "--warmup-steps", "1",
+                     "--repeats", "1", "--probe-steps", "2", "--plans", plans,
+                     "--out", str(out), "--calibrate-out", str(cal), timeout=240)
     d = json.loads((out / "tune.json").read_text())
     assert (out / "tune.md").is_file() and (out / "predicted_vs_measured.png").stat().st_size > 0
     assert [r["key"] for r in d["plans"]] == plans.split(";")

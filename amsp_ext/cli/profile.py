@@ -124,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
     init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" else None)
     try:
-        measurements = measure(config, world, device, progress=True)
+        from amsp_ext.runtime.collectives import CollectiveContext
+
+        measurements = measure(config, world, device, progress=True,
+                               comm=CollectiveContext(timeout=config.timeout_s))
     finally:
         dist.destroy_process_group()
     if rank != 0:

@@ -67,7 +67,9 @@ def _warm_process(ctx) -> None:
     del model, loss
 
 
-def run(system: str, spec, out: Path) -> dict:
+def run(system: str, spec, out: Path, coll) -> dict:
+    """One system on this rank; ``coll``: this worker's collective context (the peak's and the
+    records' collectives; an AMSP engine makes its own)."""
     import torch
     import torch.distributed as dist
 
@@ -93,7 +95,7 @@ def run(system: str, spec, out: Path) -> dict:
         patches_applied = patches.apply_needed()
 
     # the MFU denominator: train/metrics.py [Note: one MFU] (every rank at once, best of trials)
-    peak_flops = device_peak(torch.device("cpu"), ctx.param_dtype).flops
+    peak_flops = device_peak(torch.device("cpu"), ctx.param_dtype, comm=coll).flops
 
     _warm_process(ctx)
     live0 = memory.live_tensor_bytes()
@@ -148,7 +150,7 @@ def run(system: str, spec, out: Path) -> dict:
         "comm": comm,
         "breakdown": steps_breakdown,
     }
-    records = C.gather_objects(record, dist.group.WORLD, name="world")  # rank 0 writes the row
+    records = C.gather_objects(coll, record, dist.group.WORLD, name="world")  # rank 0 writes the row
     return {
         "system": system,
         "label": info.label,
@@ -187,13 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         from amsp_ext.runtime.rendezvous import init_process_group
 
         init_process_group(backend, timeout=datetime.timedelta(seconds=spec.dist_timeout_s))
-        result = run(args.system, spec, out)
+        coll = C.CollectiveContext(timeout=spec.dist_timeout_s)
+        result = run(args.system, spec, out, coll)
         if dist.get_rank() == 0:
             result["backend"] = backend
             result["versions"] = _versions()
             result["cluster_link"] = json.loads(os.environ.get("AMSP_CLUSTER_LINK", "null"))
             _write_json(out / "result.json", result)
-        C.barrier(dist.group.WORLD, name="world")
+        C.barrier(coll, dist.group.WORLD, name="world")
         dist.destroy_process_group()
         # [Note: exit without interpreter teardown] About one run in three, a rank that had
         # finished cleanly aborted in interpreter teardown ("terminate called without an active

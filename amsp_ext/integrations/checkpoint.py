@@ -36,12 +36,12 @@ FORMAT = "amsp-deepspeed/1"
 LATEST = "latest"
 
 
-def _check_same_tag(tag: str, timeout: float) -> None:
+def _check_same_tag(comm, tag: str, timeout: float) -> None:
     """DeepSpeed's tag validation: every rank must save under the same tag."""
     from amsp_ext.runtime import collectives as C
 
     digest = hashlib.sha1(tag.encode()).digest()[:16]
-    got = C.all_gather_bytes(digest, None, name="world", timeout=timeout)
+    got = C.all_gather_bytes(comm, digest, None, name="world", timeout=timeout)
     if any(g != digest for g in got):
         bad = next(r for r, g in enumerate(got) if g != digest)
         raise ConfigError(f"checkpoint tag {tag!r} differs between ranks (rank {bad} has another); "
@@ -59,7 +59,7 @@ def _own_loader(engine):
 def save_ds_checkpoint(engine, save_dir, tag=None, client_state=None,
                        save_latest: bool = True) -> str:
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    _check_same_tag(tag, engine.amsp_settings.engine.timeout)
+    _check_same_tag(engine.module.amsp.comm, tag, engine.amsp_settings.engine.timeout)
     save_dir = Path(save_dir)
     path = save_dir / tag  # staged next to itself and published whole (amsp_ext save_checkpoint)
     extra = {"format": FORMAT, "client_state": dict(client_state or {}),
@@ -76,7 +76,7 @@ def save_ds_checkpoint(engine, save_dir, tag=None, client_state=None,
         os.replace(tmp, save_dir / LATEST)
     from amsp_ext.runtime import collectives as C
 
-    C.barrier(None, name="world")  # every rank sees ``latest`` on return
+    C.barrier(engine.module.amsp.comm, None, name="world")  # every rank sees ``latest`` on return
     return str(path)
 
 

@@ -95,7 +95,7 @@ def _check_mpu(mpu: Any) -> None:
                           f"{dist.get_world_size()}; AMSP shards over the whole world")
 
 
-def _broadcast_model(model: nn.Module, timeout: float) -> None:
+def _broadcast_model(comm, model: nn.Module, timeout: float) -> None:
     from amsp_ext.runtime import collectives as C
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
@@ -103,7 +103,8 @@ def _broadcast_model(model: nn.Module, timeout: float) -> None:
         for t in list(model.parameters()) + list(model.buffers()):
             if device is not None and t.device != device:
                 t.data = t.data.to(device)
-            C.broadcast(t.data, 0, None, name="world", async_op=False, timeout=timeout)
+            C.broadcast(comm, t.data, 0, None, name="world", stream=None, async_op=False,
+                        timeout=timeout)  # blocking, before anything reads the model
 
 
 def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: PrecisionSettings,
@@ -189,10 +190,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         for note in prec.notes:
             warnings.warn(f"amsp: {note}", stacklevel=2)
 
+    from amsp_ext.runtime.collectives import CollectiveContext
     from amsp_ext.runtime.shard import shard
 
-    _broadcast_model(model, settings.engine.timeout)
-    sharded, amsp_opt = shard(model, settings.plan, factory, config=shard_config)
+    comm = CollectiveContext(timeout=settings.engine.timeout)  # the engine's, from the first broadcast
+    _broadcast_model(comm, model, settings.engine.timeout)
+    sharded, amsp_opt = shard(model, settings.plan, factory, config=shard_config, comm=comm)
     sharded.amsp.full_state_dict = True  # engine.module saves like the user's model
     scheduler = build_scheduler(amsp_opt, client_scheduler=lr_scheduler, ds_config=cfg)
     loader = _dataloader(training_data, batch, collate_fn, cfg)

@@ -2,8 +2,9 @@
 
 This is the ONLY module of amsp_ext that calls ``torch.distributed`` collectives (FSDP2 issues
 its all-gathers and reduce-scatters through :mod:`amsp_ext.runtime.sync.param_shard`'s comm objects,
-which call back into here). Each function takes its group as an argument plus a ``name`` (the
-group's label, e.g. ``param_replica[0,2]``, see ``PlanMesh.name``), runs under
+which call back into here). Each function takes the ``CollectiveContext`` first ([Note: the
+collective context]), its group as an argument plus a ``name`` (the group's label, e.g.
+``param_replica[0,2]``, see ``PlanMesh.name``) and, when it can run async, its ``stream``; it runs under
 ``record_function("amsp::<op>::<group kind>")`` and returns a work handle when ``async_op``.
 
 [Note: timeouts that name their group]
@@ -15,26 +16,50 @@ CPU thread until the collective finishes, which would serialize the launch queue
 overlap, so there we only make the current stream wait (``Work.wait()``) and rely on the
 process-group timeout (the NCCL watchdog), whose error carries the group description.
 
+[Note: the collective context]
+What the collectives share lives in one ``CollectiveContext`` that is passed to every free
+function as its first argument, as FSDP2 hands its ``FSDPCommContext`` (streams) and its
+process group to ``foreach_all_gather`` rather than keeping them in module state: the counters,
+the observers, the default timeout and the async-save group. The engine owns one (``shard``
+makes it, or takes the caller's ``comm=``; ``switch_plan`` keeps it, so counters and observers
+span a switch) and hands it to every part that issues collectives (FSDP2's comm objects,
+GradSync, ParamSync, the optimizer's norm group, checkpoints, export, the adaptive run). Code
+that issues collectives outside an engine (a training loop's loss all-reduce, ``amsp profile``,
+``amsp compare``'s worker) makes its own. Module globals would let two engines in one process
+(tests, ``amsp tune``'s candidates, a dry run) count into and observe each other, and make a
+test that installs an observer leak it into the next. A pending handle remembers its context
+and timeout, so ``wait(pending)`` needs neither.
+
 [Note: counters]
-``stats`` counts the collectives issued per (op, group kind). The guard-rail tests use it to
-show that a bad plan is refused before any collective, and the benchmarks use it to report
+``ctx.counts`` counts the collectives issued per (op, group kind). The guard-rail tests use it
+to show that a bad plan is refused before any collective, and the benchmarks use it to report
 how many collectives a step issues.
 
 [Note: observer]
-``observer(event, op, name, info)`` sees every collective: ``"issue"`` before it is started,
-``"issued"`` right after with ``info`` = the pending handle (``.work``, ``.nbytes``: the
-collective's v as the planner counts it), ``"wait_begin"`` / ``"wait_end"`` (same handle)
-around every blocking wait. runtime/measure/comm_trace.py turns these into measured and exposed time per kind. A
-handle given to FSDP2 is a ``WorkHandle`` (a ``dist.Work``), so FSDP2's own waits for its
-all-gathers also pass through ``wait`` and are seen (and time out naming their group).
+Each ``fn(event, op, name, info)`` in ``ctx.observers`` sees every collective: ``"issue"``
+before it is started, ``"issued"`` right after with ``info`` = the pending handle (``.work``,
+``.nbytes``: the collective's v as the planner counts it), ``"wait_begin"`` / ``"wait_end"``
+(same handle) around every blocking wait. runtime/measure/comm_trace.py turns these into
+measured and exposed time per kind; ``observing(ctx, fn)`` installs one for a block. A handle
+given to FSDP2 is a ``WorkHandle`` (a ``dist.Work``), so FSDP2's own waits for its all-gathers
+also pass through ``wait`` and are seen (and time out naming their group).
+
+[Note: streams are explicit]
+Every collective that can run asynchronously takes ``stream=`` without a default: the caller
+says where it is issued (and, when blocking, waited for). ``None`` is the current stream, and a
+caller passing it says why that is the right one (FSDP2 calls its comm objects inside its own
+all-gather / reduce-scatter stream; the post-step broadcasts run on the step's stream). On CPU
+(gloo) there are no streams and every caller passes None.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import datetime
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +68,9 @@ from torch.profiler import record_function
 
 __all__ = [
     "barrier",
+    "CollectiveContext",
     "CollectiveTimeout",
+    "DEFAULT_TIMEOUT_S",
     "all_gather_bytes",
     "all_gather_objects",
     "all_gather_into_tensor",
@@ -55,19 +82,48 @@ __all__ = [
     "checkpoint_save",
     "full_tensor",
     "gather_objects",
+    "observing",
     "reduce_scatter_tensor",
-    "stats",
     "wait",
     "WorkHandle",
 ]
 
-# (op, group kind) -> number of collectives issued by this process
-stats: collections.Counter = collections.Counter()
-# Optional observer ``fn(event, op, name, info)`` with event in {"issue", "issued", "wait_begin",
-# "wait_end"} (see [Note: observer]); comm_trace.py and the benchmarks hook in here. Keep it cheap.
-observer = None
+# torch.distributed's own default process-group timeout; EngineConfig.timeout's default too
+DEFAULT_TIMEOUT_S = 600.0
 
-_DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+Observer = Callable[[str, str, str, Any], None]
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class CollectiveContext:
+    """What every collective of one engine (or one loop) shares; see [Note: the collective
+    context]. ``timeout``: seconds a wait may take when the call gives none."""
+
+    timeout: float = DEFAULT_TIMEOUT_S
+    # (op, group kind) -> number of collectives issued through this context ([Note: counters])
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # ``fn(event, op, name, info)``, see [Note: observer]; keep them cheap
+    observers: list[Observer] = dataclasses.field(default_factory=list)
+    # the async-save thread's gloo group and its label, made on first use (``checkpoint_group``)
+    async_save_group: tuple[dist.ProcessGroup, str] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.timeout, (int, float)) or isinstance(self.timeout, bool) or not self.timeout > 0:
+            raise ValueError(f"CollectiveContext.timeout must be a number of seconds > 0, got {self.timeout!r}")
+
+    def notify(self, event: str, op: str, name: str, info: Any) -> None:
+        for fn in self.observers:
+            fn(event, op, name, info)
+
+
+@contextlib.contextmanager
+def observing(ctx: CollectiveContext, fn: Observer):
+    """``fn`` sees every collective of ``ctx`` inside the block."""
+    ctx.observers.append(fn)
+    try:
+        yield fn
+    finally:
+        ctx.observers.remove(fn)
 
 
 class CollectiveTimeout(RuntimeError):
@@ -78,42 +134,43 @@ def _kind(name: str) -> str:
     return name.split("[", 1)[0] if name else "world"
 
 
-def _issue(op: str, name: str) -> None:
-    stats[(op, _kind(name))] += 1
-    if observer is not None:
-        observer("issue", op, name, None)
+def _issue(ctx: CollectiveContext, op: str, name: str) -> None:
+    ctx.counts[(op, _kind(name))] += 1
+    if ctx.observers:
+        ctx.notify("issue", op, name, None)
 
 
-def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+def _seconds(ctx: CollectiveContext, timeout: float | datetime.timedelta | None) -> float:
     if timeout is None:
-        return _DEFAULT_TIMEOUT
+        return float(ctx.timeout)
     if isinstance(timeout, datetime.timedelta):
-        return timeout
-    return datetime.timedelta(seconds=float(timeout))
+        return timeout.total_seconds()
+    return float(timeout)
 
 
 class _Pending:
-    """A work handle plus what ``wait`` needs to name it in a timeout."""
+    """A work handle plus what ``wait`` needs: its context, its timeout, and how to name it."""
 
-    __slots__ = ("work", "op", "name", "on_accelerator", "nbytes")
+    __slots__ = ("work", "op", "name", "on_accelerator", "nbytes", "ctx", "timeout")
 
-    def __init__(self, work: Any, op: str, name: str, on_accelerator: bool, nbytes: int = 0) -> None:
-        self.work, self.op, self.name = work, op, name
+    def __init__(self, ctx: CollectiveContext, work: Any, op: str, name: str, on_accelerator: bool,
+                 nbytes: int, timeout: float) -> None:
+        self.ctx, self.work, self.op, self.name = ctx, work, op, name
         self.on_accelerator = on_accelerator
-        self.nbytes = nbytes
+        self.nbytes, self.timeout = nbytes, timeout
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
 
 
-def _finish(work: Any, op: str, name: str, tensor: torch.Tensor, async_op: bool,
-            timeout, nbytes: int) -> _Pending | None:
-    pending = _Pending(work, op, name, tensor.device.type != "cpu", nbytes)
-    if observer is not None:
-        observer("issued", op, name, pending)
+def _finish(ctx: CollectiveContext, work: Any, op: str, name: str, tensor: torch.Tensor,
+            async_op: bool, timeout, nbytes: int) -> _Pending | None:
+    pending = _Pending(ctx, work, op, name, tensor.device.type != "cpu", nbytes, _seconds(ctx, timeout))
+    if ctx.observers:
+        ctx.notify("issued", op, name, pending)
     if async_op:
         return pending
-    wait(pending, timeout=timeout)
+    wait(pending)
     return None
 
 
@@ -121,70 +178,85 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _on_stream(stream: torch.Stream | None):
+    return contextlib.nullcontext() if stream is None else stream
+
+
 class WorkHandle(dist.Work):
     """A ``dist.Work`` whose ``wait()`` is :func:`wait`: for code that waits on its own (FSDP2),
-    so its waits are timed by the observer and time out naming the group."""
+    so its waits are timed by the observers and time out naming the group."""
 
-    def __init__(self, pending: _Pending, timeout=None) -> None:
+    def __init__(self, pending: _Pending) -> None:
         super().__init__()
-        self._pending, self._timeout = pending, timeout
+        self._pending = pending
 
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - ours is the group's timeout
-        wait(self._pending, timeout=self._timeout)
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - ours is the one given at issue
+        wait(self._pending)
         return True
 
     def is_completed(self) -> bool:
         return self._pending.is_completed()
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, name: str,
+def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, group: dist.ProcessGroup | None, *,
+               name: str, stream: torch.Stream | None,
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = True,
-               timeout=None, stream: torch.Stream | None = None) -> _Pending | None:
-    """Sum (or ``op``) ``tensor`` in place over ``group``. ``stream``: issue (and, if not
-    ``async_op``, wait) on this accelerator stream rather than the current one."""
+               timeout=None) -> _Pending | None:
+    """Sum (or ``op``) ``tensor`` in place over ``group``, issued (and, if not ``async_op``,
+    waited for) on ``stream`` ([Note: streams are explicit])."""
     with _on_stream(stream):
         with record_function(f"amsp::all_reduce::{_kind(name)}"):
-            _issue("all_reduce", name)
+            _issue(ctx, "all_reduce", name)
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-        return _finish(work, "all_reduce", name, tensor, async_op, timeout, _nbytes(tensor))
+        return _finish(ctx, work, "all_reduce", name, tensor, async_op, timeout, _nbytes(tensor))
 
 
-def _on_stream(stream: torch.Stream | None):
-    return contextlib.nullcontext() if stream is None else stream
-
-
-def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, *, name: str,
-              async_op: bool = True, timeout=None) -> _Pending | None:
+def broadcast(ctx: CollectiveContext, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,
+              *, name: str, stream: torch.Stream | None, async_op: bool = True,
+              timeout=None) -> _Pending | None:
     """Broadcast ``tensor`` from global rank ``src`` to the other ranks of ``group``."""
-    with record_function(f"amsp::broadcast::{_kind(name)}"):
-        _issue("broadcast", name)
-        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return _finish(work, "broadcast", name, tensor, async_op, timeout, _nbytes(tensor))
+    with _on_stream(stream):
+        with record_function(f"amsp::broadcast::{_kind(name)}"):
+            _issue(ctx, "broadcast", name)
+            work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+        return _finish(ctx, work, "broadcast", name, tensor, async_op, timeout, _nbytes(tensor))
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                           *, name: str, async_op: bool = True, timeout=None) -> _Pending | None:
-    with record_function(f"amsp::all_gather::{_kind(name)}"):
-        _issue("all_gather", name)
-        work = dist.all_gather_single(output, input, group=group, async_op=True)
-    return _finish(work, "all_gather", name, output, async_op, timeout, _nbytes(output))
+def all_gather_into_tensor(ctx: CollectiveContext, output: torch.Tensor, input: torch.Tensor,
+                           group: dist.ProcessGroup | None, *, name: str, stream: torch.Stream | None,
+                           async_op: bool = True, timeout=None) -> _Pending | None:
+    with _on_stream(stream):
+        with record_function(f"amsp::all_gather::{_kind(name)}"):
+            _issue(ctx, "all_gather", name)
+            work = dist.all_gather_single(output, input, group=group, async_op=True)
+        return _finish(ctx, work, "all_gather", name, output, async_op, timeout, _nbytes(output))
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                          *, name: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                          async_op: bool = True, timeout=None) -> _Pending | None:
-    with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
-        _issue("reduce_scatter", name)
-        work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
-    return _finish(work, "reduce_scatter", name, output, async_op, timeout, _nbytes(input))
+def reduce_scatter_tensor(ctx: CollectiveContext, output: torch.Tensor, input: torch.Tensor,
+                          group: dist.ProcessGroup | None, *, name: str, stream: torch.Stream | None,
+                          op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = True,
+                          timeout=None) -> _Pending | None:
+    with _on_stream(stream):
+        with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
+            _issue(ctx, "reduce_scatter", name)
+            work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
+        return _finish(ctx, work, "reduce_scatter", name, output, async_op, timeout, _nbytes(input))
 
 
-def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: str,
-                     width: int = 128, timeout=None) -> list[bytes]:
+def _host_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a blocking bookkeeping collective's small tensor lives: NCCL needs it on the GPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_bytes(ctx: CollectiveContext, payload: bytes, group: dist.ProcessGroup | None, *,
+                     name: str, width: int = 128, timeout=None) -> list[bytes]:
     """Gather a short byte string (``<= width`` bytes) from every rank of ``group``, in rank order.
 
     Used at init to compare plan/config fingerprints; a fixed-width uint8 all-gather (rather than
-    ``all_gather_object``) so it runs through ``wait`` and its timeout.
+    ``all_gather_object``) so it runs through ``wait`` and its timeout. Blocking, on the current
+    stream (the bytes are read right after).
     """
     if len(payload) > width:
         raise ValueError(f"all_gather_bytes: payload of {len(payload)} bytes exceeds width={width}")
@@ -192,12 +264,13 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: s
 
     size = dist.get_world_size(group)
     backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = _host_device(group)
     row = len(payload).to_bytes(4, "little") + payload + bytes(width - len(payload))  # length, bytes
     with real_tensors():  # host bookkeeping: real bytes even inside a dry run's FakeTensorMode
         mine = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(device)
         out = torch.empty(size * (width + 4), dtype=torch.uint8, device=device)
-        all_gather_into_tensor(out, mine, group, name=name, async_op=False, timeout=timeout)
+        all_gather_into_tensor(ctx, out, mine, group, name=name, stream=None, async_op=False,
+                               timeout=timeout)
         if backend == "fake":  # [Note: dry run] the fake backend moves no data; every simulated
             return [payload] * size  # rank runs the same code, so each sent what this one did
         data = out.cpu().numpy().tobytes()
@@ -205,54 +278,57 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None, *, name: s
     return [r[4: 4 + int.from_bytes(r[:4], "little")] for r in rows]
 
 
-def all_gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, timeout=None) -> list:
+def all_gather_objects(ctx: CollectiveContext, obj: Any, group: dist.ProcessGroup | None, *,
+                       name: str, timeout=None) -> list:
     """Every rank's ``obj`` (as JSON data, runtime/wire.py: tensors, dtypes and tuples travel
     too, nothing is unpickled), in rank order: two ``all_gather_bytes``, the lengths and then the
-    payloads, so it times out naming its group."""
+    payloads, so it waits with ``timeout`` (else the context's) and times out naming its group."""
     from amsp_ext.runtime import wire
 
     mine = wire.dumps(obj, f"object sent on {name}")
-    sizes = all_gather_bytes(len(mine).to_bytes(8, "little"), group, name=name, width=8, timeout=timeout)
+    sizes = all_gather_bytes(ctx, len(mine).to_bytes(8, "little"), group, name=name, width=8,
+                             timeout=timeout)
     width = max(int.from_bytes(s, "little") for s in sizes)
-    got = all_gather_bytes(mine, group, name=name, width=width, timeout=timeout)
+    got = all_gather_bytes(ctx, mine, group, name=name, width=width, timeout=timeout)
     return [wire.loads(g) for g in got]
 
 
-def barrier(group: dist.ProcessGroup | None, *, name: str, timeout=None) -> None:
+def barrier(ctx: CollectiveContext, group: dist.ProcessGroup | None, *, name: str, timeout=None) -> None:
     """Every rank of ``group`` reaches this point (a 1-element all-reduce, so it times out
-    with the group's name like every other collective)."""
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    all_reduce(torch.zeros(1, device=device), group, name=name, async_op=False, timeout=timeout)
+    with the group's name like every other collective; blocking, on the current stream)."""
+    all_reduce(ctx, torch.zeros(1, device=_host_device(group)), group, name=name, stream=None,
+               async_op=False, timeout=timeout)
 
 
 def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> None:
-    """Wait for ``pending`` (from an ``async_op=True`` call); raise CollectiveTimeout naming the group."""
+    """Wait for ``pending`` (from an ``async_op=True`` call) with ``timeout`` (else the one it
+    was issued with); raise CollectiveTimeout naming the group."""
     if pending is None or pending.work is None:
         return
+    ctx = pending.ctx
     label = name or pending.name
     with record_function(f"amsp::wait::{pending.op}::{_kind(label)}"):
-        if observer is not None:
-            observer("wait_begin", pending.op, label, pending)
+        if ctx.observers:
+            ctx.notify("wait_begin", pending.op, label, pending)
         work = pending.work
         if pending.on_accelerator:
             work.wait()  # stream-ordered; see [Note: timeouts that name their group]
         else:
-            td = _as_timedelta(timeout)
+            seconds = pending.timeout if timeout is None else _seconds(ctx, timeout)
             t0 = time.perf_counter()
             try:
-                work.wait(timeout=td)
+                work.wait(timeout=datetime.timedelta(seconds=seconds))
             except RuntimeError as e:
                 waited = time.perf_counter() - t0
-                what = (f"did not complete within {td.total_seconds():g}s"
-                        if waited >= 0.9 * td.total_seconds() else f"failed after {waited:.1f}s")
+                what = (f"did not complete within {seconds:g}s"
+                        if waited >= 0.9 * seconds else f"failed after {waited:.1f}s")
                 raise CollectiveTimeout(
                     f"amsp: {pending.op} on {label} {what} (a rank of {label} died, hangs, or "
                     f"skipped it): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
                 ) from e
         pending.work = None
-        if observer is not None:
-            observer("wait_end", pending.op, label, pending)
+        if ctx.observers:
+            ctx.notify("wait_end", pending.op, label, pending)
 
 
 # -- checkpoint I/O ------------------------------------------------------------------------------
@@ -280,41 +356,40 @@ def checkpoint_reader(path):
     return dcp.HuggingFaceStorageReader(str(path))
 
 
-def checkpoint_save(state_dict: dict, path, *, name: str = "world") -> None:
+def checkpoint_save(ctx: CollectiveContext, state_dict: dict, path, *, name: str = "world") -> None:
     """``torch.distributed.checkpoint.save`` of ``state_dict`` into the directory ``path``."""
     import torch.distributed.checkpoint as dcp
 
     with record_function(f"amsp::checkpoint_save::{_kind(name)}"):
-        _issue("checkpoint_save", name)
+        _issue(ctx, "checkpoint_save", name)
         dcp.save(state_dict, storage_writer=checkpoint_writer(path))
 
 
-_checkpoint_group: tuple[dist.ProcessGroup, str] | None = None
+def checkpoint_group(ctx: CollectiveContext) -> tuple[dist.ProcessGroup, str]:
+    """A gloo group over the whole world for the async-save thread (created once per context,
+    on first use, by every rank, with the context's timeout): the training thread keeps the
+    default group and the plan's groups."""
+    if ctx.async_save_group is None:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ctx.timeout))
+        ctx.async_save_group = (group, f"checkpoint[0..{dist.get_world_size() - 1}]")
+    return ctx.async_save_group
 
 
-def checkpoint_group(timeout) -> tuple[dist.ProcessGroup, str]:
-    """A gloo group over the whole world for the async-save thread (created once, on first use,
-    by every rank): the training thread keeps the default group and the plan's groups."""
-    global _checkpoint_group
-    if _checkpoint_group is None:
-        group = dist.new_group(backend="gloo", timeout=_as_timedelta(timeout))
-        _checkpoint_group = (group, f"checkpoint[0..{dist.get_world_size() - 1}]")
-    return _checkpoint_group
-
-
-def checkpoint_async_save(state_dict: dict, path, *, group: dist.ProcessGroup, name: str):
+def checkpoint_async_save(ctx: CollectiveContext, state_dict: dict, path, *,
+                          group: dist.ProcessGroup, name: str):
     """DCP's ``async_save`` (background thread, coordinating over ``group``): returns once the
     state is staged in CPU memory, with a future that completes when every rank's files and
     ``.metadata`` are written."""
     import torch.distributed.checkpoint as dcp
 
     with record_function(f"amsp::checkpoint_async_save::{_kind(name)}"):
-        _issue("checkpoint_async_save", name)
+        _issue(ctx, "checkpoint_async_save", name)
         return dcp.async_save(state_dict, storage_writer=checkpoint_writer(path),
                               process_group=group)
 
 
-def checkpoint_load(state_dict: dict, path, *, name: str = "world", no_dist: bool = False) -> None:
+def checkpoint_load(ctx: CollectiveContext, state_dict: dict, path, *, name: str = "world",
+                    no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` into ``state_dict`` (in place; objects replaced).
 
     ``no_dist``: read in this process alone (offline export), no collective at all.
@@ -323,25 +398,27 @@ def checkpoint_load(state_dict: dict, path, *, name: str = "world", no_dist: boo
 
     with record_function(f"amsp::checkpoint_load::{_kind(name)}"):
         if not no_dist:
-            _issue("checkpoint_load", name)
+            _issue(ctx, "checkpoint_load", name)
         dcp.load(state_dict, storage_reader=checkpoint_reader(path), no_dist=no_dist)
 
 
-def gather_objects(obj: Any, group: dist.ProcessGroup | None, *, name: str, dst: int = 0,
-                   timeout=None) -> list | None:
+def gather_objects(ctx: CollectiveContext, obj: Any, group: dist.ProcessGroup | None, *, name: str,
+                   dst: int = 0, timeout=None) -> list | None:
     """One small object per rank (JSON data, as ``all_gather_objects``: never a pickle) to
     global rank ``dst``; the others get None. An all-gather underneath (the objects are small),
-    so it runs through ``wait`` and times out naming its group, unlike ``dist.gather_object``."""
-    got = all_gather_objects(obj, group, name=name, timeout=timeout)
+    so it waits with ``timeout`` (else the context's) and times out naming its group, unlike
+    ``dist.gather_object``."""
+    got = all_gather_objects(ctx, obj, group, name=name, timeout=timeout)
     return got if dist.get_rank() == dst else None
 
 
-def full_tensor(tensor: torch.Tensor, *, name: str) -> torch.Tensor:
-    """The whole tensor of a DTensor (its own all-gather over its mesh); a plain tensor as is."""
+def full_tensor(ctx: CollectiveContext, tensor: torch.Tensor, *, name: str) -> torch.Tensor:
+    """The whole tensor of a DTensor (its own all-gather over its mesh, blocking, on the
+    current stream); a plain tensor as is."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
         return tensor
     with record_function(f"amsp::all_gather::{_kind(name)}"):
-        _issue("all_gather", name)
+        _issue(ctx, "all_gather", name)
         return tensor.full_tensor()

@@ -63,6 +63,7 @@ class EngineParts:
     masters: dict[int, nn.Parameter]  # tensor index -> fp32 master, owned only
     grad_sync: GradSync
     param_sync: ParamSync
+    comm: C.CollectiveContext  # collectives.py [Note: the collective context]; kept by a switch
 
 
 class Engine:
@@ -74,6 +75,7 @@ class Engine:
         self.plan, self.world, self.mesh, self.config = parts.plan, parts.world, parts.mesh, parts.config
         self.units, self.tensors, self.device = parts.units, parts.tensors, parts.device
         self.grad_sync, self.param_sync, self.optimizer = parts.grad_sync, parts.param_sync, optimizer
+        self.comm = parts.comm
         self.rank = dist.get_rank()
         # [Note: state dicts on the integration routes] see AMSPModule.state_dict
         self.full_state_dict = full_state_dict
@@ -190,7 +192,7 @@ def full_state_dict(model: "AMSPModule", destination=None, prefix: str = "", kee
     seen: dict[int, torch.Tensor] = {}
     for k, v in sharded.items():
         if id(v) not in seen:
-            full = C.full_tensor(v.detach(), name=name)
+            full = C.full_tensor(model.amsp.comm, v.detach(), name=name)
             seen[id(v)] = v if (keep_vars and not isinstance(v, DTensor)) else full
         out[prefix + k] = seen[id(v)]
     return out
@@ -246,8 +248,8 @@ def run_fingerprint(plan: Plan, config: ShardConfig, world: World, model: nn.Mod
     return f"{plan.fingerprint()}:{config.fingerprint()}:{shapes}:{world.num_nodes}x{world.gpus_per_node}|{plan}".encode()
 
 
-def check_same_everywhere(payload: bytes, config: ShardConfig) -> None:
-    got = C.all_gather_bytes(payload, None, name="world", timeout=config.timeout)
+def check_same_everywhere(comm: C.CollectiveContext, payload: bytes, config: ShardConfig) -> None:
+    got = C.all_gather_bytes(comm, payload, None, name="world", timeout=config.timeout)
     if any(g != got[0] for g in got):
         bad = next(r for r, g in enumerate(got) if g != got[0])
         what = []
@@ -256,7 +258,7 @@ def check_same_everywhere(payload: bytes, config: ShardConfig) -> None:
             if x != y:
                 what.append(field)
         if "config" in what:  # every rank is here: one more gather names the field
-            what[what.index("config")] = _config_difference(config, bad)
+            what[what.index("config")] = _config_difference(comm, config, bad)
         raise MismatchError(
             f"amsp: ranks disagree on the {', '.join(what) or 'setup'}: rank 0 has plan "
             f"{got[0].decode().split('|')[1]}, rank {bad} has plan {got[bad].decode().split('|')[1]} "
@@ -264,9 +266,9 @@ def check_same_everywhere(payload: bytes, config: ShardConfig) -> None:
         )
 
 
-def _config_difference(config: ShardConfig, bad: int) -> str:
+def _config_difference(comm: C.CollectiveContext, config: ShardConfig, bad: int) -> str:
     mine = json.dumps({k: repr(v) for k, v in config.fingerprint_fields().items()}).encode()
-    got = [json.loads(g) for g in C.all_gather_bytes(mine, None, name="world", width=4096,
+    got = [json.loads(g) for g in C.all_gather_bytes(comm, mine, None, name="world", width=4096,
                                                     timeout=config.timeout)]
     fields = [k for k in got[0] if got[0][k] != got[bad].get(k)]
     return "config (" + ", ".join(f"field {k}: {got[0][k]} on rank 0, {got[bad][k]} on rank {bad}"
@@ -274,7 +276,7 @@ def _config_difference(config: ShardConfig, bad: int) -> str:
 
 
 @torch.no_grad()
-def same_initial_weights(model: nn.Module, config: ShardConfig) -> None:
+def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: ShardConfig) -> None:
     """[Note: initial weights agree]
     Every rank must start from the same weights, or the replicas silently train a mix (a
     rank-dependent seed is enough). ``init_weights="broadcast"`` (default, as DDP): rank 0's
@@ -283,14 +285,16 @@ def same_initial_weights(model: nn.Module, config: ShardConfig) -> None:
     users who want to know that their ranks built different models)."""
     tensors = list({id(t): t for t in (*model.parameters(), *model.buffers())}.values())
     if config.init_weights == "broadcast":
-        pending = [C.broadcast(t.detach(), 0, None, name="world", timeout=config.timeout) for t in tensors]
+        # all issued, then waited for, on the current stream (the model's tensors are there)
+        pending = [C.broadcast(comm, t.detach(), 0, None, name="world", stream=None,
+                               timeout=config.timeout) for t in tensors]
         for p in pending:
-            C.wait(p, timeout=config.timeout)
+            C.wait(p)
         return
     h = hashlib.sha256()
     for t in tensors:
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    got = C.all_gather_bytes(h.digest()[:16], None, name="world", timeout=config.timeout)
+    got = C.all_gather_bytes(comm, h.digest()[:16], None, name="world", timeout=config.timeout)
     differ = [r for r, g in enumerate(got) if g != got[0]]
     if differ:
         raise MismatchError(
@@ -339,7 +343,7 @@ def norm_group(parts: EngineParts) -> NormGroup:
     # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
     world = GroupHandle(pg=dist.group.WORLD, name="world", size=parts.world.size,
                         timeout=parts.config.timeout, cross_node=parts.world.num_nodes > 1)
-    return NormGroup(group=world, replicas=parts.world.size // parts.mesh.size("optim"))
+    return NormGroup(group=world, replicas=parts.world.size // parts.mesh.size("optim"), comm=parts.comm)
 
 
 def run_info(parts: EngineParts) -> dict:
@@ -347,16 +351,16 @@ def run_info(parts: EngineParts) -> dict:
 
 
 def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
-                device: torch.device) -> EngineParts:
+                device: torch.device, comm: C.CollectiveContext) -> EngineParts:
     """Steps 3-6 of [Note: order of construction] on an fp32 model that every rank holds whole:
     the mesh, the units (FSDP2 when sp > 1), the layout, the owners' fp32 masters, the model in
-    the compute dtype, GradSync and ParamSync (not yet installed)."""
+    the compute dtype, GradSync and ParamSync (not yet installed), all issuing through ``comm``."""
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
         mesh = build_plan_mesh(plan, world, device_type=device.type,
                                timeout=datetime.timedelta(seconds=config.timeout))
     units = list_units(model, config.granularity)
     if plan.sp > 1:
-        apply_fsdp(model, units, mesh.submeshes["param_shard"], name=mesh.name("param_shard"),
+        apply_fsdp(model, units, mesh.submeshes["param_shard"], comm, name=mesh.name("param_shard"),
                    timeout=config.timeout, overlap_allgather=config.overlap.allgather,
                    reduce_dtype=reduce_dtype_of(config))
         refresh_params(units, model)
@@ -381,20 +385,21 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
             _to_dtype_keep_buffers(model, dtype)
 
     grad_sync = GradSync(
-        tensors, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
+        tensors, comm=comm, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
         dp_size=world.size,
         replica=mesh.handle("param_replica", timeout=config.timeout),
         grad=mesh.handle("grad", timeout=config.timeout),
         overlap=config.overlap.allreduce, reduce_dtype=reduce_dtype_of(config))
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
     param_sync = ParamSync(
-        tensors, units, group=mesh.handle("optim_bcast", timeout=config.timeout), rank=rank,
+        tensors, units, comm=comm, group=mesh.handle("optim_bcast", timeout=config.timeout), rank=rank,
         prefetch=fwd_prefetch, overlap=config.overlap.broadcast,
         bucket_bytes=config.broadcast_staging_bytes)
     if plan.sp > 1 and device.type != "cpu":
         param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
     return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,
-                       device=device, masters=masters, grad_sync=grad_sync, param_sync=param_sync)
+                       device=device, masters=masters, grad_sync=grad_sync, param_sync=param_sync,
+                       comm=comm)
 
 
 def install(model: nn.Module, engine: Engine) -> None:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from amsp_ext.train.faults import faults
 from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.plan import Plan, validate_plan
+from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import (check_same_everywhere, engine_device, enable_recompute, run_fingerprint,
@@ -32,7 +33,8 @@ __all__ = ["shard"]
 
 def shard(model: nn.Module, plan: "Plan | str",
           optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
-          config: ShardConfig | None = None) -> tuple[nn.Module, AMSPOptimizer]:
+          config: ShardConfig | None = None,
+          comm: C.CollectiveContext | None = None) -> tuple[nn.Module, AMSPOptimizer]:
     """Shard ``model`` (fp32) under ``plan``; return it and its optimizer. Rank 0's initial
     weights are broadcast to the others (``config.init_weights``).
 
@@ -40,6 +42,9 @@ def shard(model: nn.Module, plan: "Plan | str",
     ``zero2``, ``zero3``, ``mics:K``) or ``"auto"``. ``optimizer_factory(masters)`` builds the
     inner optimizer over the fp32 masters this rank owns (a list, forward order; each master
     has ``.amsp_name``, the model's parameter name, to build param groups from).
+    ``comm``: the engine's collective context (collectives.py [Note: the collective context]);
+    a caller passes its own to count or observe the engine's collectives from the first one on
+    (None: a new one with ``config.timeout``). It is ``model.amsp.comm`` afterwards.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"amsp_ext.shard: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -57,6 +62,9 @@ def shard(model: nn.Module, plan: "Plan | str",
     config = config or ShardConfig()
     if not isinstance(config, ShardConfig):
         raise ValueError(f"config must be a ShardConfig, got {type(config).__name__}")
+    if comm is not None and not isinstance(comm, C.CollectiveContext):
+        raise ValueError(f"comm must be a collectives.CollectiveContext, got {type(comm).__name__}")
+    comm = comm if comm is not None else C.CollectiveContext(timeout=config.timeout)
     check_replannable(plan, config.adaptive, flag="config.adaptive.allow_replan")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("amsp_ext.shard needs torch.distributed initialized (torchrun + init_process_group)")
@@ -70,14 +78,14 @@ def shard(model: nn.Module, plan: "Plan | str",
     # the monitor's planner problem (reads the profile), before any collective: bad input fails here
     problem = planner_problem(model, world, config) if config.adaptive is not None else None
     # -- first collective ------------------------------------------------------------------
-    check_same_everywhere(run_fingerprint(plan, config, world, model), config)
+    check_same_everywhere(comm, run_fingerprint(plan, config, world, model), config)
     device = engine_device()
     if device.type != "cpu":
         model.to(device)
-    same_initial_weights(model, config)
+    same_initial_weights(comm, model, config)
     if config.recompute:
         enable_recompute(model)
-    parts = build_parts(model, plan, world, config, device)
+    parts = build_parts(model, plan, world, config, device, comm)
     optimizer = AMSPOptimizer(
         parts.masters, optimizer_factory, tensors=parts.tensors, grads=parts.grad_sync,
         params=parts.param_sync, device=device, precision=config.precision, fp16=config.fp16,

@@ -87,13 +87,15 @@ def train(config: TrainConfig) -> dict | None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = pick_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
     log = print if (rank == 0 and not config.output.json) else (lambda *a, **k: None)
+    # the run's collective context: the engine's, and this loop's own collectives go through it
+    comm = collectives.CollectiveContext(timeout=e.timeout)
 
     # -- 2. model and plan -------------------------------------------------------------------
     model = build_llama(config.model, seed=config.seed)
     num_params = sum(p.numel() for p in model.parameters())
     engine_config = shard_config(config)
     model, optimizer = amsp_ext.shard(model, config.plan, optimizer_factory(config),
-                                      config=engine_config)
+                                      config=engine_config, comm=comm)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
     log(f"amsp train: {config.model} ({num_params / 1e6:.2f}M params) on {world_size} ranks "
         f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}), plan {model.amsp.plan}")
@@ -116,7 +118,7 @@ def train(config: TrainConfig) -> dict | None:
         adaptive.num_steps = len(history)  # a resumed run goes on counting
 
     # -- 4. the peak for MFU (train/metrics.py [Note: one MFU]) ---------------------------------
-    peak = device_peak(device, compute_dtype(engine_config), timeout=e.timeout)
+    peak = device_peak(device, compute_dtype(engine_config), comm=comm)
 
     # -- 5. the loop: global batch after global batch, until steps x global batch samples ---
     tokens_per_rank_step = b.micro_batches * b.micro_batch_size * b.seq_len
@@ -154,7 +156,7 @@ def train(config: TrainConfig) -> dict | None:
     mine = {"peak_memory_bytes": metrics.peak_memory_bytes(device),
             "model_state_bytes": model.model_state_bytes()}
     per_rank = [json.loads(r) for r in collectives.all_gather_bytes(
-        json.dumps(mine).encode(), dist.group.WORLD, name="world", width=1024, timeout=e.timeout)]
+        comm, json.dumps(mine).encode(), dist.group.WORLD, name="world", width=1024, timeout=e.timeout)]
     result = None
     if rank == 0:
         result = _summary(config, model, start, history=history, samples=samples, step_times=step_times,
@@ -163,7 +165,7 @@ def train(config: TrainConfig) -> dict | None:
         log(f"done: {tokens_per_gpu_per_s:.0f} tokens/GPU/s, MFU {result['mfu']:.1%} "
             f"(peak {peak.flops / 1e9:.1f} GFLOP/s per rank, {peak.source})"
             + (f"; {result['mfu_check']}" if result["mfu_check"] else ""))
-    collectives.barrier(dist.group.WORLD, name="world", timeout=e.timeout)
+    collectives.barrier(comm, dist.group.WORLD, name="world", timeout=e.timeout)
     dist.destroy_process_group()
     return result
 
@@ -193,8 +195,8 @@ def train_step(model, optimizer, scheduler, config: TrainConfig, *, samples: int
     scheduler.step()
     optimizer.zero_grad()
     # the logged loss is the global-batch mean: average over the data-parallel world
-    collectives.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
-                           timeout=config.engine.timeout)
+    collectives.all_reduce(model.amsp.comm, step_loss, dist.group.WORLD, name="world", stream=None,
+                           async_op=False, timeout=config.engine.timeout)  # blocking, read next
     return step_loss.item() / world_size, grad_norm, optimizer.skipped_steps == skipped
 
 
@@ -210,7 +212,8 @@ def _start(config: TrainConfig, model, optimizer, scheduler, *, global_batch: in
     """Fresh, or from a checkpoint: ``--resume``, or after an elastic restart the newest one."""
     ck = config.checkpoint
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    resume = _agreed_resume("auto" if restart else ck.resume, ck.save_dir, config.engine.timeout)
+    resume = _agreed_resume(model.amsp.comm, "auto" if restart else ck.resume, ck.save_dir,
+                            config.engine.timeout)
     if resume is None:
         if restart or ck.resume == "auto":
             log(f"no checkpoint in {ck.save_dir} yet: a fresh start")
@@ -265,10 +268,11 @@ def _summary(config: TrainConfig, model, start: _Start, *, history: list, sample
     return result
 
 
-def _agreed_resume(resume: str | None, save_dir: str | None, timeout: float) -> Path | None:
+def _agreed_resume(comm: collectives.CollectiveContext, resume: str | None, save_dir: str | None,
+                   timeout: float) -> Path | None:
     """The checkpoint to start from, as rank 0 resolves it (every rank takes the same)."""
     mine = resolve_resume(resume, save_dir) if dist.get_rank() == 0 else None
-    got = collectives.all_gather_bytes(str(mine or "").encode(), dist.group.WORLD, name="world",
+    got = collectives.all_gather_bytes(comm, str(mine or "").encode(), dist.group.WORLD, name="world",
                                        width=4096, timeout=timeout)[0].decode()
     return Path(got) if got else None
 

@@ -58,10 +58,11 @@ def run_tune(config, *, command: str) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     num_nodes = world // R
     load_start = list(os.getloadavg())
+    comm = C.CollectiveContext(timeout=config.engine.timeout)  # the run's, every plan's engine too
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.engine.precision]
-    peak = device_peak(device, dtype, timeout=config.engine.timeout,
-                               override_flops=t.peak_tflops * 1e12 if t.peak_tflops else None)
+    peak = device_peak(device, dtype, comm=comm,
+                       override_flops=t.peak_tflops * 1e12 if t.peak_tflops else None)
     gpu_memory = config.planner.gpu_memory_bytes or _device_memory(device, R)
     problems = make_problems(config, num_nodes=num_nodes, gpus_per_node=R,
                              gpu_memory_bytes=gpu_memory, peak_flops=peak.flops)
@@ -78,9 +79,9 @@ def run_tune(config, *, command: str) -> int:
                                 refresh=False)
             bar.update(1)
 
-    mine = run_rounds(config, candidates, gpus_per_node=R, device=device, on_done=on_done)
-    records = C.gather_objects(mine, dist.group.WORLD, name="world")
-    C.barrier(dist.group.WORLD, name="world", timeout=config.engine.timeout)
+    mine = run_rounds(config, candidates, gpus_per_node=R, device=device, comm=comm, on_done=on_done)
+    records = C.gather_objects(comm, mine, dist.group.WORLD, name="world")  # the run's timeout
+    C.barrier(comm, dist.group.WORLD, name="world")
     dist.destroy_process_group()
     if bar is not None:
         bar.close()

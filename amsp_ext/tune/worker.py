@@ -79,7 +79,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def compute_probe(config: TuneConfig, device) -> dict[str, float]:
+def compute_probe(config: TuneConfig, device, comm: C.CollectiveContext) -> dict[str, float]:
     """Median forward, backward and optimizer-step seconds of the unsharded model (see the Note);
     call on every rank at once."""
     from amsp_ext.train.models import causal_lm_loss
@@ -96,7 +96,7 @@ def compute_probe(config: TuneConfig, device) -> dict[str, float]:
     world_group = dist.group.WORLD
 
     def together() -> None:  # every rank starts the next phase at once, as in training
-        C.barrier(world_group, name="world", timeout=timeout)
+        C.barrier(comm, world_group, name="world", timeout=timeout)
 
     for step in range(config.tune.probe_steps):
         f = b = 0.0
@@ -120,15 +120,17 @@ def compute_probe(config: TuneConfig, device) -> dict[str, float]:
         fwd.append(f)
         bwd.append(b)
         step_t.append(time.perf_counter() - t2)
-    C.barrier(dist.group.WORLD, name="world", timeout=timeout)
+    C.barrier(comm, dist.group.WORLD, name="world", timeout=timeout)
     del model, opt
     gc.collect()
     return {"forward_s": statistics.median(fwd[1:]) / M, "backward_s": statistics.median(bwd[1:]) / M,
             "optimizer_s": statistics.median(step_t[1:])}
 
 
-def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, device) -> dict[str, Any]:
-    """One plan on this rank (see [Note: one plan, one rank]): its record."""
+def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, device,
+                 comm: C.CollectiveContext) -> dict[str, Any]:
+    """One plan on this rank (see [Note: one plan, one rank]): its record. ``comm``: the run's
+    collective context; the plan's engine issues through it and the trace observes it."""
     import amsp_ext
     from amsp_ext.compare import memory
     from amsp_ext.train.metrics import peak_memory_bytes
@@ -140,7 +142,7 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     engine_config = engine_shard_config(engine, config.planner, config.batch)
     gc.collect()
     _trim_heap()  # the previous plan's freed memory back to the OS, so its reuse shows in RSS
-    C.barrier(dist.group.WORLD, name="world", timeout=timeout)
+    C.barrier(comm, dist.group.WORLD, name="world", timeout=timeout)
     rss0 = memory.rss_bytes()
     hwm_reset = memory.reset_peak_rss() and device.type == "cpu"
     if device.type == "cuda":
@@ -149,10 +151,10 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     groups_before = set(compat.live_process_groups())
     t_setup = time.perf_counter()
     model, opt = amsp_ext.shard(build_model(config), cand.plan, adamw_factory(optim),
-                                config=engine_config)
+                                config=engine_config, comm=comm)
     setup_s = time.perf_counter() - t_setup
     steps: list[dict[str, Any]] = []
-    with CommTrace() as trace:
+    with CommTrace(comm) as trace:
         for step in range(config.tune.warmup_steps + config.batch.steps):
             phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
             t_start = time.perf_counter()
@@ -177,8 +179,8 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
             opt.zero_grad()
             _sync(device)
             t_opt_end = time.perf_counter()
-            C.all_reduce(step_loss, dist.group.WORLD, name="world", async_op=False,
-                         timeout=timeout)
+            C.all_reduce(comm, step_loss, dist.group.WORLD, name="world", stream=None,
+                         async_op=False, timeout=timeout)  # blocking, after _sync
             t_end = time.perf_counter()
             phases["optimizer"] = [(t_opt, t_opt_end)]
             phases["loss_sync"] = [(t_opt_end, t_end)]
@@ -187,7 +189,7 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
             steps.append({"step_s": t_end - t_start, "loss": float(step_loss.item()),
                           "window": (t_start, t_end), "phases": phases})
         model.amsp.wait_params()  # the last broadcasts complete before the trace is read
-        C.barrier(dist.group.WORLD, name="world", timeout=timeout)
+        C.barrier(comm, dist.group.WORLD, name="world", timeout=timeout)
     for st in steps:  # a step's collectives: issued in its window (completed whenever)
         t_start, t_end = st.pop("window")
         st["comm"] = trace.summary(t_start, t_end)
@@ -261,9 +263,11 @@ def _phase_times(trace: CommTrace, phases: dict[str, list[tuple[float, float]]]
 
 
 def run_rounds(config: TuneConfig, candidates: list[Candidate], *, gpus_per_node: int, device,
+               comm: C.CollectiveContext,
                on_done: Callable[[int, int, Candidate, dict], None] | None = None
                ) -> dict[str, Any]:
-    """Every round (probe, then every plan in the round's order); this rank's records."""
+    """Every round (probe, then every plan in the round's order); this rank's records, every
+    collective through the run's ``comm``."""
     from amsp_ext.compare.rounds import round_order
 
     probes, runs = [], []
@@ -271,10 +275,10 @@ def run_rounds(config: TuneConfig, candidates: list[Candidate], *, gpus_per_node
     done = 0
     for r in range(config.tune.repeats):
         load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-        probes.append({"round": r + 1, **compute_probe(config, device), "load": load})
+        probes.append({"round": r + 1, **compute_probe(config, device, comm), "load": load})
         for position, cand in enumerate(round_order(candidates, r)):
             t0 = time.time()
-            rec = measure_plan(config, cand, gpus_per_node=gpus_per_node, device=device)
+            rec = measure_plan(config, cand, gpus_per_node=gpus_per_node, device=device, comm=comm)
             rec.update(plan=cand.key, round=r + 1, position=position + 1, started_at=t0,
                        load=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
             runs.append(rec)

@@ -1,4 +1,5 @@
-"""Measured and exposed time of each collective kind, from collectives.py's observer.
+"""Measured and exposed time of each collective kind, as an observer of a collective context
+(collectives.py [Note: observer]).
 
 ``amsp tune`` compares these with the planner's predictions and fits the step model's overlap
 constants on them (planner/fit.py).
@@ -73,21 +74,22 @@ class _Record:
 
 @dataclass
 class CommTrace:
-    """Install with ``with CommTrace() as trace:``; ``summary(t0, t1)`` per kind."""
+    """Install with ``with CommTrace(model.amsp.comm) as trace:`` (it observes that context's
+    collectives: the engine's, or a context the caller passed to ``shard``); ``summary(t0, t1)``
+    per kind."""
 
+    comm: C.CollectiveContext
     records: list[_Record] = field(default_factory=list)
     waits: list[tuple[str, float, float]] = field(default_factory=list)
     _open: dict[int, tuple[str, float]] = field(default_factory=dict)
     _by_handle: dict[int, _Record] = field(default_factory=dict)
-    _previous: Any = None
 
     def __enter__(self) -> "CommTrace":
-        self._previous = C.observer
-        C.observer = self._observe
+        self.comm.observers.append(self._observe)
         return self
 
     def __exit__(self, *exc) -> None:
-        C.observer = self._previous
+        self.comm.observers.remove(self._observe)
 
     def clear(self) -> None:
         self.records.clear()

@@ -10,8 +10,9 @@ once and moves no data), then under ``FakeTensorMode`` (tensors with shapes, dty
 no storage) the model is built (weights never initialised: on ``meta``, then given fake storage),
 ``amsp_ext.shard`` applies the plan exactly as a real run does (same groups, buckets, ownership),
 and ``steps`` full steps run (M micro-batches forward/backward, clip, optimizer step, the
-post-step broadcasts). Every collective runtime/collectives.py issues is logged through its
-``observer`` (kind, group size, cross-node, bytes as the planner counts them, phase), and
+post-step broadcasts). Every collective runtime/collectives.py issues is logged by an observer
+of the collective context ``run_rank`` hands to ``shard`` (kind, group size, cross-node, bytes
+as the planner counts them, phase), and
 torch's ``MemTracker`` counts the step's memory by category.
 
 What a fake run cannot be, and how it is handled:
@@ -240,8 +241,9 @@ def _sdpa_kernel(model, spec: DryRunSpec, device) -> str:
 
 
 class CollectiveLog:
-    """collectives.py's observer: one record per issued collective (kind, group kind, group
-    size, cross-node, bytes as the planner counts them, phase). ``phase`` is set by the loop."""
+    """An observer of the run's collective context (collectives.py [Note: observer]): one
+    record per issued collective (kind, group kind, group size, cross-node, bytes as the planner
+    counts them, phase). ``phase`` is set by the loop."""
 
     def __init__(self, *, world: int, gpus_per_node: int) -> None:
         self.world, self.R = world, gpus_per_node
@@ -300,7 +302,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
     clog = CollectiveLog(world=spec.world, gpus_per_node=spec.gpus_per_node)
-    C.observer = clog
+    comm = C.CollectiveContext(timeout=spec.engine.timeout, observers=[clog])  # from shard's first one
     device = torch.device("cpu")
     config = dataclasses.replace(spec.engine, gpus_per_node=spec.gpus_per_node)
     mem: dict = {}
@@ -308,7 +310,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         model = _build_fake_model(spec, device)
         t_build = time.perf_counter()
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                                    config=config)
+                           config=config, comm=comm)
         t_shard = time.perf_counter()
         tracker = compat.mem_tracker()
         tracker.track_external(model, opt)

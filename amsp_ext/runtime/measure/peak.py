@@ -24,11 +24,16 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_shared_peak(device: torch.device, dtype: torch.dtype, *, n: int = 1024,
-                        reps: int = 4, trials: int = 5, group=None, timeout: float = 300.0) -> float:
+                        reps: int = 4, trials: int = 5, group=None,
+                        comm: C.CollectiveContext | None = None) -> float:
     """Per-rank dense-matmul FLOP/s with every rank of ``group`` busy (train/metrics.py [Note: a peak that is stable for the device]): per trial,
     a barrier, ``reps`` ``n x n`` matmuls per rank, rate = work / slowest rank's time; the best
-    trial. Without torch.distributed initialised, one process alone."""
+    trial. Without torch.distributed initialised, one process alone; with it, the barrier and
+    the all-reduce go through ``comm`` (the caller's collective context, with its timeout)."""
     distributed = dist.is_available() and dist.is_initialized()
+    if distributed and comm is None:
+        raise ValueError("measure_shared_peak: torch.distributed is initialized, so pass comm= "
+                         "(a collectives.CollectiveContext) for its barrier and all-reduce")
     if distributed and group is None:
         group = dist.group.WORLD
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -38,7 +43,7 @@ def measure_shared_peak(device: torch.device, dtype: torch.dtype, *, n: int = 10
     best = 0.0
     for _ in range(trials):
         if distributed:
-            C.barrier(group, name="world", timeout=timeout)
+            C.barrier(comm, group, name="world")
         t0 = time.perf_counter()
         for _ in range(reps):
             a @ b
@@ -47,14 +52,14 @@ def measure_shared_peak(device: torch.device, dtype: torch.dtype, *, n: int = 10
         if distributed:
             if dist.get_backend(group) == "nccl":
                 elapsed = elapsed.to(device)
-            C.all_reduce(elapsed, group, name="world", op=dist.ReduceOp.MAX, async_op=False,
-                         timeout=timeout)
+            C.all_reduce(comm, elapsed, group, name="world", stream=None, op=dist.ReduceOp.MAX,
+                         async_op=False)  # blocking, after _sync
         best = max(best, 2.0 * n**3 * reps / float(elapsed.item()))
     return best
 
 
 def device_peak(device: torch.device, dtype: torch.dtype, *, override_flops: float | None = None,
-                group=None, timeout: float = 300.0) -> Peak:
+                group=None, comm: C.CollectiveContext | None = None) -> Peak:
     """The MFU denominator for this run (train/metrics.py [Note: one MFU]). Collective when measured on CPU: every
     rank of ``group`` must call it at the same point."""
     if override_flops is not None:
@@ -66,7 +71,7 @@ def device_peak(device: torch.device, dtype: torch.dtype, *, override_flops: flo
         table = table_peak(name)
         if table is not None:
             return Peak(flops=table, source=f"datasheet dense bf16/fp16 peak of {name}", measured=False)
-    flops = measure_shared_peak(device, dtype, group=group, timeout=timeout)
+    flops = measure_shared_peak(device, dtype, group=group, comm=comm)
     dt = str(dtype).replace("torch.", "")
     return Peak(flops=flops, measured=True,
                 source=f"measured on {name}: best of 5 trials of {dt} 1024x1024 matmuls, every "

@@ -70,31 +70,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _collective(case: Case, numel: int, group, name: str, src: int, dtype, device, timeout: float
-                ) -> Callable[[], None]:
-    """A closure running ``case.op`` once on preallocated buffers of ``numel`` elements (v)."""
+def _collective(comm: C.CollectiveContext, case: Case, numel: int, group, name: str, src: int, dtype,
+                device, timeout: float) -> Callable[[], None]:
+    """A closure running ``case.op`` once on preallocated buffers of ``numel`` elements (v):
+    blocking, on the current stream (the loop synchronizes the device after it)."""
     n = case.size
-    kw = dict(name=name, async_op=False, timeout=timeout)
+    kw = dict(name=name, stream=None, async_op=False, timeout=timeout)
     if case.op == "allreduce":
         buf = torch.zeros(numel, dtype=dtype, device=device)
-        return lambda: C.all_reduce(buf, group, **kw)
+        return lambda: C.all_reduce(comm, buf, group, **kw)
     if case.op == "broadcast":
         buf = torch.zeros(numel, dtype=dtype, device=device)
-        return lambda: C.broadcast(buf, src, group, **kw)
+        return lambda: C.broadcast(comm, buf, src, group, **kw)
     if case.op == "allgather":
         out = torch.empty(numel, dtype=dtype, device=device)
         shard = torch.zeros(numel // n, dtype=dtype, device=device)
-        return lambda: C.all_gather_into_tensor(out, shard, group, **kw)
+        return lambda: C.all_gather_into_tensor(comm, out, shard, group, **kw)
     if case.op == "reducescatter":
         inp = torch.zeros(numel, dtype=dtype, device=device)
         out = torch.empty(numel // n, dtype=dtype, device=device)
-        return lambda: C.reduce_scatter_tensor(out, inp, group, **kw)
+        return lambda: C.reduce_scatter_tensor(comm, out, inp, group, **kw)
     raise ProfileError(f"op must be one of allreduce, allgather, reducescatter, broadcast, got {case.op!r}")
 
 
 def measure(config: ProfileConfig, world: World, device: torch.device, *,
-            progress: bool = False) -> list[Measurement]:
-    """Every rank calls this with the same arguments; returns the same list on every rank."""
+            comm: C.CollectiveContext, progress: bool = False) -> list[Measurement]:
+    """Every rank calls this with the same arguments; returns the same list on every rank.
+    ``comm``: the collective context every measured collective goes through."""
     if dist.get_world_size() != world.size:
         raise ProfileError(
             f"world size {dist.get_world_size()} != nodes x gpus_per_node = "
@@ -110,7 +112,8 @@ def measure(config: ProfileConfig, world: World, device: torch.device, *,
     flag = torch.zeros(1, device=device)
 
     def barrier() -> None:
-        C.all_reduce(flag, None, name="world", async_op=False, timeout=config.timeout_s)
+        C.all_reduce(comm, flag, None, name="world", stream=None, async_op=False,
+                     timeout=config.timeout_s)
         _sync(device)
 
     bar = None
@@ -128,7 +131,8 @@ def measure(config: ProfileConfig, world: World, device: torch.device, *,
             m = Measurement(op=case.op, p0=case.p0, p1=case.p1)
             for nbytes in sizes:
                 numel, moved = buffer_numel(case.op, nbytes, case.size, config.element_size)
-                run_once = _collective(case, numel, group, name, mine[0], dtype, device, config.timeout_s)
+                run_once = _collective(comm, case, numel, group, name, mine[0], dtype, device,
+                                       config.timeout_s)
                 times = []
                 for rep in range(config.num_warmup + config.num_reps):
                     barrier()
@@ -138,8 +142,8 @@ def measure(config: ProfileConfig, world: World, device: torch.device, *,
                     if rep >= config.num_warmup:
                         times.append(time.perf_counter() - t0)
                 slowest = torch.tensor(times, dtype=torch.float64, device=device)
-                C.all_reduce(slowest, None, name="world", op=dist.ReduceOp.MAX, async_op=False,
-                             timeout=config.timeout_s)
+                C.all_reduce(comm, slowest, None, name="world", stream=None, op=dist.ReduceOp.MAX,
+                             async_op=False, timeout=config.timeout_s)
                 m.points.append((moved, statistics.median(slowest.cpu().tolist())))
                 del run_once
                 if bar is not None:

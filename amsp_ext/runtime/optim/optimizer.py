@@ -86,6 +86,11 @@ class NormGroup:
 
     group: GroupHandle | None = None
     replicas: int = 1
+    comm: C.CollectiveContext | None = None  # the engine's (collectives.py); needed with a group
+
+    def __post_init__(self) -> None:
+        if self.group is not None and self.comm is None:
+            raise ValueError("NormGroup: a group needs the engine's collective context (comm=)")
 
     @property
     def name(self) -> str:
@@ -199,7 +204,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         g = self._norm_group
         if g.group is not None:
-            C.all_reduce(t, g.group.pg, name=g.group.name, op=op, async_op=False, timeout=g.group.timeout)
+            C.all_reduce(g.comm, t, g.group.pg, name=g.group.name, stream=None, op=op, async_op=False,
+                         timeout=g.group.timeout)  # blocking, on the step's (current) stream
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm (of the unscaled, averaged gradients); clip to ``max_norm``."""
@@ -284,7 +290,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         ranks = None
         g = self._norm_group
         if self.guard.enabled and counts and g.group is not None:  # rare: name the ranks
-            flags = C.all_gather_bytes(b"1" if self.guard.loss_was_bad() else b"0", g.group.pg,
+            flags = C.all_gather_bytes(g.comm, b"1" if self.guard.loss_was_bad() else b"0", g.group.pg,
                                        name=g.group.name, timeout=g.group.timeout)
             ranks = [r for r, f in enumerate(flags) if f == b"1"]
         if self.guard.enabled:

@@ -112,7 +112,8 @@ class AdaptiveRun:
         self._boundary = time.perf_counter()
         self.monitor = Monitor(adaptive)
         self.scales = (1.0, 1.0)
-        self.trace = CommTrace()
+        self.comm = model.amsp.comm  # the engine's; a switch keeps it, so the trace stays on
+        self.trace = CommTrace(self.comm)
         self.windows: list[tuple[int, float, float]] = []  # (step, begin, end) not yet read
         self.decisions: list[Decision] = []
         # the observed steps' measured/predicted per kind (the monitor's input; a benchmark
@@ -167,7 +168,8 @@ class AdaptiveRun:
         s, a, b = self.windows.pop(0)  # the previous step: all its collectives are complete
         mine = self._measured(s, a, b)
         vec = torch.tensor([mine[k] for k in KINDS] + [self._switch_cost()], dtype=torch.float64)
-        C.all_reduce(vec, dist.group.WORLD, name="world", async_op=False, timeout=self.timeout)
+        C.all_reduce(self.comm, vec, dist.group.WORLD, name="world", stream=None, async_op=False,
+                     timeout=self.timeout)  # host floats, blocking
         vec /= dist.get_world_size()
         agreed = dict(zip(KINDS, vec[:len(KINDS)].tolist()))
         cost = float(vec[len(KINDS)])

@@ -87,7 +87,7 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
                          "optimizer.zero_grad()), not with gradients pending")
     _check_optimizer_states(optimizer)
     # -- first collective: every rank switches to the same plan ------------------------------
-    check_same_everywhere(run_fingerprint(new, e.config, e.world, model), e.config)
+    check_same_everywhere(e.comm, run_fingerprint(new, e.config, e.world, model), e.config)
     if new == e.plan:
         return optimizer
     t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     full = _gather(e, optimizer)
     frozen = _gather_frozen(model, e)
     _teardown(model, e, full, frozen)
-    parts = build_parts(model, new, e.world, e.config, e.device)
+    parts = build_parts(model, new, e.world, e.config, e.device, e.comm)  # the same context
     optimizer.rebind(parts.masters, tensors=parts.tensors, grads=parts.grad_sync,
                      params=parts.param_sync, norm_group=norm_group(parts), run_info=run_info(parts))
     engine = Engine(parts, optimizer, full_state_dict=e.full_state_dict, switches=e.switches,
@@ -107,7 +107,7 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     _load_states(engine, optimizer, full)
     install(model, engine)
     set_rng_state(rng, e.device)
-    C.barrier(None, name="world", timeout=e.config.timeout)
+    C.barrier(e.comm, None, name="world", timeout=e.config.timeout)
     engine.switches.append({"step": optimizer.num_steps, "from": str(e.plan), "to": str(new),
                             "seconds": time.perf_counter() - t0})
     return optimizer
@@ -154,7 +154,7 @@ def _gather(e: Engine, opt: AMSPOptimizer) -> dict[str, dict[str, Any]]:
         mine.append({"index": idx, "offset": off, "length": n, "states": params, "scalars": scalars,
                      "objects": objects,
                      "hp": {k: v for k, v in group_of[id(m)].items() if k != "params"}})
-    table = C.all_gather_objects(mine, None, name="world", timeout=e.config.timeout)
+    table = C.all_gather_objects(e.comm, mine, None, name="world", timeout=e.config.timeout)
     # the lowest-ranked owner of each chunk serves it: (index, offset) -> (rank, row)
     source: dict[tuple[int, int], tuple[int, dict]] = {}
     for rank, rows in enumerate(table):
@@ -178,9 +178,10 @@ def _gather(e: Engine, opt: AMSPOptimizer) -> dict[str, dict[str, Any]]:
                     continue
                 if m is not None:
                     piece.copy_((m if key == "master" else opt.inner.state[m][key]).reshape(-1))
-                pending.append(C.broadcast(piece, rank, None, name="world"))
+                pending.append(C.broadcast(e.comm, piece, rank, None, name="world", stream=None,
+                                           timeout=e.config.timeout))  # between steps: current stream
         for p in pending:
-            C.wait(p, timeout=e.config.timeout)
+            C.wait(p)
         full[t.name] = f
     return full
 
@@ -191,7 +192,7 @@ def _gather_frozen(model: nn.Module, e: Engine) -> dict[int, torch.Tensor]:
     out: dict[int, torch.Tensor] = {}
     for _, p in model.named_parameters():
         if id(p) not in trainable and id(p) not in out:
-            out[id(p)] = C.full_tensor(p.detach(), name=e.name("param_shard")).to(torch.float32)
+            out[id(p)] = C.full_tensor(e.comm, p.detach(), name=e.name("param_shard")).to(torch.float32)
     return out
 
 

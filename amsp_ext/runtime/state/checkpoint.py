@@ -237,7 +237,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     if e.rank == 0:
         begin_staging(path)
     staging = staging_path(path)
-    C.barrier(None, name="world", timeout=e.config.timeout)  # nobody writes before it is empty
+    C.barrier(e.comm, None, name="world", timeout=e.config.timeout)  # nobody writes before it is empty
     e.wait_params()
     by_id = trainable_by_id(e)
     # a tied alias is stored once, under its first name (safetensors refuses shared storage)
@@ -287,7 +287,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
         except OSError as err:
             failed = str(_disk_full(path, staging, needed) if _no_space(err) else
                          CheckpointError(f"amsp checkpoint {path}: cannot write {staging} ({err})"))
-        table = C.all_gather_objects((rows, mine, failed), group, name=name, timeout=e.config.timeout)
+        table = C.all_gather_objects(e.comm, (rows, mine, failed), group, name=name, timeout=e.config.timeout)
         errors = [f for _, _, f in table if f]
         if errors:
             _drop_staging(e.rank, staging)
@@ -301,23 +301,23 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
 
     if not async_save:
         try:
-            C.checkpoint_save(sd, staging)
+            C.checkpoint_save(e.comm, sd, staging)
         except BaseException as err:  # DCP raises any rank's failure on every rank (a BaseException)
             if not _no_space(err):
                 raise
             _drop_staging(e.rank, staging)
             raise _disk_full(path, staging, needed) from None
         finish(None, "world")
-        C.barrier(None, name="world", timeout=e.config.timeout)  # published when any rank returns
+        C.barrier(e.comm, None, name="world", timeout=e.config.timeout)  # published when any rank returns
         return None
-    group, name = C.checkpoint_group(e.config.timeout)
-    written = C.checkpoint_async_save(sd, staging, group=group, name=name)  # staged on return
+    group, name = C.checkpoint_group(e.comm)
+    written = C.checkpoint_async_save(e.comm, sd, staging, group=group, name=name)  # staged on return
     pending = PendingSave(path)
 
     def background() -> None:
         written.result()
         finish(group, name)
-        C.barrier(group, name=name, timeout=e.config.timeout)
+        C.barrier(e.comm, group, name=name, timeout=e.config.timeout)
 
     threading.Thread(target=pending._run, args=(background,), name="amsp-async-save", daemon=True).start()
     e.pending_save = pending
@@ -531,7 +531,7 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     names = [t.name for t in e.tensors]
     if optimizer_states:
         states = _state_targets(e, meta, md, sd)
-    C.checkpoint_load(sd, path)
+    C.checkpoint_load(e.comm, sd, path)
 
     for idx in masters_to_params:
         e.tensors[idx].local().copy_(opt.masters[idx])
@@ -564,7 +564,7 @@ def _verify_shared(path: Path, meta: dict, e: "Engine", *, files: bool = True,
         if what is not None:
             found = f"{names[i]}\0{what}"
             break
-    got = [g.decode(errors="replace") for g in C.all_gather_bytes(found.encode()[:200], None, name="world",
+    got = [g.decode(errors="replace") for g in C.all_gather_bytes(e.comm, found.encode()[:200], None, name="world",
                                                                   width=200, timeout=e.config.timeout)]
     bad = sorted(tuple(g.split("\0", 1)) for g in got if "\0" in g)
     if bad:

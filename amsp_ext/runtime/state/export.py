@@ -74,7 +74,7 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
         value = v.detach()
         if t is not None and use_masters:
             value = as_global(t, _master_shard(e, t))
-        full = _cast(C.full_tensor(value, name=e.name("param_shard")), dtype) if gather else None
+        full = _cast(C.full_tensor(e.comm, value, name=e.name("param_shard")), dtype) if gather else None
         seen[id(v)] = full if keep else None  # gatherers other than rank 0 drop it right away
         if keep:
             out[k] = full
@@ -89,8 +89,8 @@ def _master_shard(e, t) -> torch.Tensor:
     else:
         buf = torch.empty(t.local_shape, dtype=torch.float32, device=e.device)
     if e.size("optim_bcast") > 1 and t.numel:
-        C.broadcast(buf, t.owner_rank, e.group("optim_bcast"), name=e.name("optim_bcast"),
-                    async_op=False, timeout=e.config.timeout)
+        C.broadcast(e.comm, buf, t.owner_rank, e.group("optim_bcast"), name=e.name("optim_bcast"),
+                    stream=None, async_op=False, timeout=e.config.timeout)
     return buf
 
 
@@ -121,7 +121,7 @@ def save_pretrained(model: nn.Module, save_directory, *, dtype: torch.dtype | No
     state = consolidated_state_dict(model, dtype=dtype, rank0_only=True)
     if e.rank == 0:
         _write_pretrained(save_directory, state, hf_info(model)[1], dtype)
-    C.barrier(None, name="world", timeout=e.config.timeout)
+    C.barrier(e.comm, None, name="world", timeout=e.config.timeout)
 
 
 @torch.no_grad()
@@ -144,7 +144,8 @@ def export_checkpoint(path, save_directory=None, *, dtype: torch.dtype | None = 
         sd[src] = torch.empty(tuple(props.size), dtype=props.properties.dtype)
     with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the point
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        C.checkpoint_load(sd, path, no_dist=True)
+        # one process, no collective: a context of its own only to satisfy the signature
+        C.checkpoint_load(C.CollectiveContext(), sd, path, no_dist=True)
     full = {src: _cast(t, dtype) for src, t in sd.items()}
     out = {k: full[src] for k, src in src_of.items()}
     if save_directory is not None:

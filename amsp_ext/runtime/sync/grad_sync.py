@@ -125,11 +125,13 @@ def _plan_buckets(tensors: Sequence[LocalTensor], bucket_numel: int,
 
 
 class GradSync:
-    def __init__(self, tensors: Sequence[LocalTensor], *, rank: int, dtype: torch.dtype,
+    def __init__(self, tensors: Sequence[LocalTensor], *, comm: C.CollectiveContext, rank: int,
+                 dtype: torch.dtype,
                  device: torch.device, bucket_bytes: int, dp_size: int,
                  replica: GroupHandle, grad: GroupHandle, overlap: bool,
                  reduce_dtype: torch.dtype | None = None) -> None:
         self.tensors = list(tensors)
+        self.comm = comm
         self.rank, self.dtype, self.device = rank, dtype, device
         self.reduce_dtype = reduce_dtype or dtype  # see [Note: reduce dtype]
         self.dp_size = dp_size
@@ -260,15 +262,15 @@ class GradSync:
             group = self.replica if self.mode == "replica" else self.grad
             pending = None
             if group.size > 1:
-                pending = C.all_reduce(self.buffers[b], group.pg, name=group.name, async_op=True,
-                                       stream=self.stream)
+                pending = C.all_reduce(self.comm, self.buffers[b], group.pg, name=group.name,
+                                       stream=self.stream, async_op=True, timeout=group.timeout)
             if self.overlap:
                 self.in_flight.append((b, pending))
             else:
                 self._complete(b, pending)
 
     def _complete(self, b: int, pending) -> None:
-        C.wait(pending, timeout=(self.replica if self.mode == "replica" else self.grad).timeout)
+        C.wait(pending)  # with its group's timeout, given at issue
         buf = self.buffers.pop(b)
         with record_function("amsp::select_and_drop"), torch.no_grad():
             for idx, off, n in self.buckets[b].slots:

@@ -64,10 +64,11 @@ __all__ = ["AMSPAllGather", "AMSPReduceScatter", "apply_fsdp", "fsdp_streams_wai
 
 
 class _Comm:
-    """What both FSDP2 comm objects share: the group's label, the wait timeout, the switch."""
+    """What both FSDP2 comm objects share: the engine's collective context, the group's label,
+    the wait timeout, the switch."""
 
-    def __init__(self, name: str, timeout: float, overlap: bool) -> None:
-        self.name, self.timeout, self.overlap = name, timeout, overlap
+    def __init__(self, comm: C.CollectiveContext, name: str, timeout: float, overlap: bool) -> None:
+        self.comm, self.name, self.timeout, self.overlap = comm, name, timeout, overlap
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -75,14 +76,16 @@ class _Comm:
 
 class AMSPAllGather(_Comm, compat.FSDPAllGatherBase):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        pending = C.all_gather_into_tensor(output_tensor, input_tensor, group, name=self.name,
-                                           async_op=True)
+        # stream=None: FSDP2 calls us inside its own all-gather stream, the right one
+        pending = C.all_gather_into_tensor(self.comm, output_tensor, input_tensor, group,
+                                           name=self.name, stream=None, async_op=True,
+                                           timeout=self.timeout)
         if async_op:
             # FSDP2 waits via ``Work.wait()`` in wait_for_unshard (see [Note: FSDP2's async_op
             # contract]); a WorkHandle routes that wait through collectives.wait: timed by the
-            # observer, and a timeout that names the group.
-            return C.WorkHandle(pending, self.timeout)
-        C.wait(pending, timeout=self.timeout)
+            # observers, and a timeout that names the group.
+            return C.WorkHandle(pending)
+        C.wait(pending)
         _serialize_if_no_overlap(output_tensor, self.overlap)
         return None
 
@@ -106,11 +109,13 @@ def fsdp_streams_wait_current(root: torch.nn.Module) -> None:
 
 class AMSPReduceScatter(_Comm, compat.FSDPReduceScatterBase):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        pending = C.reduce_scatter_tensor(output_tensor, input_tensor, group, name=self.name,
-                                          op=op, async_op=True)
+        # stream=None: FSDP2 calls us inside its own reduce-scatter stream, the right one
+        pending = C.reduce_scatter_tensor(self.comm, output_tensor, input_tensor, group,
+                                          name=self.name, stream=None, op=op, async_op=True,
+                                          timeout=self.timeout)
         if async_op:
             return pending.work
-        C.wait(pending, timeout=self.timeout)
+        C.wait(pending)
         _serialize_if_no_overlap(output_tensor, self.overlap)
         return None
 
@@ -145,7 +150,8 @@ def prefetch_targets(units: Sequence[Unit]) -> tuple[dict[int, int], dict[int, i
     return fwd, bwd
 
 
-def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, *, name: str,
+def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, comm: C.CollectiveContext,
+               *, name: str,
                timeout: float, overlap_allgather: bool,
                reduce_dtype: torch.dtype | None = None) -> None:
     """``fully_shard`` every unit (children first), then the root; wire comms and prefetch.
@@ -157,8 +163,8 @@ def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, *, nam
         fully_shard(u.module, mesh=shard_mesh, reshard_after_forward=True, mp_policy=mp)
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, mp_policy=mp)
     modules: list[FSDPModule] = [u.module for u in units]  # type: ignore[misc]
-    ag = AMSPAllGather(name, timeout, overlap_allgather)
-    rs = AMSPReduceScatter(name, timeout, overlap_allgather)
+    ag = AMSPAllGather(comm, name, timeout, overlap_allgather)
+    rs = AMSPReduceScatter(comm, name, timeout, overlap_allgather)
     for m in modules:
         m.set_custom_all_gather(ag)
         m.set_custom_reduce_scatter(rs)

@@ -98,9 +98,10 @@ def broadcast_items(tensors: Sequence[LocalTensor], bucket_bytes: int) -> list[B
 
 class ParamSync:
     def __init__(self, tensors: Sequence[LocalTensor], units: Sequence[Unit], *,
-                 group: GroupHandle, rank: int, prefetch: dict[int, int], overlap: bool,
-                 bucket_bytes: int) -> None:
+                 comm: C.CollectiveContext, group: GroupHandle, rank: int, prefetch: dict[int, int],
+                 overlap: bool, bucket_bytes: int) -> None:
         self.tensors, self.units = list(tensors), list(units)
+        self.comm = comm
         self.group, self.rank = group, rank
         self.size, self.timeout = group.size, group.timeout
         self.prefetch, self.overlap = prefetch, overlap
@@ -172,7 +173,9 @@ class ParamSync:
         else:
             buf = None
         target = buf if buf is not None else it.tensors[0].local()
-        p = C.broadcast(target, it.owner_rank, self.group.pg, name=self.group.name, async_op=True)
+        # the step's (current) stream: the owners' updated parameters were written there
+        p = C.broadcast(self.comm, target, it.owner_rank, self.group.pg, name=self.group.name,
+                        stream=None, async_op=True, timeout=self.timeout)
         self._inflight[k] = (p, buf)
         if self.log is not None:
             self.log.append(("issue", it.units[0]))
@@ -181,7 +184,7 @@ class ParamSync:
     def _complete(self, k: int) -> None:
         p, buf = self._inflight.pop(k)
         t0 = time.perf_counter()
-        C.wait(p, timeout=self.timeout)
+        C.wait(p)  # with the group's timeout, given at issue
         self.wait_seconds += time.perf_counter() - t0
         if buf is None:
             return
