@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from dist_utils import run_torchrun
+from dist_utils import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -18,7 +18,7 @@ KIND = {"allgather": "AG", "allreduce": "AR", "broadcast": "BC"}
 
 @pytest.fixture(scope="module")
 def windows():
-    proc = run_torchrun(4, "tests.overlap_switch_worker", timeout=240)
+    proc = run_ranks(4, "tests.overlap_switch_worker", timeout=240)
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
