@@ -207,6 +207,22 @@ def suite_extras(world, R):
         model, opt, run = train(p, cfg(**ckw), world=world, **tkw)
         record(name, model, run)
         release(model)
+    # buckets closed at unit boundaries (grad_sync.py [Note: buckets close at unit boundaries])
+    # with a floor small enough for tiny-llama's units (its whole gradient is under the 1 MiB
+    # default): one bucket per unit, for sp = 1 and for sp > 1 (after FSDP2's reduce-scatter)
+    from amsp_ext.runtime.sync import grad_sync
+
+    floor = grad_sync.UNIT_BUCKET_MIN_BYTES
+    grad_sync.UNIT_BUCKET_MIN_BYTES = 1024
+    try:
+        for p in ("p=1x1,g=2x2,os=2x2", "p=2x1,g=2x2,os=2x2"):
+            model, opt, run = train(p, cfg(), world=world)
+            record(f"unit-buckets:{p}", model, run,
+                   extra={"num_buckets": len(model.amsp.grad_sync.buckets),
+                          "num_units": len([u for u in model.amsp.units if u.params])})
+            release(model)
+    finally:
+        grad_sync.UNIT_BUCKET_MIN_BYTES = floor
     # packed broadcasts under a budget small enough that only the smallest tensors are packed
     # (tiny-llama's local tensors are 128 B .. 32 KiB at sp = 2, about 250 KiB in all)
     model, opt, run = train("p=2x1,g=2x1,os=2x2", cfg(ownership="blocks", grad_bucket_bytes=32768),

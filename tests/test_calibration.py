@@ -258,19 +258,24 @@ def test_issued_collectives_match_the_engines_own_bucketing_and_packing():
     units = list_units(model, "layer")
 
     class T:  # the attributes the engine's functions read of a LocalTensor
-        def __init__(self, index, tensor, owner):
+        def __init__(self, index, tensor, owner, unit):
             self.index, self.numel, self.owner_rank, self._t = index, tensor.numel(), owner, tensor
-            self.unit = 0
+            self.unit = unit
 
         def local(self):
             return self._t
 
-    params = [p.detach() for u in units for _, p in u.params]
-    owners = assign_greedy([p.numel() for p in params], 2)  # the engine's default ownership
-    tensors = [T(i, p, owners[i]) for i, p in enumerate(params)]
+    params = [(ui, p.detach()) for ui, u in enumerate(units) for _, p in u.params]
+    owners = assign_greedy([p.numel() for _, p in params], 2)  # the engine's default ownership
+    tensors = [T(i, p, owners[i], ui) for i, (ui, p) in enumerate(params)]
     spec = _problem(None).spec
-    for U in (4096, 64 * 1024, 2**20):
-        want = [b.numel * 4 for b in _plan_buckets(tensors, U // 4)]
+    from amsp_ext.planner.issued import UNIT_BUCKET_MIN_BYTES
+    from amsp_ext.runtime.sync import grad_sync
+
+    assert UNIT_BUCKET_MIN_BYTES == grad_sync.UNIT_BUCKET_MIN_BYTES
+    for U in (4096, 64 * 1024, 2**20, 25 * 2**20):
+        unit_min = min(U // 4, UNIT_BUCKET_MIN_BYTES // 4)
+        want = [b.numel * 4 for b in _plan_buckets(tensors, U // 4, unit_min)]
         got = [b for b, _ in grad_buckets(spec, Plan(), granularity="layer", bucket_bytes=U,
                                           elem_bytes=4)]
         assert got == want

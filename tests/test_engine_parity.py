@@ -163,6 +163,8 @@ def test_global_clipping_is_exact(extras):
     "tied-embeddings:p=1x1,g=2x2,os=2x2",  # the shared weight goes to the root unit
     "tied-embeddings:p=2x1,g=2x1,os=2x2",
     "coalesced-broadcasts:p=2x1,g=2x1,os=2x2",
+    "unit-buckets:p=1x1,g=2x2,os=2x2",
+    "unit-buckets:p=2x1,g=2x2,os=2x2",
 ])
 def test_variants_match_reference(extras, case):
     ref = reference(4, sched="lr-schedule" in case, tied="tied" in case)
@@ -172,6 +174,9 @@ def test_variants_match_reference(extras, case):
         assert r["metadata_ok"] and r["num_owned"] > 0 and r["num_steps"] == 5, r
     if "tied" in case:
         assert r["root_unit_params"] == 1, r
+    if "unit-buckets" in case:  # backward: lm_head | final norm (256 B, under the 1 KiB
+        # floor) + layer 1 | layer 0 | embedding: 4 buckets for 5 units
+        assert r["num_units"] == 5 and r["num_buckets"] == 4, r
     if "coalesced" in case:  # the smallest tensors went out packed, one broadcast per pack; the
         # budget ran out before the largest, and the packed bytes in flight stayed within it
         assert 0 < r["num_packed"] and r["num_items"] < r["num_tensors"], r

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.compare.harness import PlannerInputs, run_comparison
     from amsp_ext.planner.specs import parse_size
     from amsp_ext.compare.launch import LaunchConfig
-    from amsp_ext.compare.report import format_table, ratios
+    from amsp_ext.compare.report import breakdown_table, format_table, ratios
 
     import signal
 
@@ -165,5 +165,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     for line in ratios(rows):
         print(line)
+    table = breakdown_table(rows)
+    if table:
+        print("\nWhere a step's time goes (one profiled step, rank 0; ms):")
+        print("\n".join(table))
     print(f"\nreport: {path}")
     return 0 if any(r.get("status") == "ok" for r in rows) else 1

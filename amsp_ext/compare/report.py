@@ -8,7 +8,8 @@ from typing import Any
 
 from amsp_ext.compare.rounds import paired_ratio
 
-__all__ = ["format_table", "ratio_records", "ratios", "write_plots", "write_report"]
+__all__ = ["breakdown_table", "format_table", "ratio_records", "ratios", "write_plots",
+           "write_report", "write_timeline"]
 
 MIB = 2**20
 
@@ -107,6 +108,86 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['label']} | — | — | — | — | — | — | — | — | "
                          f"{r.get('status')}: {reason} |")
     return "\n".join(lines)
+
+
+def _waits_text(waits: list[dict]) -> str:
+    return "; ".join(f"{w['site']} {w['s'] * 1e3:.1f}" for w in waits if w["s"] >= 5e-5) or "—"
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per system, per (phase, collective kind) of one profiled step (compare/breakdown.py):
+    count, MiB, busy, exposed, the compute it overlapped, and where the training thread was
+    while it was exposed. Rank 0; the total line's exposed/busy are the median over ranks."""
+    out = []
+    for r in rows:
+        b = r.get("breakdown")
+        if r.get("status") != "ok" or not b:
+            continue
+        t = b["totals"]
+        med = b.get("median_over_ranks", {}).get("total", {})
+        if not out:
+            out = ["| System | phase | kind | count | MiB | busy (ms) | exposed (ms) | overlapped "
+                   "compute (ms) | exposed while in (ms) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+        for x in b["rows"]:
+            out.append(f"| {r['label']} | {x['phase']} | {x['kind']} | {x['count']} | "
+                       f"{x['bytes'] / MIB:.2f} | {x['busy_s'] * 1e3:.1f} | {x['exposed_s'] * 1e3:.1f} | "
+                       f"{x['overlapped_s'] * 1e3:.1f} | {_waits_text(x['waits'])} |")
+        out.append(f"| **{r['label']}** | **step** ({t['step_s'] * 1e3:.0f} ms, compute "
+                   f"{t['compute_s'] * 1e3:.0f}) | all | {t['count']} | {t['bytes'] / MIB:.2f} | "
+                   f"{t['comm_s'] * 1e3:.1f} (median {med.get('comm_s', 0) * 1e3:.1f}) | "
+                   f"{t['exposed_s'] * 1e3:.1f} (median {med.get('exposed_s', 0) * 1e3:.1f}) | "
+                   f"{(t['comm_s'] - t['exposed_s']) * 1e3:.1f} | |")
+    return out
+
+
+_KIND_COLORS = {"AG": "tab:blue", "RS": "tab:orange", "AR": "tab:red", "BC": "tab:purple",
+                "other": "tab:gray"}
+
+
+def write_timeline(rows: list[dict[str, Any]], folder: Path) -> str | None:
+    """One profiled step per system (rank 0), as the paper's Fig. 14/15 traces: the training
+    thread's compute, and per collective kind each collective queued (light) and running on
+    gloo's worker (dark), on one time axis; AMSP's post-step broadcasts are the previous step's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok" and (r.get("breakdown") or {}).get("timeline")]
+    if not ok:
+        return None
+    fig, axes = plt.subplots(len(ok), 1, figsize=(13, 1.3 + 1.1 * len(ok) * 2), squeeze=False)
+    xmin = min(min([0.0] + [c["issued"] for cs in r["breakdown"]["timeline"]["collectives"].values()
+                            for c in cs]) for r in ok)
+    xmax = max(max([r["breakdown"]["totals"]["step_s"]]
+                   + [c["end"] for cs in r["breakdown"]["timeline"]["collectives"].values() for c in cs])
+               for r in ok)
+    for ax, r in zip(axes[:, 0], ok):
+        tl = r["breakdown"]["timeline"]
+        lanes = ["compute"] + [k for k in _KIND_COLORS if k in tl["collectives"]]
+        for y, lane in enumerate(lanes):
+            if lane == "compute":
+                ax.broken_barh([(a * 1e3, (b - a) * 1e3) for a, b in tl["compute"]], (y - 0.4, 0.8),
+                               color="tab:green")
+                continue
+            cs = tl["collectives"][lane]
+            ax.broken_barh([(c["issued"] * 1e3, (c["start"] - c["issued"]) * 1e3) for c in cs],
+                           (y - 0.4, 0.8), color=_KIND_COLORS[lane], alpha=0.3)
+            ax.broken_barh([(c["start"] * 1e3, max(c["end"] - c["start"], 1e-6) * 1e3) for c in cs],
+                           (y - 0.4, 0.8), color=_KIND_COLORS[lane])
+        t = r["breakdown"]["totals"]
+        ax.axvline(0, color="black", linewidth=0.5)
+        ax.axvline(t["step_s"] * 1e3, color="black", linewidth=0.5)
+        ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
+        ax.set_xlim(xmin * 1e3, xmax * 1e3)
+        ax.set_title(f"{r['label']}: step {t['step_s'] * 1e3:.0f} ms, comm {t['comm_s'] * 1e3:.0f} ms, "
+                     f"exposed {t['exposed_s'] * 1e3:.0f} ms (rank 0)", fontsize=9)
+    axes[-1, 0].set_xlabel("ms from the step's start (light: queued, dark: running on gloo's worker)")
+    fig.tight_layout()
+    name = "timeline.png"
+    fig.savefig(folder / name, dpi=110)
+    plt.close(fig)
+    return name
 
 
 def _row(rows, key):
@@ -247,7 +328,8 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[str]:
     fig.savefig(folder / "loss.png", dpi=120)
     plt.close(fig)
     files.append("loss.png")
-    return files
+    tl = write_timeline(rows, folder)
+    return files + ([tl] if tl else [])
 
 
 def _loss_agreement(rows: list[dict[str, Any]]) -> list[str]:
@@ -352,6 +434,14 @@ def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str,
                     [f"Median of {meta['repeats']} rounds; the change is the median of the per-round "
                      "changes (each against all on of the same round).", ""]),
                   *abl, ""]
+    bd = breakdown_table(rows)
+    if bd:
+        lines += ["### Where a step's time goes (one profiled step, rank 0)", "",
+                  "Per phase the collectives were issued in and kind (amsp_ext/compare/breakdown.py): "
+                  "busy = wall time with one in flight (issue to end on gloo's worker), exposed = the "
+                  "part of it when the training thread computed nothing, and where that thread was "
+                  "meanwhile. `post_step_broadcast` = the previous step's parameter broadcasts, "
+                  "waited for in this step's forward.", "", *bd, ""]
     agree = _loss_agreement(rows)
     if agree:
         lines += ["### Loss agreement with DDP (same data, same initial weights)", "", *agree, ""]

@@ -33,6 +33,20 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _breakdown(ranks: list[dict]) -> dict[str, Any] | None:
+    """Rank 0's step breakdown (compare/breakdown.py) and, per kind and in total, the median
+    over ranks of its busy and exposed seconds."""
+    got = [r.get("breakdown") for r in ranks if r.get("breakdown")]
+    if not got:
+        return None
+    kinds = sorted({k for b in got for k in b["kinds"]})
+    med = {k: {f: _median([b["kinds"].get(k, {}).get(f, 0.0) for b in got])
+               for f in ("busy_s", "exposed_s", "overlapped_s")} for k in kinds}
+    med["total"] = {f: _median([b["totals"][f] for b in got])
+                    for f in ("step_s", "compute_s", "comm_s", "exposed_s")}
+    return {**got[0], "rank": ranks[0]["rank"], "median_over_ranks": med}
+
+
 def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict[str, Any]:
     row = {k: result.get(k) for k in ("key", "system", "label", "status", "reason", "command", "wall_s",
                                       "spec", "plan_source")}
@@ -57,6 +71,7 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
         "live_tensor_delta_bytes": [r["live_tensor_delta_bytes"] for r in ranks],
         "comm_s": _median([c["comm_s"] for c in comm]) if comm else None,
         "exposed_comm_s": _median([c["exposed_comm_s"] for c in comm]) if comm else None,
+        "breakdown": _breakdown(ranks),
         "setup_s": max(r["setup_s"] for r in ranks),
         "settings": result.get("settings"),
         "patches": result.get("patches"),

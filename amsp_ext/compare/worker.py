@@ -114,13 +114,28 @@ def run(system: str, spec, out: Path, coll) -> dict:
         losses.append(sysrun.train_step(step))
         step_s.append(time.perf_counter() - t)
 
-    comm = None
+    comm = steps_breakdown = None
     if spec.trace:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            sysrun.train_step(spec.num_steps)
-        comm = trace.comm_breakdown(prof.events())
+        from amsp_ext.compare import breakdown
+        from amsp_ext.compare.systems.base import phase
+
+        # Two steps: the breakdown reads the second, with the first's post-step broadcasts
+        # (breakdown.py [Note: one step's breakdown]).
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for extra in range(2):
+                with phase("step"):
+                    sysrun.train_step(spec.num_steps + extra)
+        events = prof.events()
+        steps_breakdown = breakdown.step_breakdown(events)
+        last = max((e for e in events if e.name == breakdown.STEP_LABEL),
+                   key=lambda e: e.time_range.start)
+        lo, hi = last.time_range.start, last.time_range.end
+        comm = trace.comm_breakdown([e for e in events
+                                     if e.time_range.end > lo and e.time_range.start < hi])
+        if steps_breakdown is not None and rank != 0:
+            steps_breakdown.pop("timeline")  # rank 0's is plotted
         if rank == 0:
             prof.export_chrome_trace(str(out / "trace-rank0.json"))
 
@@ -133,6 +148,7 @@ def run(system: str, spec, out: Path, coll) -> dict:
         "peak_rss_delta_bytes": (memory.peak_rss_bytes() - rss0) if hwm_reset and rss0 else None,
         "live_tensor_delta_bytes": memory.live_tensor_bytes() - live0,
         "comm": comm,
+        "breakdown": steps_breakdown,
     }
     records = C.gather_objects(coll, record, dist.group.WORLD, name="world")  # rank 0 writes the row
     return {

@@ -25,7 +25,11 @@ from __future__ import annotations
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 
-__all__ = ["broadcast_items", "grad_buckets", "local_tensors"]
+__all__ = ["UNIT_BUCKET_MIN_BYTES", "broadcast_items", "grad_buckets", "local_tensors"]
+
+# grad_sync.py's constant (the planner does not import the runtime): a bucket closes at a unit
+# boundary once it holds this many bytes (DDP's first-bucket size).
+UNIT_BUCKET_MIN_BYTES = 2**20
 
 
 def _layer_tensors(spec: ModelSpec) -> list[tuple[str, int]]:
@@ -62,12 +66,16 @@ def local_tensors(spec: ModelSpec, granularity: str, sp: int) -> list[tuple[int,
 
 def grad_buckets(spec: ModelSpec, plan: Plan, *, granularity: str, bucket_bytes: int,
                  elem_bytes: int) -> list[tuple[float, list[int]]]:
-    """(bytes, units of its tensors) of each gradient bucket, in backward (launch) order."""
+    """(bytes, units of its tensors) of each gradient bucket, in backward (launch) order: the
+    engine's rule (runtime/sync/grad_sync.py [Note: buckets close at unit boundaries]): at most
+    U bytes, and closed where the backward moves to another unit once it holds 1 MiB."""
     cap = max(1, bucket_bytes // elem_bytes)
+    unit_min = min(cap, max(1, UNIT_BUCKET_MIN_BYTES // elem_bytes))
     buckets: list[tuple[float, list[int]]] = []
     cur_n, cur_units = 0.0, []
     for unit, n in reversed(local_tensors(spec, granularity, plan.sp)):
-        if cur_units and cur_n + n > cap:
+        boundary = bool(cur_units) and unit != cur_units[-1]
+        if cur_units and (cur_n + n > cap or (boundary and cur_n >= unit_min)):
             buckets.append((cur_n * elem_bytes, cur_units))
             cur_n, cur_units = 0.0, []
         cur_n += n

@@ -20,7 +20,7 @@ engines. comparisons/results/reduce_dtype.md measures what fp32 reduction costs 
 from __future__ import annotations
 
 from amsp_ext.compare.config import OVERLAP_SWITCHES
-from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable
+from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable, phase
 from amsp_ext.engine_config import EngineConfig, OverlapConfig
 from amsp_ext.train.models import causal_lm_loss
 
@@ -60,12 +60,15 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
         losses = []
         for m, batch in enumerate(ctx.batches(step)):
             with model.no_sync() if m < M - 1 else contextlib.nullcontext():
-                loss = causal_lm_loss(model, batch)
-                optimizer.backward(loss / M)
+                with phase("forward"):
+                    loss = causal_lm_loss(model, batch)
+                with phase("backward"):
+                    optimizer.backward(loss / M)
             losses.append(loss.item())
-        optimizer.clip_grad_norm_(ctx.spec.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
+        with phase("optimizer"):
+            optimizer.clip_grad_norm_(ctx.spec.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad()
         return sum(losses) / len(losses)
 
     return SystemRun(train_step=train_step, settings={

@@ -18,7 +18,15 @@ from typing import Any, Callable
 
 from amsp_ext.compare.config import RunSpec
 
-__all__ = ["Context", "SystemRun", "SystemUnavailable"]
+__all__ = ["Context", "SystemRun", "SystemUnavailable", "phase"]
+
+
+def phase(name: str):
+    """``record_function("phase::<name>")``: forward, backward or optimizer, the phases the
+    step breakdown (compare/breakdown.py) files each collective under."""
+    from torch.profiler import record_function
+
+    return record_function(f"phase::{name}")
 
 
 class SystemUnavailable(Exception):

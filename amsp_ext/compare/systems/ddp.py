@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from amsp_ext.compare.systems.base import Context, SystemRun
+from amsp_ext.compare.systems.base import Context, SystemRun, phase
 from amsp_ext.train.models import causal_lm_loss
 
 __all__ = ["setup"]
@@ -29,13 +29,15 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
         for m, batch in enumerate(ctx.batches(step)):
             sync = contextlib.nullcontext() if m == M - 1 else ddp.no_sync()
             with sync:
-                with ctx.autocast():
+                with phase("forward"), ctx.autocast():
                     loss = causal_lm_loss(ddp, batch)
-                (loss / M).backward()
+                with phase("backward"):
+                    (loss / M).backward()
             losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), ctx.spec.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), ctx.spec.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return sum(losses) / len(losses)
 
     return SystemRun(train_step=train_step, settings={

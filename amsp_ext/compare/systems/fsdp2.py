@@ -20,7 +20,7 @@ defaults both meshes train on gloo (checked 2026-11-30, torch 2.13, 4 ranks, fsd
 
 from __future__ import annotations
 
-from amsp_ext.compare.systems.base import Context, SystemRun
+from amsp_ext.compare.systems.base import Context, SystemRun, phase
 from amsp_ext.train.models import causal_lm_loss
 
 __all__ = ["setup"]
@@ -53,12 +53,15 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
         for m, batch in enumerate(ctx.batches(step)):
             if name == "hsdp":
                 model.set_requires_all_reduce(m == M - 1)
-            loss = causal_lm_loss(model, batch)
-            (loss / M).backward()
+            with phase("forward"):
+                loss = causal_lm_loss(model, batch)
+            with phase("backward"):
+                (loss / M).backward()
             losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), ctx.spec.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), ctx.spec.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return sum(losses) / len(losses)
 
     return SystemRun(train_step=train_step, settings={

@@ -7,7 +7,8 @@ the plain parameter when sp = 1 (autograd's AccumulateGrad calls it), the FSDP2 
 when sp > 1 (FSDP2 calls ``_post_accumulate_grad_hooks`` right after it accumulates the
 reduce-scatter output into ``.grad``). The hook copies the gradient into its slot of a bucket of
 ``U = grad_bucket_bytes`` and frees ``.grad``; a bucket whose slots are all filled launches an
-async AllReduce. Buckets are laid out statically in backward order (reverse forward order) and
+async AllReduce. Buckets are laid out statically in backward order (reverse forward order),
+closed at unit boundaries (see [Note: buckets close at unit boundaries]), and
 launched strictly in bucket order, so every rank issues the same collectives in the same order
 even if hooks fire in a slightly different order. At most two buckets are in flight: launching
 a third first completes the oldest (as InternEvo does), bounding the bucket memory (D_tmp).
@@ -86,15 +87,38 @@ class _Bucket:
     numel: int = 0
 
 
-def _plan_buckets(tensors: Sequence[LocalTensor], bucket_numel: int) -> list[_Bucket]:
+# [Note: buckets close at unit boundaries]
+# Buckets used to be filled to U regardless of units. A model smaller than U (small-llama: 12 MB
+# of fp32 gradients, U = 25 MiB) then had ONE bucket, ready only when the last gradient of the
+# backward arrived: the whole AllReduce ran after the backward, exposed (issue 23's breakdown:
+# AMSP's replicate plan exposed all of its all-reduce while DDP, whose first bucket is 1 MiB,
+# hid part of it; the MiCS config waited for one replica AllReduce at the flush while FSDP2's
+# HSDP all-reduces each unit right after its reduce-scatter). Now a bucket also closes where
+# the backward moves to the next unit once it holds UNIT_BUCKET_MIN_BYTES (DDP's first-bucket
+# size): a unit's gradients (for sp > 1, its reduce-scatter's output) go on the wire as soon as
+# its backward is over, while the earlier units compute; units smaller than that share a
+# bucket, so a tiny model keeps one collective per step. Still never more than U, a tensor
+# larger than U alone. The planner's list (planner/issued.py grad_buckets) follows the same
+# rule; tests/test_calibration.py checks that both agree.
+UNIT_BUCKET_MIN_BYTES = 2**20
+
+
+def _plan_buckets(tensors: Sequence[LocalTensor], bucket_numel: int,
+                  unit_min_numel: int | None = None) -> list[_Bucket]:
+    """Buckets in backward order; see [Note: buckets close at unit boundaries]. ``unit_min_numel``:
+    the elements a bucket must hold to close at a unit boundary (None: never)."""
     buckets: list[_Bucket] = []
     cur = _Bucket()
+    prev_unit = None
     for t in reversed(tensors):  # backward order
-        if cur.slots and cur.numel + t.numel > bucket_numel:
+        at_boundary = prev_unit is not None and t.unit != prev_unit
+        if cur.slots and (cur.numel + t.numel > bucket_numel or (
+                at_boundary and unit_min_numel is not None and cur.numel >= unit_min_numel)):
             buckets.append(cur)
             cur = _Bucket()
         cur.slots.append((t.index, cur.numel, t.numel))
         cur.numel += t.numel
+        prev_unit = t.unit
     if cur.slots:
         buckets.append(cur)
     return buckets
@@ -114,7 +138,8 @@ class GradSync:
         self.replica, self.grad = replica, grad  # the boundary's group and the others'
         self.overlap = overlap
         elem = torch.empty((), dtype=self.reduce_dtype).element_size()
-        self.buckets = _plan_buckets(self.tensors, max(1, bucket_bytes // elem))
+        cap = max(1, bucket_bytes // elem)
+        self.buckets = _plan_buckets(self.tensors, cap, min(cap, max(1, UNIT_BUCKET_MIN_BYTES // elem)))
         self.slot_of = {idx: (b, off, n) for b, bk in enumerate(self.buckets) for idx, off, n in bk.slots}
         # fp16 sums can overflow: divide each contribution before reducing; else divide once after
         self.predivide = self.reduce_dtype == torch.float16

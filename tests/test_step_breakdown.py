@@ -1,0 +1,77 @@
+"""compare/breakdown.py on hand-made profiler events, against hand-computed figures."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from amsp_ext.compare.breakdown import step_breakdown
+
+
+def ev(name, thread, start, end, parent=None, shapes=None, dtypes=None):
+    return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end),
+                           cpu_parent=parent, input_shapes=shapes or [], input_dtypes=dtypes or [])
+
+
+def _two_steps():
+    """Step 1 ends with a post-step broadcast; step 2 computes, launches a bucket all-reduce in
+    backward and waits for it, and its forward waits for step 1's broadcast (microseconds)."""
+    s1 = ev("phase::step", 1, 0, 1000)
+    opt1 = ev("phase::optimizer", 1, 900, 1000, s1)
+    bp = ev("amsp::broadcast_params::optim_bcast", 1, 950, 970, opt1)
+    bc_issue = ev("c10d::broadcast_", 1, 955, 960, bp)
+    s2 = ev("phase::step", 1, 1000, 3000)
+    fwd = ev("phase::forward", 1, 1000, 1500, s2)
+    bc_wait = ev("amsp::wait::broadcast::optim_bcast", 1, 1000, 1100, fwd)
+    fwd_mm = ev("aten::mm", 1, 1100, 1500, fwd)
+    bwd = ev("phase::backward", 1, 1500, 2400, s2)
+    mm1 = ev("aten::mm", 1, 1500, 1800, bwd)
+    ar_label = ev("amsp::all_reduce::param_replica", 1, 1799, 1811, bwd)
+    ar_issue = ev("c10d::allreduce_", 1, 1800, 1810, ar_label, shapes=[[]])
+    mm2 = ev("aten::mm", 1, 1810, 2000, bwd)
+    ar_wait = ev("amsp::wait::all_reduce::param_replica", 1, 2000, 2200, bwd)
+    worker_bc = ev("gloo:broadcast", 7, 960, 1050, shapes=[[250]], dtypes=["float"])
+    worker_ar = ev("gloo:all_reduce", 8, 1820, 2150, shapes=[[1000]], dtypes=["c10::BFloat16"])
+    return [s1, opt1, bp, bc_issue, s2, fwd, bc_wait, fwd_mm, bwd, mm1, ar_label, ar_issue, mm2,
+            ar_wait, worker_bc, worker_ar]
+
+
+def test_breakdown_hand_computed():
+    b = step_breakdown(_two_steps())
+    rows = {(r["phase"], r["kind"]): r for r in b["rows"]}
+    assert set(rows) == {("backward", "AR"), ("post_step_broadcast", "BC")}
+    ar = rows[("backward", "AR")]
+    # issued 1800, ran to 2150: 350 us busy; compute in it: [1810, 2000] = 190 us
+    assert ar["count"] == 1 and ar["bytes"] == 2000  # 1000 bf16 elements
+    assert ar["busy_s"] == pytest.approx(350e-6)
+    assert ar["overlapped_s"] == pytest.approx(190e-6)
+    assert ar["exposed_s"] == pytest.approx(160e-6)  # 10 us issuing + 150 us in the wait
+    sites = {w["site"]: w["s"] for w in ar["waits"]}
+    assert sites["amsp::wait::all_reduce::param_replica"] == pytest.approx(150e-6)
+    assert sites["amsp::all_reduce::param_replica"] == pytest.approx(10e-6)
+    bc = rows[("post_step_broadcast", "BC")]
+    # step 1's broadcast, issued at 955, done at 1050: nothing computes until 1100
+    assert bc["bytes"] == 1000 and bc["busy_s"] == pytest.approx(95e-6)
+    assert bc["exposed_s"] == pytest.approx(95e-6) and bc["overlapped_s"] == 0
+    t = b["totals"]
+    assert t["step_s"] == pytest.approx(2000e-6)
+    assert t["compute_s"] == pytest.approx((400 + 300 + 190) * 1e-6)
+    assert t["comm_s"] == pytest.approx(445e-6) and t["exposed_s"] == pytest.approx(255e-6)
+    assert t["count"] == 2
+
+
+def test_no_step_label_no_breakdown():
+    assert step_breakdown([ev("aten::mm", 1, 0, 10)]) is None
+
+
+def test_scalar_collectives_are_other():
+    s = ev("phase::step", 1, 0, 100)
+    opt = ev("phase::optimizer", 1, 0, 100, s)
+    clip = ev("amsp::all_reduce::world", 1, 10, 20, opt)
+    issue = ev("c10d::allreduce_", 1, 11, 12, clip)
+    fn = ev("_c10d_functional::all_reduce", 1, 30, 31, opt)
+    w1 = ev("gloo:all_reduce", 5, 13, 25, shapes=[[1]], dtypes=["float"])
+    w2 = ev("gloo:all_reduce", 5, 32, 40, shapes=[[1]], dtypes=["float"])
+    b = step_breakdown([s, opt, clip, issue, fn, w1, w2])
+    assert [(r["phase"], r["kind"], r["count"]) for r in b["rows"]] == [("optimizer", "other", 2)]
