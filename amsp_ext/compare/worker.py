@@ -67,13 +67,38 @@ def _warm_process(ctx) -> None:
     del model, loss
 
 
+def _profiled_steps(sysrun, spec, rank: int, out: Path) -> tuple[dict, dict | None]:
+    """Two more steps under torch.profiler: the old per-kind figures of the last one, and its
+    breakdown, which reads the second step with the first's post-step broadcasts (breakdown.py
+    [Note: one step's breakdown]). Rank 0 also writes its Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from amsp_ext.compare import breakdown, trace
+    from amsp_ext.compare.systems.base import phase
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for extra in range(2):
+            with phase("step"):
+                sysrun.train_step(spec.num_steps + extra)
+    events = prof.events()
+    steps_breakdown = breakdown.step_breakdown(events)
+    last = max((e for e in events if e.name == breakdown.STEP_LABEL), key=lambda e: e.time_range.start)
+    lo, hi = last.time_range.start, last.time_range.end
+    comm = trace.comm_breakdown([e for e in events if e.time_range.end > lo and e.time_range.start < hi])
+    if steps_breakdown is not None and rank != 0:
+        steps_breakdown.pop("timeline")  # rank 0's is plotted
+    if rank == 0:
+        prof.export_chrome_trace(str(out / "trace-rank0.json"))
+    return comm, steps_breakdown
+
+
 def run(system: str, spec, out: Path, coll) -> dict:
     """One system on this rank; ``coll``: this worker's collective context (the peak's and the
     records' collectives; an AMSP engine makes its own)."""
     import torch
     import torch.distributed as dist
 
-    from amsp_ext.compare import memory, trace
+    from amsp_ext.compare import memory
     from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
     from amsp_ext.compare.config import resolve_topology
@@ -114,30 +139,7 @@ def run(system: str, spec, out: Path, coll) -> dict:
         losses.append(sysrun.train_step(step))
         step_s.append(time.perf_counter() - t)
 
-    comm = steps_breakdown = None
-    if spec.trace:
-        from torch.profiler import ProfilerActivity, profile
-
-        from amsp_ext.compare import breakdown
-        from amsp_ext.compare.systems.base import phase
-
-        # Two steps: the breakdown reads the second, with the first's post-step broadcasts
-        # (breakdown.py [Note: one step's breakdown]).
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            for extra in range(2):
-                with phase("step"):
-                    sysrun.train_step(spec.num_steps + extra)
-        events = prof.events()
-        steps_breakdown = breakdown.step_breakdown(events)
-        last = max((e for e in events if e.name == breakdown.STEP_LABEL),
-                   key=lambda e: e.time_range.start)
-        lo, hi = last.time_range.start, last.time_range.end
-        comm = trace.comm_breakdown([e for e in events
-                                     if e.time_range.end > lo and e.time_range.start < hi])
-        if steps_breakdown is not None and rank != 0:
-            steps_breakdown.pop("timeline")  # rank 0's is plotted
-        if rank == 0:
-            prof.export_chrome_trace(str(out / "trace-rank0.json"))
+    comm, steps_breakdown = _profiled_steps(sysrun, spec, rank, out) if spec.trace else (None, None)
 
     record = {
         "rank": rank,
