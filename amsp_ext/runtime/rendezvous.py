@@ -107,7 +107,7 @@ def init_process_group(backend: str, *, timeout: datetime.timedelta, **kw) -> No
 #
 # [Note: no pickle in a launch]
 # torchrun's c10d (dynamic) rendezvous keeps its state as a pickle in its store
-# (``dynamic_rendezvous._BackendRendezvousStateHolder.sync`` ``pickle.loads`` what the agents
+# (its state holder's ``sync`` in ``dynamic_rendezvous.py`` ``pickle.loads`` what the agents
 # wrote), so any process that can reach the store could make an agent run code. The static
 # rendezvous only counts nodes and hands out the store: every launcher of this project uses it
 # (``amsp-static``), on one machine as node 0 of 1, so no launch unpickles anything; the ranks and
