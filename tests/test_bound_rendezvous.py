@@ -67,6 +67,23 @@ def test_torchrun_flags_become_the_bound_backend():
         bound_torchrun_args(["--nnodes=2", "--node-rank=0", "--master-port=1", "x.py"])
 
 
+def test_single_machine_launchers_use_the_static_rendezvous(tmp_path):
+    """No launcher uses torchrun's c10d rendezvous, whose agents unpickle the store's state
+    ([Note: no pickle in a launch]): amsp train's agent and amsp compare's systems run torchrun
+    as node 0 of 1 of amsp-static, the store on 127.0.0.1."""
+    from amsp_ext.compare.launch import LaunchConfig, worker_command
+    from amsp_ext.runtime.rendezvous import bound_torchrun_args, loopback_torchrun_args
+
+    args = loopback_torchrun_args()
+    got = bound_torchrun_args([*args, "--nproc-per-node=2", "-m", "amsp_ext.train"])
+    port = int(args[-1].split("=")[1])
+    assert got == ["--rdzv-backend=amsp-static", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=rank=0",
+                   "--nnodes=1", "--nproc-per-node=2", "-m", "amsp_ext.train"] and 0 < port < 65536
+    cmd = worker_command("ddp", tmp_path / "spec.json", tmp_path, LaunchConfig(launcher="torchrun", nproc_per_node=2))
+    assert cmd[1:3] == ["-m", "amsp_ext.runtime.rendezvous"] and "--master-addr=127.0.0.1" in cmd, cmd
+    assert not [a for a in cmd if "c10d" in a or a == "--standalone"], cmd
+
+
 def test_cluster_nodes_launch_through_the_bound_torchrun(tmp_path):
     from amsp_ext.cluster.lab import LabSpec
     from amsp_ext.cluster.launch import node_launches

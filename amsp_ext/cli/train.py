@@ -166,19 +166,16 @@ def launch(config: TrainConfig, *, nproc_per_node: int) -> int:
     summary."""
     from amsp_ext.train.supervise import Job
 
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
-           # a fresh TCP store per attempt: with torchrun's shared one, the ranks of an elastic
-           # restart can read the dead ranks' gloo addresses (same keys) and fail to connect
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    from amsp_ext.runtime.rendezvous import LoopbackRendezvous
+    from amsp_ext.runtime.rendezvous import loopback_env, loopback_torchrun_args
 
-    env = LoopbackRendezvous.env(env)
-    # the rendezvous store lives here, on 127.0.0.1 only (runtime/rendezvous.py); the elastic
-    # agent and every restart's ranks are its clients
-    with Job("amsp-train-") as job, LoopbackRendezvous(config.engine.timeout + 600) as rdzv:
+    env = loopback_env({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                        "PYTHONUNBUFFERED": "1"})
+    # the store lives in the agent, on 127.0.0.1 only (runtime/rendezvous.py); every restart's
+    # ranks are its clients
+    with Job("amsp-train-") as job:
         config_file, result_file = job.dir / "config.json", job.dir / "result.json"
         config_file.write_text(schema.to_json(config))
-        rc = job.run([*rdzv.torchrun_args, f"--nproc-per-node={nproc_per_node}",
+        rc = job.run([*loopback_torchrun_args(), f"--nproc-per-node={nproc_per_node}",
                       f"--max-restarts={config.checkpoint.max_restarts}", "-m", "amsp_ext.train",
                       "--config", str(config_file), "--result-file", str(result_file)],
                      env=env, stdout=subprocess.DEVNULL if config.output.json else None)

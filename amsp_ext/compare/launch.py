@@ -7,7 +7,6 @@ reproduced on its own.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -20,7 +19,7 @@ from typing import Any
 
 from amsp_ext.cluster.proctree import JOB_ENV, new_job_id, stop_job
 from amsp_ext.compare.config import RunSpec
-from amsp_ext.runtime.rendezvous import LoopbackRendezvous
+from amsp_ext.runtime.rendezvous import loopback_env, loopback_torchrun_args
 
 __all__ = ["LAUNCHERS", "LaunchConfig", "run_system", "worker_command"]
 
@@ -49,14 +48,12 @@ class LaunchConfig:
             raise ValueError(f"master_port must be in 0..65535 (0: a free one), got {self.master_port}")
 
 
-def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig,
-                   rdzv_args: list[str] | None = None) -> list[str]:
-    """``rdzv_args``: the torchrun rendezvous flags (runtime/rendezvous.py, loopback only);
-    None: ``--standalone``."""
+def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig) -> list[str]:
+    """On torchrun: node 0 of 1, its store on 127.0.0.1 only (runtime/rendezvous.py)."""
     worker = ["-m", "amsp_ext.compare.worker", "--spec", str(spec_path), "--system", system,
               "--out", str(out)]
     if launch.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", *(rdzv_args or ["--standalone"]),
+        return [sys.executable, "-m", "amsp_ext.runtime.rendezvous", *loopback_torchrun_args(),
                 f"--nproc-per-node={launch.nproc_per_node}", *worker]
     return [sys.executable, "-m", "amsp_ext.cli", "cluster", "run", "--name", launch.cluster_name,
             "--timeout", str(int(launch.timeout_s)), "--master-port", str(launch.master_port),
@@ -98,14 +95,13 @@ def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,
     spec_path = out / "spec.json"
     spec_path.write_text(spec.to_json() + "\n")
     local = launch.launcher == "torchrun"
-    rdzv = LoopbackRendezvous(launch.timeout_s) if local else contextlib.nullcontext()
     t0 = time.perf_counter()
     rc: int | None
     job_id = new_job_id()
-    with rdzv, open(out / "log.txt", "w") as log:  # the rendezvous store on 127.0.0.1 only
-        cmd = worker_command(system, spec_path, out, launch, rdzv.torchrun_args if local else None)
+    with open(out / "log.txt", "w") as log:
+        cmd = worker_command(system, spec_path, out, launch)
         base = {"system": system, "key": row_key or system, "command": shlex.join(cmd)}
-        env = LoopbackRendezvous.env(_env(job_id)) if local else _env(job_id)
+        env = loopback_env(_env(job_id)) if local else _env(job_id)
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:

@@ -6,11 +6,11 @@ both listen on ``::`` (every interface) whatever host name they are given: two u
 key-value servers, open to the network for the whole run. A TCPStore can instead take a socket
 that is already listening (``master_listen_fd``), so:
 
-- a single-machine launcher (``amsp train``, ``amsp compare``, ``amsp tune``) hosts the
-  rendezvous store itself on a socket bound to 127.0.0.1 (:class:`LoopbackRendezvous`) and runs
-  torchrun as a client of it (``--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT
-  is_host=false``), with ``--local-addr=127.0.0.1`` so that the ranks' ``MASTER_ADDR`` is loopback
-  and ``GLOO_SOCKET_IFNAME=lo`` so that gloo's pairs listen there too;
+- every launcher runs torchrun with the ``amsp-static`` rendezvous (below): node 0's agent
+  hosts the store on a socket bound to the master address, 127.0.0.1 for a single-machine job
+  (``amsp train``, ``amsp compare``, ``amsp tune``: :func:`loopback_torchrun_args`, with
+  ``GLOO_SOCKET_IFNAME=lo`` so that gloo's pairs listen there too), the node address that
+  ``amsp cluster run`` gives across machines;
 - every rank initialises through :func:`init_process_group`: rank 0 binds its store's socket to
   ``MASTER_ADDR`` itself (127.0.0.1 above; the node address ``amsp cluster run`` gives across
   machines), the others connect to it as clients.
@@ -21,12 +21,11 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import uuid
 
 import torch.distributed as dist
 
-__all__ = ["BOUND_BACKEND", "LOOPBACK", "LoopbackRendezvous", "bound_static_handler", "bound_torchrun_args",
-           "init_process_group", "main"]
+__all__ = ["BOUND_BACKEND", "LOOPBACK", "bound_static_handler", "bound_torchrun_args", "init_process_group",
+           "loopback_env", "loopback_torchrun_args", "main", "register"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -42,32 +41,19 @@ def _listening_fd(host: str, port: int) -> tuple[int, int]:
     return s.getsockname()[1], s.detach()
 
 
-class LoopbackRendezvous:
-    """``with LoopbackRendezvous() as rdzv: torchrun [*rdzv.torchrun_args, ...]`` with ``env``
-    updated by ``rdzv.env``: the rendezvous store lives in this process, on 127.0.0.1 only."""
+def loopback_torchrun_args() -> list[str]:
+    """torchrun's static flags, in place of ``--standalone``, for a job on this machine alone:
+    node 0 of 1, its store on 127.0.0.1 at a free port. Run them through :func:`main` (the
+    ``amsp-static`` rendezvous), which binds that store to the address and nothing else."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        port = s.getsockname()[1]
+    return ["--nnodes=1", "--node-rank=0", f"--master-addr={LOOPBACK}", f"--master-port={port}"]
 
-    def __init__(self, timeout_s: float = 900) -> None:
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = None
 
-    def __enter__(self) -> "LoopbackRendezvous":
-        self.port, fd = _listening_fd(LOOPBACK, 0)
-        self._store = dist.TCPStore(LOOPBACK, self.port, None, True, self._timeout, wait_for_workers=False,
-                                    multi_tenant=True, master_listen_fd=fd)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._store = None  # closes its socket
-
-    @property
-    def torchrun_args(self) -> list[str]:
-        """In place of ``--standalone``."""
-        return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{self.port}",
-                f"--rdzv-id={uuid.uuid4().hex}", "--rdzv-conf=is_host=false", f"--local-addr={LOOPBACK}"]
-
-    @staticmethod
-    def env(env: dict) -> dict:
-        return {**env, "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME") or "lo"}
+def loopback_env(env: dict) -> dict:
+    """``env`` with gloo's pairs listening on loopback too."""
+    return {**env, "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME") or "lo"}
 
 
 def _is_local(host: str) -> bool:
@@ -91,8 +77,14 @@ def init_process_group(backend: str, *, timeout: datetime.timedelta, **kw) -> No
     (or when that address is not this machine's), torch's own ``env://`` initialisation."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if not host or not port or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or \
-            (rank == 0 and not _is_local(host)):
+    if host and port and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # the agent's store outlives an elastic restart: each attempt's keys under their own
+        # prefix (see [Note: no pickle in a launch])
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"/amsp/attempt_{attempt}", dist.TCPStore(host, int(port), world, False, timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
+        return
+    if not host or not port or (rank == 0 and not _is_local(host)):
         dist.init_process_group(backend, timeout=timeout, **kw)
         return
     if rank == 0:
@@ -113,14 +105,16 @@ def init_process_group(backend: str, *, timeout: datetime.timedelta, **kw) -> No
 # store listens on ``A`` only (a socket bound to it, handed over as ``master_listen_fd``). The
 # ranks' gloo pairs follow ``GLOO_SOCKET_IFNAME`` (the lab's interface for ``amsp cluster run``).
 #
-# [Note: the one pickle left in a launch]
-# torchrun's c10d (dynamic) rendezvous, which the single-machine launchers use as clients of
-# :class:`LoopbackRendezvous`'s store, keeps its state as a pickle in that store:
-# ``torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder.sync``
-# ``pickle.loads`` the bytes the agents wrote (agent <-> agent, through the store). The store listens
-# on 127.0.0.1 only, so only a process on this machine can write there; the ranks and checkpoints
-# exchange no pickles (state/dcp_io.py: [Note: DCP without its object collectives]). The
-# ``amsp-static`` backend below keeps no pickled state (the static rendezvous only counts nodes).
+# [Note: no pickle in a launch]
+# torchrun's c10d (dynamic) rendezvous keeps its state as a pickle in its store
+# (its state holder's ``sync`` in ``dynamic_rendezvous.py`` ``pickle.loads`` what the agents
+# wrote), so any process that can reach the store could make an agent run code. The static
+# rendezvous only counts nodes and hands out the store: every launcher of this project uses it
+# (``amsp-static``), on one machine as node 0 of 1, so no launch unpickles anything; the ranks and
+# checkpoints exchange no pickles either (state/dcp_io.py: [Note: DCP without its object
+# collectives]). An elastic restart re-uses the agent's store, so :func:`init_process_group`
+# puts each attempt's keys under their own prefix: the new ranks never read the dead ranks'
+# gloo addresses.
 BOUND_BACKEND = "amsp-static"
 
 
@@ -202,13 +196,19 @@ def bound_torchrun_args(argv: list[str]) -> list[str]:
             f"--rdzv-conf=rank={opts['--node-rank']}", *rest]
 
 
+def register() -> None:
+    """Make ``--rdzv-backend=amsp-static`` known to torchrun in this process."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BOUND_BACKEND, bound_static_handler)  # again: a no-op
+
+
 def main(argv: list[str] | None = None) -> None:
     import sys
 
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.run import main as torchrun
 
-    rendezvous_handler_registry.register(BOUND_BACKEND, bound_static_handler)
+    register()
     torchrun(bound_torchrun_args(sys.argv[1:] if argv is None else argv))
 
 

@@ -182,8 +182,11 @@ def _agent(argv: list[str]) -> int:
         if name.startswith("torch.distributed.elastic") and isinstance(lg, logging.Logger):
             lg.setLevel(logging.CRITICAL)
 
+    from amsp_ext.runtime.rendezvous import bound_torchrun_args, register
+
+    register()  # the store bound to the master address (runtime/rendezvous.py)
     try:
-        run(parse_args(argv))
+        run(parse_args(bound_torchrun_args(argv)))
         return 0
     except ChildFailedError as e:  # the last attempt failed: say how each rank ended
         (job / "failures.json").write_text(json.dumps({str(r): f.exitcode for r, f in e.failures.items()}))
