@@ -186,6 +186,18 @@ def publish(staging: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+def meta_object(meta_file: Path, where: str) -> dict:
+    """``amsp.json`` read as a JSON object, or a one-line CheckpointError starting with ``where``."""
+    try:
+        meta = json.loads(meta_file.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}: file {META_FILE} is damaged "
+                              f"(not valid JSON: {str(e).splitlines()[0]})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: file {META_FILE} is damaged (not a JSON object)")
+    return meta
+
+
 def read_meta(path: Path, *, format: str) -> dict:
     """The ``amsp.json`` of a complete checkpoint, its own checksum verified (no collective)."""
     path = resolve(Path(path))
@@ -197,13 +209,7 @@ def read_meta(path: Path, *, format: str) -> dict:
     if not meta_file.is_file():
         raise CheckpointError(f"amsp checkpoint: {path} is not a complete amsp checkpoint "
                               f"(no {META_FILE}: another format, or the save did not finish)")
-    try:
-        meta = json.loads(meta_file.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"amsp checkpoint {path}: file {META_FILE} is damaged "
-                              f"(not valid JSON: {str(e).splitlines()[0]})") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"amsp checkpoint {path}: file {META_FILE} is damaged (not a JSON object)")
+    meta = meta_object(meta_file, f"amsp checkpoint {path}")
     if meta.get("format") in PICKLED_FORMATS and format == FORMAT:
         raise CheckpointError(
             f"amsp checkpoint: {path} has the old format {meta['format']!r}, whose .metadata and state are "

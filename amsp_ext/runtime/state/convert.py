@@ -33,9 +33,8 @@ from amsp_ext.runtime import wire
 from amsp_ext.runtime.state import dcp_io
 from amsp_ext.runtime.state.checkpoint_files import (FORMAT, META_FILE, PICKLED_FORMATS, RNG_FILE, STATE_FILE,
                                                      CheckpointError, begin_staging, file_digest, meta_checksum,
-                                                     publish,
-                                                     rank_files, resolve, staging_path, verify_files,
-                                                     write_meta)
+                                                     meta_object, publish, rank_files, resolve, staging_path,
+                                                     verify_files, write_meta)
 
 __all__ = ["convert_checkpoint"]
 
@@ -63,13 +62,7 @@ def _old_meta(src: Path) -> dict:
         raise CheckpointError(f"amsp checkpoint convert: {src} is not a directory")
     if not meta_file.is_file():
         raise CheckpointError(f"amsp checkpoint convert: {src} is not an amsp checkpoint (no {META_FILE})")
-    try:
-        meta = json.loads(meta_file.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"amsp checkpoint convert: {src}: file {META_FILE} is damaged "
-                              f"(not valid JSON: {str(e).splitlines()[0]})") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"amsp checkpoint convert: {src}: file {META_FILE} is damaged (not a JSON object)")
+    meta = meta_object(meta_file, f"amsp checkpoint convert: {src}")
     fmt = meta.get("format")
     if fmt == FORMAT:
         raise CheckpointError(f"amsp checkpoint convert: {src} already has the current format {FORMAT!r}")
