@@ -77,6 +77,7 @@ def shard(model: nn.Module, plan: "Plan | str",
                   structural_only=True)
     # the monitor's planner problem (reads the profile), before any collective: bad input fails here
     problem = planner_problem(model, world, config) if config.adaptive is not None else None
+    C.destroy_groups_at_exit()  # collectives.py [Note: process groups torn down at exit]
     # -- first collective ------------------------------------------------------------------
     check_same_everywhere(comm, run_fingerprint(plan, config, world, model), config)
     device = engine_device()
