@@ -36,3 +36,39 @@ def test_planner_buckets_small_llama_fp32():
     # lm_head and the final norm (263 KB < 1 MiB) ride with the last layer; then one bucket
     # per layer; the embedding last
     assert got == [4 * (256 * 256 + 256 + layer), 4 * layer, 4 * layer, 4 * layer, 4 * 256 * 256]
+
+
+def test_launching_a_bucket_waits_only_past_two_full_buckets_in_flight(monkeypatch):
+    """grad_sync.py [Note: bytes in flight]: U = 400 bytes (100 fp32 elements), so at most 200
+    elements in flight; buckets (backward order) of 50, 50, 50, 100, 100, 100. The old rule (two
+    buckets) completed bucket 0 before launching the third; now the three small ones go out
+    together and a launch waits only once 200 would be passed."""
+    import torch
+
+    from amsp_ext.runtime import collectives as C
+    from amsp_ext.runtime.sync import grad_sync
+    from amsp_ext.topology.mesh import GroupHandle
+
+    numels = [100, 100, 100, 50, 50, 50]  # forward order, one unit each, reversed in backward
+    ts = [SimpleNamespace(index=i, unit=i, numel=n, local_shape=(n,), owner_rank=0, keeper_rank=0,
+                          name=f"t{i}") for i, n in enumerate(numels)]
+    monkeypatch.setattr(grad_sync, "UNIT_BUCKET_MIN_BYTES", 1)  # a bucket per unit
+    group = GroupHandle(pg=None, name="param_replica[0,1]", size=2, timeout=5.0, cross_node=False)
+    gs = grad_sync.GradSync(ts, comm=C.CollectiveContext(timeout=5.0), rank=0, dtype=torch.float32,
+                            device=torch.device("cpu"), bucket_bytes=400, dp_size=2, replica=group,
+                            grad=group, overlap=True)
+    assert [b.numel for b in gs.buckets] == [50, 50, 50, 100, 100, 100]
+    events = []
+    monkeypatch.setattr(grad_sync.C, "all_reduce", lambda ctx, buf, pg, **kw: events.append(("launch", buf.numel())) or buf.numel())
+    monkeypatch.setattr(grad_sync.C, "wait", lambda pending: events.append(("wait", pending)))
+    gs.mode = "replica"
+    for b in range(len(gs.buckets)):
+        gs._buffer(b).zero_()
+        gs.ready[b] = True
+        gs._launch_ready()
+    # cap 200 elements: launch 50, 50, 50 (150); the 100 makes 250: complete bucket 0 (200);
+    # the next 100: 300 -> complete 1 (250) -> complete 2 (200); the last 100: 300 -> complete 3
+    assert events == [("launch", 50), ("launch", 50), ("launch", 50),
+                      ("wait", 50), ("launch", 100),
+                      ("wait", 50), ("wait", 50), ("launch", 100),
+                      ("wait", 100), ("launch", 100)]

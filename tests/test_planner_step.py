@@ -121,3 +121,42 @@ def test_timeline_helpers_by_hand():
     # bucket 1 closes inside the 2nd unit (ready 2), bucket 2 = the remaining 5 bytes (ready 3)
     ready, sizes = _bucket_ready(np.array([4.0, 8.0, 3.0]), np.array([1.0, 2.0, 3.0]), 10.0)
     assert ready.tolist() == [2.0, 3.0] and sizes.tolist() == [10.0, 5.0]
+
+
+def test_engine_all_reduce_window_counts_bytes_by_hand():
+    """grad_sync.py [Note: bytes in flight], as the calibrated model applies it: one micro-batch,
+    backward 0..10 s, four buckets ready at 1, 2, 3, 4 s, each all-reduce 4 s, no thread cost."""
+    import numpy as np
+
+    from amsp_ext.planner.step import _engine_micro_batches
+
+    ready = np.array([1.0, 2.0, 3.0, 4.0])
+    ar = [np.array([[4.0, 0.0]] * 4)]
+
+    def end(b_bytes, cap):
+        return _engine_micro_batches(1, first_fwd=0.0, fwd=0.0, bwd=10.0, b_ready=ready,
+                                     b_bytes=np.array(b_bytes, dtype=float), ar=ar, max_in_flight=cap, rs=None)
+
+    # the stream is FIFO: ends 5, 9, 13, 17; no limit, so the backward never waits: the pass
+    # ends with the last all-reduce at 17
+    assert end([1, 1, 1, 1], None) == 17.0
+    # four small buckets under a cap of 2 full (U = 4 bytes: cap 8): all four in flight at once
+    assert end([1, 1, 1, 1], 8.0) == 17.0
+    # full buckets (4 bytes each), cap 8: bucket 2 waits for bucket 0 (ends 5, launch 3 -> +2 s
+    # on the backward), bucket 3 for bucket 1 (ends 9; its launch, 4 + 2 = 6, -> +3 s): the
+    # backward ends at 10 + 5 = 15, the last all-reduce at 17
+    assert end([4, 4, 4, 4], 8.0) == 17.0
+    # a long backward (30 s) makes the stall visible: all-reduces of 8 s end at 9, 17, 25, 33
+    # whatever the cap; with full buckets bucket 2 launches at 9 (3 -> +6 s on the backward)
+    # and bucket 3 at 17 (its ready time 4 + 6 = 10 -> +7 s): the backward ends at 30 + 13
+    ar[0] = np.array([[8.0, 0.0]] * 4)
+
+    def long(b_bytes, cap):
+        return _engine_micro_batches(1, first_fwd=0.0, fwd=0.0, bwd=30.0, b_ready=ready,
+                                     b_bytes=np.array(b_bytes, dtype=float), ar=ar, max_in_flight=cap, rs=None)
+
+    assert long([4, 4, 4, 4], 8.0) == 43.0
+    # small buckets under the same cap never stall it (a cap of 2 buckets would: 43 again)
+    assert long([1, 1, 1, 1], 8.0) == 33.0
+    # a bucket bigger than the cap first waits for all before it: bucket 3 at 25 (4 -> +21 s)
+    assert long([1, 1, 1, 9], 8.0) == 51.0

@@ -20,7 +20,7 @@ Schema (one object, every field validated; an error is one line naming the field
       "optimizer_bytes_per_s": 9.0e9,          # optimizer traffic / optimizer-step time
       "step_overhead_s": 0.01,                 # per step, outside compute and communication
       "micro_batch_overhead_s": 0.02,          # per micro-batch, on the compute thread
-      "ar_buckets_in_flight": 2,               # the engine's bucket limit when measured
+      "ar_buckets_in_flight": 2,               # the engine's in-flight cap, x U bytes
       "blocking": ["RS"],                      # kinds that block the compute thread here
       "comm_time_scale": {"AG": 1.0, "RS": 1.0, "AR": 1.0, "BC": 1.0},
       "comm_s_per_byte": {"AG": 0.0, ...},     # extra duration per byte under load
@@ -94,7 +94,7 @@ class Calibration:
     optimizer_bytes_per_s: float
     step_overhead_s: float = 0.0
     micro_batch_overhead_s: float = 0.0
-    ar_buckets_in_flight: int | None = None  # the engine's limit (grad_sync.MAX_IN_FLIGHT)
+    ar_buckets_in_flight: int | None = None  # in-flight cap, in buckets of U bytes (grad_sync.IN_FLIGHT_BUCKETS)
     blocking: tuple[str, ...] = ()  # kinds whose collectives block the compute thread here
     comm_time_scale: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 1.0))
     comm_s_per_byte: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 0.0))

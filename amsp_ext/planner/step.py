@@ -42,8 +42,8 @@ issue, so o_k = 1 is the rule above and o_k = 0 a blocking collective:
 The calibrated model also follows two rules of the engine (grad_sync.py) that the paper's
 description leaves out: a backward pass ends only when its all-reduce buckets (and
 reduce-scatters) are complete, so they never run into the next micro-batch or the optimizer
-step; and at most ``ar_buckets_in_flight`` buckets are in flight, so launching one more first
-waits, on the backward thread, for the oldest. Both matter when the all-reduces are slower than
+step; and at most ``ar_buckets_in_flight`` x U bytes are in flight, so launching a bucket first
+waits, on the backward thread, for the oldest ones (grad_sync.py [Note: bytes in flight]). Both matter when the all-reduces are slower than
 the backward (a CPU cluster), not on the paper's testbed.
 Without a calibration the uncalibrated constants (and o_k = 1) are used, as before.
 
@@ -305,23 +305,30 @@ def _paper_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
 
 
 def _engine_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
-                          b_ready: np.ndarray, ar: list[np.ndarray], in_flight: int | None,
+                          b_ready: np.ndarray, b_bytes: np.ndarray, ar: list[np.ndarray],
+                          max_in_flight: float | None,
                           rs: tuple[np.ndarray, np.ndarray] | None) -> float:
     """The engine's own sequencing (calibrated model, see [Note: calibrated constants]): a
     backward pass ends only when its buckets' all-reduces (and reduce-scatters) are complete
-    (grad_sync's end-of-backward flush), and launching bucket k first waits for bucket
-    k - ``in_flight`` on the backward thread. ``ar[m]``: (duration, compute-thread time) of
-    each bucket of micro-batch m, in launch order. Returns the end of the last micro-batch."""
+    (grad_sync's end-of-backward flush), and launching bucket k first waits, on the backward
+    thread, for the oldest buckets until those still in flight plus k hold at most
+    ``max_in_flight`` bytes (None: no limit). ``b_bytes``: each bucket's bytes; ``ar[m]``:
+    (duration, compute-thread time) of each bucket of micro-batch m, in launch order. Returns
+    the end of the last micro-batch."""
     t = 0.0
     for m in range(M):
         bwd_start = t + (first_fwd if m == 0 else fwd)
         dur, cost = (ar[m][:, 0], ar[m][:, 1]) if len(ar[m]) else (np.zeros(0), np.zeros(0))
         delay, ends = 0.0, []  # delay: backward-thread time lost to the all-reduces so far
+        oldest = 0  # the oldest bucket that may still be in flight
         for k in range(len(dur) if dur.sum() > 0 else 0):
             launch = bwd_start + b_ready[k] + delay
-            if in_flight is not None and k >= in_flight and ends[k - in_flight] > launch:
-                delay += ends[k - in_flight] - launch
-                launch = ends[k - in_flight]
+            if max_in_flight is not None:
+                while oldest < k and float(b_bytes[oldest:k + 1].sum()) > max_in_flight:
+                    oldest += 1  # bucket oldest - 1 must complete first (they end in order)
+                if oldest > 0 and ends[oldest - 1] > launch:
+                    delay += ends[oldest - 1] - launch
+                    launch = ends[oldest - 1]
             ends.append(max(launch, ends[-1] if ends else launch) + dur[k])
             delay += cost[k]  # its time on the thread, right at launch
         end = bwd_start + bwd + delay
@@ -561,10 +568,12 @@ def _micro_batches(plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster:
     order_b = np.argsort(b_ready, kind="stable")
     last = np.array([price("AR", "allreduce", b, replica) for b, _ in buckets])[order_b]
     other = np.array([price("AR", "allreduce", b, g_mesh) for b, _ in buckets])[order_b]
+    b_bytes = np.array([b for b, _ in buckets], dtype=float)[order_b]
+    cap = calibration.ar_buckets_in_flight
     compute_end = _engine_micro_batches(
-        M, first_fwd=first_fwd, fwd=fwd, bwd=bwd.seconds, b_ready=b_ready[order_b],
+        M, first_fwd=first_fwd, fwd=fwd, bwd=bwd.seconds, b_ready=b_ready[order_b], b_bytes=b_bytes,
         ar=[last if m == M - 1 else other for m in range(M)],
-        in_flight=calibration.ar_buckets_in_flight, rs=rs)
+        max_in_flight=None if cap is None else cap * float(U), rs=rs)
     return compute_end, 0.0, 0.0
 
 

@@ -47,7 +47,7 @@ def observations(result: dict[str, Any]) -> tuple[list[PlanObservation], ProbeOb
 
 def calibrate_from_result(result: dict[str, Any], config, problems: Problems,
                           candidates: list[Candidate], out: Path) -> None:
-    from amsp_ext.runtime.sync.grad_sync import MAX_IN_FLIGHT
+    from amsp_ext.runtime.sync.grad_sync import IN_FLIGHT_BUCKETS
 
     meta = result["meta"]
     plans, probe = observations(result)
@@ -60,7 +60,7 @@ def calibrate_from_result(result: dict[str, Any], config, problems: Problems,
     cal = fit_calibration(problems.uncalibrated["step"], plans, probe, source=source,
                           date=meta["date"], device=meta["device"],
                           peak_flops=meta["peak"]["peak_flops_per_gpu"],
-                          ar_buckets_in_flight=MAX_IN_FLIGHT)
+                          ar_buckets_in_flight=IN_FLIGHT_BUCKETS)
     prof = problems.uncalibrated["step"].timer.profile
     doc = json.loads(Path(prof.source).read_text())
     doc["calibration"] = cal.as_dict()

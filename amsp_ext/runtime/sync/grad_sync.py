@@ -10,8 +10,8 @@ reduce-scatter output into ``.grad``). The hook copies the gradient into its slo
 async AllReduce. Buckets are laid out statically in backward order (reverse forward order),
 closed at unit boundaries (see [Note: buckets close at unit boundaries]), and
 launched strictly in bucket order, so every rank issues the same collectives in the same order
-even if hooks fire in a slightly different order. At most two buckets are in flight: launching
-a third first completes the oldest (as InternEvo does), bounding the bucket memory (D_tmp).
+even if hooks fire in a slightly different order. At most ``IN_FLIGHT_BUCKETS`` x U bytes
+are in flight (see [Note: bytes in flight]).
 The last, partial buckets (and slots of parameters that got no gradient, zero-filled) are
 flushed by an end-of-backward callback (``queue_callback``), queued by the first hook of the
 pass; for sp > 1 FSDP2's own final callback is queued earlier (at its root pre-backward), so
@@ -78,7 +78,18 @@ from amsp_ext.topology.mesh import GroupHandle
 
 __all__ = ["GradSync"]
 
-MAX_IN_FLIGHT = 2
+# [Note: bytes in flight]
+# Launching a bucket first completes the oldest ones until what is in flight, this bucket
+# included, is at most IN_FLIGHT_BUCKETS x U bytes: the bucket memory (D_tmp, planner/memory.py
+# charges two buckets of U) stays bounded while the backward goes on. The limit used to count
+# buckets (two, as InternEvo does). Once buckets closed at unit boundaries (above), a model's
+# buckets were often far smaller than U, and the third one's launch waited on the backward
+# thread for the first: issue 23's breakdown showed the replicate plan's backward stalled in
+# wait::all_reduce while DDP, which launches every bucket and waits once at the end, hid that
+# time. Counting bytes keeps the memory bound of the old rule for full buckets and lets small
+# ones queue in the process group as DDP's do. The planner's calibrated step model
+# (planner/step.py, ``ar_buckets_in_flight``) applies the same rule.
+IN_FLIGHT_BUCKETS = 2
 
 
 @dataclass(kw_only=True)
@@ -140,6 +151,7 @@ class GradSync:
         elem = torch.empty((), dtype=self.reduce_dtype).element_size()
         cap = max(1, bucket_bytes // elem)
         self.buckets = _plan_buckets(self.tensors, cap, min(cap, max(1, UNIT_BUCKET_MIN_BYTES // elem)))
+        self.max_in_flight_numel = IN_FLIGHT_BUCKETS * cap  # see [Note: bytes in flight]
         self.slot_of = {idx: (b, off, n) for b, bk in enumerate(self.buckets) for idx, off, n in bk.slots}
         # fp16 sums can overflow: divide each contribution before reducing; else divide once after
         self.predivide = self.reduce_dtype == torch.float16
@@ -257,7 +269,8 @@ class GradSync:
         while self.next_launch < len(self.buckets) and self.ready[self.next_launch]:
             b = self.next_launch
             self.next_launch += 1
-            while len(self.in_flight) >= MAX_IN_FLIGHT:
+            while self.in_flight and (sum(self.buckets[i].numel for i, _ in self.in_flight)
+                                      + self.buckets[b].numel > self.max_in_flight_numel):
                 self._complete(*self.in_flight.popleft())
             group = self.replica if self.mode == "replica" else self.grad
             pending = None
