@@ -82,3 +82,39 @@ def test_no_function_over_80_lines():
     assert not too_long, f"split these into named steps (or list them with a reason): {too_long}"
     stale = [k for k in LONG_FUNCTIONS_ALLOWED if not (ROOT / k.split(":")[0]).exists()]
     assert not stale, stale
+
+
+# [Note: one definition per default] The planner inputs that many entry points default (the
+# profile, the GPU memory a plan is made for, the reserve) are written once, in
+# planner/defaults.py; a second literal is a default that will drift. Docstrings may quote them.
+SHARED_DEFAULTS = {"paper-a800", "80GiB", "2GiB", "80 * 2 ** 30", "80 * GiB", "2 * 2 ** 30"}
+DEFAULTS_HOME = {"planner/defaults.py", "planner/profiles/build_paper_a800.py"}  # the profile's own name
+
+
+def _default_literals(tree):
+    import ast
+
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and id(node) not in docstrings and node.value in SHARED_DEFAULTS:
+            yield node.lineno, node.value
+        elif isinstance(node, ast.BinOp) and ast.unparse(node) in SHARED_DEFAULTS:
+            yield node.lineno, ast.unparse(node)
+
+
+def test_shared_planner_defaults_are_defined_once():
+    import ast
+
+    found = [f"{path.relative_to(PKG)}:{line}: {text}"
+             for path in sorted(PKG.rglob("*.py")) if str(path.relative_to(PKG)) not in DEFAULTS_HOME
+             for line, text in _default_literals(ast.parse(path.read_text()))]
+    assert not found, f"define these in amsp_ext/planner/defaults.py and import them: {found}"
+
+
+def test_the_default_scan_finds_a_planted_literal():
+    import ast
+
+    planted = ast.parse('"""docstring: paper-a800"""\nx = f(profile="paper-a800", size=80 * 2**30)\n')
+    assert sorted(text for _, text in _default_literals(planted)) == ["80 * 2 ** 30", "paper-a800"]

@@ -17,7 +17,8 @@ import argparse
 import shlex
 import sys
 
-from amsp_ext.choices import MISSING_MESH
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
+from amsp_ext.compare.config import COMPARE_MISSING_MESH
 
 HELP = "measured side-by-side: DDP, ZeRO-1/2/3, ZeRO++, MiCS, FSDP2/HSDP and AMSP on one job"
 
@@ -55,14 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "cluster"))
     p.add_argument("--nproc-per-node", type=int, help="ranks (torchrun launcher)")
     p.add_argument("--cluster-name", default="amsp", help="lab name for --launcher cluster")
-    p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
-                   help="planner profile for --amsp-plan auto (bundled name or a JSON from `amsp profile`)")
-    p.add_argument("--gpu-memory", default="80GiB", metavar="SIZE",
-                   help="memory per GPU the planner plans for (--amsp-plan auto), e.g. 80GiB, 4MiB")
-    p.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
-                   help="memory per GPU the planner keeps free (default 2GiB, as `amsp plan`)")
-    p.add_argument("--missing-mesh", choices=MISSING_MESH, default="fit",
-                   help="a mesh the profile lacks: estimate by alpha-beta fit (default) or refuse")
+    add_profile(p, what="planner profile for --amsp-plan auto")
+    add_gpu_memory(p, what="memory per GPU the planner plans for (--amsp-plan auto)")
+    add_memory_reserve(p)
+    add_missing_mesh(p, default=COMPARE_MISSING_MESH)  # compare's own (compare/config.py)
     p.add_argument("--ablation-micro-batches", help="ablation mode: comma-separated M values, "
                    "e.g. 1,2,4,8 as in the paper's Table V (default: --micro-batches)")
     p.add_argument("--repeats", type=int, default=1, metavar="N",

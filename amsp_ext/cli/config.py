@@ -26,6 +26,7 @@ from typing import Any
 from amsp_ext import schema
 from amsp_ext.choices import PRECISIONS, check_int
 from amsp_ext.engine_config import EngineConfig
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile
 
 HELP = "write a ready Accelerate YAML + ds_config pair (accelerate) or a ds_config (deepspeed) that runs AMSP"
 
@@ -49,10 +50,8 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--seq-len", type=int, default=2048,
                    help="tokens per sequence, for the planner (plan auto; default 2048)")
     schema.add_arguments(p, EngineConfig, only=("gpus_per_node",))  # the amsp block's, as it is
-    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
-                   help="memory per GPU for the planner, e.g. 80GiB (default: the device's)")
-    p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
-                   help="bandwidth profile for the planner (default paper-a800)")
+    add_gpu_memory(p, default=None, what="memory per GPU for the planner")
+    add_profile(p, what="bandwidth profile for the planner")
     p.add_argument("--precision", choices=(_AUTO, *PRECISIONS), default=_AUTO,
                    help="'auto' (default): the Trainer / Accelerate fill it from their own flags")
     p.add_argument("--gradient-clipping", default="auto", metavar="X|auto",

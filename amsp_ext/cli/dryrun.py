@@ -16,6 +16,7 @@ import os
 from amsp_ext import schema
 from amsp_ext.cli.plan import PLANNED_ENGINE_FIELDS
 from amsp_ext.engine_config import EngineConfig
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile
 
 HELP = "dry-run the engine for sampled ranks of a large world (fake backend, fake tensors)"
 
@@ -30,8 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, required=True, help="N, number of nodes")
     c.add_argument("--gpus-per-node", type=int, required=True, help="R, GPUs per node")
-    c.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="memory per GPU (default 80GiB)")
-    c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH", help="for --plan auto")
+    add_gpu_memory(c)
+    add_profile(c, what="bandwidth profile for --plan auto")
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int, required=True)
     t.add_argument("--micro-batch-size", type=int, default=1)

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from amsp_ext import schema
-from amsp_ext.choices import MISSING_MESH, PRECISIONS
+from amsp_ext.choices import PRECISIONS
 from amsp_ext.engine_config import EngineConfig, engine_default
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
 
 DEFAULT_SEQ_LEN = 2048
 HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
@@ -51,14 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("target cluster")
     c.add_argument("--nodes", type=int, default=1, help="N (default 1)")
     c.add_argument("--gpus-per-node", type=int, default=8, help="R (default 8)")
-    c.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="per GPU (default 80GiB)")
-    c.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
-                   help="memory the model cannot use (default 2GiB)")
+    add_gpu_memory(c)
+    add_memory_reserve(c)
     # written into the amsp block as they are: the engine's own flags (schema.py)
     schema.add_arguments(c, EngineConfig, only=("nodes_per_leaf",))
-    c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
-                   help="bandwidth profile (default paper-a800)")
-    c.add_argument("--missing-mesh", choices=MISSING_MESH, default="error")
+    add_profile(c)
+    add_missing_mesh(c)
     t = p.add_argument_group("training (what the ds_config does not say)")
     t.add_argument("--seq-len", type=int, default=None,
                    help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}; given, it must fit the model)")

@@ -13,6 +13,7 @@ import json
 
 from amsp_ext import schema
 from amsp_ext.engine_config import EngineConfig, planner_settings
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
 
 HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
 
@@ -23,7 +24,7 @@ PLANNED_ENGINE_FIELDS = ("nodes_per_leaf", "precision", "reduce_dtype", "grad_bu
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from amsp_ext.choices import MISSING_MESH, OBJECTIVES, OPTIMIZERS, PLANNER_OVERLAP_OF
+    from amsp_ext.choices import OBJECTIVES, OPTIMIZERS, PLANNER_OVERLAP_OF
     from amsp_ext.planner.model_spec import MODEL_PRESETS
 
     model = p.add_mutually_exclusive_group(required=True)
@@ -37,18 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, required=True, help="N, number of nodes")
     c.add_argument("--gpus-per-node", type=int, required=True, help="R, GPUs per node")
-    c.add_argument("--gpu-memory", required=True, metavar="SIZE",
-                   help="memory per GPU with a unit, e.g. 80GiB or 40GB")
-    c.add_argument("--memory-reserve", default="2GiB", metavar="SIZE",
-                   help="memory the model cannot use: CUDA context, NCCL buffers, allocator "
-                        "slack (default 2GiB)")
+    add_gpu_memory(c, required=True)
+    add_memory_reserve(c)
     c.add_argument("--peak-tflops", type=float, default=None,
                    help="dense 16-bit peak per GPU, the MFU denominator (default: the profile's "
                         "calibration peak when it has one, else 312, A100/A800)")
-    c.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
-                   help="bandwidth profile: a bundled name or a JSON file (default paper-a800)")
-    c.add_argument("--missing-mesh", choices=MISSING_MESH, default="error",
-                   help="a mesh the profile lacks: refuse (default) or estimate by alpha-beta fit")
+    add_profile(c)
+    add_missing_mesh(c)
 
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int, required=True)

@@ -11,6 +11,7 @@ import argparse
 import json
 import shlex
 from pathlib import Path
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile
 
 HELP = "predict MFU and tokens/GPU/s of ZeRO-1/2/3, ZeRO++, MiCS and AMSP at 8..1024 GPUs"
 
@@ -41,14 +42,13 @@ def _names(text: str, flag: str) -> tuple[str, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
 
-    p.add_argument("--profile", default="paper-a800", metavar="NAME|PATH",
-                   help="bandwidth profile: a bundled name or a JSON file (default paper-a800)")
+    add_profile(p)
     p.add_argument("--models", default=",".join(PAPER_MODELS),
                    help="comma-separated presets (default: the paper's three)")
     p.add_argument("--gpus", default=",".join(map(str, PAPER_GPU_COUNTS)),
                    help="comma-separated GPU counts (default 8,16,...,1024)")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-memory", default="80GiB", metavar="SIZE", help="default 80GiB (A800)")
+    add_gpu_memory(p)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch-tokens", type=int, default=4 * 2**20)
     p.add_argument("--efficiency", type=float, default=None,

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from amsp_ext.compare.config import OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
+from amsp_ext.compare.config import COMPARE_MISSING_MESH, OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
 from amsp_ext.compare.launch import LaunchConfig, run_system
 from amsp_ext.compare.rounds import combine_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS
 from amsp_ext.train.metrics import mfu
 from amsp_ext.planner.specs import format_size
+from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_PROFILE, DEFAULT_RESERVE_BYTES
 
 __all__ = ["MODES", "PlannerInputs", "RunItem", "plan_runs", "resolve_world", "run_comparison"]
 
@@ -78,10 +79,10 @@ def _amsp_plan_label(spec: RunSpec) -> str:
 class PlannerInputs:
     """What ``amsp-plan`` with ``amsp_plan="auto"`` hands the planner (as ``amsp plan`` takes it)."""
 
-    profile: str = "paper-a800"  # bundled name or a JSON path (e.g. from `amsp profile` on the lab)
-    gpu_memory_bytes: int = 80 * 2**30
-    memory_reserve_bytes: int = 2 * 2**30
-    missing: str = "fit"  # a mesh the profile lacks: alpha-beta fit ("fit") or refuse ("error")
+    profile: str = DEFAULT_PROFILE  # bundled name or a JSON path (e.g. from `amsp profile` on the lab)
+    gpu_memory_bytes: int = DEFAULT_GPU_MEMORY_BYTES
+    memory_reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    missing: str = COMPARE_MISSING_MESH
 
     def describe(self) -> str:
         return (f"profile {self.profile}, {format_size(self.gpu_memory_bytes)} per GPU less "

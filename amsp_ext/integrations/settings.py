@@ -56,6 +56,7 @@ from amsp_ext.choices import (MISSING_MESH, OBJECTIVES, check_bool, check_int, c
                               reduce_dtypes)
 from amsp_ext.engine_config import AutoPlanConfig, EngineConfig, FP16Config
 from amsp_ext.planner.adaptive import AdaptiveConfig, check_replannable
+from amsp_ext.planner.defaults import DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PROFILE
 
 __all__ = [
     "AMSPSettings",
@@ -151,9 +152,9 @@ class AMSPSettings:
     plan: str = "auto"
     seq_len: int | None = None
     gpu_memory: str | int | None = None
-    profile: str = "paper-a800"
-    missing_mesh: str = "error"
-    objective: str = "comm"
+    profile: str = DEFAULT_PROFILE
+    missing_mesh: str = DEFAULT_MISSING_MESH
+    objective: str = DEFAULT_OBJECTIVE
     adaptive: AdaptiveConfig | None = None
     log_plan: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -16,6 +16,7 @@ from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.search import Problem, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.defaults import DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PROFILE
 
 __all__ = ["AutoPlanConfig", "auto_problem", "plan_auto"]
 
@@ -28,9 +29,9 @@ class AutoPlanConfig:
     seq_len: int
     micro_batch_size: int = 1
     num_micro_batches: int = 1
-    profile: str = "paper-a800"  # bundled profile name or a path to an amsp-profile/1 JSON
-    objective: str = "comm"  # "comm" (Eq. 1) or "step"
-    missing: str = "error"  # profile meshes the table lacks: "error" or "fit"
+    profile: str = DEFAULT_PROFILE  # bundled profile name or a path to an amsp-profile/1 JSON
+    objective: str = DEFAULT_OBJECTIVE  # "comm" (Eq. 1) or "step"
+    missing: str = DEFAULT_MISSING_MESH  # profile meshes the table lacks: "error" or "fit"
     optimizer: str = "adamw"
     gpu_memory_bytes: int | None = None  # None: the device's (CPU: RAM / gpus_per_node)
     memory_reserve_bytes: int | None = None  # None: the planner's default reserve

@@ -55,6 +55,7 @@ import numpy as np
 
 from amsp_ext.choices import MISSING_MESH
 from amsp_ext.planner.calibration import Calibration, CalibrationError, parse_calibration
+from amsp_ext.planner.defaults import DEFAULT_MISSING_MESH
 
 __all__ = [
     "CONCURRENCY",
@@ -217,7 +218,7 @@ class CommTimer:
 
     profile: BandwidthProfile
     gpus_per_node: int
-    missing: str = "error"
+    missing: str = DEFAULT_MISSING_MESH
     intra_scale: float = 1.0
     inter_scale: float = 1.0
     extrapolated: set[tuple[str, int, int]] = field(default_factory=set)

@@ -34,6 +34,8 @@ from amsp_ext.planner.prefilter import Prefiltered, legal_plans, prefilter
 from amsp_ext.planner.profile import BandwidthProfile, CommTimer, load_profile
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, format_size
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
+from amsp_ext.planner.defaults import (DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PROFILE,
+                                       DEFAULT_RESERVE_BYTES)
 
 __all__ = [
     "Candidate",
@@ -52,7 +54,7 @@ GiB = 2**30
 # Memory the model does not see: the CUDA context (about 0.5 GiB on A100-class GPUs), NCCL's
 # communicator buffers (NCCL_BUFFSIZE = 4 MiB per channel and peer, for up to five process
 # groups) and some caching-allocator slack. Plans must fit in the GPU's memory minus this.
-DEFAULT_RESERVE = 2 * GiB
+DEFAULT_RESERVE = DEFAULT_RESERVE_BYTES  # defined in defaults.py
 
 
 class NoFeasiblePlan(PlanError):
@@ -68,7 +70,7 @@ class Problem:
     training: TrainingSpec
     timer: CommTimer
     num_micro_batches: int
-    objective: str = "comm"
+    objective: str = DEFAULT_OBJECTIVE
     efficiency: float = DEFAULT_EFFICIENCY
     overlap: OverlapRules = OverlapRules()
     tie_tolerance: float = 0.01
@@ -105,10 +107,10 @@ def make_problem(
     model: ModelSpec | Mapping[str, Any] | str,
     cluster: ClusterSpec,
     training: TrainingSpec,
-    profile: BandwidthProfile | str | Path = "paper-a800",
+    profile: BandwidthProfile | str | Path = DEFAULT_PROFILE,
     *,
-    objective: str = "comm",
-    missing: str = "error",
+    objective: str = DEFAULT_OBJECTIVE,
+    missing: str = DEFAULT_MISSING_MESH,
     efficiency: float = DEFAULT_EFFICIENCY,
     tie_tolerance: float = 0.01,
     overlap: OverlapRules = OverlapRules(),
@@ -330,7 +332,7 @@ def plan_for(
     model: ModelSpec | Mapping[str, Any] | str,
     cluster: ClusterSpec,
     training: TrainingSpec,
-    profile: BandwidthProfile | str | Path = "paper-a800",
+    profile: BandwidthProfile | str | Path = DEFAULT_PROFILE,
     **options: Any,
 ) -> Plan:
     """The plan ``amsp_ext.shard(model, "auto", ...)`` uses: the search's best plan.

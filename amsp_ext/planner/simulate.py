@@ -54,6 +54,7 @@ from amsp_ext.planner.search import (
 )
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
+from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_PROFILE
 
 __all__ = [
     "ENGINES",
@@ -132,12 +133,12 @@ class SimSettings:
     models: tuple[str, ...] = PAPER_MODELS
     gpu_counts: tuple[int, ...] = PAPER_GPU_COUNTS
     gpus_per_node: int = 8
-    gpu_memory_bytes: int = 80 * GiB
+    gpu_memory_bytes: int = DEFAULT_GPU_MEMORY_BYTES
     seq_len: int = 4096
     micro_batch_size: int = 1
     global_batch_tokens: int = 4 * 2**20
     precision: str = "bf16"
-    profile: str = "paper-a800"
+    profile: str = DEFAULT_PROFILE
     efficiency: float = DEFAULT_EFFICIENCY
     mics_size: int | None = None  # one node
     hpz_size: int | None = None  # one node

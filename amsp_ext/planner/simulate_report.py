@@ -11,6 +11,7 @@ from typing import Any, Iterable
 from amsp_ext.planner.simulate import (
     DEEPSPEED_SYSTEMS, ENGINES, PAPER_MFU, SYSTEMS, TABLE_IV, SimCell, SimSettings,
 )
+from amsp_ext.planner.defaults import DEFAULT_RESERVE_BYTES
 from amsp_ext.planner.search import GiB
 
 __all__ = ["dissociation", "explain", "format_markdown", "format_side_by_side", "to_json"]
@@ -195,7 +196,7 @@ def format_markdown(cells: list[SimCell], rows: list[dict[str, Any]], settings: 
         "MFU (%) and tokens/GPU/s predicted by the planner's memory, cost and step-time models "
         "(no measurement). Settings (paper Sec. VI): "
         f"{s.gpus_per_node} GPUs per node, {s.gpu_memory_bytes / GiB:g} GiB per GPU "
-        "(2 GiB reserve), "
+        f"({DEFAULT_RESERVE_BYTES / GiB:g} GiB reserve), "
         f"seq {s.seq_len}, micro-batch {s.micro_batch_size}, global batch "
         f"{s.global_batch_tokens:,} tokens (M = global batch / (seq x micro-batch x GPUs)), "
         f"{s.precision}, AdamW, recomputation for LLaMA-30B only; MiCS shard group and ZeRO++ "
@@ -250,7 +251,7 @@ def format_markdown(cells: list[SimCell], rows: list[dict[str, Any]], settings: 
         "a `single_group` profile (docs/planner.md, Table IV section): T0_os pushes the same bytes "
         "through each node's NICs whatever sp is, so parameter sharding only adds Tp.",
         "- OOM cells give the memory the model needs; the limit is the GPU memory minus the "
-        "2 GiB reserve.",
+        f"{DEFAULT_RESERVE_BYTES / GiB:g} GiB reserve.",
     ]
     return "\n".join(lines) + "\n"
 

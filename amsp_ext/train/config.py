@@ -26,6 +26,7 @@ from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size
 from amsp_ext.schema import check_options, option, section
+from amsp_ext.planner.defaults import DEFAULT_OBJECTIVE, DEFAULT_PROFILE
 
 __all__ = ["auto_plan_config", "DEFAULT_PLAN", "AdaptiveOptions", "BatchOptions", "CheckpointOptions",
            "EngineConfig", "OptimOptions", "OutputOptions", "PlannerOptions", "TrainConfig"]
@@ -38,7 +39,7 @@ class PlannerOptions:
     """The planner's inputs for ``--plan auto`` besides the model, the world and the step."""
 
     profile: str = option(
-        "paper-a800", help="bandwidth profile for --plan auto: a bundled name or an amsp-profile "
+        DEFAULT_PROFILE, help="bandwidth profile for --plan auto: a bundled name or an amsp-profile "
                            "JSON (e.g. one written by `amsp profile`)")
     gpu_memory: str | None = option(
         None, metavar="SIZE",
@@ -46,7 +47,7 @@ class PlannerOptions:
     memory_reserve: str | None = option(
         None, metavar="SIZE", help="memory the planner keeps free per rank for --plan auto "
                                    "(e.g. 0B); default: the planner's")
-    objective: str = option("comm", choices=OBJECTIVES, help="what --plan auto minimises: the "
+    objective: str = option(DEFAULT_OBJECTIVE, choices=OBJECTIVES, help="what --plan auto minimises: the "
                             "paper's Eq. 1 communication time or the modelled step time")
 
     def __post_init__(self) -> None:

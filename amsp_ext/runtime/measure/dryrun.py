@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from amsp_ext import schema
 from amsp_ext.choices import check_int
 from amsp_ext.engine_config import EngineConfig
+from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_PROFILE
 
 __all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "dry_run_many", "planner_numbers",
            "run_rank", "hf_config_of"]
@@ -67,7 +68,7 @@ class DryRunSpec:
     model_config: str | None = None
     num_nodes: int = 1
     gpus_per_node: int = 8
-    gpu_memory_bytes: int = 80 * 2**30
+    gpu_memory_bytes: int = DEFAULT_GPU_MEMORY_BYTES
     plan: str = "zero3"
     seq_len: int = 128
     micro_batch_size: int = 1
@@ -75,7 +76,7 @@ class DryRunSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)  # the engine's settings, as a real run's
     steps: int = 2
     ranks: tuple[int, ...] | None = None
-    profile: str = "paper-a800"
+    profile: str = DEFAULT_PROFILE
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",

@@ -1,0 +1,34 @@
+"""The planner's inputs that every entry point defaults the same way, defined once.
+
+``amsp plan``, ``dryrun``, ``simulate``, ``migrate``, ``config``, ``compare``, ``train``'s
+``--plan auto``, the ds_config ``"amsp"`` block and the Python API (``plan_for``,
+``AutoPlanConfig``) all read these: a default written out in two places drifts, and a run
+planned by one entry point must be the plan another would make (tests/test_design_tree.py
+checks that the literals appear nowhere else).
+
+[Note: the GPU a plan is made for]
+80 GiB is the paper's A800 (section 5 of the review) and ``paper-a800`` its bandwidth table;
+the reserve is what the model cannot use on such a GPU (search.py [Note: memory reserve]).
+Where a command runs the engine on this machine (``amsp train``, the integrations), the GPU
+memory defaults to the device's instead (AutoPlanConfig.gpu_memory_bytes None); only the
+commands that plan for a cluster they do not run on use DEFAULT_GPU_MEMORY.
+
+Pure Python.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DEFAULT_GPU_MEMORY", "DEFAULT_GPU_MEMORY_BYTES", "DEFAULT_MEMORY_RESERVE", "DEFAULT_MISSING_MESH",
+    "DEFAULT_OBJECTIVE", "DEFAULT_PROFILE", "DEFAULT_RESERVE_BYTES",
+]
+
+GiB = 2**30
+
+DEFAULT_PROFILE = "paper-a800"  # a bundled bandwidth profile (planner/profiles/)
+DEFAULT_GPU_MEMORY = "80GiB"  # as a command line or a ds_config gives it
+DEFAULT_GPU_MEMORY_BYTES = 80 * GiB
+DEFAULT_MEMORY_RESERVE = "2GiB"
+DEFAULT_RESERVE_BYTES = 2 * GiB
+DEFAULT_MISSING_MESH = "error"  # a mesh the profile lacks: refuse ("fit": alpha-beta estimate)
+DEFAULT_OBJECTIVE = "comm"  # the paper's Eq. 1 ("step": compute + unhidden communication)
