@@ -16,7 +16,7 @@ import os
 from amsp_ext import schema
 from amsp_ext.cli.plan import PLANNED_ENGINE_FIELDS
 from amsp_ext.engine_config import EngineConfig
-from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile, check_counts
 
 HELP = "dry-run the engine for sampled ranks of a large world (fake backend, fake tensors)"
 
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
     from amsp_ext.runtime.measure.dryrun_report import format_text, write_out
 
+    check_counts(args, ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches", "steps"))
     spec = DryRunSpec(model=args.model, model_config=args.model_config, num_nodes=args.nodes,
                       gpus_per_node=args.gpus_per_node,
                       gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),

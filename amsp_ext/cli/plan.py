@@ -13,7 +13,8 @@ import json
 
 from amsp_ext import schema
 from amsp_ext.engine_config import EngineConfig, planner_settings
-from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
+from amsp_ext.cli.planner_flags import (add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile,
+                                        check_counts)
 
 HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
 
@@ -82,12 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_positive(args: argparse.Namespace) -> None:
-    for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "global_batch_tokens",
-                 "global_batch_size", "micro_batches", "mics_size",
-                 "hpz_size", "top", "verify"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
+    check_counts(args, ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "global_batch_tokens",
+                        "global_batch_size", "micro_batches", "mics_size", "hpz_size", "top", "verify"))
     if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
         raise ValueError(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
 

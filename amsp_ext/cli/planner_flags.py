@@ -10,7 +10,7 @@ from amsp_ext.choices import MISSING_MESH
 from amsp_ext.planner.defaults import (DEFAULT_GPU_MEMORY, DEFAULT_MEMORY_RESERVE, DEFAULT_MISSING_MESH,
                                        DEFAULT_PROFILE)
 
-__all__ = ["add_gpu_memory", "add_memory_reserve", "add_missing_mesh", "add_profile"]
+__all__ = ["add_gpu_memory", "add_memory_reserve", "add_missing_mesh", "add_profile", "check_counts"]
 
 
 def add_profile(group, *, what: str = "bandwidth profile") -> None:
@@ -41,3 +41,12 @@ def add_missing_mesh(group, *, default: str = DEFAULT_MISSING_MESH) -> None:
     group.add_argument("--missing-mesh", choices=MISSING_MESH, default=default,
                        help=f"a mesh the profile lacks: refuse (error) or estimate it by an "
                             f"alpha-beta fit (fit) (default {default})")
+
+
+def check_counts(args, dests: tuple[str, ...]) -> None:
+    """The integer flags ``dests`` (argparse dests; None: not given) are >= 1, else the one-line
+    error names the flag as the user typed it (a config built from them would name its field)."""
+    for dest in dests:
+        v = getattr(args, dest)
+        if v is not None and v < 1:
+            raise ValueError(f"--{dest.replace('_', '-')} must be an integer >= 1, got {v}")

@@ -11,7 +11,7 @@ import argparse
 import json
 import shlex
 from pathlib import Path
-from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile, check_counts
 
 HELP = "predict MFU and tokens/GPU/s of ZeRO-1/2/3, ZeRO++, MiCS and AMSP at 8..1024 GPUs"
 
@@ -64,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.specs import parse_size
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY
 
-    if args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be an integer >= 1, got {args.gpus_per_node}")
+    check_counts(args, ("gpus_per_node", "seq_len", "global_batch_tokens"))
     settings = SimSettings(
         models=_names(args.models, "--models"),
         gpu_counts=_ints(args.gpus, "--gpus"), gpus_per_node=args.gpus_per_node,

@@ -41,9 +41,10 @@ class LaunchConfig:
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
         if not 1 <= self.nproc_per_node <= 8:
-            raise ValueError(f"nproc_per_node must be in 1..8 on this machine, got {self.nproc_per_node}")
+            raise ValueError(f"--nproc-per-node (nproc_per_node) must be in 1..8 on this machine, "
+                             f"got {self.nproc_per_node}")
         if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            raise ValueError(f"--timeout (timeout_s) must be > 0 seconds, got {self.timeout_s}")
         if not 0 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be in 0..65535 (0: a free one), got {self.master_port}")
 

@@ -144,6 +144,9 @@ def parse_plan(text: str) -> Plan:
         comp, s0, s1 = m.group(1), int(m.group(2)), int(m.group(3))
         if comp in seen:
             raise PlanError(f"plan: component {comp!r} given twice in {text!r}")
+        if s0 < 1 or s1 < 1:  # named as written, before Plan would name its field (s0_p)
+            raise PlanError(f"plan: {part.strip()!r} in {text!r}: both factors of {comp}= must be "
+                            f"integers >= 1 (S0 GPUs in a node x S1 nodes)")
         seen[comp] = (s0, s1)
     if "p" not in seen or "os" not in seen:
         raise PlanError(f"plan: both 'p=' and 'os=' are required, got {text!r}")
