@@ -113,6 +113,9 @@ def _reference_losses(spec: RunSpec, world: int, steps: int) -> list[float]:
 
 @pytest.mark.distributed
 def test_harness_end_to_end_two_ranks(tmp_path):
+    """A DeepSpeed row end to end, traced, with the report's files. DDP and AMSP end to end
+    (two rounds, the same checks against the reference) are test_compare_repeats.py's: one
+    launch per system and round is the costliest part of the suite."""
     from amsp_ext.compare.harness import run_comparison
     from amsp_ext.compare.launch import LaunchConfig
 
@@ -121,25 +124,17 @@ def test_harness_end_to_end_two_ranks(tmp_path):
                    dist_timeout_s=120)
     launch = LaunchConfig(nproc_per_node=2, timeout_s=240)
     path, rows = run_comparison(mode="baselines", spec=spec, launch=launch, out_dir=tmp_path,
-                                command="pytest", systems=["ddp", "zero1", "amsp-plan"],
-                                progress=lambda s: None)
+                                command="pytest", systems=["zero1"], progress=lambda s: None)
     by = {r["key"]: r for r in rows}
-    for key in ("ddp", "zero1"):
-        assert by[key]["status"] == "ok", (by[key]["status"], by[key].get("reason"))
-        assert len(by[key]["loss"]) == 2 and by[key]["tokens_per_gpu_per_s"] > 0
-        assert by[key]["mfu"] > 0 and max(by[key]["live_tensor_delta_bytes"]) > 0
+    row = by["zero1"]
+    assert row["status"] == "ok", (row["status"], row.get("reason"))
+    assert len(row["loss"]) == 2 and row["tokens_per_gpu_per_s"] > 0
+    assert row["mfu"] > 0 and max(row["live_tensor_delta_bytes"]) > 0
     ref = _reference_losses(spec, world=2, steps=1)
     # Step 0 is a forward pass of the same initial weights on the same tokens.
-    assert by["ddp"]["loss"][0] == pytest.approx(ref[0], rel=1e-5)
-    assert by["zero1"]["loss"][0] == pytest.approx(ref[0], rel=1e-5)
-    # AMSP (the engine is on main): same first loss as the single-process reference.
-    amsp = by["amsp-plan"]
-    assert amsp["status"] == "ok", amsp
-    assert len(amsp["loss"]) == 2 and amsp["tokens_per_gpu_per_s"] > 0
-    assert amsp["loss"][0] == pytest.approx(ref[0], rel=1e-5)
-    assert "| AMSP (plan zero1) |" in path.read_text()
+    assert row["loss"][0] == pytest.approx(ref[0], rel=1e-5)
     text = path.read_text()
-    assert "| DDP |" in text and "Megatron" in text
+    assert "| DeepSpeed ZeRO-1 |" in text and "Megatron" in text
     folder = path.with_suffix("")
     for f in ("results.json", "throughput.png", "memory.png", "loss.png"):
         assert (folder / f).exists(), f

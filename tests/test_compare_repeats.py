@@ -152,9 +152,15 @@ def test_harness_two_rounds_two_ranks(tmp_path):
     by = {r["key"]: r for r in data["rows"]}
     tokens = spec.micro_batch_size * spec.seq_len * spec.num_micro_batches
     per_round = {}
+    from test_compare_harness import _reference_losses
+
+    ref = _reference_losses(spec, world=2, steps=1)
     for key in ("ddp", "amsp-plan"):
         row = by[key]
         assert row["status"] == "ok", row.get("reason")
+        # step 0: a forward pass of the same initial weights on the same tokens, both rounds
+        assert all(rd["loss"][0] == pytest.approx(ref[0], rel=1e-5) for rd in row["rounds"]), key
+        assert len(row["loss"]) == 2 and row["mfu"] > 0 and max(row["live_tensor_delta_bytes"]) > 0
         assert [rd["round"] for rd in row["rounds"]] == [1, 2]
         assert all(rd["status"] == "ok" for rd in row["rounds"]), [rd.get("reason") for rd in row["rounds"]]
         # One timed step after one warm-up step: tokens/GPU/s of a round = tokens / step_s[1].
@@ -175,5 +181,5 @@ def test_harness_two_rounds_two_ranks(tmp_path):
     assert (rec["min"], rec["max"]) == pytest.approx((min(r1, r2), max(r1, r2)))
     text = path.read_text()
     assert f"AMSP (plan zero1) / DDP: {(r1 + r2) / 2:.2f}x (median of 2 per-round ratios" in text
-    assert "### Rounds (2)" in text
+    assert "### Rounds (2)" in text and "| DDP |" in text and "| AMSP (plan zero1) |" in text
     assert (path.with_suffix("") / "runs" / "round2" / "ddp" / "log.txt").exists()
