@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY
 
     check_counts(args, ("gpus_per_node", "seq_len", "global_batch_tokens"))
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:  # nan fails both
+        raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     settings = SimSettings(
         models=_names(args.models, "--models"),
         gpu_counts=_ints(args.gpus, "--gpus"), gpus_per_node=args.gpus_per_node,
