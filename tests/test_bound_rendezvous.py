@@ -96,6 +96,7 @@ def test_cluster_nodes_launch_through_the_bound_torchrun(tmp_path):
         assert "--master-port=29555" in n.argv
 
 
+@pytest.mark.distributed
 def test_two_ranks_meet_through_the_bound_store(tmp_path):
     """2 ranks (CPU lock) launched by ``python -m amsp_ext.runtime.rendezvous`` with master address
     127.0.0.2: they all-reduce, and the only socket listening on the master port is on 127.0.0.2."""

@@ -33,6 +33,7 @@ def test_tiny_phi_by_hand():
     assert PHI == 125248
 
 
+@pytest.mark.distributed
 def test_zero3_at_1024_ranks_bytes_by_hand():
     r = dry_run(DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8, plan="zero3",
                            seq_len=32, steps=1, ranks=(5,)))
@@ -46,6 +47,7 @@ def test_zero3_at_1024_ranks_bytes_by_hand():
             if c["kind"] != "all_reduce"} == {(1024, True)}
 
 
+@pytest.mark.distributed
 def test_os_only_at_1024_ranks_bytes_by_hand():
     r = dry_run(DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8,
                            plan="p=1x1,g=1x1,os=8x1", seq_len=32, steps=1, ranks=(1023,)))
@@ -56,6 +58,7 @@ def test_os_only_at_1024_ranks_bytes_by_hand():
     assert r["world"] == 1024 and r["ranks"][0]["rank"] == 1023
 
 
+@pytest.mark.distributed
 def test_steady_state_categories_at_1024_ranks_by_hand():
     """--steps 2 measures the second step: the optimizer states made by the first step and the
     gradients kept across M = 2 micro-batches show at the peak, with hand-counted bytes."""
@@ -119,6 +122,7 @@ def _per_phase(records):
                                 c["phase"]) for c in records)
 
 
+@pytest.mark.distributed
 def test_equivalent_to_a_real_4_rank_run(tmp_path):
     """The dry run's collective log of one step (kind, group, size, cross-node, bytes, count per
     phase) and model-state bytes equal a real gloo run's, rank 0 of 2 x 2, for four plans: one
@@ -142,6 +146,7 @@ def test_equivalent_to_a_real_4_rank_run(tmp_path):
         assert all(dry["model_state_bytes"][k] > 0 for k in ("params", "grads", "master", "optim_states")), plan
 
 
+@pytest.mark.distributed
 @pytest.mark.xfail(strict=True, reason=(
     "measured: on tiny-llama (1 x 4, seq 32) the memory model overcounts all 9 fitting candidates "
     "(p=1x1,g=1x1,os=1x1: engine 2,755,877 B vs model 3,528,448; p=2x1,g=2x1,os=2x1: 1,442,789 vs "
@@ -159,7 +164,7 @@ def test_plan_verify_drops_a_candidate_that_does_not_fit_by_the_engine(capsys):
     args = ["plan", "--model", "tiny-llama", "--nodes", "1", "--gpus-per-node", "4", "--memory-reserve", "0B",
             "--seq-len", "32", "--micro-batches", "1", "--profile", "paper-a800", "--precision", "bf16",
             "--reduce-dtype", "fp32", "--granularity", "module", "--json"]
-    assert main([*args, "--gpu-memory", "64MiB", "--verify", "3"]) == 0  # 9: see the reason
+    assert main([*args, "--gpu-memory", "64MiB", "--verify", "2"]) == 0  # 9: see the reason
     roomy = json.loads(capsys.readouterr().out)["verify"]
     assert len(roomy) > 1 and all(v["fits"] for v in roomy)
     under = [v for v in roomy if v["engine_peak_bytes"] > v["planner_bytes"]]

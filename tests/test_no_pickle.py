@@ -62,6 +62,7 @@ def test_the_trusted_unpickling_is_only_behind_trust():
     assert body.index("if not trust:") < body.index("read_metadata") < body.index("_unpack_trusted(")
 
 
+@pytest.mark.distributed
 def test_two_rank_save_and_resharding_load_unpickle_nothing(tmp_path):
     """2 ranks (under the CPU lock: the suite's multi-rank tests are run so): save under sp=2 and
     load under sp=1 while every pickle entry point (pickle.load/loads/dumps/Pickler/Unpickler,
