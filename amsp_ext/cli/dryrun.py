@@ -16,7 +16,7 @@ import os
 from amsp_ext import schema
 from amsp_ext.cli.plan import PLANNED_ENGINE_FIELDS
 from amsp_ext.engine_config import EngineConfig
-from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile, check_counts
+from amsp_ext.cli.planner_flags import add_gpu_memory, add_missing_mesh, add_profile, check_counts
 
 HELP = "dry-run the engine for sampled ranks of a large world (fake backend, fake tensors)"
 
@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gpus-per-node", type=int, required=True, help="R, GPUs per node")
     add_gpu_memory(c)
     add_profile(c, what="bandwidth profile for --plan auto")
+    add_missing_mesh(c)
     t = p.add_argument_group("training")
     t.add_argument("--seq-len", type=int, required=True)
     t.add_argument("--micro-batch-size", type=int, default=1)
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                       plan=args.plan, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                       micro_batches=args.micro_batches,
                       engine=dataclasses.replace(schema.from_namespace(EngineConfig, args), gpus_per_node=None),
-                      steps=args.steps, ranks=_ranks(args.ranks), profile=args.profile)
+                      steps=args.steps, ranks=_ranks(args.ranks), profile=args.profile,
+                      missing_mesh=args.missing_mesh)
     result = dry_run(spec)
     if args.out:
         write_out(result, args.out)

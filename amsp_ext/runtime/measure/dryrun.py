@@ -50,9 +50,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from amsp_ext import schema
-from amsp_ext.choices import check_int
+from amsp_ext.choices import MISSING_MESH, check_int, check_one_of
 from amsp_ext.engine_config import EngineConfig
-from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_PROFILE
+from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
 __all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "dry_run_many", "planner_numbers",
            "run_rank", "hf_config_of"]
@@ -77,11 +77,13 @@ class DryRunSpec:
     steps: int = 2
     ranks: tuple[int, ...] | None = None
     profile: str = DEFAULT_PROFILE
+    missing_mesh: str = DEFAULT_MISSING_MESH  # --plan auto: a mesh the profile lacks (error | fit)
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
                      "steps", "gpu_memory_bytes"):
             check_int(getattr(self, name), f"dryrun: {name}", minimum=1)
+        check_one_of(self.missing_mesh, MISSING_MESH, "dryrun: missing_mesh")
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"dryrun: engine must be an EngineConfig, got {type(self.engine).__name__}")
         world = self.world
@@ -146,7 +148,8 @@ def _auto_plan(spec: DryRunSpec):
 
     cluster = ClusterSpec(num_nodes=spec.num_nodes, gpus_per_node=spec.gpus_per_node,
                           gpu_memory_bytes=spec.gpu_memory_bytes, peak_flops=312e12)
-    problem = make_problem(model_spec_of(spec), cluster, _training(spec), load_profile(spec.profile))
+    problem = make_problem(model_spec_of(spec), cluster, _training(spec), load_profile(spec.profile),
+                           missing=spec.missing_mesh)
     return search(problem).best.plan
 
 
