@@ -11,6 +11,7 @@ import argparse
 import json
 import shlex
 from pathlib import Path
+
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile, check_counts
 
 HELP = "predict MFU and tokens/GPU/s of ZeRO-1/2/3, ZeRO++, MiCS and AMSP at 8..1024 GPUs"

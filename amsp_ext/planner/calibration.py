@@ -94,7 +94,7 @@ class Calibration:
     optimizer_bytes_per_s: float
     step_overhead_s: float = 0.0
     micro_batch_overhead_s: float = 0.0
-    ar_buckets_in_flight: int | None = None  # in-flight cap, in buckets of U bytes (grad_sync.IN_FLIGHT_BUCKETS)
+    ar_buckets_in_flight: int | None = None  # in-flight cap in U bytes (grad_sync.IN_FLIGHT_BUCKETS)
     blocking: tuple[str, ...] = ()  # kinds whose collectives block the compute thread here
     comm_time_scale: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 1.0))
     comm_s_per_byte: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 0.0))

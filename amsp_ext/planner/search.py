@@ -35,7 +35,7 @@ from amsp_ext.planner.profile import BandwidthProfile, CommTimer, load_profile
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, format_size
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
 from amsp_ext.planner.defaults import (DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PROFILE,
-                                       DEFAULT_RESERVE_BYTES)
+                                       DEFAULT_RESERVE_BYTES, GiB)
 
 __all__ = [
     "Candidate",
@@ -49,12 +49,11 @@ __all__ = [
     "sensitivity",
 ]
 
-GiB = 2**30
 # [Note: memory reserve]
 # Memory the model does not see: the CUDA context (about 0.5 GiB on A100-class GPUs), NCCL's
 # communicator buffers (NCCL_BUFFSIZE = 4 MiB per channel and peer, for up to five process
 # groups) and some caching-allocator slack. Plans must fit in the GPU's memory minus this.
-DEFAULT_RESERVE = DEFAULT_RESERVE_BYTES  # defined in defaults.py
+# (the default, DEFAULT_RESERVE_BYTES, is defined in defaults.py)
 
 
 class NoFeasiblePlan(PlanError):
@@ -74,7 +73,7 @@ class Problem:
     efficiency: float = DEFAULT_EFFICIENCY
     overlap: OverlapRules = OverlapRules()
     tie_tolerance: float = 0.01
-    memory_reserve_bytes: int = DEFAULT_RESERVE
+    memory_reserve_bytes: int = DEFAULT_RESERVE_BYTES
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,7 +113,7 @@ def make_problem(
     efficiency: float = DEFAULT_EFFICIENCY,
     tie_tolerance: float = 0.01,
     overlap: OverlapRules = OverlapRules(),
-    memory_reserve_bytes: int = DEFAULT_RESERVE,
+    memory_reserve_bytes: int = DEFAULT_RESERVE_BYTES,
 ) -> Problem:
     """Resolve the inputs: a ModelSpec, an HF config dict or a preset name; a profile or its
     name/path. Raises a one-line ValueError for bad input."""

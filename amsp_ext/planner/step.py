@@ -43,8 +43,9 @@ The calibrated model also follows two rules of the engine (grad_sync.py) that th
 description leaves out: a backward pass ends only when its all-reduce buckets (and
 reduce-scatters) are complete, so they never run into the next micro-batch or the optimizer
 step; and at most ``ar_buckets_in_flight`` x U bytes are in flight, so launching a bucket first
-waits, on the backward thread, for the oldest ones (grad_sync.py [Note: bytes in flight]). Both matter when the all-reduces are slower than
-the backward (a CPU cluster), not on the paper's testbed.
+waits, on the backward thread, for the oldest ones (grad_sync.py [Note: bytes in flight]). Both
+matter when the all-reduces are slower than the backward (a CPU cluster), not on the paper's
+testbed.
 Without a calibration the uncalibrated constants (and o_k = 1) are used, as before.
 
 Streams are independent: two collectives that share links at the same moment are each timed at
@@ -320,11 +321,13 @@ def _engine_micro_batches(M: int, *, first_fwd: float, fwd: float, bwd: float,
         bwd_start = t + (first_fwd if m == 0 else fwd)
         dur, cost = (ar[m][:, 0], ar[m][:, 1]) if len(ar[m]) else (np.zeros(0), np.zeros(0))
         delay, ends = 0.0, []  # delay: backward-thread time lost to the all-reduces so far
-        oldest = 0  # the oldest bucket that may still be in flight
+        oldest, window = 0, 0.0  # the oldest bucket that may still be in flight; bytes oldest..k
         for k in range(len(dur) if dur.sum() > 0 else 0):
             launch = bwd_start + b_ready[k] + delay
+            window += float(b_bytes[k])
             if max_in_flight is not None:
-                while oldest < k and float(b_bytes[oldest:k + 1].sum()) > max_in_flight:
+                while oldest < k and window > max_in_flight:
+                    window -= float(b_bytes[oldest])
                     oldest += 1  # bucket oldest - 1 must complete first (they end in order)
                 if oldest > 0 and ends[oldest - 1] > launch:
                     delay += ends[oldest - 1] - launch

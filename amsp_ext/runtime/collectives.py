@@ -84,7 +84,6 @@ from torch.profiler import record_function
 __all__ = [
     "barrier",
     "CollectiveContext",
-    "destroy_groups_at_exit",
     "CollectiveTimeout",
     "all_gather_bytes",
     "all_gather_objects",
@@ -92,6 +91,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "checkpoint_group",
+    "destroy_groups_at_exit",
     "full_tensor",
     "gather_objects",
     "observing",

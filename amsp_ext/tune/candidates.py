@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from amsp_ext.planner.plan import Plan, named_plan, resolve_plan, validate_plan
 from amsp_ext.planner.profile import BandwidthProfile, load_profile
 from amsp_ext.choices import PLANNER_OVERLAP_OF
-from amsp_ext.planner.search import DEFAULT_RESERVE, Problem, make_problem, search
+from amsp_ext.planner.defaults import DEFAULT_RESERVE_BYTES
+from amsp_ext.planner.search import Problem, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 from amsp_ext.planner.step import OverlapRules
 from amsp_ext.tune.spec import TuneConfig
@@ -80,7 +81,7 @@ def make_problems(config: TuneConfig, *, num_nodes: int, gpus_per_node: int, gpu
                           gpu_memory_bytes=gpu_memory_bytes,
                           **({"peak_flops": peak_flops} if peak_flops else {}))
     reserve = config.planner.memory_reserve_bytes
-    reserve = DEFAULT_RESERVE if reserve is None else reserve
+    reserve = DEFAULT_RESERVE_BYTES if reserve is None else reserve
     if reserve >= gpu_memory_bytes:
         raise ValueError(f"--memory-reserve ({reserve} B) must be below --gpu-memory "
                          f"({gpu_memory_bytes} B)")

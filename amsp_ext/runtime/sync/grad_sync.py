@@ -187,7 +187,8 @@ class GradSync:
         self.filled: dict[int, set[int]] = collections.defaultdict(set)
         self.ready = [False] * len(self.buckets)
         self.next_launch = 0
-        self.in_flight: collections.deque = collections.deque()
+        self.in_flight: collections.deque = collections.deque()  # (bucket, pending), oldest first
+        self.in_flight_numel = 0  # elements of the buckets in self.in_flight
 
     def _begin_pass(self) -> None:
         if self.is_boundary:
@@ -269,9 +270,8 @@ class GradSync:
         while self.next_launch < len(self.buckets) and self.ready[self.next_launch]:
             b = self.next_launch
             self.next_launch += 1
-            while self.in_flight and (sum(self.buckets[i].numel for i, _ in self.in_flight)
-                                      + self.buckets[b].numel > self.max_in_flight_numel):
-                self._complete(*self.in_flight.popleft())
+            while self.in_flight and self.in_flight_numel + self.buckets[b].numel > self.max_in_flight_numel:
+                self._complete_oldest()
             group = self.replica if self.mode == "replica" else self.grad
             pending = None
             if group.size > 1:
@@ -279,8 +279,14 @@ class GradSync:
                                        stream=self.stream, async_op=True, timeout=group.timeout)
             if self.overlap:
                 self.in_flight.append((b, pending))
+                self.in_flight_numel += self.buckets[b].numel
             else:
                 self._complete(b, pending)
+
+    def _complete_oldest(self) -> None:
+        b, pending = self.in_flight.popleft()
+        self.in_flight_numel -= self.buckets[b].numel
+        self._complete(b, pending)
 
     def _complete(self, b: int, pending) -> None:
         C.wait(pending)  # with its group's timeout, given at issue
@@ -315,7 +321,7 @@ class GradSync:
                 self.ready[b] = True
             self._launch_ready()
             while self.in_flight:
-                self._complete(*self.in_flight.popleft())
+                self._complete_oldest()
         if self.stream is not None:  # the step reads what the side stream produced
             torch.accelerator.current_stream(self.device).wait_stream(self.stream)
         self._end_pass()
