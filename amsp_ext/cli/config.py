@@ -27,6 +27,7 @@ from amsp_ext import schema
 from amsp_ext.choices import PRECISIONS, check_int
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile
+from amsp_ext.planner.defaults import DEFAULT_SEQ_LEN
 
 HELP = "write a ready Accelerate YAML + ds_config pair (accelerate) or a ds_config (deepspeed) that runs AMSP"
 
@@ -47,8 +48,8 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--plan", default="auto",
                    help="'auto' (the planner at start-up; default), a baseline (ddp, zero1, zero2, "
                         "zero3, mics:K) or factors such as p=8x1,g=8x1,os=8x4")
-    p.add_argument("--seq-len", type=int, default=2048,
-                   help="tokens per sequence, for the planner (plan auto; default 2048)")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+                   help=f"tokens per sequence, for the planner (plan auto; default {DEFAULT_SEQ_LEN})")
     schema.add_arguments(p, EngineConfig, only=("gpus_per_node",))  # the amsp block's, as it is
     add_gpu_memory(p, default=None, what="memory per GPU for the planner")
     add_profile(p, what="bandwidth profile for the planner")

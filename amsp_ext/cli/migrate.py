@@ -31,8 +31,8 @@ from amsp_ext import schema
 from amsp_ext.choices import PRECISIONS
 from amsp_ext.engine_config import EngineConfig, engine_default
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
+from amsp_ext.planner.defaults import DEFAULT_SEQ_LEN
 
-DEFAULT_SEQ_LEN = 2048
 HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
 
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size default
