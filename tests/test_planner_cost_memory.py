@@ -79,14 +79,14 @@ def test_optimizer_bytes(opt, prec, k):
 
 def test_activations_by_hand():
     # A_layer = e(4h + 2q + 2kv + 4i) + 8h + 4a + 8 = 2(16 + 8 + 4 + 32) + 32 + 8 + 8 = 168
-    # per token (8h: the unfused RMSNorms' fp32 inputs); A_out = 2eh + 4 + (e + 8) V
-    # = 16 + 4 + 160 = 180 per token; T = 8 tokens
-    assert activation_bytes(TOY, TRAIN) == 8 * (2 * 168 + 180)
+    # per token (8h: the unfused RMSNorms' fp32 inputs); A_out = 4h + 2eh + 4 + 4V (the final
+    # unfused norm, the fp32 log-softmax) = 16 + 16 + 4 + 64 = 100 per token; T = 8 tokens
+    assert activation_bytes(TOY, TRAIN) == 8 * (2 * 168 + 100)
     rec = TrainingSpec(seq_len=8, num_micro_batches=1, recompute=True)
-    assert activation_bytes(TOY, rec) == 8 * (2 * (2 * 4) + 168 + 180)  # L e h + A_layer + A_out
+    assert activation_bytes(TOY, rec) == 8 * (2 * (2 * 4) + 100)  # L e h + A_out
     fp32 = TrainingSpec(seq_len=8, num_micro_batches=1, precision="fp32")
-    # e = 4: A_layer = 4 * 60 + 32 + 16 = 288; A_out = 32 + 4 + 12 * 16 = 228
-    assert activation_bytes(TOY, fp32) == 8 * (2 * 288 + 228)
+    # e = 4: A_layer = 4 * 60 + 32 + 16 = 288; A_out = 16 + 32 + 4 + 64 = 116
+    assert activation_bytes(TOY, fp32) == 8 * (2 * 288 + 116)
 
 
 def test_llama7b_activations_against_megatron_scale():
@@ -94,7 +94,7 @@ def test_llama7b_activations_against_megatron_scale():
 
     spec = ModelSpec.preset("llama-7b")
     t = TrainingSpec(seq_len=4096, num_micro_batches=1)
-    per_layer_token = (activation_bytes(spec, t) / 4096 - (2 * 2 * 4096 + 4 + 10 * 32000)) / 32
+    per_layer_token = (activation_bytes(spec, t) / 4096 - (4 * 4096 + 2 * 2 * 4096 + 4 + 4 * 32000)) / 32
     # e(4h + 2h + 2h + 4i) + 8h + 4a + 8 with h = 4096, i = 11008, a = 32: 45.5 h (GPT's is
     # 34 h); 187,016 bytes per token is what one HF decoder layer keeps under FakeTensorMode
     # (saved_tensors_hooks; [Note: unfused RMSNorm]), less RoPE's shared cos/sin (512)
@@ -105,29 +105,40 @@ def test_llama7b_activations_against_megatron_scale():
 def test_tmp_buffers_by_hand():
     m = memory_breakdown(TOY, PLAN, TRAIN, gpus_per_node=4, num_nodes=2)
     parts = m.tmp_parts
-    assert parts["buckets"] == 2 * 100  # two buckets in flight
-    # largest unit is the embedding/lm_head (64 params): current + prefetched + 2 grads, bf16
-    assert parts["gathered_params"] == 2 * (64 + 64) + 2 * 2 * 64
+    assert parts["loss_grads"] == 8 * 8 * 16  # two fp32 T x V tensors, T = 8, V = 16
+    # 2U in flight + the bucket being filled: U = 100 > the largest layer tensor's 2 * 32 / sp
+    assert parts["buckets"] == 2 * 100 + 100
+    # largest unit is the embedding/lm_head (64 params): current + prefetched, bf16, + one
+    # reduce-scatter input in the reduce dtype (bf16 here)
+    assert parts["gathered_params"] == 2 * (64 + 64) + 2 * 64
     assert parts["owned_fp32_grads"] == 4 * 436 // 8
     assert parts["broadcast_staging"] == 100  # sos > sp
-    # backward phase (activations 4128 + 200 + 512) beats the step phase (218 + 100)
-    assert parts["peak_phase"] == "backward"
-    assert m.tmp == 200 + 512
+    # loss backward: 8 * 436 kept + 1024 = 4512; layer backward: 8 * (436 - 100) + 300 + 384 =
+    # 3372; optimizer step: 218 + 100
+    assert m.moments == {"loss backward": {"activations": 3488, "tmp": 1024},
+                         "layer backward": {"activations": 2688, "tmp": 684},
+                         "optimizer step": {"activations": 0, "tmp": 318}}
+    assert parts["peak_phase"] == "loss backward"
+    assert (m.activations, m.tmp, m.kept_activations) == (3488, 1024, 3488)
     rec = TrainingSpec(seq_len=8, num_micro_batches=3, bucket_bytes=100, recompute=True)
     mr = memory_breakdown(TOY, PLAN, rec, gpus_per_node=4, num_nodes=2)
-    assert mr.tmp_parts["gathered_params"] == 2 * (152 + 64) + 2 * 2 * 64  # a whole layer kept
+    assert mr.tmp_parts["gathered_params"] == 2 * (152 + 64) + 2 * 64  # a whole layer kept
+    assert mr.tmp_parts["recomputed_layer"] == 8 * 168
+    # kept 8 * (8 + 8 + 100) = 928: loss backward 928 + 1024 = 1952 < layer backward
+    # 8 * 16 + 1344 + 300 + 560 = 2332
+    assert mr.tmp_parts["peak_phase"] == "layer backward"
+    assert (mr.activations, mr.tmp) == (128, 1344 + 300 + 560)
     ddp = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), TRAIN, gpus_per_node=4,
                            num_nodes=2)
-    assert ddp.tmp_parts == {"buckets": 200, "gathered_params": 0, "owned_fp32_grads": 4 * 436,
-                             "broadcast_staging": 0, "peak_phase": "backward"}
-    assert ddp.tmp == 200  # 4128 + 200 > 4 * 436
-    short = TrainingSpec(seq_len=1, num_micro_batches=3, bucket_bytes=100)  # activations 516 (2 x 168 + 180)
+    assert ddp.tmp_parts == {"loss_grads": 1024, "recomputed_layer": 0, "buckets": 300,
+                             "gathered_params": 0, "owned_fp32_grads": 4 * 436,
+                             "broadcast_staging": 0, "peak_phase": "loss backward"}
+    assert ddp.tmp == 1024  # 3488 + 1024 > 2688 + 300 > 4 * 436
+    short = TrainingSpec(seq_len=1, num_micro_batches=3, bucket_bytes=100)  # kept 436 (2 x 168 + 100)
     ddp1 = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), short, gpus_per_node=4,
                             num_nodes=2)
-    assert ddp1.tmp_parts["peak_phase"] == "optimizer step"  # 4 * 436 > 516 + 200
-    assert ddp1.activations == 516
-    assert ddp1.tmp == 4 * 436 - 516
-    assert ddp1.activations + ddp1.tmp == 4 * 436
+    assert ddp1.tmp_parts["peak_phase"] == "optimizer step"  # 4 * 436 > 436 + 128, 336 + 300
+    assert (ddp1.activations, ddp1.tmp, ddp1.kept_activations) == (0, 4 * 436, 436)
     assert m.total == m.params + m.grads + m.optim + m.activations + m.tmp
 
 
@@ -136,6 +147,31 @@ def test_buffers_never_exceed_the_ranks_gradients():
     # bucket can never be filled, so the buffers are capped at those bytes (small-model plans).
     big = TrainingSpec(seq_len=8, num_micro_batches=3)  # default U = 128 MiB
     ddp = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), big, gpus_per_node=4, num_nodes=2)
-    assert ddp.tmp_parts["buckets"] == 2 * 872
+    assert ddp.tmp_parts["buckets"] == 872  # 2U in flight + one filling, all of it the rank's 872
     m = memory_breakdown(TOY, parse_plan("p=2x1,g=2x1,os=4x2"), big, gpus_per_node=4, num_nodes=2)
-    assert m.tmp_parts["buckets"] == 2 * 436 and m.tmp_parts["broadcast_staging"] == 436
+    assert m.tmp_parts["buckets"] == 436 and m.tmp_parts["broadcast_staging"] == 436
+
+
+def test_llama30b_layer_backward_with_recomputation_by_hand():
+    """The moment the dry run found LLaMA-30B's peak at (128 x 8, seq 4096, bf16 and bf16
+    reduction, 128 MiB buckets, recomputation, plan p=1x1,g=8x8,os=8x8): inside the last layer's
+    down_proj backward. Engine there: 3.01 GiB of activations, 1.71 GiB of temporaries
+    (comparisons/results/dryrun_paper-a800_2026-12-02.md)."""
+    from amsp_ext.planner.model_spec import ModelSpec
+
+    spec = ModelSpec.preset("llama-30b")
+    t = TrainingSpec(seq_len=4096, num_micro_batches=1, precision="bf16", reduce_dtype="bf16",
+                     bucket_bytes=128 * 2**20, recompute=True, granularity="module")
+    m = memory_breakdown(spec, parse_plan("p=1x1,g=8x8,os=8x8"), t, gpus_per_node=8, num_nodes=128)
+    h, i, L, V, T = 6656, 17920, 60, 32000, 4096
+    a_layer = 2 * (4 * h + 2 * h + 2 * h + 4 * i) + 8 * h + 4 * 52 + 8
+    assert a_layer == 303320
+    buckets = 2 * 128 * 2**20 + 2 * i * h  # 2U in flight + down_proj's bf16 gradient, larger than U
+    layer = m.moments["layer backward"]
+    assert layer == {"activations": T * L * 2 * h, "tmp": T * a_layer + buckets}
+    assert layer["tmp"] == 1_749_385_216  # 1.63 GiB
+    kept = T * (L * 2 * h + 4 * h + 2 * 2 * h + 4 + 4 * V)
+    assert m.moments["loss backward"] == {"activations": kept, "tmp": 8 * T * V}
+    # the two backward moments are within 1 % of each other (4.72 and 4.68 GiB)
+    assert kept + 8 * T * V > T * L * 2 * h + T * a_layer + buckets
+    assert m.tmp_parts["peak_phase"] == "loss backward"

@@ -17,7 +17,7 @@ dryrun_paper-a800_2026-12-02.md) and 30B
 p=1x1,g=8x8,os=8x8. Costed in isolation (no contention), the same search drifts to MiCS-like
 sp = 8 plans instead (checked below). Neither reproduces the paper's sp = 4 (13B) / sp = 8,
 sos = 32 (30B); we keep the contention model because it is what the hardware does. The memory
-model is not the cause: its 7B estimate (58.8 GiB, 63 GB) is close to the paper's measured
+model is not the cause: its 7B estimate (58.9 GiB, 63 GB) is close to the paper's measured
 ~60 GB (Fig. 13). With --objective step the paper's plans are within 1-4% of the chosen ones.
 """
 

@@ -86,7 +86,7 @@ def _check_fits(problem, plan, memory: int) -> None:
     if mem.total > problem.memory_limit:
         raise ValueError(
             f"plan {plan} does not fit: the planner's memory model needs {format_size(mem.total)} per "
-            f"rank (activations {format_size(mem.activations)}) of {format_size(memory)}; lower "
+            f"rank (activations {format_size(mem.kept_activations)}) of {format_size(memory)}; lower "
             f"--micro-batch-size or --seq-len, use --recompute or a more sharded --plan, or give "
             f"--gpu-memory")
 

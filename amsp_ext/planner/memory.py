@@ -53,54 +53,61 @@ the bytes one decoder layer keeps per token are
             = e*(4h + 2q + 2kv + 4i) + 4a + 8
 
 (for LLaMA-7B in bf16: 37.5*h bytes per token, against GPT's 34*h; 45.5*h with the unfused
-RMSNorms the engine runs, [Note: unfused RMSNorm]). Outside the layers the model
-keeps the final norm's input, lm_head's input, the logits (e*V), their fp32 copy and the fp32
-log-softmax the loss saves (4*V + 4*V): ``A_out = 2*e*h + 4 + (e + 8)*V``. Per micro-batch of T
-tokens (seq_len x micro_batch_size), with L layers:
+RMSNorms the engine runs, [Note: unfused RMSNorm]). Outside the layers the model keeps what
+the final (unfused) norm keeps, 4h + e*h + e*h + 4 (its output is lm_head's input), and the fp32
+log-softmax the loss saves for its backward, 4*V: ``A_out = 4*h + 2*e*h + 4 + 4*V``. The logits
+(e*V) and their fp32 copy (4*V) are alive at the end of the forward only: neither is saved for
+backward, and the loop drops the logits once the loss is computed ([Note: the loss's
+gradients]). Per micro-batch of T tokens (seq_len x micro_batch_size), with L layers, forward
+keeps
 
     no recomputation:                    T * (L * A_layer + A_out)
-    full per-layer recomputation:        T * (L * e*h + A_layer + A_out)
+    full per-layer recomputation:        T * (L * e*h + A_out)
 
-(recomputation keeps each layer's input and rebuilds one layer at a time in backward). Only one
-micro-batch's activations are alive at a time. Transient gradients of activations in backward
-are not counted (as in Korthikanti et al.).
-
-[Note: unfused RMSNorm]
-The count above assumes fused RMSNorms. The engine runs HF's LlamaRMSNorm, which is unfused:
-it casts its input to fp32 (``x.to(float32)``, kept by ``pow`` and the ``* rsqrt`` product), keeps
-the normalised tensor cast back to e bytes (the weight product's input) and its output (the next
-Linear's input), and the fp32 1/rms: 4h + e*h + e*h + 4 bytes per token, where the list above
-has e*h + e*h + 4 (its input was the residual stream, which the unfused norm does not keep; in
-fp32 the cast is a no-op and that input is the kept fp32 tensor). So each norm keeps 4h bytes
-more, 8h per layer in any precision. Found by the dry run (LLaMA-7B, 1,024 ranks, bf16, seq 4096:
-engine 23.38 GiB of activations, the fused count 20.05 GiB) and read off one decoder layer's
-saved tensors under FakeTensorMode (``saved_tensors_hooks``): 187,016 bytes per token, where the
-fused count is 153,736; the difference is 8h = 32,768 plus RoPE's cos and sin (2 x 256 bytes,
-computed once per model and shared by every layer: left out). LLaMA-7B in bf16: 45.5 h per
-token per layer.
+(recomputation keeps each layer's input; the layer it rebuilds in backward is a temporary buffer
+of the layer-backward moment, [Note: the loss's gradients]
+The first thing backward does is the loss's: the NLL's gradient with respect to the fp32
+log-probabilities and the log-softmax backward's gradient with respect to the fp32 logits, two
+fp32 T x V tensors, 8*T*V bytes, while every activation forward kept is still alive. For a
+LLaMA vocabulary that is the peak of the whole step: the dry run (1,024 ranks, seq 4096, bf16)
+found 0.98 GiB of temporaries at the peak of LLaMA-7B and -13B under every plan it ran, which is
+8 x 4096 x 32,000 bytes, and a 4-layer probe (h 1024, seq 1024) found exactly two 125 MiB fp32
+tensors beside the 125 MiB log-softmax. The model charged neither before, and charged the logits
+and their fp32 copy as activations instead (A_out's (e + 8) V, what is alive at the end of the
+forward, not at the peak).
 
 [Note: temporary buffers and the peak]
-* Gradient buckets: two buckets of U bytes in flight (one filling, one all-reducing), whenever
-  the plan all-reduces gradients (its replica or gradient group has more than one GPU). A bucket
-  never holds more than the rank's gradients, e*Phi/sp bytes (the engine sizes its buckets to the
-  tensors they hold), so U is capped there; this only matters for models smaller than ~U.
-* Gathered parameters when sp > 1: the unit being computed and the one prefetched (two of the
-  largest unit), plus the full-size gradients of two units waiting for their reduce-scatter.
-  With recomputation the whole layer gathered for the recompute forward is kept for its
-  backward, so the largest layer replaces one of the two units.
-* Owned-tensor buffers: in mixed precision the owner steps its fp32 master copy with fp32
-  gradients, 4 bytes per owned parameter (Phi/sos); when sos > sp, one bucket-sized staging
-  buffer for the broadcast of updated parameters.
-The first two live during backward, next to the activations; the owned-tensor buffers fill up
-as the last backward's buckets are reduced, i.e. while backward is freeing activations, and
-peak at the optimizer step. Memory in that window is about A*(1-f) + F*f for a fraction f of
-backward done, whose maximum is at an end, so the peak is
+Memory peaks at one of three moments of a step; each has its own activations and temporary
+buffers, and the peak is the largest (``moments``; MemoryBreakdown reports the categories of
+the one that wins, so they compare with the dry run's categories at the engine's peak):
 
-    D_total = D_modelstate + max(activations + buckets + gathered, owned fp32 grads + staging)
+* loss backward: every kept activation (above) plus the loss's gradients, 8*T*V.
+* layer backward, the first decoder layer's: the head's activations (A_out) are freed, the
+  layers' are still alive (with recomputation only their inputs, L*e*h), and the backward
+  allocates
+  - the recomputed layer, T*A_layer, with recomputation;
+  - gradient buckets, whenever the plan all-reduces gradients (its replica or gradient group
+    has more than one GPU): up to 2U in flight (grad_sync.py [Note: bytes in flight]) and the
+    bucket being filled, U, or alone the largest gradient tensor of a layer when that is larger
+    (g*n bytes). Never more than the rank's gradients, g*Phi/sp (the engine sizes its buckets
+    to the tensors they hold; U is capped there too). The gradient being copied into its bucket
+    (e*n) is not charged here: it is gradient storage, which the grads category holds. Measured
+    (dry run of LLaMA-30B with recomputation, bf16 reduction, 128 MiB buckets): at the peak,
+    inside the last layer's down_proj backward, three 84.5 MiB attention gradients in flight
+    (253.5 MiB <= 2U) and the 227.5 MiB down_proj bucket beside the recomputed layer;
+  - gathered parameters when sp > 1: the unit being computed and the one prefetched (two of
+    the largest unit; with recomputation the whole layer gathered for the recompute forward is
+    kept for its backward, so the largest layer replaces one of the two), and one unit's
+    unsharded gradients in the reduce dtype, the reduce-scatter's input (the dry run of a
+    2-layer LLaMA-7B under ZeRO-3 holds one such 760 MiB fp32 input at its layer peak).
+* optimizer step: the activations are gone; in mixed precision the owner steps its fp32 master
+  copy with fp32 gradients, 4 bytes per owned parameter (Phi/sos), and when sos > sp one
+  bucket-sized staging buffer holds the broadcast of updated parameters.
 
-and ``tmp`` is reported as that maximum minus the activations (so the five parts add up to
-the total). Summing everything instead would charge 4*Phi/sos twice over (16 GB for LLaMA-30B
-at sos = 8) and push the search to shard more than it must.
+    D_total = D_modelstate + max(loss backward, layer backward, optimizer step)
+
+Summing every buffer instead would charge 4*Phi/sos twice over (16 GB for LLaMA-30B at sos = 8)
+and push the search to shard more than it must.
 
 Pure Python.
 """
@@ -151,9 +158,10 @@ class MemoryBreakdown:
     params: int
     grads: int
     optim: int
-    activations: int
-    tmp: int
-    tmp_parts: dict  # the buffers (bytes) and which phase sets the peak
+    activations: int  # at the peak moment; kept_activations: what forward keeps
+    tmp: int  # at the peak moment
+    tmp_parts: dict  # the buffers (bytes) and which moment sets the peak ("peak_phase")
+    moments: dict  # moment -> {"activations": n, "tmp": n}, see [Note: temporary buffers and the peak]
 
     @property
     def total(self) -> int:
@@ -163,40 +171,60 @@ class MemoryBreakdown:
     def model_states(self) -> int:
         return self.params + self.grads + self.optim
 
+    @property
+    def kept_activations(self) -> int:
+        """What the forward of one micro-batch keeps for backward (activation_bytes)."""
+        return self.moments["loss backward"]["activations"]
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["total"] = self.total
         return d
 
 
-def activation_bytes(spec: ModelSpec, training: TrainingSpec) -> int:
-    """Activation bytes of one micro-batch (see the Note)."""
-    e = param_bytes(training.precision)
+def _layer_activations_per_token(spec: ModelSpec, e: int) -> int:
+    """A_layer (see the Note); + 8h: the two RMSNorms as HF runs them ([Note: unfused RMSNorm])."""
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    # + 8h: the two RMSNorms as HF runs them, unfused (see [Note: unfused RMSNorm])
-    a_layer = e * (4 * h + 2 * q + 2 * kv + 4 * i) + 8 * h + 4 * spec.num_heads + 8
-    a_out = 2 * e * h + 4 + (e + 8) * spec.vocab_size
-    if training.recompute:
-        per_token = spec.num_layers * e * h + a_layer + a_out
-    else:
-        per_token = spec.num_layers * a_layer + a_out
+    return e * (4 * h + 2 * q + 2 * kv + 4 * i) + 8 * h + 4 * spec.num_heads + 8
+
+
+def _head_activations_per_token(spec: ModelSpec, e: int) -> int:
+    """A_out: the final unfused norm's kept tensors and the fp32 log-softmax."""
+    h = spec.hidden_size
+    return 4 * h + 2 * e * h + 4 + 4 * spec.vocab_size
+
+
+def activation_bytes(spec: ModelSpec, training: TrainingSpec) -> int:
+    """Activation bytes the forward of one micro-batch keeps for backward (see the Note)."""
+    e = param_bytes(training.precision)
+    per_layer = e * spec.hidden_size if training.recompute else _layer_activations_per_token(spec, e)
+    per_token = spec.num_layers * per_layer + _head_activations_per_token(spec, e)
     return training.tokens_per_micro_batch * per_token
+
+
+def _largest_layer_tensor(spec: ModelSpec) -> int:
+    return max(n for kind, n in spec.layer_module_params() if kind != "norms")
 
 
 def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
                gpus_per_node: int, num_nodes: int) -> dict[str, int]:
     e, g = param_bytes(training.precision), grad_bytes(training)
-    U = min(training.bucket_bytes, g * spec.num_params // plan.sp)
+    T = training.tokens_per_micro_batch
+    rank_grads = g * spec.num_params // plan.sp
+    U = min(training.bucket_bytes, rank_grads)
     replica = (gpus_per_node // plan.s0_p) * (num_nodes // plan.s1_p)
     grad_group = plan.sg // plan.sp
-    parts = {"buckets": 2 * U if (replica > 1 or grad_group > 1) else 0}
+    filling = max(U, g * _largest_layer_tensor(spec) // plan.sp)
+    parts = {"loss_grads": 8 * T * spec.vocab_size,
+             "recomputed_layer": T * _layer_activations_per_token(spec, e) if training.recompute else 0,
+             "buckets": min(2 * U + filling, rank_grads) if (replica > 1 or grad_group > 1) else 0}
     gathered = 0
     if plan.sp > 1:
         unit_sizes = [n for _, n in spec.layer_units(training.granularity)]
         unit_sizes += [n for _, n in spec.outside_params()]
         largest = max(unit_sizes)
         held = spec.params_per_layer if training.recompute else largest
-        gathered = e * (held + largest) + g * 2 * largest  # reduce-scatter inputs: reduce dtype
+        gathered = e * (held + largest) + g * largest  # one reduce-scatter input, in the reduce dtype
     parts["gathered_params"] = gathered
     mixed = training.precision != "fp32"
     parts["owned_fp32_grads"] = int(4 * spec.num_params / plan.sos) if mixed else 0
@@ -207,20 +235,27 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
 def memory_breakdown(
     spec: ModelSpec, plan: Plan, training: TrainingSpec, *, gpus_per_node: int, num_nodes: int,
 ) -> MemoryBreakdown:
-    """Per-GPU bytes of ``plan``."""
+    """Per-GPU bytes of ``plan`` at its peak moment (see [Note: temporary buffers and the peak])."""
     phi = spec.num_params
     e, g = param_bytes(training.precision), grad_bytes(training)
     k = optimizer_bytes_per_param(training.optimizer, training.precision)
     parts = _tmp_parts(spec, plan, training, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
-    act = activation_bytes(spec, training)
-    backward = parts["buckets"] + parts["gathered_params"]
-    step = parts["owned_fp32_grads"] + parts["broadcast_staging"]
-    parts["peak_phase"] = "backward" if act + backward >= step else "optimizer step"
+    kept = activation_bytes(spec, training)
+    head = training.tokens_per_micro_batch * _head_activations_per_token(spec, e)
+    moments = {
+        "loss backward": {"activations": kept, "tmp": parts["loss_grads"]},
+        "layer backward": {"activations": kept - head,
+                           "tmp": parts["recomputed_layer"] + parts["buckets"] + parts["gathered_params"]},
+        "optimizer step": {"activations": 0, "tmp": parts["owned_fp32_grads"] + parts["broadcast_staging"]},
+    }
+    peak = max(moments, key=lambda m: moments[m]["activations"] + moments[m]["tmp"])  # ties: first
+    parts["peak_phase"] = peak
     return MemoryBreakdown(
         params=int(e * phi / plan.sp),
         grads=int(g * phi / plan.sg),
         optim=int(k * phi / plan.sos),
-        activations=act,
-        tmp=max(backward, step - act),
+        activations=moments[peak]["activations"],
+        tmp=moments[peak]["tmp"],
         tmp_parts=parts,
+        moments=moments,
     )

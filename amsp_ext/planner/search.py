@@ -261,7 +261,7 @@ def _nothing_fits(problem: Problem, cands: list[Candidate]) -> str:
     elif problem.training.num_micro_batches is None:
         msg += "; no larger cluster that the global batch allows fits either"
     if not problem.training.recompute:
-        msg += f" (activations alone need {format_size(least.memory.activations)}; try --recompute)"
+        msg += f" (activations alone need {format_size(least.memory.kept_activations)}; try --recompute)"
     return msg
 
 

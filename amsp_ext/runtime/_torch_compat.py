@@ -255,11 +255,12 @@ def real_tensors():
     return unset_fake_temporarily()
 
 
-def mem_tracker(grads_of: Callable[[], list] | None = None):
+def mem_tracker(grads_of: Callable[[], list] | None = None,
+                on_new_peak: Callable[[set, bool], None] | None = None):
     """``torch.distributed._tools.mem_tracker.MemTracker`` (memory of a step by category), with
-    two additions that read its private state (2.13's ``_peak_mem``, ``_peak_mem_snap``,
+    three additions that read its private state (2.13's ``_peak_mem``, ``_peak_mem_snap``,
     ``_curr_mem_snap``, ``_update_peak_stats``, ``_update_and_maybe_create_winfos``,
-    ``_pre_fw_hook``, ``memory_tracking``):
+    ``_pre_fw_hook``, ``memory_tracking``, ``_mod_tracker``):
 
     * ``reset_peak()``: the peak restarts from the current memory, so a run can measure its
       last step only (the first creates the optimizer states and gradient buffers);
@@ -267,7 +268,9 @@ def mem_tracker(grads_of: Callable[[], list] | None = None):
       new peak is about to be recorded. MemTracker files a tensor by where it was allocated;
       gradients reduced into buckets, owned or kept buffers and FSDP2's sharded ``.grad`` are
       allocated in backward outside any parameter's grad hook, so it would file them as
-      ``Temp``. See dryrun.py [Note: categories at the peak]."""
+      ``Temp``. See dryrun.py [Note: categories at the peak];
+    * ``on_new_peak(parents, is_bw)``: called when a new peak is recorded, with the names of the
+      modules running then and whether it is in backward (the dry run's peak moment)."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
     class _StepMemTracker(MemTracker):
@@ -276,11 +279,14 @@ def mem_tracker(grads_of: Callable[[], list] | None = None):
             self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
 
         def _update_peak_stats(self, peak_state) -> None:
-            if grads_of is not None and any(self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]
-                                            for dev, snap in self._curr_mem_snap.items()):
+            new = any(self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]
+                      for dev, snap in self._curr_mem_snap.items())
+            if new and grads_of is not None:
                 for t in grads_of():
                     self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
             super()._update_peak_stats(peak_state)
+            if new and on_new_peak is not None:
+                on_new_peak(set(self._mod_tracker.parents), bool(self._mod_tracker.is_bw))
 
         def _pre_fw_hook(self, module, args) -> None:
             # per-module stats are not used; forget them so a module may run forward once per

@@ -23,9 +23,12 @@ engine's gradients (buckets' owned results, kept Tg gradients, FSDP2's sharded `
 allocated in backward, where it would call them ``Temp``: ``grad_sync.grad_tensors()`` are
 re-filed as ``Grad`` whenever a new peak is about to be recorded. A gradient made by the very
 op that sets the peak is filed once it is stored, so at the peak the unit being reduced may
-show as ``Temp``. With M = 1 the peak is at the start of backward (activations largest, no
-gradient yet), so ``grads`` at the peak is ~0 there, as the planner's [Note: gradients at
-M = 1] says; ``model_state_bytes`` (after the step) is the engine's full count.
+show as ``Temp``. With M = 1 the peak is usually in the loss's backward (activations largest,
+no gradient yet), so ``grads`` at the peak is ~0 there, as the planner's [Note: gradients at
+M = 1] says; ``model_state_bytes`` (after the step) is the engine's full count. Each rank also
+reports the moment of the step its peak is at (:class:`PeakMoment`): the planner's activations
+and temporary buffers differ by moment (planner/memory.py [Note: temporary buffers and the
+peak]), so the report sets the engine's categories beside the planner's at the same moment.
 
 What a fake run cannot be, and how it is handled:
 * host reads of tensor values (``float(norm)`` in clipping, the non-finite guard's verdict)
@@ -54,7 +57,7 @@ from amsp_ext.choices import MISSING_MESH, check_int, check_one_of
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
-__all__ = ["CollectiveLog", "DryRunSpec", "train_step", "dry_run", "dry_run_many", "planner_numbers",
+__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "train_step", "dry_run", "dry_run_many", "planner_numbers",
            "run_rank", "hf_config_of"]
 
 _GROUP_KINDS_AR = ("param_replica", "grad")
@@ -173,6 +176,9 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     bc = e * phi // plan.sp if size(plan.bcast_mesh()) > 1 else 0   # T1_os
     return {"memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim,
                        "activations": mem.activations, "temporary": mem.tmp, "total": mem.total},
+            "peak_moment": mem.tmp_parts["peak_phase"],
+            "moments": {m: {"activations": v["activations"], "temporary": v["tmp"]}
+                        for m, v in mem.moments.items()},
             "bytes": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "broadcast": bc}}
 
 
@@ -300,21 +306,39 @@ class CollectiveLog:
                              "phase": self.phase})
 
 
+class PeakMoment:
+    """Which moment of the step (planner/memory.py [Note: temporary buffers and the peak]) the
+    memory tracker's latest peak is at: ``forward``, ``loss backward`` (backward outside every
+    decoder layer: the loss and the head), ``layer backward`` or ``optimizer step`` (the clip,
+    the step and the post-step broadcasts, by the collective log's phase)."""
+
+    def __init__(self, clog: CollectiveLog) -> None:
+        self.clog, self.name = clog, None
+
+    def __call__(self, parents: set, is_bw: bool) -> None:
+        if self.clog.phase in ("optimizer", "post_step"):
+            self.name = "optimizer step"
+        elif not is_bw:
+            self.name = "forward"
+        else:
+            in_layer = any(".layers." in p for p in parents)
+            self.name = "layer backward" if in_layer else "loss backward"
+
+
 def train_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> None:
     """One step as ``amsp train`` runs it: M micro-batches (no_sync but the last), clip, step."""
     import contextlib
 
     import torch
 
+    from amsp_ext.train.models import causal_lm_loss
+
     M = spec.micro_batches
     for micro in range(M):
         batch = torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long, device=device)
         with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
             clog.phase = "forward"
-            logits = model(input_ids=batch[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                     batch[:, 1:].flatten()) / M
-            del logits
+            loss = causal_lm_loss(model, batch) / M  # the loss amsp train computes
             clog.phase = "backward"
             opt.backward(loss)
     clog.phase = "optimizer"  # the post-step broadcasts are issued inside step()
@@ -348,13 +372,15 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            config=config, comm=comm)
         t_shard = time.perf_counter()
-        tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors)
+        moment = PeakMoment(clog)
+        tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors, on_new_peak=moment)
         tracker.track_external(model, opt)
         with tracker:
             for step in range(spec.steps):
                 if step == spec.steps - 1:  # [Note: categories at the peak]: the last step only
                     tracker.reset_mod_stats()
                     tracker.reset_peak()
+                    moment.name = None
                 train_step(model, opt, spec, device, clog)
         state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
         peak = tracker.get_tracker_snapshot("peak")
@@ -364,7 +390,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
     log = clog.records
     last = [c for c in log if c["phase"] != "setup"]
     per_step = len(last) // steps if steps else 0
-    return {"rank": rank, "peak_bytes": mem.pop("_total"), "memory": mem,
+    return {"rank": rank, "peak_bytes": mem.pop("_total"), "memory": mem, "peak_moment": moment.name,
             "model_state_bytes": state_bytes, "collectives": last[-per_step:] if per_step else [],
             "setup_collectives": [c for c in log if c["phase"] == "setup"],
             "sdpa_kernel": _sdpa_kernel(model, spec, device),

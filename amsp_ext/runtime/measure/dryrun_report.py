@@ -6,7 +6,7 @@ import collections
 import json
 import os
 
-__all__ = ["bytes_per_kind", "format_text", "write_out"]
+__all__ = ["bytes_per_kind", "format_text", "planner_at", "write_out"]
 
 CATS = ("params", "grads", "optimizer", "activations", "temporary")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -29,15 +29,32 @@ def bytes_per_kind(rank: dict) -> dict[str, int]:
     return {k: out.get(k, 0) for k in KINDS}
 
 
+def planner_at(result: dict, rank: dict) -> dict:
+    """The planner's categories at the moment of the step where the engine's peak was
+    (planner/memory.py [Note: temporary buffers and the peak]): model states are the same at
+    every moment, activations and temporary buffers are that moment's. Where two moments are
+    within a few per cent of each other the two sides may peak at different ones; comparing a
+    category across moments would then say nothing about either model."""
+    planner = result["planner"]
+    at = dict(planner["memory"])
+    moment = rank.get("peak_moment")
+    if moment in planner.get("moments", {}):
+        at.update(planner["moments"][moment])
+    return at
+
+
 def _rows(result: dict) -> list[str]:
     lines = []
     pm = result["planner"]["memory"]
     for rank in result["ranks"]:
-        lines.append(f"rank {rank['rank']}: peak {_gib(rank['peak_bytes'])} GiB "
-                     f"(planner total {_gib(pm['total'])} GiB), {rank['seconds']['total']:.1f} s")
-        lines.append(f"  {'category':<12} {'engine GiB':>11} {'planner GiB':>12} {'ratio':>7}")
+        at = planner_at(result, rank)
+        lines.append(f"rank {rank['rank']}: peak {_gib(rank['peak_bytes'])} GiB at {rank.get('peak_moment')} "
+                     f"(planner: {_gib(pm['total'])} GiB at {result['planner'].get('peak_moment')}), "
+                     f"{rank['seconds']['total']:.1f} s")
+        lines.append(f"  {'category':<12} {'engine GiB':>11} {'planner GiB':>12} {'ratio':>7}"
+                     f"   (planner at the engine's peak moment)")
         for c in CATS:
-            e, p = rank["memory"][c], pm[c]
+            e, p = rank["memory"][c], at[c]
             lines.append(f"  {c:<12} {_gib(e):>11} {_gib(p):>12} {e / p if p else float('nan'):>7.2f}")
         got, want = bytes_per_kind(rank), result["planner"]["bytes"]
         lines.append(f"  {'collective':<15} {'engine MiB':>11} {'planner MiB':>12}")
@@ -71,7 +88,8 @@ def write_out(result: dict, out_dir: str) -> None:
     x = range(len(CATS))
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar([i - 0.2 for i in x], [rank["memory"][c] / 2**30 for c in CATS], 0.4, label="engine (dry run)")
-    ax.bar([i + 0.2 for i in x], [result["planner"]["memory"][c] / 2**30 for c in CATS], 0.4, label="planner")
+    at = planner_at(result, rank)
+    ax.bar([i + 0.2 for i in x], [at[c] / 2**30 for c in CATS], 0.4, label="planner (same moment)")
     ax.set_xticks(list(x), CATS)
     ax.set_ylabel("GiB per GPU")
     ax.set_title(f"{result['model']} {result['plan']} on {result['world']} ranks (rank {rank['rank']})")
