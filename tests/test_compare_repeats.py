@@ -85,6 +85,21 @@ def test_ratios_are_medians_of_per_round_ratios():
     assert ratios([a, b]) == ["- AMSP / DDP: 1.75x (median of 2 per-round ratios (3 rounds), range 0.50–3.00x)"]
 
 
+
+def test_an_all_amsp_mode_does_not_say_its_rows_did_not_run():
+    """Ablation rows are all AMSP, so there is no AMSP/baseline ratio; the ratios section used to
+    say "AMSP rows did not run" of four rows that all ran."""
+    from amsp_ext.compare.report import _no_ratio_line, ablation_table
+
+    rows = [{"key": f"amsp-plan[M=4,{o}]", "system": "amsp-plan", "label": f"AMSP {o}", "status": "ok",
+             "tokens_per_gpu_per_s": t, "spec": {"num_micro_batches": 4, "amsp_overlap": o}}
+            for o, t in (("all", 200.0), ("none", 150.0))]
+    assert ratios(rows) == []
+    assert _no_ratio_line(rows, {"mode": "ablation"}) == (
+        "- ablation mode: every row is AMSP; the comparison is the ablation table below.")
+    assert "did not run" not in _no_ratio_line(rows, {"mode": "ablation"})
+    assert ablation_table(rows)[-1].startswith("| 4 | 200 |") and "150 (-25.0%)" in ablation_table(rows)[-1]
+
 def _fake_rank(rank, step_s):
     return {"rank": rank, "step_s": step_s, "loss": [5.0, 4.5], "peak_rss_delta_bytes": 2**20,
             "live_tensor_delta_bytes": 2**19, "setup_s": 0.1, "peak_flops": 1e9}

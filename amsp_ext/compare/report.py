@@ -221,6 +221,15 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _no_ratio_line(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """Why there is no ratio: an all-AMSP mode compares its rows in its own table below; in
+    baselines mode an AMSP row or every baseline did not run."""
+    if meta.get("mode") in ("ablation", "dissociation"):
+        return (f"- {meta['mode']} mode: every row is AMSP; the comparison is the {meta['mode']} table "
+                f"below.")
+    return "- no AMSP row and baseline both ran (see their status)."
+
+
 def _ratio_line(rec: dict[str, Any]) -> str:
     notes = []
     if rec["num_rounds"] > 1:
@@ -424,8 +433,8 @@ def _header_lines(meta: dict[str, Any]) -> list[str]:
 def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str, Any]) -> list[str]:
     """The results table, the ratios, the rounds, the overlap ablation, the loss agreement."""
     lines = ["## Results", "", format_table(rows), ""]
-    rat = [_ratio_line(rec) for rec in ratio_recs]
-    lines += ["### Ratios (tokens/GPU/s)", "", *(rat or ["- AMSP rows did not run (see their status)."]), ""]
+    rat = [_ratio_line(rec) for rec in ratio_recs] or [_no_ratio_line(rows, meta)]
+    lines += ["### Ratios (tokens/GPU/s)", "", *rat, ""]
     lines += rounds_section(rows, ratio_recs, meta)
     abl = ablation_table(rows)
     if abl:
