@@ -72,6 +72,27 @@ def test_combine_rounds_median_range_and_failed_round():
     assert same["status"] == "failed" and same["reason"] == "x (all 2 rounds)"
 
 
+
+def test_communication_is_the_median_over_the_profiled_rounds():
+    """Each round profiles a step; comm, exposed comm and the breakdown's totals are the median
+    over rounds of each round's median over ranks (here 3 ok rounds, one without a trace)."""
+    def bd(comm, exposed):
+        return {"rows": [], "totals": {"step_s": 1.0, "compute_s": 0.5, "comm_s": comm, "exposed_s": exposed,
+                                        "count": 1, "bytes": 0},
+                "median_over_ranks": {"total": {"comm_s": comm, "exposed_s": exposed},
+                                      "AR": {"busy_s": comm, "exposed_s": exposed}}}
+    rounds = [_round(1, 100.0), _round(2, 300.0), _round(3, 200.0), _round(4, 0, status="failed", reason="x")]
+    for r, (c, e) in zip(rounds, ((0.30, 0.20), (0.10, 0.05), (0.20, 0.15))):
+        r.update(comm_s=c, exposed_comm_s=e, breakdown=bd(c, e))
+    rounds[2].update(comm_s=None, exposed_comm_s=None, breakdown=None)  # round 3 not profiled
+    row = combine_rounds(rounds)
+    assert row["comm_s"] == pytest.approx(0.20) and row["exposed_comm_s"] == pytest.approx(0.125)
+    assert row["num_profiled_rounds"] == 2
+    med = row["breakdown"]["median_over_rounds"]
+    assert med["total"] == {"comm_s": pytest.approx(0.20), "exposed_s": pytest.approx(0.125)}
+    assert med["AR"]["exposed_s"] == pytest.approx(0.125)
+    assert row["breakdown"]["totals"]["comm_s"] == 0.30  # the per-phase detail: round 1's
+
 def test_ratios_are_medians_of_per_round_ratios():
     a = {"key": "amsp-plan", "system": "amsp-plan", "label": "AMSP", "status": "ok",
          "tokens_per_gpu_per_s": 300.0, "num_rounds": 3,
@@ -135,7 +156,7 @@ def test_harness_rounds_order_and_failed_round_without_launching(tmp_path, monke
         ("ddp", "round1"), ("zero1", "round1"), ("zero3", "round1"),
         ("zero3", "round2"), ("zero1", "round2"), ("ddp", "round2"),
         ("zero1", "round3"), ("zero3", "round3"), ("ddp", "round3")]
-    assert [trace for _, trace, _ in calls] == [True] * 3 + [False] * 6  # profiled in round 1 only
+    assert [trace for _, trace, _ in calls] == [True] * 9  # every round profiles a step
     data = json.loads((path.with_suffix("") / "results.json").read_text())
     assert data["meta"]["round_orders"] == [["ddp", "zero1", "zero3"], ["zero3", "zero1", "ddp"],
                                             ["zero1", "zero3", "ddp"]]

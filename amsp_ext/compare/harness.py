@@ -287,10 +287,11 @@ class _Comparison:
                     else f"[round {r + 1}/{self.repeats}, {position}/{len(order)}]")
             if bar is not None:
                 bar.set_description(f"{head} {p.item.key}", refresh=True)
-            # The profiled step runs in round 1 only: it comes after the timed steps, so it
-            # does not change them, and one trace per system answers the exposed-
-            # communication question; repeating it would only add profiler time to every round.
-            run_spec = p.spec if r == 0 else p.spec.replace(trace=False)
+            # The profiled step runs in every round: it comes after the timed steps, so it does
+            # not change them, and one round's trace is one sample of a noisy machine (issue 23:
+            # round 1's breakdown and the timed steps disagreed), so the report gives the
+            # communication figures as medians over rounds (rounds.combine_rounds).
+            run_spec = p.spec
             started_at = time.time()
             res = run_system(p.item.system, run_spec,
                              folder / p.item.key.replace("[", "_").replace("]", ""),

@@ -117,7 +117,8 @@ def _waits_text(waits: list[dict]) -> str:
 def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
     """Per system, per (phase, collective kind) of one profiled step (compare/breakdown.py):
     count, MiB, busy, exposed, the compute it overlapped, and where the training thread was
-    while it was exposed. Rank 0; the total line's exposed/busy are the median over ranks."""
+    while it was exposed. Rank 0 (of the first round); the total line's exposed/busy are the
+    median over ranks, and with rounds the median over rounds of those."""
     out = []
     for r in rows:
         b = r.get("breakdown")
@@ -125,6 +126,9 @@ def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
             continue
         t = b["totals"]
         med = b.get("median_over_ranks", {}).get("total", {})
+        over = ("median" if "median_over_rounds" not in b
+                else f"median of {b['num_profiled_rounds']} rounds")
+        med = b.get("median_over_rounds", {}).get("total", med)
         if not out:
             out = ["| System | phase | kind | count | MiB | busy (ms) | exposed (ms) | overlapped "
                    "compute (ms) | exposed while in (ms) |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
@@ -134,8 +138,8 @@ def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
                        f"{x['overlapped_s'] * 1e3:.1f} | {_waits_text(x['waits'])} |")
         out.append(f"| **{r['label']}** | **step** ({t['step_s'] * 1e3:.0f} ms, compute "
                    f"{t['compute_s'] * 1e3:.0f}) | all | {t['count']} | {t['bytes'] / MIB:.2f} | "
-                   f"{t['comm_s'] * 1e3:.1f} (median {med.get('comm_s', 0) * 1e3:.1f}) | "
-                   f"{t['exposed_s'] * 1e3:.1f} (median {med.get('exposed_s', 0) * 1e3:.1f}) | "
+                   f"{t['comm_s'] * 1e3:.1f} ({over} {med.get('comm_s', 0) * 1e3:.1f}) | "
+                   f"{t['exposed_s'] * 1e3:.1f} ({over} {med.get('exposed_s', 0) * 1e3:.1f}) | "
                    f"{(t['comm_s'] - t['exposed_s']) * 1e3:.1f} | |")
     return out
 
@@ -369,8 +373,10 @@ def rounds_section(rows: list[dict[str, Any]], ratio_recs: list[dict[str, Any]],
     out = [f"### Rounds ({num_rounds})", "",
            f"Order: {meta['order_scheme']}. Ratios are taken within each round (both systems ran "
            "minutes apart, under about the same load) and the medians above are over rounds. "
-           "The profiled step (comm columns) and the loss and memory figures are from each "
-           "system's first successful round.", "",
+           "Every round profiles one step after its timed steps: the comm columns are the "
+           "median over rounds (each round's median over ranks); the per-phase rows below are "
+           "the first successful round's rank 0, their step line gives the medians over "
+           "rounds. Loss and memory are from each system's first successful round.", "",
            "| round | order (first → last, row keys) | load at start (1 min) |", "|---|---|---:|"]
     for i, order in enumerate(meta["round_orders"], 1):
         load = loads[i - 1]
@@ -472,7 +478,7 @@ def _setup_lines(meta: dict[str, Any]) -> list[str]:
         f"global batch {meta['global_batch_sequences']} sequences ({meta['global_batch_tokens']:,} tokens).",
         f"- Steps: {spec['num_steps']} timed ({spec['num_warmup_steps']} warm-up excluded from the median)"
         + (" + 1 profiled" if spec["trace"] else "")
-        + (f" (round 1 only), in each of {meta['repeats']} rounds" if meta.get("repeats", 1) > 1 else "")
+        + (f", in each of {meta['repeats']} rounds" if meta.get("repeats", 1) > 1 else "")
         + ".",
         f"- Optimizer: AdamW lr {spec['lr']}, betas (0.9, 0.95), weight decay {spec['weight_decay']}; "
         f"global grad-norm clipping {spec['grad_clip']}.",

@@ -72,9 +72,12 @@ def combine_rounds(rounds: list[dict[str, Any]], *, mfu_of=None) -> dict[str, An
     1-based, and ``position`` in that round's order).
 
     Throughput: median and min-max of the ok rounds' tokens/GPU/s (MFU from the median, via
-    ``mfu_of(row, tokens_per_gpu_per_s)``). Loss, memory and communication: the first ok round's
-    (the only one with a profiled step). A failed round is kept in ``rounds`` and named, with its
-    reason, in ``failed_rounds`` and the row's ``reason``.
+    ``mfu_of(row, tokens_per_gpu_per_s)``). Communication (``comm_s``, ``exposed_comm_s``, and
+    the breakdown's per-kind and total busy/exposed/overlapped seconds, each round's median over
+    ranks): the median over the rounds that profiled a step, in ``breakdown.median_over_rounds``
+    (the per-phase rows stay the first ok round's rank 0). Loss and memory: the first ok
+    round's. A failed round is kept in ``rounds`` and named, with its reason, in
+    ``failed_rounds`` and the row's ``reason``.
     """
     ok = [r for r in rounds if r.get("status") == "ok"]
     failed = [{"round": r["round"], "status": r.get("status"), "reason": r.get("reason")}
@@ -99,7 +102,24 @@ def combine_rounds(rounds: list[dict[str, Any]], *, mfu_of=None) -> dict[str, An
                reason=_failure_text(failed) if failed else None)
     if mfu_of is not None:
         row["mfu"] = mfu_of(row, tgs["median"])
+    _comm_over_rounds(row, ok)
     return row
+
+
+def _comm_over_rounds(row: dict[str, Any], ok: list[dict[str, Any]]) -> None:
+    profiled = [r for r in ok if r.get("comm_s") is not None]
+    if profiled:
+        row["comm_s"] = statistics.median(r["comm_s"] for r in profiled)
+        row["exposed_comm_s"] = statistics.median(r["exposed_comm_s"] for r in profiled)
+        row["num_profiled_rounds"] = len(profiled)
+    per_round = [r["breakdown"]["median_over_ranks"] for r in ok
+                 if (r.get("breakdown") or {}).get("median_over_ranks")]
+    if per_round and row.get("breakdown"):
+        keys = sorted({k for m in per_round for k in m})
+        med = {k: {f: statistics.median(m.get(k, {}).get(f, 0.0) for m in per_round)
+                   for f in sorted({f for m in per_round for f in m.get(k, {})})} for k in keys}
+        row["breakdown"] = {**row["breakdown"], "median_over_rounds": med,
+                            "num_profiled_rounds": len(per_round)}
 
 
 def paired_ratio(num: dict[str, Any], den: dict[str, Any]) -> dict[str, Any] | None:
