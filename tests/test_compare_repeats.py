@@ -107,6 +107,17 @@ def test_ratios_are_medians_of_per_round_ratios():
 
 
 
+
+def test_amsp_mics_config_is_compared_with_hsdp_round_by_round():
+    """Issue 23's engine target, the MiCS config against FSDP2 HSDP (same sharding): the median
+    of the per-round ratios 1.5, 0.5 and 1.2 is 1.2."""
+    mk = lambda key, label, rounds: {"key": key, "system": key, "label": label, "status": "ok",  # noqa: E731
+                                     "tokens_per_gpu_per_s": rounds[0], "num_rounds": 3,
+                                     "tokens_per_gpu_per_s_rounds": rounds}
+    rows = [mk("hsdp", "FSDP2 HSDP", [100.0, 400.0, 250.0]), mk("amsp-mics", "AMSP MiCS", [150.0, 200.0, 300.0])]
+    assert ratios(rows) == ["- AMSP (MiCS config) / FSDP2 HSDP: 1.20x (median of 3 per-round ratios, range "
+                            "0.50–1.50x; engine only: the same sharding on torch's engine (issue 23))"]
+
 def test_an_all_amsp_mode_does_not_say_its_rows_did_not_run():
     """Ablation rows are all AMSP, so there is no AMSP/baseline ratio; the ratios section used to
     say "AMSP rows did not run" of four rows that all ran."""

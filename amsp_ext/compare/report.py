@@ -199,8 +199,9 @@ def _row(rows, key):
 
 
 def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """AMSP(planned) / each baseline, AMSP(MiCS config) / DeepSpeed-MiCS and AMSP(planned) /
-    AMSP(MiCS config), in tokens/GPU/s: per round where both rows ran, then median and range
+    """AMSP(planned) / each baseline, AMSP(MiCS config) / DeepSpeed-MiCS, AMSP(MiCS config) /
+    FSDP2 HSDP and AMSP(planned) / AMSP(MiCS config), in tokens/GPU/s: per round where both
+    rows ran, then median and range
     (``rounds.paired_ratio``; one round without ``--repeats``)."""
     out = []
 
@@ -219,6 +220,10 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if amsp_mics and ds_mics:
         add(amsp_mics, ds_mics, "AMSP (MiCS config) / DeepSpeed-MiCS",
             "engine only: same sharding, paper Fig. 16")
+    hsdp = _row(rows, "hsdp")
+    if amsp_mics and hsdp:
+        add(amsp_mics, hsdp, "AMSP (MiCS config) / FSDP2 HSDP",
+            "engine only: the same sharding on torch's engine (issue 23)")
     if amsp_mics and planned:
         add(planned, amsp_mics, f"{planned['label']} / AMSP (MiCS config)",
             "sharding strategy only: same engine")
