@@ -6,9 +6,8 @@ import glob
 import json
 import sys
 
-from amsp_ext.runtime.measure.dryrun_report import KINDS, bytes_per_kind, planner_at
+from amsp_ext.runtime.measure.dryrun_report import CATS, KINDS, bytes_per_kind, planner_at
 
-CATS = ("params", "grads", "optimizer", "activations", "temporary")
 OUT, DEST = sys.argv[1], sys.argv[2]
 runs = {d.split("/")[-2]: json.load(open(d)) for d in sorted(glob.glob(f"{OUT}/*/dryrun.json"))}
 json.dump(runs, open(f"{DEST}.json", "w"), indent=1)

@@ -65,7 +65,25 @@ keeps
     full per-layer recomputation:        T * (L * e*h + A_out)
 
 (recomputation keeps each layer's input; the layer it rebuilds in backward is a temporary buffer
-of the layer-backward moment, [Note: the loss's gradients]
+of the layer-backward moment, [Note: temporary buffers and the peak]). Only one micro-batch's
+activations are alive at a time. Transient gradients of activations in backward are not counted
+(as in Korthikanti et al.).
+
+[Note: unfused RMSNorm]
+The count above assumes fused RMSNorms. The engine runs HF's LlamaRMSNorm, which is unfused:
+it casts its input to fp32 (``x.to(float32)``, kept by ``pow`` and the ``* rsqrt`` product), keeps
+the normalised tensor cast back to e bytes (the weight product's input) and its output (the next
+Linear's input), and the fp32 1/rms: 4h + e*h + e*h + 4 bytes per token, where the list above
+has e*h + e*h + 4 (its input was the residual stream, which the unfused norm does not keep; in
+fp32 the cast is a no-op and that input is the kept fp32 tensor). So each norm keeps 4h bytes
+more, 8h per layer in any precision. Found by the dry run (LLaMA-7B, 1,024 ranks, bf16, seq 4096:
+engine 23.38 GiB of activations, the fused count 20.05 GiB) and read off one decoder layer's
+saved tensors under FakeTensorMode (``saved_tensors_hooks``): 187,016 bytes per token, where the
+fused count is 153,736; the difference is 8h = 32,768 plus RoPE's cos and sin (2 x 256 bytes,
+computed once per model and shared by every layer: left out). LLaMA-7B in bf16: 45.5 h per
+token per layer.
+
+[Note: the loss's gradients]
 The first thing backward does is the loss's: the NLL's gradient with respect to the fp32
 log-probabilities and the log-softmax backward's gradient with respect to the fp32 logits, two
 fp32 T x V tensors, 8*T*V bytes, while every activation forward kept is still alive. For a

@@ -57,8 +57,8 @@ from amsp_ext.choices import MISSING_MESH, check_int, check_one_of
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
-__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "train_step", "dry_run", "dry_run_many", "planner_numbers",
-           "run_rank", "hf_config_of"]
+__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "train_step", "dry_run", "dry_run_many",
+           "planner_numbers", "run_rank", "hf_config_of"]
 
 _GROUP_KINDS_AR = ("param_replica", "grad")
 

@@ -82,11 +82,11 @@ __all__ = ["GradSync"]
 # Launching a bucket first completes the oldest ones until what is in flight, this bucket
 # included, is at most IN_FLIGHT_BUCKETS x U bytes: the bucket memory (D_tmp; planner/memory.py
 # charges 2U in flight plus the bucket being filled) stays bounded while the backward goes on.
-# The limit used to count buckets (two, as InternEvo does). Once buckets closed at unit boundaries (above), a model's
-# buckets were often far smaller than U, and the third one's launch waited on the backward
-# thread for the first: issue 23's breakdown showed the replicate plan's backward stalled in
-# wait::all_reduce while DDP, which launches every bucket and waits once at the end, hid that
-# time. Counting bytes keeps the memory bound of the old rule for full buckets and lets small
+# The limit used to count buckets (two, as InternEvo does). Once buckets closed at unit
+# boundaries (above), a model's buckets were often far smaller than U, and the third one's
+# launch waited on the backward thread for the first: issue 23's breakdown showed the
+# replicate plan's backward stalled in wait::all_reduce while DDP, which launches every bucket
+# and waits once at the end, hid that time. Counting bytes keeps the memory bound of the old rule for full buckets and lets small
 # ones queue in the process group as DDP's do. The planner's calibrated step model
 # (planner/step.py, ``ar_buckets_in_flight``) applies the same rule.
 IN_FLIGHT_BUCKETS = 2
