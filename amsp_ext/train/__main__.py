@@ -1,8 +1,6 @@
 """``python -m amsp_ext.train --config FILE``: one rank of `amsp train` (amsp_ext/train/loop.py)."""
 
-import sys
-
-from amsp_ext.train.loop import main
+from amsp_ext.train.loop import exit_rank, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # see [Note: a rank that finished exits at once]

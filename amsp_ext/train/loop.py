@@ -366,5 +366,24 @@ def main(argv: list[str] | None = None) -> int:
     return run_worker(config, args.result_file)
 
 
+def exit_rank(code: int) -> None:
+    """Leave this rank's process with ``code`` at once, after flushing what it printed.
+
+    [Note: a rank that finished exits at once]
+    A torchrun rank that trained, wrote its summary and destroyed its process group has
+    nothing left to do, but a normal interpreter exit still runs C++ destructors: in one of the
+    two full test-suite runs of 2026-12-02, a 2-rank `amsp train` rank died there with SIGABRT ("terminate
+    called without an active exception", a std::thread of torch's left joinable), and the
+    launcher reported a failed job for a run that had finished. As on the failure path
+    ([Note: a failed rank exits at once]) the rank flushes what it printed and leaves with
+    its exit code. Only the per-rank entry points (``python -m amsp_ext.train``, what `amsp
+    train` launches, and this module) call it; `amsp train` under an existing launcher
+    (cli/train.py) returns normally.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())
