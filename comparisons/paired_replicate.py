@@ -47,20 +47,8 @@ _orig = gs._plan_buckets
 
 def ddp_layout(tensors, bucket_numel, unit_min_numel=None):
     """DDP's: the first bucket closes at the first unit boundary past 1 MiB, the rest fill to U."""
-    buckets, cur, prev_unit = [], gs._Bucket(), None
-    for t in reversed(tensors):
-        at_boundary = prev_unit is not None and t.unit != prev_unit
-        first = not buckets
-        if cur.slots and (cur.numel + t.numel > bucket_numel or (
-                first and at_boundary and unit_min_numel is not None and cur.numel >= unit_min_numel)):
-            buckets.append(cur)
-            cur = gs._Bucket()
-        cur.slots.append((t.index, cur.numel, t.numel))
-        cur.numel += t.numel
-        prev_unit = t.unit
-    if cur.slots:
-        buckets.append(cur)
-    return buckets
+    first = _orig(tensors, bucket_numel, unit_min_numel)[0]
+    return [first] + _orig(list(tensors)[: len(tensors) - len(first.slots)], bucket_numel, None)
 
 
 def timed(fn):
