@@ -14,7 +14,6 @@ seq 256, micro-batch 2, M = 4, AdamW, clipping 1.0: `amsp compare`'s job.
 1 MiB, the rest fill to U), patched in here for the measurement only.
 """
 
-import contextlib
 import datetime
 import os
 import statistics
@@ -22,26 +21,23 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amsp_ext.runtime.sync.grad_sync as gs
-from amsp_ext import shard
-from amsp_ext.engine_config import EngineConfig
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.compare.config import RunSpec
+from amsp_ext.compare.systems import amsp, ddp
+from amsp_ext.compare.systems.base import Context
+from amsp_ext.train.models import build_llama
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
 rank, world = dist.get_rank(), dist.get_world_size()
-M, MBS, SEQ = 4, 2, 256
 STEPS = int(os.environ.get("STEPS", 4))
 VARIANTS = os.environ.get("VARIANTS", "units,ddp").split(",")
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-
-
+# the job of `amsp compare --model small-llama --precision fp32 --seq-len 256 --micro-batches 4`;
+# the training steps are the harness's own (compare/systems)
+spec = RunSpec(model="small-llama", precision="fp32", seq_len=256, micro_batch_size=2,
+               num_micro_batches=4, amsp_plan="p=1x1,g=1x1,os=1x1")
+ctx = Context(spec=spec, rank=rank, world_size=world, num_nodes=world // 2, gpus_per_node=2)
 _orig = gs._plan_buckets
 
 
@@ -51,62 +47,41 @@ def ddp_layout(tensors, bucket_numel, unit_min_numel=None):
     return [first] + _orig(list(tensors)[: len(tensors) - len(first.slots)], bucket_numel, None)
 
 
-def timed(fn):
+def timed_ms(step) -> float:
+    """One step's time on its slowest rank."""
     dist.barrier()
     t0 = time.perf_counter()
-    out = fn()
+    step()
     t = torch.tensor([time.perf_counter() - t0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() * 1000, out
+    return t.item() * 1000
 
 
-systems = {}
-torch.manual_seed(0)
-ddp = DDP(build_llama("small-llama"))
-dopt = adamw(ddp.parameters())
+def fresh_model():
+    torch.manual_seed(spec.seed)
+    return build_llama(spec.model)
 
 
-def ddp_step(s):
-    for m in range(M):
-        b = micro_batch(s, m, rank, world_size=world, num_micro_batches=M, micro_batch_size=MBS, seq_len=SEQ)
-        with (ddp.no_sync() if m < M - 1 else contextlib.nullcontext()):
-            (causal_lm_loss(ddp, b) / M).backward()
-    torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-    dopt.step()
-    dopt.zero_grad(set_to_none=True)
-
-
-systems["ddp"] = ddp_step
+systems = {"ddp": ddp.setup("ddp", fresh_model(), ctx).train_step}
 for v in VARIANTS:
     gs._plan_buckets = {"units": _orig, "ddp": ddp_layout}[v]
-    torch.manual_seed(0)
-    model, opt = shard(build_llama("small-llama"), "p=1x1,g=1x1,os=1x1", adamw,
-                       config=EngineConfig(gpus_per_node=2, precision="fp32", reduce_dtype="fp32"))
+    model = fresh_model()
+    systems[f"amsp-{v}"] = amsp.setup("amsp-plan", model, ctx).train_step
     if rank == 0:
-        print(v, "buckets (MiB):", [round(b.numel * 4 / 2**20, 2) for b in model.amsp.grad_sync.buckets], flush=True)
-
-    def amsp_step(s, model=model, opt=opt):
-        for m in range(M):
-            b = micro_batch(s, m, rank, world_size=world, num_micro_batches=M, micro_batch_size=MBS, seq_len=SEQ)
-            with (model.no_sync() if m < M - 1 else contextlib.nullcontext()):
-                opt.backward(causal_lm_loss(model, b) / M)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-    systems[f"amsp-{v}"] = amsp_step
+        mib = [round(b.numel * 4 / 2**20, 2) for b in model.amsp.grad_sync.buckets]
+        print(v, "buckets (MiB):", mib, flush=True)
+gs._plan_buckets = _orig
 
 times = {k: [] for k in systems}
 names = list(systems)
-for s in range(STEPS + 1):
-    order = names if s % 2 == 0 else names[::-1]
-    for k in order:
-        t, _ = timed(lambda: systems[k](s))
+for s in range(STEPS + 1):  # step 0 is a warm-up
+    for k in (names if s % 2 == 0 else names[::-1]):
+        t = timed_ms(lambda: systems[k](s))
         if s > 0:
             times[k].append(t)
-for k, ts in times.items():
-    if rank == 0:
-        print(f"{k:12s} median {statistics.median(ts):7.0f} ms  all {[round(t) for t in ts]}", flush=True)
 if rank == 0:
+    for k, ts in times.items():
+        print(f"{k:12s} median {statistics.median(ts):7.0f} ms  all {[round(t) for t in ts]}", flush=True)
     for k in names[1:]:
         r = [d / a for d, a in zip(times["ddp"], times[k])]
         print(f"{k} / ddp throughput ratio per step: median {statistics.median(r):.3f} {[round(x, 3) for x in r]}")
