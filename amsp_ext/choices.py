@@ -17,7 +17,8 @@ import re
 from typing import Any, Iterable
 
 __all__ = [
-    "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS", "OWNERSHIPS",
+    "ALL_REDUCES", "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS",
+    "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
     "parse_size", "reduce_dtypes",
 ]
@@ -37,6 +38,10 @@ OBJECTIVES = ("comm", "step")
 MISSING_MESH = ("error", "fit")
 # optimizers the planner's memory model knows the state size of
 OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit")
+# how a gradient all-reduce over several ranks on each of several nodes runs: one flat
+# collective, or reduce-scatter in the node / all-reduce across / all-gather in the node
+# (runtime/collectives.py [Note: two-level all-reduce])
+ALL_REDUCES = ("flat", "two_level")
 # the overlaps that can be switched off (the paper's Table V; OverlapConfig's fields)
 OVERLAP_OPS = ("allgather", "allreduce", "broadcast")
 # the same switches in the planner's step model (planner/step.py OverlapRules, `amsp plan`)

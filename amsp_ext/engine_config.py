@@ -31,10 +31,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from amsp_ext.choices import (GRANULARITIES, INIT_WEIGHTS, OVERLAP_OPS, OWNERSHIPS, PRECISIONS,
+from amsp_ext.choices import (ALL_REDUCES, GRANULARITIES, INIT_WEIGHTS, OVERLAP_OPS, OWNERSHIPS, PRECISIONS,
                               check_one_of, reduce_dtypes)
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
+from amsp_ext.planner.defaults import DEFAULT_ALL_REDUCE
 from amsp_ext.schema import check_options, name_of, option, section
 
 __all__ = ["AdaptiveConfig", "AutoPlanConfig", "EngineConfig", "FP16Config", "OverlapConfig",
@@ -133,6 +134,11 @@ class EngineConfig:
         None, minimum=0, size=True,
         help="packed parameter broadcasts in flight; default: the gradient bucket size; 0: one "
              "broadcast per tensor")
+    all_reduce: str = option(DEFAULT_ALL_REDUCE, choices=ALL_REDUCES,
+                             help="gradient all-reduce over a group with several ranks on each of "
+                                  "several nodes: one collective (flat, as DDP) or reduce-scatter in "
+                                  "the node, all-reduce across, all-gather in the node (two_level: "
+                                  "2/3 of the bytes on the node links; wins where they are slow)")
     granularity: str = option("layer", choices=GRANULARITIES,
                               help="sharding unit: the decoder layer (layer, as FSDP2 users wrap) or "
                                    "each Linear of it (module, the paper's)")
@@ -187,7 +193,8 @@ def planner_settings(config: EngineConfig) -> dict[str, Any]:
     route plans with these, so a plan is costed for the bytes its engine moves and holds."""
     return dict(nodes_per_leaf=config.nodes_per_leaf, precision=config.precision,
                 grad_bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
-                recompute=config.recompute, reduce_dtype=config.reduce_dtype)
+                recompute=config.recompute, reduce_dtype=config.reduce_dtype,
+                all_reduce=config.all_reduce)
 
 
 

@@ -8,10 +8,12 @@ seq 256, micro-batch 2, M = 4, AdamW, clipping 1.0: `amsp compare`'s job.
     STEPS=6 amsp cluster run --name amsplb -- comparisons/paired_replicate.py
     amsp cluster down --name amsplb
 
-``VARIANTS`` (default ``units,ddp``) picks the AMSP gradient-bucket layouts run beside DDP:
-``units`` is the engine's (runtime/sync/grad_sync.py [Note: buckets close at unit boundaries]),
-``ddp`` an experiment with DDP's layout (the first bucket closes at the first unit boundary past
-1 MiB, the rest fill to U), patched in here for the measurement only.
+``VARIANTS`` (default ``units,two_level``) picks the AMSP variants run beside DDP: ``units``
+is the engine as it is (runtime/sync/grad_sync.py [Note: buckets close at unit boundaries]),
+``two_level`` the same with ``all_reduce="two_level"`` (runtime/collectives.py [Note:
+two-level all-reduce]), ``ddp`` an experiment with DDP's bucket layout (the first bucket closes
+at the first unit boundary past 1 MiB, the rest fill to U), patched in here for the
+measurement only.
 """
 
 import datetime
@@ -32,7 +34,7 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
 rank, world = dist.get_rank(), dist.get_world_size()
 STEPS = int(os.environ.get("STEPS", 4))
-VARIANTS = os.environ.get("VARIANTS", "units,ddp").split(",")
+VARIANTS = os.environ.get("VARIANTS", "units,two_level").split(",")
 # the job of `amsp compare --model small-llama --precision fp32 --seq-len 256 --micro-batches 4`;
 # the training steps are the harness's own (compare/systems)
 spec = RunSpec(model="small-llama", precision="fp32", seq_len=256, micro_batch_size=2,
@@ -64,9 +66,12 @@ def fresh_model():
 
 systems = {"ddp": ddp.setup("ddp", fresh_model(), ctx).train_step}
 for v in VARIANTS:
-    gs._plan_buckets = {"units": _orig, "ddp": ddp_layout}[v]
+    gs._plan_buckets = {"units": _orig, "two_level": _orig, "ddp": ddp_layout}[v]
     model = fresh_model()
-    systems[f"amsp-{v}"] = amsp.setup("amsp-plan", model, ctx).train_step
+    vctx = ctx if v != "two_level" else Context(
+        spec=spec.replace(amsp_all_reduce="two_level"), rank=rank, world_size=world,
+        num_nodes=world // 2, gpus_per_node=2)
+    systems[f"amsp-{v}"] = amsp.setup("amsp-plan", model, vctx).train_step
     if rank == 0:
         mib = [round(b.numel * 4 / 2**20, 2) for b in model.amsp.grad_sync.buckets]
         print(v, "buckets (MiB):", mib, flush=True)

@@ -207,6 +207,19 @@ def suite_extras(world, R):
         model, opt, run = train(p, cfg(**ckw), world=world, **tkw)
         record(name, model, run)
         release(model)
+    # two-level all-reduce (collectives.py [Note: two-level all-reduce]): the replica group of
+    # DDP (2 x 2) and, with sg = 2 x 2 > sp, the Tg group too; 4 KiB buckets keep several chains
+    # in flight (advanced from the hooks) and give buckets of odd sizes (padded to split in two)
+    for name, p, ckw in (("two-level:ddp", "ddp", {}),
+                         ("two-level-small-buckets:ddp", "ddp", {"grad_bucket_bytes": 4096}),
+                         ("two-level-small-buckets:p=1x1,g=2x2,os=2x2", "p=1x1,g=2x2,os=2x2",
+                          {"grad_bucket_bytes": 4096})):
+        model, opt, run = train(p, cfg(all_reduce="two_level", **ckw), world=world)
+        counts = model.amsp.comm.counts
+        record(name, model, run, extra={
+            "counts": {f"{op}:{kind}": n for (op, kind), n in counts.items()},
+            "num_buckets": len(model.amsp.grad_sync.buckets)})
+        release(model)
     # buckets closed at unit boundaries (grad_sync.py [Note: buckets close at unit boundaries])
     # with a floor small enough for tiny-llama's units (its whole gradient is under the 1 MiB
     # default): one bucket per unit, for sp = 1 and for sp > 1 (after FSDP2's reduce-scatter)

@@ -89,20 +89,23 @@ def test_defaults_agree_on_every_route(monkeypatch):
 def test_the_same_settings_agree_on_every_route(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     want = EngineConfig(precision="bf16", reduce_dtype="bf16", grad_bucket_bytes=4 * 2**20,
-                        granularity="module", recompute=True, nodes_per_leaf=1, timeout=30.0)
+                        granularity="module", recompute=True, nodes_per_leaf=1, timeout=30.0,
+                        all_reduce="two_level")
     block = {"grad_bucket_bytes": "4MiB", "granularity": "module", "recompute": True,
-             "nodes_per_leaf": 1, "timeout": 30}
+             "nodes_per_leaf": 1, "timeout": 30, "all_reduce": "two_level"}
     ds = {"bf16": {"enabled": True}, "communication_data_type": "bf16"}
     flags = ["--precision", "bf16", "--reduce-dtype", "bf16", "--grad-bucket-bytes", "4MiB",
-             "--granularity", "module", "--recompute", "--nodes-per-leaf", "1"]
+             "--granularity", "module", "--recompute", "--nodes-per-leaf", "1",
+             "--all-reduce", "two_level"]
     routes = {"train": via_train([*flags, "--timeout", "30"]), "ds_config": via_ds_config(block, ds),
               "accelerate": via_accelerate(block, ds)}
     for name, engine in routes.items():
         assert _json(engine) == _json(want), name
     # amsp plan has the planner's part of it; amsp compare holds precision and unit fixed per row
     assert planner_settings(via_plan(flags)) == planner_settings(want)
-    compare = via_compare(precision="bf16", amsp_granularity="module")
-    assert (compare.precision, compare.reduce_dtype, compare.granularity) == ("bf16", "bf16", "module")
+    compare = via_compare(precision="bf16", amsp_granularity="module", amsp_all_reduce="two_level")
+    assert (compare.precision, compare.reduce_dtype, compare.granularity, compare.all_reduce) == \
+        ("bf16", "bf16", "module", "two_level")
 
 
 def test_ds_bucket_falls_back_to_reduce_bucket_size_then_the_engine_default():
@@ -178,6 +181,9 @@ def test_each_engine_setting_is_defined_once():
         # the planner's input spec (torch- and schema-free; planner_settings fills it)
         ("precision", "planner/specs.py:TrainingSpec"), ("granularity", "planner/specs.py:TrainingSpec"),
         ("recompute", "planner/specs.py:TrainingSpec"), ("reduce_dtype", "planner/specs.py:TrainingSpec"),
+        ("all_reduce", "planner/specs.py:TrainingSpec"),
+        # the timer prices an all-reduce the way the engine runs it (planner_settings fills it)
+        ("all_reduce", "planner/profile.py:CommTimer"),
         ("nodes_per_leaf", "planner/specs.py:ClusterSpec"), ("gpus_per_node", "planner/specs.py:ClusterSpec"),
         # the comparison's settings shared by every system (not only the AMSP rows)
         ("precision", "compare/config.py:RunSpec"), ("gpus_per_node", "compare/config.py:RunSpec"),

@@ -165,6 +165,9 @@ def test_global_clipping_is_exact(extras):
     "coalesced-broadcasts:p=2x1,g=2x1,os=2x2",
     "unit-buckets:p=1x1,g=2x2,os=2x2",
     "unit-buckets:p=2x1,g=2x2,os=2x2",
+    "two-level:ddp",
+    "two-level-small-buckets:ddp",
+    "two-level-small-buckets:p=1x1,g=2x2,os=2x2",
 ])
 def test_variants_match_reference(extras, case):
     ref = reference(4, sched="lr-schedule" in case, tied="tied" in case)
@@ -177,6 +180,18 @@ def test_variants_match_reference(extras, case):
     if "unit-buckets" in case:  # backward: lm_head | final norm (256 B, under the 1 KiB
         # floor) + layer 1 | layer 0 | embedding: 4 buckets for 5 units
         assert r["num_units"] == 5 and r["num_buckets"] == 4, r
+    if "two-level" in case:  # every gradient all-reduce ran in the node, across, and gathered
+        # back in the node (on gloo the first phase is an all-reduce: collectives.py [Note:
+        # two-level all-reduce]); none on the flat groups
+        c, n = r["counts"], STEPS * r["num_buckets"]  # the boundary's buckets, once a step
+        tg = STEPS * r["num_buckets"] if "g=2x2" in case else 0  # M - 1 = 1 Tg pass a step
+        assert c.get("all_reduce:param_replica", 0) == 0 and c.get("all_reduce:grad", 0) == 0, c
+        assert c["all_reduce:param_replica_local"] == c["all_gather:param_replica_local"] == n, c
+        assert c["all_reduce:param_replica_node"] == n, c
+        if tg:
+            assert c["all_reduce:grad_local"] == c["all_reduce:grad_node"] == c["all_gather:grad_local"] == tg, c
+        if "small-buckets" in case:
+            assert r["num_buckets"] > 4, r
     if "coalesced" in case:  # the smallest tensors went out packed, one broadcast per pack; the
         # budget ran out before the largest, and the packed bytes in flight stayed within it
         assert 0 < r["num_packed"] and r["num_items"] < r["num_tensors"], r

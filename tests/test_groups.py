@@ -75,3 +75,25 @@ def test_leaf_aware_node_blocks():
     assert naive["param_shard"] == [[0, 1], [2, 3]]
     w2 = World.with_leaves(num_nodes=4, gpus_per_node=2, nodes_per_leaf=2)
     assert w2.leaf_of_node == (0, 0, 1, 1)
+
+
+def test_two_levels_of_an_all_reduce_group_by_hand():
+    """groups.py [Note: the two levels of an all-reduce group] on 2 nodes x 4 GPUs."""
+    from amsp_ext.topology.groups import groups_over, level_axes, mesh_ranks
+
+    world = World(num_nodes=2, gpus_per_node=4)
+    ddp = parse_plan("p=1x1,g=1x1,os=1x1")
+    local, node = level_axes("param_replica")
+    assert groups_over(mesh_ranks(ddp, world), local) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups_over(mesh_ranks(ddp, world), node) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # p=2x1: rank 0 holds the shard of local ranks {0,1}; its replicas are local ranks 0 and 2 of
+    # both nodes ({0,2,4,6}): {0,2} on this node, {0,4} across
+    plan = parse_plan("p=2x1,g=4x2,os=4x2")
+    coords = mesh_ranks(plan, world)
+    assert group_of(0, rank_groups(plan, world)["param_replica"]) == [0, 2, 4, 6]
+    assert group_of(0, groups_over(coords, local)) == [0, 2]
+    assert group_of(0, groups_over(coords, node)) == [0, 4]
+    # the Tg group of g=4x2 over p=2x1: the same ranks (sg / sp = 2 x 2)
+    g_local, g_node = level_axes("grad")
+    assert group_of(5, groups_over(coords, g_local)) == [5, 7]
+    assert group_of(5, groups_over(coords, g_node)) == [1, 5]

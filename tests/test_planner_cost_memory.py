@@ -175,3 +175,22 @@ def test_llama30b_layer_backward_with_recomputation_by_hand():
     # the two backward moments are within 1 % of each other (4.72 and 4.68 GiB)
     assert kept + 8 * T * V > T * L * 2 * h + T * a_layer + buckets
     assert m.tmp_parts["peak_phase"] == "loss backward"
+
+
+def test_two_level_all_reduce_charged_through_the_training_spec():
+    """TrainingSpec.all_reduce reaches the problem's timer; DDP's T0_os on 4 x 2 by hand."""
+    import dataclasses
+
+    from amsp_ext.planner.search import evaluate, make_problem
+    from amsp_ext.planner.specs import ClusterSpec
+
+    two = dataclasses.replace(TRAIN, all_reduce="two_level")
+    problem = make_problem(TOY, ClusterSpec(num_nodes=2, gpus_per_node=4, gpu_memory_bytes=2**36), two,
+                           constant_profile(4, 2, GB))
+    c = evaluate(problem, parse_plan("p=1x1,g=1x1,os=1x1")).comm
+    # one 100 B bucket: RS 100 B on 4x1 at 2 GB/s (50 ns) + AR of its 25 B quarter on 1x2 at
+    # 4 GB/s (6.25 ns) + AG 100 B on 4x1 at 1 GB/s (100 ns); 8.72 buckets
+    assert c.t0_os == pytest.approx(8.72 * 156.25e-9)
+    assert cost(plan=parse_plan("p=1x1,g=1x1,os=1x1")).t0_os == pytest.approx(8.72 * 25e-9)
+    with pytest.raises(ValueError, match="all_reduce must be one of flat, two_level"):
+        dataclasses.replace(TRAIN, all_reduce="ring")

@@ -156,3 +156,34 @@ def test_paper_a800_is_what_the_script_builds():
     on_disk = json.loads((build_paper_a800.OUT).read_text())
     assert on_disk == json.loads(json.dumps(build_paper_a800.build()))
     assert math.isclose(build_paper_a800.IB_NODE_BPS, 100e9)
+
+
+def _mesh_profile(concurrency):
+    """R = 4, N = 2; one constant bandwidth per (op, mesh), GB/s."""
+    gbps = {("allreduce", 4, 2): 1.0, ("allreduce", 1, 2): 2.0, ("allreduce", 4, 1): 50.0,
+            ("reducescatter", 4, 1): 10.0, ("allgather", 4, 1): 20.0}
+    return BandwidthProfile.from_dict({
+        "schema": "amsp-profile/1", "name": "levels",
+        "metadata": {"concurrency": concurrency, "world": {"nodes": 2, "gpus_per_node": 4}},
+        "entries": [{"op": op, "p0": p0, "p1": p1,
+                     "points": [{"bytes": 1, "GBps": g}, {"bytes": 2**40, "GBps": g}]}
+                    for (op, p0, p1), g in gbps.items()]})
+
+
+def test_two_level_all_reduce_time_is_the_sum_of_its_phases():
+    """profile.py [Note: a two-level all-reduce's time], by hand: 8 GB on 4 x 2."""
+    flat = CommTimer(_mesh_profile("all_groups"), gpus_per_node=4)
+    two = CommTimer(_mesh_profile("all_groups"), gpus_per_node=4, all_reduce="two_level")
+    assert flat.time("allreduce", 8e9, 4, 2) == pytest.approx(8.0)  # 8 GB at 1 GB/s
+    # RS 8 GB at 10 GB/s + AR of the 2 GB shard at 2 GB/s + AG 8 GB at 20 GB/s
+    assert two.time("allreduce", 8e9, 4, 2) == pytest.approx(0.8 + 1.0 + 0.4)
+    # one level only: nothing to split, the flat collective
+    assert two.time("allreduce", 8e9, 1, 2) == pytest.approx(4.0)
+    assert two.time("allreduce", 8e9, 4, 1) == pytest.approx(0.16)
+    # a single-group table: the middle phase's 1 x 2 groups are R = 4 to a node's links
+    single = CommTimer(_mesh_profile("single_group"), gpus_per_node=4, all_reduce="two_level")
+    assert single.time("allreduce", 8e9, 4, 2) == pytest.approx(0.8 + 4 * 1.0 + 0.4)
+    # the setting survives the sensitivity analysis' scaled copies
+    assert two.scaled(inter=2.0).time("allreduce", 8e9, 4, 2) == pytest.approx(0.8 + 0.5 + 0.4)
+    with pytest.raises(ProfileError, match="all_reduce must be one of flat, two_level, got 'tree'"):
+        CommTimer(_mesh_profile("all_groups"), gpus_per_node=4, all_reduce="tree")

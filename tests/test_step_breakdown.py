@@ -75,3 +75,24 @@ def test_scalar_collectives_are_other():
     w2 = ev("gloo:all_reduce", 5, 32, 40, shapes=[[1]], dtypes=["float"])
     b = step_breakdown([s, opt, clip, issue, fn, w1, w2])
     assert [(r["phase"], r["kind"], r["count"]) for r in b["rows"]] == [("optimizer", "other", 2)]
+
+
+def test_a_two_level_all_reduce_counts_as_AR():
+    """Its reduce-scatter and all-gather on the levels of param_replica are the gradient
+    all-reduce (the planner's T0_os), not a parameter gather; FSDP2's on param_shard stay AG."""
+    s = ev("phase::step", 1, 0, 100)
+    bwd = ev("phase::backward", 1, 0, 100, s)
+    rs = ev("amsp::reduce_scatter::param_replica_local", 1, 10, 12, bwd)
+    rs_issue = ev("c10d::_reduce_scatter_base_", 1, 10, 11, rs, shapes=[[8], [16]])
+    ar = ev("amsp::all_reduce::param_replica_node", 1, 30, 32, bwd)
+    ar_issue = ev("c10d::allreduce_", 1, 30, 31, ar, shapes=[[]])
+    ag = ev("amsp::all_gather::param_replica_local", 1, 50, 52, bwd)
+    ag_issue = ev("c10d::_allgather_base_", 1, 50, 51, ag, shapes=[[16], [8]])
+    ag_p = ev("amsp::all_gather::param_shard", 1, 70, 72, bwd)
+    ag_p_issue = ev("c10d::_allgather_base_", 1, 70, 71, ag_p, shapes=[[32], [16]])
+    workers = [ev("gloo:all_reduce", 5, 12, 20, shapes=[[16]], dtypes=["float"]),
+               ev("gloo:all_reduce", 6, 31, 45, shapes=[[8]], dtypes=["float"]),
+               ev("gloo:all_gather", 5, 52, 58, shapes=[[8]], dtypes=["float"]),
+               ev("gloo:all_gather", 7, 72, 80, shapes=[[16]], dtypes=["float"])]
+    b = step_breakdown([s, bwd, rs, rs_issue, ar, ar_issue, ag, ag_issue, ag_p, ag_p_issue, *workers])
+    assert sorted((r["kind"], r["count"]) for r in b["rows"]) == [("AG", 1), ("AR", 3)]

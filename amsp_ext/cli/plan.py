@@ -21,7 +21,7 @@ HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a 
 
 # EngineConfig fields that planner_settings reads: amsp plan's engine flags
 PLANNED_ENGINE_FIELDS = ("nodes_per_leaf", "precision", "reduce_dtype", "grad_bucket_bytes",
-                         "granularity", "recompute")
+                         "granularity", "recompute", "all_reduce")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         num_micro_batches=args.micro_batches, recompute=settings["recompute"],
         precision=settings["precision"], reduce_dtype=settings["reduce_dtype"], optimizer=args.optimizer,
         bucket_bytes=settings["grad_bucket_bytes"], granularity=settings["granularity"],
+        all_reduce=settings["all_reduce"],
     )
     off = set(args.no_overlap)
     problem = make_problem(

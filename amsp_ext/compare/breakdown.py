@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from amsp_ext.compare.trace import COMM_WORKER_PREFIXES, subtract, total, union
+from amsp_ext.topology.groups import group_kind
 
 __all__ = ["KINDS", "PHASES", "Collective", "overlap_windows", "step_breakdown", "timeline"]
 
@@ -119,8 +120,10 @@ def _kind(op: str, api: str, label: str) -> str:
     if api.startswith(("_c10d_functional::", "c10d_functional::")):
         return "other"
     if label.startswith("amsp::"):
-        group = label.rsplit("::", 1)[-1]
-        if op == "all_reduce" and group not in ("param_replica", "grad"):
+        group = group_kind(label.rsplit("::", 1)[-1])
+        if group in ("param_replica", "grad"):  # a two-level all-reduce's RS and AG too
+            return "AR"
+        if op == "all_reduce":
             return "other"
         if op == "broadcast" and group != "optim_bcast":
             return "other"

@@ -16,7 +16,8 @@ from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.search import Problem, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
-from amsp_ext.planner.defaults import DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PROFILE
+from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE,
+                                      DEFAULT_PROFILE)
 
 __all__ = ["AutoPlanConfig", "auto_problem", "plan_auto"]
 
@@ -57,7 +58,8 @@ class AutoPlanConfig:
 def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, *,
                  num_nodes: int, gpus_per_node: int, gpu_memory_bytes: int,
                  nodes_per_leaf: int | None = None, precision: str, grad_bucket_bytes: int,
-                 granularity: str, recompute: bool, reduce_dtype: str | None = None) -> Problem:
+                 granularity: str, recompute: bool, reduce_dtype: str | None = None,
+                 all_reduce: str = DEFAULT_ALL_REDUCE) -> Problem:
     """The planner's Problem for ``model`` trained as ``auto`` says on ``num_nodes`` x
     ``gpus_per_node``, by an engine with these settings (ShardConfig's names): what
     ``plan_auto`` searches and what adaptive AMSP (runtime/replan/adaptive.py) predicts steps with."""
@@ -67,7 +69,7 @@ def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
                             num_micro_batches=auto.num_micro_batches, recompute=recompute,
                             precision=precision, optimizer=auto.optimizer,
                             bucket_bytes=grad_bucket_bytes, granularity=granularity,
-                            reduce_dtype=reduce_dtype)
+                            reduce_dtype=reduce_dtype, all_reduce=all_reduce)
     reserve = {} if auto.memory_reserve_bytes is None else {"memory_reserve_bytes": auto.memory_reserve_bytes}
     return make_problem(model, cluster, training, auto.profile, objective=auto.objective,
                         missing=auto.missing, **reserve)

@@ -19,8 +19,9 @@ Pure Python.
 from __future__ import annotations
 
 __all__ = [
-    "DEFAULT_GPU_MEMORY", "DEFAULT_GPU_MEMORY_BYTES", "DEFAULT_MEMORY_RESERVE", "DEFAULT_MISSING_MESH",
-    "DEFAULT_OBJECTIVE", "DEFAULT_PROFILE", "DEFAULT_RESERVE_BYTES", "DEFAULT_SEQ_LEN", "GiB",
+    "DEFAULT_ALL_REDUCE", "DEFAULT_GPU_MEMORY", "DEFAULT_GPU_MEMORY_BYTES", "DEFAULT_MEMORY_RESERVE",
+    "DEFAULT_MISSING_MESH", "DEFAULT_OBJECTIVE", "DEFAULT_PROFILE", "DEFAULT_RESERVE_BYTES", "DEFAULT_SEQ_LEN",
+    "GiB",
 ]
 
 GiB = 2**30
@@ -32,4 +33,5 @@ DEFAULT_MEMORY_RESERVE = "2GiB"
 DEFAULT_RESERVE_BYTES = 2 * GiB
 DEFAULT_MISSING_MESH = "error"  # a mesh the profile lacks: refuse ("fit": alpha-beta estimate)
 DEFAULT_OBJECTIVE = "comm"  # the paper's Eq. 1 ("step": compute + unhidden communication)
+DEFAULT_ALL_REDUCE = "flat"  # one collective per gradient all-reduce, as DDP (choices.ALL_REDUCES)
 DEFAULT_SEQ_LEN = 2048  # a ds_config planned for (`amsp config`, `amsp migrate`) that names none

@@ -38,12 +38,22 @@ whole time, latency included, slightly overcharges latency-bound sizes; it is th
 the bandwidth-bound sizes that dominate a step. Costed without it, a 1 x 128 all-reduce looks up
 to R times cheaper than it is and the search drifts to MiCS-like plans.
 
+[Note: a two-level all-reduce's time]
+With ``all_reduce="two_level"`` the engine runs an all-reduce of v bytes on a p0 x p1 mesh
+(p0, p1 > 1) as a reduce-scatter on p0 x 1, an all-reduce of v/p0 on 1 x p1 and an all-gather on
+p0 x 1 (runtime/collectives.py [Note: two-level all-reduce]), one after the other, and the
+table prices each: t(RS, v, p0x1) + t(AR, v/p0, 1xp1) + t(AG, v, p0x1). The 1 x p1 curve is
+the right one for the middle phase: in training every rank of the node runs one such all-reduce
+at once, which is how ``all_groups`` measures 1 x p1 (a ``single_group`` time is scaled by the
+R groups that share the node's links, as for any 1 x p1 mesh).
+
 Pure Python + NumPy.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -53,9 +63,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from amsp_ext.choices import MISSING_MESH
+from amsp_ext.choices import ALL_REDUCES, MISSING_MESH
 from amsp_ext.planner.calibration import Calibration, CalibrationError, parse_calibration
-from amsp_ext.planner.defaults import DEFAULT_MISSING_MESH
+from amsp_ext.planner.defaults import DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH
 
 __all__ = [
     "CONCURRENCY",
@@ -221,6 +231,7 @@ class CommTimer:
     missing: str = DEFAULT_MISSING_MESH
     intra_scale: float = 1.0
     inter_scale: float = 1.0
+    all_reduce: str = DEFAULT_ALL_REDUCE  # how the engine runs an all-reduce (EngineConfig.all_reduce)
     extrapolated: set[tuple[str, int, int]] = field(default_factory=set)
     _fits: dict[tuple[str, str], tuple[float, float, float]] = field(default_factory=dict)
 
@@ -228,14 +239,15 @@ class CommTimer:
         if self.missing not in MISSING_MESH:
             raise ProfileError(f"missing-mesh policy must be one of {', '.join(MISSING_MESH)}, "
                                f"got {self.missing!r}")
+        if self.all_reduce not in ALL_REDUCES:
+            raise ProfileError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {self.all_reduce!r}")
         for k in ("intra_scale", "inter_scale"):
             if not getattr(self, k) > 0:
                 raise ProfileError(f"{k} must be > 0, got {getattr(self, k)!r}")
 
     def scaled(self, *, intra: float = 1.0, inter: float = 1.0) -> "CommTimer":
-        return CommTimer(self.profile, self.gpus_per_node, self.missing,
-                         self.intra_scale * intra, self.inter_scale * inter,
-                         self.extrapolated, self._fits)
+        return dataclasses.replace(self, intra_scale=self.intra_scale * intra,
+                                   inter_scale=self.inter_scale * inter)
 
     def contention(self, p0: int, p1: int) -> float:
         """How many groups of this shape share one node's cross-node links (see the Note)."""
@@ -244,9 +256,13 @@ class CommTimer:
         return 1.0
 
     def time(self, op: str, nbytes: float, p0: int, p1: int) -> float:
-        """Seconds for one ``op`` of ``nbytes`` on a ``p0 x p1`` mesh, all groups active."""
+        """Seconds for one ``op`` of ``nbytes`` on a ``p0 x p1`` mesh, all groups active; an
+        all-reduce as the engine runs it ([Note: a two-level all-reduce's time])."""
         if p0 * p1 <= 1 or nbytes <= 0:
             return 0.0
+        if op == "allreduce" and self.all_reduce == "two_level" and p0 > 1 and p1 > 1:
+            return (self.time("reducescatter", nbytes, p0, 1) + self.time("allreduce", nbytes / p0, 1, p1)
+                    + self.time("allgather", nbytes, p0, 1))
         curve = self.profile.curves.get((op, p0, p1))
         if curve is not None:
             t = _interpolate(curve, nbytes)

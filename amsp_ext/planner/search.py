@@ -124,7 +124,7 @@ def make_problem(
     else:
         spec = ModelSpec.from_hf_config(model)
     prof = profile if isinstance(profile, BandwidthProfile) else load_profile(profile)
-    timer = CommTimer(prof, cluster.gpus_per_node, missing)
+    timer = CommTimer(prof, cluster.gpus_per_node, missing, all_reduce=training.all_reduce)
     M = training.micro_batches(cluster.world_size)
     return Problem(spec=spec, cluster=cluster, training=training, timer=timer,
                    num_micro_batches=M, objective=objective, efficiency=efficiency,

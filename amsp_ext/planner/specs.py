@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from amsp_ext.choices import GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, reduce_dtypes
+from amsp_ext.choices import ALL_REDUCES, GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, reduce_dtypes
+from amsp_ext.planner.defaults import DEFAULT_ALL_REDUCE
 from amsp_ext.choices import parse_size as _parse_size
 
 __all__ = [
@@ -91,6 +92,8 @@ class TrainingSpec:
     ``bucket_bytes`` is the gradient all-reduce bucket size U of Eq. Tg / T0_os.
     ``reduce_dtype`` is the dtype gradients are reduced and accumulated in (the engine's
     ShardConfig.reduce_dtype); None = the precision, the paper's 2-byte gradients in bf16.
+    ``all_reduce`` is how the engine runs a gradient all-reduce (ShardConfig.all_reduce; the
+    timer prices it, profile.py [Note: a two-level all-reduce's time]).
     """
 
     seq_len: int
@@ -104,6 +107,7 @@ class TrainingSpec:
     bucket_bytes: int = 128 * 2**20
     granularity: str = "module"
     reduce_dtype: str | None = None
+    all_reduce: str = DEFAULT_ALL_REDUCE
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "bucket_bytes"):
@@ -124,7 +128,7 @@ class TrainingSpec:
         if not isinstance(self.recompute, bool):
             raise SpecError(f"recompute must be true or false, got {self.recompute!r}")
         for name, allowed in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS),
-                              ("granularity", GRANULARITIES)):
+                              ("granularity", GRANULARITIES), ("all_reduce", ALL_REDUCES)):
             check_one_of(getattr(self, name), allowed, name, error=SpecError)
         if self.reduce_dtype is not None:
             check_one_of(self.reduce_dtype, reduce_dtypes(self.precision), "reduce_dtype", error=SpecError)

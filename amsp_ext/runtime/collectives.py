@@ -88,7 +88,9 @@ __all__ = [
     "all_gather_bytes",
     "all_gather_objects",
     "all_gather_into_tensor",
+    "advance",
     "all_reduce",
+    "all_reduce_two_level",
     "broadcast",
     "checkpoint_group",
     "destroy_groups_at_exit",
@@ -221,6 +223,108 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, group: dist.Process
         return _finish(ctx, work, "all_reduce", name, tensor, async_op, timeout, _nbytes(tensor))
 
 
+# [Note: two-level all-reduce]
+# A ring all-reduce over a group with several ranks on each of two nodes crosses the node link
+# twice per ring, each time with 2(p-1)/p of the tensor: 1.5x the tensor each way for a 2x2
+# group. Reduce-scatter inside the node, all-reduce of the 1/p0 shard across nodes (p0 such
+# all-reduces share the link) and all-gather inside the node send the tensor once each way:
+# 2/3 of the ring's bytes on the slow link, for two extra collectives on the fast one (on the
+# 2x2 lab at 100 Mbit, 11.6 MiB: 1231 ms against the ring's 1468 ms; at 1 Gbit 192 against 142
+# ms, which is why it is a setting, EngineConfig.all_reduce, and the planner prices both).
+# On an accelerator the three are issued at once, each after its stream was made to wait for
+# the phase before (``Work.wait`` is stream-ordered there). On gloo a phase can only be issued
+# once the one before has finished, so the chain is moved on by the caller: ``advance`` issues the
+# cross-node all-reduce once the first phase is done, without blocking (GradSync calls it from
+# every gradient hook), and ``wait`` finishes the chain. Only that step is ever taken at a time
+# that depends on a collective's progress; the all-gather is issued in ``wait``, at a point of
+# the program every rank reaches in the same order, so each process group sees its collectives
+# in the same order on every rank (gloo matches them by order): the local group its first
+# phases in bucket order and its all-gathers at the waits, the node group its all-reduces in
+# bucket order (callers advance chains oldest first and stop at the first that cannot move).
+# On gloo the first phase is an all-reduce of the whole tensor inside the node, and the shard
+# is this rank's slice of it: gloo runs a reduce-scatter as that all-reduce anyway (its trace
+# shows ``gloo:all_reduce`` of the whole input), and its reduce-scatter's Work never reports
+# ``is_completed()`` before it is waited for (checked on 2 ranks: still False after 200 ms,
+# where an all-reduce's turned True), so ``advance`` could not move it on: on the lab at 100
+# Mbit every cross-node all-reduce then started only at the end of backward.
+
+
+class _TwoLevel:
+    """A two-level all-reduce in flight: the phase running now and what the next ones need."""
+
+    __slots__ = ("ctx", "tensor", "shard", "sliced", "local", "node", "stream", "timeout", "phase",
+                 "pending")
+
+    def __init__(self, ctx: CollectiveContext, tensor: torch.Tensor, local: tuple[dist.ProcessGroup, str],
+                 node: tuple[dist.ProcessGroup, str], stream: torch.Stream | None, timeout) -> None:
+        self.ctx, self.tensor, self.local, self.node = ctx, tensor, local, node
+        self.stream, self.timeout = stream, timeout
+        self.phase = "local_reduce"
+        num_local, me = dist.get_world_size(local[0]), dist.get_rank(local[0])
+        n = tensor.numel() // num_local
+        self.sliced = tensor.device.type == "cpu"
+        if self.sliced:  # gloo: see the Note's last paragraph
+            self.shard = tensor[me * n:(me + 1) * n]
+            self.pending = all_reduce(ctx, tensor, local[0], name=local[1], stream=stream, timeout=timeout)
+        else:
+            with _on_stream(stream):
+                self.shard = torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+            self.pending = reduce_scatter_tensor(ctx, self.shard, tensor, local[0], name=local[1],
+                                                 stream=stream, timeout=timeout)
+
+    def is_completed(self) -> bool:
+        return self.phase == "done"
+
+
+def all_reduce_two_level(ctx: CollectiveContext, tensor: torch.Tensor,
+                         local: tuple[dist.ProcessGroup, str], node: tuple[dist.ProcessGroup, str], *,
+                         stream: torch.Stream | None, timeout=None) -> _TwoLevel:
+    """Sum ``tensor`` in place over the group whose levels are ``local`` (this node's ranks of
+    it) and ``node`` (the ranks at the same place on the other nodes), each a (group, name):
+    see [Note: two-level all-reduce]. ``tensor.numel()`` must divide by the local group's size.
+    Always async: finish it with ``wait``, move it on with ``advance``."""
+    num_local = dist.get_world_size(local[0])
+    if tensor.numel() % num_local:
+        raise ValueError(f"all_reduce_two_level: {tensor.numel()} elements do not split over the "
+                         f"{num_local} ranks of {local[1]}")
+    chain = _TwoLevel(ctx, tensor, local, node, stream, timeout)
+    if tensor.device.type != "cpu":  # stream-ordered: nothing to wait for between the phases
+        _next_phase(chain)
+        _next_phase(chain)
+    return chain
+
+
+def _next_phase(chain: _TwoLevel, timeout=None) -> None:
+    """Wait for the running phase (on an accelerator: the stream waits, as the next phase runs on
+    another group's stream) and issue the next one."""
+    wait(chain.pending, timeout=timeout)
+    if chain.phase == "local_reduce":
+        chain.phase = "node_all_reduce"
+        chain.pending = all_reduce(chain.ctx, chain.shard, chain.node[0], name=chain.node[1],
+                                   stream=chain.stream, timeout=chain.timeout)
+    elif chain.phase == "node_all_reduce":
+        chain.phase = "local_gather"
+        # on gloo the shard is a slice of the output: gather from a copy, not from itself
+        shard = chain.shard.clone() if chain.sliced else chain.shard
+        chain.pending = all_gather_into_tensor(chain.ctx, chain.tensor, shard, chain.local[0],
+                                               name=chain.local[1], stream=chain.stream,
+                                               timeout=chain.timeout)
+    else:
+        chain.phase, chain.pending, chain.shard = "done", None, None
+
+
+def advance(pending: "_TwoLevel | _Pending | None") -> bool:
+    """Move a two-level all-reduce on to its cross-node all-reduce if its first phase has
+    finished, without blocking; True when it is past that phase (or is no chain)."""
+    if not isinstance(pending, _TwoLevel):
+        return True
+    if pending.phase == "local_reduce":
+        if not pending.pending.is_completed():
+            return False
+        _next_phase(pending)
+    return True
+
+
 def broadcast(ctx: CollectiveContext, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,
               *, name: str, stream: torch.Stream | None, async_op: bool = True,
               timeout=None) -> _Pending | None:
@@ -310,9 +414,13 @@ def barrier(ctx: CollectiveContext, group: dist.ProcessGroup | None, *, name: st
                async_op=False, timeout=timeout)
 
 
-def wait(pending: _Pending | None, *, name: str | None = None, timeout=None) -> None:
+def wait(pending: "_Pending | _TwoLevel | None", *, name: str | None = None, timeout=None) -> None:
     """Wait for ``pending`` (from an ``async_op=True`` call) with ``timeout`` (else the one it
     was issued with); raise CollectiveTimeout naming the group."""
+    if isinstance(pending, _TwoLevel):
+        while pending.phase != "done":
+            _next_phase(pending, timeout)
+        return
     if pending is None or pending.work is None:
         return
     ctx = pending.ctx

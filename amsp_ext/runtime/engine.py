@@ -357,7 +357,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     the compute dtype, GradSync and ParamSync (not yet installed), all issuing through ``comm``."""
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
         mesh = build_plan_mesh(plan, world, device_type=device.type,
-                               timeout=datetime.timedelta(seconds=config.timeout))
+                               timeout=datetime.timedelta(seconds=config.timeout),
+                               two_level=config.all_reduce == "two_level")
     units = list_units(model, config.granularity)
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.submeshes["param_shard"], comm, name=mesh.name("param_shard"),

@@ -35,7 +35,8 @@ from typing import Sequence
 
 from amsp_ext.planner.plan import Plan, PlanError, validate_plan
 
-__all__ = ["GROUP_KINDS", "MESH_AXES", "GROUP_AXES", "World", "axis_sizes", "node_order", "rank_groups"]
+__all__ = ["GROUP_KINDS", "LEVEL_KINDS", "MESH_AXES", "GROUP_AXES", "World", "axis_sizes", "group_kind",
+           "level_axes", "node_order", "rank_groups"]
 
 GROUP_KINDS = ("param_shard", "param_replica", "grad", "optim", "optim_bcast")
 MESH_AXES = (
@@ -49,6 +50,33 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
     "optim": ("node_os", "node_g", "node_p", "local_os", "local_g", "local_p"),
     "optim_bcast": ("node_os", "node_g", "local_os", "local_g"),
 }
+
+# [Note: the two levels of an all-reduce group]
+# An all-reduce group whose ranks sit on several nodes, several on each, can run as three
+# collectives (runtime/collectives.py all_reduce_two_level): a reduce-scatter over its ranks on
+# this node, an all-reduce of the shard over the ranks at the same place on the other nodes,
+# and an all-gather back over this node's ranks. The two levels are the group's local and node
+# axes; each rank is in exactly one group of each, and the node level's members share their
+# local coordinates, so they hold the same shard after the reduce-scatter.
+LEVEL_KINDS = ("param_replica", "grad")  # the kinds whose all-reduce may run on two levels
+
+
+def group_kind(name: str) -> str:
+    """The group kind a group's label belongs to (``param_replica[0,2]`` and its level
+    ``param_replica_local[0,1]`` -> ``param_replica``): a level's collectives are part of its
+    group's all-reduce, and traces count them as that (AR)."""
+    kind = name.split("[", 1)[0]
+    for suffix in ("_local", "_node"):
+        if kind.endswith(suffix) and kind[: -len(suffix)] in LEVEL_KINDS:
+            return kind[: -len(suffix)]
+    return kind
+
+
+def level_axes(kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(axes inside a node, axes across nodes) of ``kind``'s group."""
+    axes = GROUP_AXES[kind]
+    return (tuple(a for a in axes if a.startswith("local_")),
+            tuple(a for a in axes if a.startswith("node_")))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,15 +167,18 @@ def rank_groups(plan: Plan, world: World) -> dict[str, list[list[int]]]:
     process groups.
     """
     coords = mesh_ranks(plan, world)
-    out: dict[str, list[list[int]]] = {}
-    for kind in GROUP_KINDS:
-        inside = {MESH_AXES.index(a) for a in GROUP_AXES[kind]}
-        buckets: dict[tuple[int, ...], list[int]] = {}
-        for coord, rank in coords.items():
-            key = tuple(c for i, c in enumerate(coord) if i not in inside)
-            buckets.setdefault(key, []).append(rank)
-        out[kind] = sorted(sorted(g) for g in buckets.values())
-    return out
+    return {kind: groups_over(coords, GROUP_AXES[kind]) for kind in GROUP_KINDS}
+
+
+def groups_over(coords: dict[tuple[int, ...], int], axes: Sequence[str]) -> list[list[int]]:
+    """The groups spanned by ``axes`` of the mesh ``coords`` (from ``mesh_ranks``): ranks that
+    differ only along those axes, each group sorted, in a deterministic order."""
+    inside = {MESH_AXES.index(a) for a in axes}
+    buckets: dict[tuple[int, ...], list[int]] = {}
+    for coord, rank in coords.items():
+        key = tuple(c for i, c in enumerate(coord) if i not in inside)
+        buckets.setdefault(key, []).append(rank)
+    return sorted(sorted(g) for g in buckets.values())
 
 
 def group_of(rank: int, groups: Sequence[Sequence[int]]) -> list[int]:
@@ -158,4 +189,5 @@ def group_of(rank: int, groups: Sequence[Sequence[int]]) -> list[int]:
 
 
 __all__.append("group_of")
+__all__.append("groups_over")
 __all__.append("mesh_ranks")

@@ -9,6 +9,7 @@ rank lists, so the tested layout is the one that runs.
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from amsp_ext.planner.plan import Plan
-from amsp_ext.topology.groups import GROUP_AXES, GROUP_KINDS, MESH_AXES, World, axis_sizes, mesh_ranks, rank_groups
+from amsp_ext.topology.groups import (GROUP_AXES, LEVEL_KINDS, MESH_AXES, World, axis_sizes,
+                                      groups_over, level_axes, mesh_ranks, rank_groups)
 
 __all__ = ["GroupHandle", "PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
 
@@ -25,13 +27,16 @@ __all__ = ["GroupHandle", "PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
 class GroupHandle:
     """One process group as the engine hands it around: the group (None: the default world
     group), the label traces and timeout errors name it by, its size, how long a wait on it may
-    take, and whether it spans nodes (its collectives cross the slow links)."""
+    take, and whether it spans nodes (its collectives cross the slow links). ``levels``: the
+    group's (inside this node, across nodes) halves when its all-reduce runs on two levels
+    (groups.py [Note: the two levels of an all-reduce group]); None: one flat collective."""
 
     pg: dist.ProcessGroup | None
     name: str
     size: int
     timeout: float
     cross_node: bool
+    levels: "tuple[GroupHandle, GroupHandle] | None" = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,10 +59,14 @@ class PlanMesh:
         return f"{kind}[{','.join(map(str, self.ranks[kind]))}]"
 
     def handle(self, kind: str, *, timeout: float) -> GroupHandle:
-        """This rank's group of ``kind`` as one object."""
+        """This rank's group of ``kind`` as one object, with its two levels when they were built."""
         nodes = {r // self.world.gpus_per_node for r in self.ranks[kind]}
+        levels = None
+        if f"{kind}_local" in self.groups:
+            levels = (self.handle(f"{kind}_local", timeout=timeout),
+                      self.handle(f"{kind}_node", timeout=timeout))
         return GroupHandle(pg=self.groups[kind], name=self.name(kind), size=self.size(kind),
-                           timeout=timeout, cross_node=len(nodes) > 1)
+                           timeout=timeout, cross_node=len(nodes) > 1, levels=levels)
 
 
 def _compat():
@@ -78,10 +87,12 @@ def _backend_override(timeout: datetime.timedelta | None):
 
 
 def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
-                    timeout: datetime.timedelta | None = None) -> PlanMesh:
+                    timeout: datetime.timedelta | None = None, two_level: bool = False) -> PlanMesh:
     """Collective over the default group: every rank must call it with the same plan.
 
     ``timeout``: the timeout of the per-kind process groups (default: the default group's).
+    ``two_level``: also build the two levels (kinds ``<kind>_local`` and ``<kind>_node``) of each
+    all-reduce group of LEVEL_KINDS that has several ranks on each of several nodes.
     """
     if dist.get_world_size() != world.size:
         raise ValueError(
@@ -94,12 +105,20 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
         layout[coord] = rank
     mesh = DeviceMesh(device_type, layout, mesh_dim_names=MESH_AXES)
     expected = rank_groups(plan, world)
+    kind_axes = dict(GROUP_AXES)
+    if two_level:
+        coords = mesh_ranks(plan, world)
+        for kind in LEVEL_KINDS:
+            local, across = level_axes(kind)
+            if math.prod(sizes[a] for a in local) > 1 and math.prod(sizes[a] for a in across) > 1:
+                for suffix, axes in (("local", local), ("node", across)):
+                    kind_axes[f"{kind}_{suffix}"] = axes
+                    expected[f"{kind}_{suffix}"] = groups_over(coords, axes)
     me = dist.get_rank()
     submeshes: dict[str, DeviceMesh] = {}
     groups: dict[str, dist.ProcessGroup] = {}
     ranks: dict[str, list[int]] = {}
-    for kind in GROUP_KINDS:
-        axes = GROUP_AXES[kind]
+    for kind, axes in kind_axes.items():
         sub = (_compat().flatten_mesh(mesh[axes], kind, backend_override=_backend_override(timeout))
                if len(axes) > 1 else mesh[axes[0]])
         pg = sub.get_group()

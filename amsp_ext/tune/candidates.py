@@ -62,7 +62,8 @@ def training_spec(config: TuneConfig) -> TrainingSpec:
     return TrainingSpec(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
                         num_micro_batches=b.micro_batches, recompute=e.recompute,
                         precision=e.precision, reduce_dtype=e.reduce_dtype,
-                        bucket_bytes=config.bucket_bytes, granularity=e.granularity)
+                        bucket_bytes=config.bucket_bytes, granularity=e.granularity,
+                        all_reduce=e.all_reduce)
 
 
 def overlap_rules(config: TuneConfig) -> OverlapRules:

@@ -34,6 +34,7 @@ def engine_config(spec, gpus_per_node: int | None = None) -> EngineConfig:
     plans "auto" with ``planner_settings`` of it."""
     return EngineConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
                         reduce_dtype=spec.precision, granularity=spec.amsp_granularity,
+                        all_reduce=spec.amsp_all_reduce,
                         overlap=OverlapConfig(**OVERLAP_SWITCHES[spec.amsp_overlap]))
 
 
@@ -71,7 +72,7 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
             optimizer.zero_grad()
         return sum(losses) / len(losses)
 
-    return SystemRun(train_step=train_step, settings={
+    return SystemRun(train_step=train_step, drain=model.amsp.wait_params, settings={
         "plan": str(model.amsp.plan),
         "overlap": OVERLAP_SWITCHES[ctx.spec.amsp_overlap],
         "shard_config": repr(config),

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from amsp_ext.runtime import collectives as C
+from amsp_ext.topology.groups import group_kind
 
 __all__ = ["KINDS", "CommTrace", "kind_of", "union_length"]
 
@@ -44,9 +45,12 @@ _AR_GROUPS = ("param_replica", "grad")
 
 
 def kind_of(op: str, name: str) -> str:
-    """AG / RS / AR / BC for the planner's four terms, ``other`` for everything else."""
+    """AG / RS / AR / BC for the planner's four terms, ``other`` for everything else. Every
+    collective of a two-level all-reduce (on a level of an all-reduce group) is AR."""
+    if group_kind(name) in _AR_GROUPS:
+        return "AR"
     if op == "all_reduce":
-        return "AR" if name.split("[", 1)[0] in _AR_GROUPS else "other"
+        return "other"
     if op == "broadcast":
         return "BC" if name.split("[", 1)[0] == "optim_bcast" else "other"
     return _OP_KIND.get(op, "other")

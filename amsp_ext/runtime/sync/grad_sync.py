@@ -11,7 +11,10 @@ async AllReduce. Buckets are laid out statically in backward order (reverse forw
 closed at unit boundaries (see [Note: buckets close at unit boundaries]), and
 launched strictly in bucket order, so every rank issues the same collectives in the same order
 even if hooks fire in a slightly different order. At most ``IN_FLIGHT_BUCKETS`` x U bytes
-are in flight (see [Note: bytes in flight]).
+are in flight (see [Note: bytes in flight]). With ``all_reduce="two_level"`` a group with
+several ranks on each of several nodes runs each bucket's AllReduce as collectives.py's
+three-phase chain ([Note: two-level all-reduce]; the bucket is padded to split over the node's
+ranks), and every hook moves the chains in flight on to their cross-node phase.
 The last, partial buckets (and slots of parameters that got no gradient, zero-filled) are
 flushed by an end-of-backward callback (``queue_callback``), queued by the first hook of the
 pass; for sp > 1 FSDP2's own final callback is queued earlier (at its root pre-backward), so
@@ -243,6 +246,14 @@ class GradSync:
             if len(self.filled[b]) == len(self.buckets[b].slots):
                 self.ready[b] = True
                 self._launch_ready()
+            self._advance_in_flight()
+
+    def _advance_in_flight(self) -> None:
+        """Move two-level all-reduces on to their cross-node phase, oldest first, stopping at the
+        first that cannot move (collectives.py [Note: two-level all-reduce])."""
+        for _, pending in self.in_flight:
+            if not C.advance(pending):
+                break
 
     def _accumulate_local(self, index: int) -> None:
         """Local mode, reduce dtype wider than the compute dtype: keep the running sum in it."""
@@ -258,10 +269,18 @@ class GradSync:
                 prev.add_(grad)
             t.param.grad = None
 
+    def _group(self):
+        return self.replica if self.mode == "replica" else self.grad
+
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self.buffers.get(b)
         if buf is None:
-            buf = torch.empty(self.buckets[b].numel, dtype=self.reduce_dtype, device=self.device)
+            numel = self.buckets[b].numel
+            levels = self._group().levels
+            # a two-level all-reduce reduce-scatters the bucket over the node's ranks: pad it
+            padded = numel if levels is None else -(-numel // levels[0].size) * levels[0].size
+            buf = torch.empty(padded, dtype=self.reduce_dtype, device=self.device)
+            buf[numel:].zero_()
             self.buffers[b] = buf
         return buf
 
@@ -272,9 +291,14 @@ class GradSync:
             self.next_launch += 1
             while self.in_flight and self.in_flight_numel + self.buckets[b].numel > self.max_in_flight_numel:
                 self._complete_oldest()
-            group = self.replica if self.mode == "replica" else self.grad
+            group = self._group()
             pending = None
-            if group.size > 1:
+            if group.levels is not None:  # collectives.py [Note: two-level all-reduce]
+                local, node = group.levels
+                pending = C.all_reduce_two_level(self.comm, self.buffers[b], (local.pg, local.name),
+                                                 (node.pg, node.name), stream=self.stream,
+                                                 timeout=group.timeout)
+            elif group.size > 1:
                 pending = C.all_reduce(self.comm, self.buffers[b], group.pg, name=group.name,
                                        stream=self.stream, async_op=True, timeout=group.timeout)
             if self.overlap:
