@@ -76,10 +76,20 @@ def _profiled_steps(sysrun, spec, rank: int, out: Path) -> tuple[dict, dict | No
     from amsp_ext.compare import breakdown, trace
     from amsp_ext.compare.systems.base import phase
 
+    # [Note: no collective in flight across a profiler boundary]
+    # On CPU/gloo, starting or stopping torch.profiler while a collective runs on a process
+    # group's worker thread corrupts memory: with AMSP's two-level all-reduce, os = 2x1, the
+    # ranks died of SIGSEGV, std::bad_alloc or "InvalidTag" in _disable_profiler in 6 of 6
+    # 4-rank runs of 4 profiled steps; with the step's post-step broadcasts waited for before
+    # the profiler stopped, 0 of 3 (and 0 of 3 without profiling). So the step's own
+    # broadcasts are drained inside the profile, after the last ``phase::step`` (outside what
+    # breakdown.py reads), and the timed steps' before it starts.
+    sysrun.drain()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for extra in range(2):
             with phase("step"):
                 sysrun.train_step(spec.num_steps + extra)
+        sysrun.drain()
     events = prof.events()
     steps_breakdown = breakdown.step_breakdown(events)
     last = max((e for e in events if e.name == breakdown.STEP_LABEL), key=lambda e: e.time_range.start)

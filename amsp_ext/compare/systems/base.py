@@ -86,3 +86,6 @@ class SystemRun:
     train_step: Callable[[int], float]
     # How the system was configured (e.g. the DeepSpeed config), for the report.
     settings: dict[str, Any] = field(default_factory=dict)
+    # Waits for the collectives a step leaves in flight (AMSP's post-step broadcasts); the
+    # others leave none. worker.py [Note: no collective in flight across a profiler boundary]
+    drain: Callable[[], None] = lambda: None
