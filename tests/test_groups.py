@@ -97,3 +97,26 @@ def test_two_levels_of_an_all_reduce_group_by_hand():
     g_local, g_node = level_axes("grad")
     assert group_of(5, groups_over(coords, g_local)) == [5, 7]
     assert group_of(5, groups_over(coords, g_node)) == [1, 5]
+
+
+def test_a_two_level_all_reduce_is_counted_as_its_groups_all_reduce():
+    """The consumers of groups.group_kind: the engine's trace kinds (comm_trace.kind_of) and the
+    dry run's bytes (dryrun_report.bytes_per_kind, one bucket's v, not its three phases)."""
+    from amsp_ext.runtime.measure.comm_trace import kind_of
+    from amsp_ext.runtime.measure.dryrun_report import bytes_per_kind
+    from amsp_ext.topology.groups import group_kind
+
+    assert group_kind("param_replica_local[0,1]") == group_kind("param_replica[0,1,2,3]") == "param_replica"
+    assert group_kind("grad_node[1,3]") == "grad" and group_kind("optim_bcast[0,1]") == "optim_bcast"
+    assert [kind_of(op, name) for op, name in [
+        ("all_reduce", "param_replica_local[0,1]"), ("all_reduce", "param_replica_node[0,2]"),
+        ("all_gather", "grad_local[0,1]"), ("all_gather", "param_shard[0,1]"), ("all_reduce", "world")]] \
+        == ["AR", "AR", "AR", "AG", "other"]
+    rank = {"collectives": [
+        {"kind": "all_reduce", "group": "param_replica_local", "bytes": 1000},
+        {"kind": "all_reduce", "group": "param_replica_node", "bytes": 500},
+        {"kind": "all_gather", "group": "param_replica_local", "bytes": 1000},
+        {"kind": "all_reduce", "group": "grad", "bytes": 300},
+        {"kind": "all_gather", "group": "param_shard", "bytes": 70},
+        {"kind": "all_reduce", "group": "world", "bytes": 4}]}
+    assert bytes_per_kind(rank) == {"all_gather": 70, "reduce_scatter": 0, "all_reduce": 1300, "broadcast": 0}

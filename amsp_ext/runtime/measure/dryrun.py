@@ -60,9 +60,6 @@ from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_
 __all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "train_step", "dry_run", "dry_run_many",
            "planner_numbers", "run_rank", "hf_config_of"]
 
-_GROUP_KINDS_AR = ("param_replica", "grad")
-
-
 @dataclass(frozen=True, kw_only=True)
 class DryRunSpec:
     """What ``amsp dryrun`` runs. ``ranks`` None: rank 0, one rank of a middle node, the last."""
