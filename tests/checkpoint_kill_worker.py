@@ -1,9 +1,10 @@
 """Kill a save at chosen points and check that the previous checkpoint survives.
 
-One process, forked per save (the parent imports torch once; each child starts its own
-1-rank gloo group). Generation g's child loads the checkpoint (generation g - 1, or whatever
-survived the last kill), checks that its probe loss is the one recorded when it was saved,
-trains one step and saves over it. A kill point is the k-th file-system event of a save (an
+One process, forked per save (the parent imports torch, transformers' Llama and the engine's
+modules once: imports only, no tensor op and no thread before a fork, as in tests/fork_launch.py;
+each child starts its own 1-rank gloo group). Generation g's child loads the checkpoint
+(generation g - 1, or whatever survived the last kill), checks that its probe loss is the one
+recorded when it was saved, trains one step and saves over it. A kill point is the k-th file-system event of a save (an
 ``open``/``mkdir``/``rename``/``rmtree``/``remove``/``listdir`` under the root, or the
 publishing rename, ``amsp.checkpoint.publish``), caught by an audit hook that SIGKILLs the process before
 the event happens. Every save starts over a stale staging directory (as after a killed save),
@@ -99,8 +100,22 @@ def run_child(root: Path, gen: int, kill_at: int | None, count_file: Path | None
     return os.waitstatus_to_exitcode(status)
 
 
+def _preload() -> None:
+    """What every child imports, imported once here (each of the ~ten children paid ~3.5 s of
+    CPU for them, mostly transformers' Llama that build_llama imports lazily). The events a kill
+    point counts are those under ROOT only, so they do not change."""
+    import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+
+    import amsp_ext.runtime.config  # noqa: F401
+    import amsp_ext.runtime.shard  # noqa: F401
+    import amsp_ext.runtime.state.checkpoint  # noqa: F401
+
+
 def main() -> None:
     root, num_points, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    _preload()
     root.mkdir(parents=True, exist_ok=True)
     assert run_child(root, 0, None) == 0
     # the events of one save over an existing checkpoint (on a copy)

@@ -51,7 +51,14 @@ def test_hung_system_is_stopped_and_the_next_one_runs(tmp_path, monkeypatch):
     spec = RunSpec(model="tiny-llama", seq_len=16, micro_batch_size=1, num_micro_batches=1,
                    num_steps=2, num_warmup_steps=1, precision="fp32", trace=False,
                    dist_timeout_s=300)
-    launch = LaunchConfig(nproc_per_node=2, timeout_s=40)
+    # [Note: the hang test's timeout]
+    # The timeout is what this test waits for (then 10 s of SIGTERM grace, which rank 1
+    # ignores). It must leave the ddp row time to reach step 0, where rank 1 starts to spin: the
+    # case under test. The row's log line "[amsp fault] hang: ..." (train/faults.py) is checked
+    # below, so a timeout that came first fails the test instead of passing it without a hang.
+    # Measured on the 2-core machine: the line came 11 s after the launch at load ~9, and not
+    # within 20 s at load ~19 (another job's 4 ranks running); 30 s leaves that margin.
+    launch = LaunchConfig(nproc_per_node=2, timeout_s=30)
     seen: list[tuple[str, list[str]]] = []
 
     def progress(line: str) -> None:
@@ -64,7 +71,9 @@ def test_hung_system_is_stopped_and_the_next_one_runs(tmp_path, monkeypatch):
     path, rows = run_comparison(mode="baselines", spec=spec, launch=launch, out_dir=tmp_path,
                                 command="pytest", systems=["ddp", "fsdp2"], progress=progress)
     by = {r["key"]: r for r in rows}
-    assert by["ddp"]["status"] == "failed" and "timed out after 40 s" in by["ddp"]["reason"]
+    assert by["ddp"]["status"] == "failed" and "timed out after 30 s" in by["ddp"]["reason"]
+    log = next(tmp_path.glob("*/runs/ddp/log.txt")).read_text(errors="replace")
+    assert "[amsp fault] hang: rank 1 spins at step 0" in log, log[-3000:]  # it did hang
     assert by["fsdp2"]["status"] == "ok", by["fsdp2"].get("reason")
     assert len(by["fsdp2"]["loss"]) == 2
     assert [keys for _, keys in seen] == [["ddp"], ["ddp", "fsdp2"]]

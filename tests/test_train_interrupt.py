@@ -53,12 +53,24 @@ def test_checkpoint_key_flag_refuses_unsigned_and_wrongly_signed_before_launch(t
              "other-key": (ckpt("other", "key-B"), "signed with another key than this run's")}
     env = _env()
     env.pop("AMSP_CHECKPOINT_KEY", None)
+    # the four launchers are independent (each refuses before any rank): started together, they
+    # share the two cores instead of taking turns (~3 s of imports each)
+    procs = {}
     for name, (path, text) in cases.items():
         for how in ("flag", "env"):
             args = ["--checkpoint-key", "key-A"] if how == "flag" else []
             e = {**env, "AMSP_CHECKPOINT_KEY": "key-A"} if how == "env" else env
-            p = subprocess.run([sys.executable, "-m", "amsp_ext.cli", "train", "--nproc-per-node", "2",
-                                "--steps", "1", *args, "--resume", str(path)], check=False, cwd=REPO, env=e,
-                               capture_output=True, text=True, timeout=120)
-            lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-            assert p.returncode != 0 and len(lines) == 1 and text in lines[0], (name, how, p.stderr[-2000:])
+            procs[name, how] = subprocess.Popen(
+                [sys.executable, "-m", "amsp_ext.cli", "train", "--nproc-per-node", "2", "--steps", "1", *args,
+                 "--resume", str(path)], cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for (name, how), p in procs.items():
+            _, err = p.communicate(timeout=120)
+            text = cases[name][1]
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            assert p.returncode != 0 and len(lines) == 1 and text in lines[0], (name, how, err[-2000:])
+    finally:
+        for p in procs.values():  # a failed or timed-out check leaves no launcher behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 __all__ = ["Fault", "faults", "hang_now", "kill_now", "nan_now", "slow_factor"]
@@ -82,6 +83,10 @@ def hang_now(fs: list[Fault], *, rank: int, step: int, system: str | None = None
     if any(f.kind == "hang" and f.rank == rank and f.first <= step <= f.last
            and f.system in (None, system) for f in fs):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # one line in the job's log, so a test can tell that the hang really began (and not
+        # that the launcher's timeout came before the rank reached the step)
+        print(f"[amsp fault] hang: rank {rank} spins at step {step}, SIGTERM ignored",
+              file=sys.stderr, flush=True)
         x = 0
         while True:  # busy, not blocked in a syscall: what issue 22's stuck workers did
             x += 1
