@@ -16,6 +16,7 @@ at the first unit boundary past 1 MiB, the rest fill to U), patched in here for 
 measurement only.
 """
 
+import dataclasses
 import datetime
 import os
 import statistics
@@ -68,9 +69,8 @@ systems = {"ddp": ddp.setup("ddp", fresh_model(), ctx).train_step}
 for v in VARIANTS:
     gs._plan_buckets = {"units": _orig, "two_level": _orig, "ddp": ddp_layout}[v]
     model = fresh_model()
-    vctx = ctx if v != "two_level" else Context(
-        spec=spec.replace(amsp_all_reduce="two_level"), rank=rank, world_size=world,
-        num_nodes=world // 2, gpus_per_node=2)
+    vctx = ctx if v != "two_level" else dataclasses.replace(
+        ctx, spec=spec.replace(amsp_all_reduce="two_level"))
     systems[f"amsp-{v}"] = amsp.setup("amsp-plan", model, vctx).train_step
     if rank == 0:
         mib = [round(b.numel * 4 / 2**20, 2) for b in model.amsp.grad_sync.buckets]

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from amsp_ext.compare.trace import COMM_WORKER_PREFIXES, subtract, total, union
-from amsp_ext.topology.groups import group_kind
+from amsp_ext.topology.groups import ALL_REDUCE_KINDS, group_kind
 
 __all__ = ["KINDS", "PHASES", "Collective", "overlap_windows", "step_breakdown", "timeline"]
 
@@ -121,7 +121,7 @@ def _kind(op: str, api: str, label: str) -> str:
         return "other"
     if label.startswith("amsp::"):
         group = group_kind(label.rsplit("::", 1)[-1])
-        if group in ("param_replica", "grad"):  # a two-level all-reduce's RS and AG too
+        if group in ALL_REDUCE_KINDS:  # a two-level all-reduce's RS and AG too
             return "AR"
         if op == "all_reduce":
             return "other"

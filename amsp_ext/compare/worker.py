@@ -81,9 +81,9 @@ def _profiled_steps(sysrun, spec, rank: int, out: Path) -> tuple[dict, dict | No
     # group's worker thread corrupts memory: with AMSP's two-level all-reduce, os = 2x1, the
     # ranks died of SIGSEGV, std::bad_alloc or "InvalidTag" in _disable_profiler in 6 of 6
     # 4-rank runs of 4 profiled steps; with the step's post-step broadcasts waited for before
-    # the profiler stopped, 0 of 3 (and 0 of 3 without profiling). So the step's own
-    # broadcasts are drained inside the profile, after the last ``phase::step`` (outside what
-    # breakdown.py reads), and the timed steps' before it starts.
+    # the profiler stopped, in 0 of 3 (and in 0 of 2 runs of 10 steps without the profiler).
+    # So the step's own broadcasts are drained inside the profile, after the last
+    # ``phase::step`` (outside what breakdown.py reads), and the timed steps' before it starts.
     sysrun.drain()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for extra in range(2):

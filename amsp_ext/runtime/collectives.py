@@ -255,8 +255,7 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, group: dist.Process
 class _TwoLevel:
     """A two-level all-reduce in flight: the phase running now and what the next ones need."""
 
-    __slots__ = ("ctx", "tensor", "shard", "sliced", "local", "node", "stream", "timeout", "phase",
-                 "pending")
+    __slots__ = ("ctx", "tensor", "shard", "local", "node", "stream", "timeout", "phase", "pending")
 
     def __init__(self, ctx: CollectiveContext, tensor: torch.Tensor, local: tuple[dist.ProcessGroup, str],
                  node: tuple[dist.ProcessGroup, str], stream: torch.Stream | None, timeout) -> None:
@@ -264,8 +263,10 @@ class _TwoLevel:
         self.stream, self.timeout = stream, timeout
         self.phase = "local_reduce"
         num_local, me = dist.get_world_size(local[0]), dist.get_rank(local[0])
+        if tensor.numel() % num_local:
+            raise ValueError(f"all_reduce_two_level: {tensor.numel()} elements do not split over the "
+                             f"{num_local} ranks of {local[1]}")
         n = tensor.numel() // num_local
-        self.sliced = tensor.device.type == "cpu"
         if self.sliced:  # gloo: see the Note's last paragraph
             self.shard = tensor[me * n:(me + 1) * n]
             self.pending = all_reduce(ctx, tensor, local[0], name=local[1], stream=stream, timeout=timeout)
@@ -275,8 +276,10 @@ class _TwoLevel:
             self.pending = reduce_scatter_tensor(ctx, self.shard, tensor, local[0], name=local[1],
                                                  stream=stream, timeout=timeout)
 
-    def is_completed(self) -> bool:
-        return self.phase == "done"
+    @property
+    def sliced(self) -> bool:
+        """On gloo the shard is this rank's slice of the tensor (a view), else a buffer of its own."""
+        return self.tensor.device.type == "cpu"
 
 
 def all_reduce_two_level(ctx: CollectiveContext, tensor: torch.Tensor,
@@ -286,12 +289,8 @@ def all_reduce_two_level(ctx: CollectiveContext, tensor: torch.Tensor,
     it) and ``node`` (the ranks at the same place on the other nodes), each a (group, name):
     see [Note: two-level all-reduce]. ``tensor.numel()`` must divide by the local group's size.
     Always async: finish it with ``wait``, move it on with ``advance``."""
-    num_local = dist.get_world_size(local[0])
-    if tensor.numel() % num_local:
-        raise ValueError(f"all_reduce_two_level: {tensor.numel()} elements do not split over the "
-                         f"{num_local} ranks of {local[1]}")
     chain = _TwoLevel(ctx, tensor, local, node, stream, timeout)
-    if tensor.device.type != "cpu":  # stream-ordered: nothing to wait for between the phases
+    if not chain.sliced:  # stream-ordered: nothing to wait for between the phases
         _next_phase(chain)
         _next_phase(chain)
     return chain

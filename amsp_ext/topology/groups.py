@@ -35,7 +35,7 @@ from typing import Sequence
 
 from amsp_ext.planner.plan import Plan, PlanError, validate_plan
 
-__all__ = ["GROUP_KINDS", "LEVEL_KINDS", "MESH_AXES", "GROUP_AXES", "World", "axis_sizes", "group_kind",
+__all__ = ["ALL_REDUCE_KINDS", "GROUP_KINDS", "MESH_AXES", "GROUP_AXES", "World", "axis_sizes", "group_kind",
            "level_axes", "node_order", "rank_groups"]
 
 GROUP_KINDS = ("param_shard", "param_replica", "grad", "optim", "optim_bcast")
@@ -58,7 +58,8 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {
 # and an all-gather back over this node's ranks. The two levels are the group's local and node
 # axes; each rank is in exactly one group of each, and the node level's members share their
 # local coordinates, so they hold the same shard after the reduce-scatter.
-LEVEL_KINDS = ("param_replica", "grad")  # the kinds whose all-reduce may run on two levels
+# the kinds whose collective is the gradient all-reduce (T0_os, Tg); each may run on two levels
+ALL_REDUCE_KINDS = ("param_replica", "grad")
 
 
 def group_kind(name: str) -> str:
@@ -67,7 +68,7 @@ def group_kind(name: str) -> str:
     group's all-reduce, and traces count them as that (AR)."""
     kind = name.split("[", 1)[0]
     for suffix in ("_local", "_node"):
-        if kind.endswith(suffix) and kind[: -len(suffix)] in LEVEL_KINDS:
+        if kind.endswith(suffix) and kind[: -len(suffix)] in ALL_REDUCE_KINDS:
             return kind[: -len(suffix)]
     return kind
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from amsp_ext.planner.plan import Plan
-from amsp_ext.topology.groups import (GROUP_AXES, LEVEL_KINDS, MESH_AXES, World, axis_sizes,
+from amsp_ext.topology.groups import (ALL_REDUCE_KINDS, GROUP_AXES, MESH_AXES, World, axis_sizes,
                                       groups_over, level_axes, mesh_ranks, rank_groups)
 
 __all__ = ["GroupHandle", "PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
@@ -92,7 +92,7 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
 
     ``timeout``: the timeout of the per-kind process groups (default: the default group's).
     ``two_level``: also build the two levels (kinds ``<kind>_local`` and ``<kind>_node``) of each
-    all-reduce group of LEVEL_KINDS that has several ranks on each of several nodes.
+    group of ALL_REDUCE_KINDS that has several ranks on each of several nodes.
     """
     if dist.get_world_size() != world.size:
         raise ValueError(
@@ -108,7 +108,7 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
     kind_axes = dict(GROUP_AXES)
     if two_level:
         coords = mesh_ranks(plan, world)
-        for kind in LEVEL_KINDS:
+        for kind in ALL_REDUCE_KINDS:
             local, across = level_axes(kind)
             if math.prod(sizes[a] for a in local) > 1 and math.prod(sizes[a] for a in across) > 1:
                 for suffix, axes in (("local", local), ("node", across)):

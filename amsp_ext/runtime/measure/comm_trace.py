@@ -35,19 +35,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.topology.groups import group_kind
+from amsp_ext.topology.groups import ALL_REDUCE_KINDS, group_kind
 
 __all__ = ["KINDS", "CommTrace", "kind_of", "union_length"]
 
 KINDS = ("AG", "RS", "AR", "BC")
 _OP_KIND = {"all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
-_AR_GROUPS = ("param_replica", "grad")
 
 
 def kind_of(op: str, name: str) -> str:
     """AG / RS / AR / BC for the planner's four terms, ``other`` for everything else. Every
     collective of a two-level all-reduce (on a level of an all-reduce group) is AR."""
-    if group_kind(name) in _AR_GROUPS:
+    if group_kind(name) in ALL_REDUCE_KINDS:
         return "AR"
     if op == "all_reduce":
         return "other"

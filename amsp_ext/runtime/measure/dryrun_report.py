@@ -6,7 +6,7 @@ import collections
 import json
 import os
 
-from amsp_ext.topology.groups import LEVEL_KINDS, group_kind
+from amsp_ext.topology.groups import ALL_REDUCE_KINDS, group_kind
 
 __all__ = ["bytes_per_kind", "format_text", "planner_at", "write_out"]
 
@@ -24,13 +24,13 @@ def bytes_per_kind(rank: dict) -> dict[str, int]:
     out = collections.Counter()
     for c in rank["collectives"]:
         group = group_kind(c["group"])
-        if group in LEVEL_KINDS and c["group"] != group:
+        if group in ALL_REDUCE_KINDS and c["group"] != group:
             # a two-level all-reduce (collectives.py [Note: two-level all-reduce]): its first
             # phase, in the node, carries the bucket's v; the other two move the same bucket
             if c["group"].endswith("_local") and c["kind"] in ("all_reduce", "reduce_scatter"):
                 out["all_reduce"] += c["bytes"]
             continue
-        if c["kind"] == "all_reduce" and group not in LEVEL_KINDS:
+        if c["kind"] == "all_reduce" and group not in ALL_REDUCE_KINDS:
             continue
         if c["kind"] == "broadcast" and c["group"] != "optim_bcast":
             continue

@@ -251,6 +251,8 @@ class GradSync:
     def _advance_in_flight(self) -> None:
         """Move two-level all-reduces on to their cross-node phase, oldest first, stopping at the
         first that cannot move (collectives.py [Note: two-level all-reduce])."""
+        if self._group().levels is None:  # flat all-reduces move on by themselves
+            return
         for _, pending in self.in_flight:
             if not C.advance(pending):
                 break
@@ -280,7 +282,8 @@ class GradSync:
             # a two-level all-reduce reduce-scatters the bucket over the node's ranks: pad it
             padded = numel if levels is None else -(-numel // levels[0].size) * levels[0].size
             buf = torch.empty(padded, dtype=self.reduce_dtype, device=self.device)
-            buf[numel:].zero_()
+            if padded > numel:
+                buf[numel:].zero_()
             self.buffers[b] = buf
         return buf
 
