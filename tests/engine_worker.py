@@ -209,16 +209,38 @@ def suite_extras(world, R):
         release(model)
     # two-level all-reduce (collectives.py [Note: two-level all-reduce]): the replica group of
     # DDP (2 x 2) and, with sg = 2 x 2 > sp, the Tg group too; 4 KiB buckets keep several chains
-    # in flight (advanced from the hooks) and give buckets of odd sizes (padded to split in two)
+    # in flight (advanced from the hooks) and give buckets of odd sizes (padded to split in two);
+    # "two-level:ddp" closes a bucket per unit (as a larger model's are, grad_sync.py [Note:
+    # buckets close at unit boundaries]), all of them in flight at the flush
+    from amsp_ext.runtime.sync import grad_sync
+
     for name, p, ckw in (("two-level:ddp", "ddp", {}),
                          ("two-level-small-buckets:ddp", "ddp", {"grad_bucket_bytes": 4096}),
                          ("two-level-small-buckets:p=1x1,g=2x2,os=2x2", "p=1x1,g=2x2,os=2x2",
                           {"grad_bucket_bytes": 4096})):
-        model, opt, run = train(p, cfg(all_reduce="two_level", **ckw), world=world)
+        gathers = {"in_flight": 0, "max": 0}
+
+        def in_node_gathers(event, op, group, info, gathers=gathers):
+            """How many in-node all-gathers are in flight at once (issued, not yet waited)."""
+            if op == "all_gather" and group.split("[")[0].endswith("_local"):
+                gathers["in_flight"] += {"issue": 1, "wait_end": -1}.get(event, 0)
+                gathers["max"] = max(gathers["max"], gathers["in_flight"])
+
+        def watch(model, fn=in_node_gathers):  # from the second step on
+            if fn not in model.amsp.comm.observers:
+                model.amsp.comm.observers.append(fn)
+
+        floor = grad_sync.UNIT_BUCKET_MIN_BYTES
+        grad_sync.UNIT_BUCKET_MIN_BYTES = 1024 if name == "two-level:ddp" else floor
+        try:
+            model, opt, run = train(p, cfg(all_reduce="two_level", **ckw), world=world, after_step=watch)
+        finally:
+            grad_sync.UNIT_BUCKET_MIN_BYTES = floor
         counts = model.amsp.comm.counts
         record(name, model, run, extra={
             "counts": {f"{op}:{kind}": n for (op, kind), n in counts.items()},
-            "num_buckets": len(model.amsp.grad_sync.buckets)})
+            "num_buckets": len(model.amsp.grad_sync.buckets),
+            "max_local_gathers_in_flight": gathers["max"]})
         release(model)
     # buckets closed at unit boundaries (grad_sync.py [Note: buckets close at unit boundaries])
     # with a floor small enough for tiny-llama's units (its whole gradient is under the 1 MiB

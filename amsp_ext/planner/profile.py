@@ -46,6 +46,11 @@ table prices each: t(RS, v, p0x1) + t(AR, v/p0, 1xp1) + t(AG, v, p0x1). The 1 x 
 the right one for the middle phase: in training every rank of the node runs one such all-reduce
 at once, which is how ``all_groups`` measures 1 x p1 (a ``single_group`` time is scaled by the
 R groups that share the node's links, as for any 1 x p1 mesh).
+A calibration (calibration.py) adds a cost per collective and per byte to each collective the
+engine issues: gloo's work waiting for a core, on a CPU. The two-level all-reduce issues three,
+over 2v + v/p0 bytes, so it is charged that much (``CommTimer.issued``): priced as one
+all-reduce of v, the model predicted it 1 % faster than the flat one at 1 Gbit on the 2x2
+lab, where the engine measured it 9 % slower (comparisons/results/two_level_allreduce_lab_2026-12-03.md).
 
 Pure Python + NumPy.
 """
@@ -248,6 +253,15 @@ class CommTimer:
     def scaled(self, *, intra: float = 1.0, inter: float = 1.0) -> "CommTimer":
         return dataclasses.replace(self, intra_scale=self.intra_scale * intra,
                                    inter_scale=self.inter_scale * inter)
+
+    def issued(self, op: str, nbytes: float, p0: int, p1: int) -> tuple[int, float]:
+        """(collectives, bytes they move) of one ``op`` of ``nbytes`` as the engine runs it:
+        a two-level all-reduce is three collectives over 2v + v/p0 bytes, the calibration's
+        per-collective and per-byte costs apply to each ([Note: a two-level all-reduce's
+        time])."""
+        if op == "allreduce" and self.all_reduce == "two_level" and p0 > 1 and p1 > 1:
+            return 3, nbytes * (2 + 1 / p0)
+        return 1, float(nbytes)
 
     def contention(self, p0: int, p1: int) -> float:
         """How many groups of this shape share one node's cross-node links (see the Note)."""

@@ -365,11 +365,12 @@ class _Pricer:
         cal = self.calibration
         if cal is None:
             return t, (0.0 if self.on[kind] else t)
-        d = (cal.comm_time_scale[kind] * t + cal.comm_s_per_byte[kind] * nbytes
-             + cal.comm_latency_s[kind])
+        count, moved = self.timer.issued(op, nbytes, *mesh)
+        d = (cal.comm_time_scale[kind] * t + cal.comm_s_per_byte[kind] * moved
+             + cal.comm_latency_s[kind] * count)
         if not self.on[kind] or kind in cal.blocking:
             return d, d
-        return d, min(d, cal.compute_s_per_byte[kind] * nbytes)
+        return d, min(d, cal.compute_s_per_byte[kind] * moved)
 
 
 def _switches(overlap: OverlapRules) -> dict[str, bool]:
@@ -593,7 +594,8 @@ class KindTimes:
 @dataclass(frozen=True, kw_only=True)
 class Issued:
     """The collectives of one kind the engine issues in one step: the profile's time for them
-    (summed), how many, and their bytes (the trace's v: AG output, RS input, AR/BC buffer)."""
+    (summed), how many, and their bytes (the trace's v: AG output, RS input, AR/BC buffer; a
+    two-level all-reduce counts as its three collectives, ``CommTimer.issued``)."""
 
     time_s: float = 0.0
     count: int = 0
@@ -624,9 +626,11 @@ def issued_profile_times(plan: Plan, spec: ModelSpec, training: TrainingSpec,
     t_ar, n_ar, v_ar = 0.0, 0, 0.0
     for mesh, times in ((replica, 1), (plan.grad_mesh(), M - 1)):
         if mesh[0] * mesh[1] > 1 and times > 0:
-            t_ar += times * sum(timer.time("allreduce", b, *mesh) for b, _ in buckets)
-            n_ar += times * len(buckets)
-            v_ar += times * sum(b for b, _ in buckets)
+            for b, _ in buckets:
+                count, moved = timer.issued("allreduce", b, *mesh)
+                t_ar += times * timer.time("allreduce", b, *mesh)
+                n_ar += times * count
+                v_ar += times * moved
     out["AR"] = Issued(time_s=t_ar, count=n_ar, nbytes=v_ar)
     items = broadcast_items(spec, plan, granularity=training.granularity, bucket_bytes=U,
                             elem_bytes=e)

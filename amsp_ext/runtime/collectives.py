@@ -89,6 +89,7 @@ __all__ = [
     "all_gather_objects",
     "all_gather_into_tensor",
     "advance",
+    "issue_gather",
     "all_reduce",
     "all_reduce_two_level",
     "broadcast",
@@ -239,11 +240,16 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, group: dist.Process
 # once the one before has finished, so the chain is moved on by the caller: ``advance`` issues the
 # cross-node all-reduce once the first phase is done, without blocking (GradSync calls it from
 # every gradient hook), and ``wait`` finishes the chain. Only that step is ever taken at a time
-# that depends on a collective's progress; the all-gather is issued in ``wait``, at a point of
-# the program every rank reaches in the same order, so each process group sees its collectives
-# in the same order on every rank (gloo matches them by order): the local group its first
-# phases in bucket order and its all-gathers at the waits, the node group its all-reduces in
-# bucket order (callers advance chains oldest first and stop at the first that cannot move).
+# that depends on a collective's progress; the all-gather is issued by ``wait`` or
+# ``issue_gather``, at a point of the program every rank reaches in the same order, so each
+# process group sees its collectives in the same order on every rank (gloo matches them by
+# order): the local group its first phases in bucket order and its all-gathers at those points,
+# the node group its all-reduces in bucket order (callers advance chains oldest first and stop
+# at the first that cannot move). At the end of backward GradSync calls ``issue_gather`` for
+# every chain, oldest first, before it waits for any: each bucket's in-node all-gather then runs
+# while the next bucket's cross-node all-reduce is still on the link, where waiting chain by
+# chain had left them end to end (issue 23's breakdown: 499 ms of rank 0's step in
+# ``wait::all_gather::param_replica_local`` at 100 Mbit).
 # On gloo the first phase is an all-reduce of the whole tensor inside the node, and the shard
 # is this rank's slice of it: gloo runs a reduce-scatter as that all-reduce anyway (its trace
 # shows ``gloo:all_reduce`` of the whole input), and its reduce-scatter's Work never reports
@@ -315,16 +321,27 @@ def _next_phase(chain: _TwoLevel, timeout=None) -> None:
         chain.phase, chain.pending, chain.shard = "done", None, None
 
 
-def advance(pending: "_TwoLevel | _Pending | None") -> bool:
+def advance(pending: "_TwoLevel | _Pending | None", *, block: bool = False) -> bool:
     """Move a two-level all-reduce on to its cross-node all-reduce if its first phase has
-    finished, without blocking; True when it is past that phase (or is no chain)."""
+    finished (or, with ``block``, once it has); True when it is past that phase (or is no chain)."""
     if not isinstance(pending, _TwoLevel):
         return True
     if pending.phase == "local_reduce":
-        if not pending.pending.is_completed():
+        if not block and not pending.pending.is_completed():
             return False
         _next_phase(pending)
     return True
+
+
+def issue_gather(pending: "_TwoLevel | _Pending | None") -> None:
+    """Wait for a two-level all-reduce's cross-node phase and issue its all-gather without
+    waiting for it. Call it where every rank is at the same point of the program, for the
+    chains in the order they were issued ([Note: two-level all-reduce])."""
+    if not isinstance(pending, _TwoLevel):
+        return
+    advance(pending, block=True)
+    if pending.phase == "node_all_reduce":
+        _next_phase(pending)
 
 
 def broadcast(ctx: CollectiveContext, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,
