@@ -35,7 +35,8 @@ from amsp_ext.choices import (ALL_REDUCES, GRANULARITIES, INIT_WEIGHTS, OVERLAP_
                               check_one_of, reduce_dtypes)
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
-from amsp_ext.planner.defaults import DEFAULT_ALL_REDUCE
+from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_GRANULARITY,
+                                       DEFAULT_PRECISION, DEFAULT_REDUCE_DTYPE)
 from amsp_ext.schema import check_options, name_of, option, section
 
 __all__ = ["AdaptiveConfig", "AutoPlanConfig", "EngineConfig", "FP16Config", "OverlapConfig",
@@ -122,13 +123,13 @@ class EngineConfig:
     gpus_per_node: int | None = option(
         None, minimum=1, help="ranks per (virtual) node; default: the launcher's local world size")
     nodes_per_leaf: int | None = option(None, minimum=1, help="nodes under one leaf switch")
-    precision: str = option("fp32", choices=PRECISIONS,
+    precision: str = option(DEFAULT_PRECISION, choices=PRECISIONS,
                             help="compute dtype of parameters and gradients (masters and optimizer "
                                  "states are fp32)")
-    reduce_dtype: str = option("fp32", choices=PRECISIONS,
+    reduce_dtype: str = option(DEFAULT_REDUCE_DTYPE, choices=PRECISIONS,
                                help="dtype gradients are reduced and accumulated in: fp32 or the "
                                     "--precision (the paper's 2-byte gradients)")
-    grad_bucket_bytes: int = option(25 * 2**20, minimum=1, size=True,
+    grad_bucket_bytes: int = option(DEFAULT_GRAD_BUCKET_BYTES, minimum=1, size=True,
                                     help="gradient bucket size U (e.g. 25MiB, or bytes)")
     broadcast_bucket_bytes: int | None = option(
         None, minimum=0, size=True,
@@ -139,7 +140,7 @@ class EngineConfig:
                                   "several nodes: one collective (flat, as DDP) or reduce-scatter in "
                                   "the node, all-reduce across, all-gather in the node (two_level: "
                                   "2/3 of the bytes on the node links; wins where they are slow)")
-    granularity: str = option("layer", choices=GRANULARITIES,
+    granularity: str = option(DEFAULT_GRANULARITY, choices=GRANULARITIES,
                               help="sharding unit: the decoder layer (layer, as FSDP2 users wrap) or "
                                    "each Linear of it (module, the paper's)")
     recompute: bool = option(False, help="activation checkpointing per decoder layer")

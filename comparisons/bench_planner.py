@@ -52,13 +52,13 @@ def time_search(argv: list[str], repeat: int) -> tuple[list[float], str]:
     sys.path.insert(0, str(ROOT))
     from amsp_ext.cli.main import build_parser
     from amsp_ext.planner.search import make_problem, search
-    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, parse_size
+    from amsp_ext.planner.specs import ClusterSpec, paper_job, parse_size
 
     a = build_parser().parse_args(["plan", *argv])
     cluster = ClusterSpec(num_nodes=a.nodes, gpus_per_node=a.gpus_per_node,
                           gpu_memory_bytes=parse_size(a.gpu_memory))
-    training = TrainingSpec(seq_len=a.seq_len, global_batch_tokens=a.global_batch_tokens,
-                            recompute=a.recompute)
+    training = paper_job(seq_len=a.seq_len, global_batch_tokens=a.global_batch_tokens,
+                         recompute=a.recompute)
     times, plan = [], ""
     for _ in range(repeat):
         t0 = time.perf_counter()

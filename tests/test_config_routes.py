@@ -13,6 +13,7 @@ from pathlib import Path
 
 from amsp_ext import schema
 from amsp_ext.engine_config import EngineConfig, engine_default, planner_settings
+from amsp_ext.planner.specs import TrainingSpec
 
 PKG = Path(__file__).resolve().parents[1] / "amsp_ext"
 BATCH = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
@@ -84,6 +85,15 @@ def test_defaults_agree_on_every_route(monkeypatch):
     # the defaults a DeepSpeed / FSDP user expects (README, engine_config [Note: one default])
     assert (want["timeout"], want["grad_bucket_bytes"], want["granularity"], want["reduce_dtype"]) == \
         (600.0, 25 * 2**20, "layer", "fp32")
+    # the planner's spec of a job, not told otherwise, is the job the engine runs by default
+    tr = TrainingSpec(seq_len=8, num_micro_batches=1)
+    assert (tr.precision, tr.reduce_dtype, tr.bucket_bytes, tr.granularity, tr.recompute, tr.all_reduce) == \
+        (want["precision"], want["reduce_dtype"], want["grad_bucket_bytes"], want["granularity"],
+         want["recompute"], want["all_reduce"])
+    from amsp_ext.integrations.settings import PrecisionSettings
+
+    ds = PrecisionSettings()  # a ds_config without bf16/fp16 blocks
+    assert (ds.precision, ds.reduce_dtype) == (want["precision"], want["reduce_dtype"])
 
 
 def test_the_same_settings_agree_on_every_route(monkeypatch):

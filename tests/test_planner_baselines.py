@@ -4,7 +4,7 @@ import pytest
 
 from amsp_ext.planner.baselines import baselines, comparison
 from amsp_ext.planner.search import make_problem
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
 from planner_helpers import TOY, constant_profile
 
 GB = {"allgather": 1.0, "reducescatter": 2.0, "allreduce": 4.0, "broadcast": 8.0}
@@ -12,7 +12,7 @@ GB = {"allgather": 1.0, "reducescatter": 2.0, "allreduce": 4.0, "broadcast": 8.0
 
 def problem():
     cl = ClusterSpec(num_nodes=2, gpus_per_node=4, gpu_memory_bytes=2**30)
-    tr = TrainingSpec(seq_len=8, num_micro_batches=3, bucket_bytes=100)
+    tr = paper_job(seq_len=8, num_micro_batches=3, bucket_bytes=100)
     return make_problem(TOY, cl, tr, constant_profile(4, 2, GB), memory_reserve_bytes=0)
 
 

@@ -12,12 +12,12 @@ from amsp_ext.planner.cost import comm_cost
 from amsp_ext.planner.memory import activation_bytes, memory_breakdown, optimizer_bytes_per_param
 from amsp_ext.planner.plan import parse_plan
 from amsp_ext.planner.profile import CommTimer
-from amsp_ext.planner.specs import TrainingSpec
+from amsp_ext.planner.specs import TrainingSpec, paper_job
 from planner_helpers import TOY, TOY_PHI, constant_profile
 
 GB = {"allgather": 1.0, "reducescatter": 2.0, "allreduce": 4.0, "broadcast": 8.0}
 PLAN = parse_plan("p=2x1,g=4x2,os=4x2")
-TRAIN = TrainingSpec(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100)
+TRAIN = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100)
 
 
 def cost(concurrency="all_groups", plan=PLAN, training=TRAIN):
@@ -57,7 +57,7 @@ def test_terms_vanish_where_the_paper_says():
     assert ddp.t0_os == pytest.approx(872 / 100 * 25e-9)
     zero3 = cost(plan=parse_plan("p=4x2,g=4x2,os=4x2"))
     assert zero3.t_g == zero3.t0_os == zero3.t1_os == 0
-    one = cost(plan=PLAN, training=TrainingSpec(seq_len=8, num_micro_batches=1, bucket_bytes=100))
+    one = cost(plan=PLAN, training=paper_job(seq_len=8, num_micro_batches=1, bucket_bytes=100))
     assert one.t_g == 0  # M = 1: the last micro-batch's all-reduce is T0_os
 
 
@@ -82,9 +82,9 @@ def test_activations_by_hand():
     # per token (8h: the unfused RMSNorms' fp32 inputs); A_out = 4h + 2eh + 4 + 4V (the final
     # unfused norm, the fp32 log-softmax) = 16 + 16 + 4 + 64 = 100 per token; T = 8 tokens
     assert activation_bytes(TOY, TRAIN) == 8 * (2 * 168 + 100)
-    rec = TrainingSpec(seq_len=8, num_micro_batches=1, recompute=True)
+    rec = paper_job(seq_len=8, num_micro_batches=1, recompute=True)
     assert activation_bytes(TOY, rec) == 8 * (2 * (2 * 4) + 100)  # L e h + A_out
-    fp32 = TrainingSpec(seq_len=8, num_micro_batches=1, precision="fp32")
+    fp32 = paper_job(seq_len=8, num_micro_batches=1, precision="fp32")
     # e = 4: A_layer = 4 * 60 + 32 + 16 = 288; A_out = 16 + 32 + 4 + 64 = 116
     assert activation_bytes(TOY, fp32) == 8 * (2 * 288 + 116)
 
@@ -93,7 +93,7 @@ def test_llama7b_activations_against_megatron_scale():
     from amsp_ext.planner.model_spec import ModelSpec
 
     spec = ModelSpec.preset("llama-7b")
-    t = TrainingSpec(seq_len=4096, num_micro_batches=1)
+    t = paper_job(seq_len=4096, num_micro_batches=1)
     per_layer_token = (activation_bytes(spec, t) / 4096 - (4 * 4096 + 2 * 2 * 4096 + 4 + 4 * 32000)) / 32
     # e(4h + 2h + 2h + 4i) + 8h + 4a + 8 with h = 4096, i = 11008, a = 32: 45.5 h (GPT's is
     # 34 h); 187,016 bytes per token is what one HF decoder layer keeps under FakeTensorMode
@@ -120,7 +120,7 @@ def test_tmp_buffers_by_hand():
                          "optimizer step": {"activations": 0, "tmp": 318}}
     assert parts["peak_phase"] == "loss backward"
     assert (m.activations, m.tmp, m.kept_activations) == (3488, 1024, 3488)
-    rec = TrainingSpec(seq_len=8, num_micro_batches=3, bucket_bytes=100, recompute=True)
+    rec = paper_job(seq_len=8, num_micro_batches=3, bucket_bytes=100, recompute=True)
     mr = memory_breakdown(TOY, PLAN, rec, gpus_per_node=4, num_nodes=2)
     assert mr.tmp_parts["gathered_params"] == 2 * (152 + 64) + 2 * 64  # a whole layer kept
     assert mr.tmp_parts["recomputed_layer"] == 8 * 168
@@ -134,7 +134,7 @@ def test_tmp_buffers_by_hand():
                              "gathered_params": 0, "owned_fp32_grads": 4 * 436,
                              "broadcast_staging": 0, "peak_phase": "loss backward"}
     assert ddp.tmp == 1024  # 3488 + 1024 > 2688 + 300 > 4 * 436
-    short = TrainingSpec(seq_len=1, num_micro_batches=3, bucket_bytes=100)  # kept 436 (2 x 168 + 100)
+    short = paper_job(seq_len=1, num_micro_batches=3, bucket_bytes=100)  # kept 436 (2 x 168 + 100)
     ddp1 = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), short, gpus_per_node=4,
                             num_nodes=2)
     assert ddp1.tmp_parts["peak_phase"] == "optimizer step"  # 4 * 436 > 436 + 128, 336 + 300
@@ -145,7 +145,7 @@ def test_tmp_buffers_by_hand():
 def test_buffers_never_exceed_the_ranks_gradients():
     # TOY has 436 params: 872 bf16 gradient bytes per rank unsharded, 436 with sp = 2. A 128 MiB
     # bucket can never be filled, so the buffers are capped at those bytes (small-model plans).
-    big = TrainingSpec(seq_len=8, num_micro_batches=3)  # default U = 128 MiB
+    big = paper_job(seq_len=8, num_micro_batches=3)  # default U = 128 MiB
     ddp = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), big, gpus_per_node=4, num_nodes=2)
     assert ddp.tmp_parts["buckets"] == 872  # 2U in flight + one filling, all of it the rank's 872
     m = memory_breakdown(TOY, parse_plan("p=2x1,g=2x1,os=4x2"), big, gpus_per_node=4, num_nodes=2)
@@ -160,7 +160,7 @@ def test_llama30b_layer_backward_with_recomputation_by_hand():
     from amsp_ext.planner.model_spec import ModelSpec
 
     spec = ModelSpec.preset("llama-30b")
-    t = TrainingSpec(seq_len=4096, num_micro_batches=1, precision="bf16", reduce_dtype="bf16",
+    t = paper_job(seq_len=4096, num_micro_batches=1, precision="bf16", reduce_dtype="bf16",
                      bucket_bytes=128 * 2**20, recompute=True, granularity="module")
     m = memory_breakdown(spec, parse_plan("p=1x1,g=8x8,os=8x8"), t, gpus_per_node=8, num_nodes=128)
     h, i, L, V, T = 6656, 17920, 60, 32000, 4096

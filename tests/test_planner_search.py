@@ -10,7 +10,7 @@ from amsp_ext.planner.prefilter import legal_plans, prefilter
 from amsp_ext.planner.search import (
     NoFeasiblePlan, make_problem, pareto, plan_for, search, sensitivity,
 )
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
 from planner_helpers import TOY, ab_profile, constant_profile, divisors
 
 GiB = 2**30
@@ -45,7 +45,7 @@ def test_prefilter_counts_at_paper_scale():
 
 def tiny_problem(R, N, mem_gib, *, M=2, objective="comm", concurrency="all_groups", **kw):
     cl = ClusterSpec(num_nodes=N, gpus_per_node=R, gpu_memory_bytes=int(mem_gib * GiB))
-    tr = TrainingSpec(seq_len=2048, num_micro_batches=M, **kw)
+    tr = paper_job(seq_len=2048, num_micro_batches=M, **kw)
     prof = ab_profile(max(R, 2), max(N, 2), concurrency=concurrency)
     return make_problem("llama-7b", cl, tr, prof, objective=objective)
 
@@ -92,7 +92,7 @@ def test_tie_break_prefers_sg_eq_sp_then_less_memory():
     # then costs T0_os + 2Phi/w: an exact tie.
     from amsp_ext.planner.memory import memory_breakdown
 
-    tr = TrainingSpec(seq_len=8, num_micro_batches=1, bucket_bytes=64)
+    tr = paper_job(seq_len=8, num_micro_batches=1, bucket_bytes=64)
     ddp = memory_breakdown(TOY, Plan(), tr, gpus_per_node=4, num_nodes=2).total
     cl = ClusterSpec(num_nodes=2, gpus_per_node=4, gpu_memory_bytes=ddp - 1)
     gb = {"allgather": 1.0, "reducescatter": 1.0, "allreduce": 1.0, "broadcast": 1.0}
@@ -159,7 +159,7 @@ def test_plan_for_takes_an_hf_config():
     from amsp_ext.train.models import llama_config_dict
 
     cl = ClusterSpec(num_nodes=2, gpus_per_node=2, gpu_memory_bytes=8 * GiB)
-    tr = TrainingSpec(seq_len=64, micro_batch_size=2, global_batch_size=16)
+    tr = paper_job(seq_len=64, micro_batch_size=2, global_batch_size=16)
     plan = plan_for(llama_config_dict("tiny-llama"), cl, tr, ab_profile(2, 2))
     assert isinstance(plan, Plan) and check_plan(plan, gpus_per_node=2, num_nodes=2) == []
     # 8 GiB holds tiny-llama replicated, and DDP is the only plan with Tp = Tg = T1_os = 0

@@ -6,7 +6,7 @@ from amsp_ext.planner.cost import comm_cost
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import parse_plan
 from amsp_ext.planner.profile import CommTimer
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
 from amsp_ext.planner.step import (
     OverlapRules, model_flops_per_token, optimizer_step_time, step_estimate,
 )
@@ -33,7 +33,7 @@ def setup(plan, M=1, recompute=False, R=8, N=4):
     R0, N0 = max(R, 2), max(N, 2)
     spec = ModelSpec.preset("llama-7b")
     cl = ClusterSpec(num_nodes=N, gpus_per_node=R, gpu_memory_bytes=80 * 2**30)
-    tr = TrainingSpec(seq_len=2048, num_micro_batches=M, recompute=recompute)
+    tr = paper_job(seq_len=2048, num_micro_batches=M, recompute=recompute)
     timer = CommTimer(ab_profile(R0, N0), gpus_per_node=R)
     p = parse_plan(plan)
     comm = comm_cost(p, spec, tr, timer, gpus_per_node=R, num_nodes=N, num_micro_batches=M)
@@ -49,7 +49,7 @@ def estimate(plan, overlap=OverlapRules(), **kw):
 def test_no_communication_is_compute_plus_optimizer():
     spec = ModelSpec.preset("llama-7b")
     cl = ClusterSpec(num_nodes=1, gpus_per_node=1, gpu_memory_bytes=2**40)
-    tr = TrainingSpec(seq_len=2048, num_micro_batches=2)
+    tr = paper_job(seq_len=2048, num_micro_batches=2)
     timer = CommTimer(ab_profile(2, 2), gpus_per_node=1)
     p = parse_plan("p=1x1,os=1x1")
     comm = comm_cost(p, spec, tr, timer, gpus_per_node=1, num_nodes=1, num_micro_batches=2)

@@ -79,11 +79,11 @@ def test_what_the_planner_picks_instead_fits_and_costs_no_more_than_the_papers_p
 def test_isolation_costing_drifts_to_mics_like_plans():
     from amsp_ext.planner.profile import load_profile
     from amsp_ext.planner.search import make_problem, search
-    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+    from amsp_ext.planner.specs import ClusterSpec, paper_job
 
     iso = dataclasses.replace(load_profile("paper-a800"), concurrency="all_groups")
     cl = ClusterSpec(num_nodes=128, gpus_per_node=8, gpu_memory_bytes=80 * 2**30)
     for model, rec in (("llama-13b", False), ("llama-30b", True)):
-        tr = TrainingSpec(seq_len=4096, global_batch_tokens=4 * 2**20, recompute=rec)
+        tr = paper_job(seq_len=4096, global_batch_tokens=4 * 2**20, recompute=rec)
         best = search(make_problem(model, cl, tr, iso)).best.plan
         assert best.mesh("p") == (8, 1), (model, str(best))

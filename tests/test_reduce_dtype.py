@@ -12,7 +12,7 @@ from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import parse_plan
 from amsp_ext.planner.profile import CommTimer
-from amsp_ext.planner.specs import SpecError, TrainingSpec
+from amsp_ext.planner.specs import SpecError, TrainingSpec, paper_job
 from amsp_ext.runtime.config import ShardConfig
 from planner_helpers import OPS, constant_profile
 
@@ -68,7 +68,10 @@ def test_planner_charges_four_bytes_per_gradient():
     plan = parse_plan("p=1x1,g=2x1,os=2x2")  # sg = 2, sos = 4
     kw = dict(seq_len=32, micro_batch_size=1, num_micro_batches=2, precision="bf16", bucket_bytes=4096)
     b16, b32 = TrainingSpec(**kw, reduce_dtype="bf16"), TrainingSpec(**kw, reduce_dtype="fp32")
-    assert TrainingSpec(**kw).grad_dtype == "bf16"  # not given: the paper's 2-byte gradients
+    # not given: the engine's fp32 reduction (EngineConfig's default); the paper's job reduces
+    # in the compute dtype (specs.py [Note: the paper's job])
+    assert TrainingSpec(**kw).grad_dtype == "fp32"
+    assert paper_job(**kw).grad_dtype == "bf16"
     m16 = memory_breakdown(spec, plan, b16, gpus_per_node=2, num_nodes=2)
     m32 = memory_breakdown(spec, plan, b32, gpus_per_node=2, num_nodes=2)
     assert m16.grads == 2 * phi // 2 and m32.grads == 4 * phi // 2

@@ -15,7 +15,7 @@ from amsp_ext.planner.simulate import (
     side_by_side, simulate, table_iv_plan,
 )
 from amsp_ext.planner.simulate_report import format_markdown
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
 from amsp_ext.planner.step import OverlapRules, step_estimate
 
 
@@ -147,7 +147,7 @@ def test_fig16_ratios_paper_and_model(cells):
 def test_rs_rule_blocks_only_the_reduce_scatter():
     spec = ModelSpec.preset("llama-7b")
     cluster = ClusterSpec(num_nodes=2, gpus_per_node=8, gpu_memory_bytes=80 * GiB)
-    training = TrainingSpec(seq_len=4096, num_micro_batches=2)
+    training = paper_job(seq_len=4096, num_micro_batches=2)
     problem = make_problem(spec, cluster, training, "paper-a800")
     plan = parse_plan("p=8x1,g=8x1,os=8x1")
     from amsp_ext.planner.search import evaluate

@@ -16,6 +16,13 @@ DeepSpeed's ``reduce_bucket_size`` counts elements (default 5e8). The old layout
 that bucket; the AMSP plan with the config's explicit ``reduce_bucket_size`` (converted to
 bytes and written as ``amsp.grad_bucket_bytes``), or else the engine's default (25 MiB) - DeepSpeed's
 default would make one bucket of a 1B-element model and defeat overlap.
+
+[Note: the two jobs]
+The layouts differ in more than the bucket. The old one is DeepSpeed's: gradients reduced in
+the compute dtype unless ``communication_data_type`` says otherwise, prefetched per submodule.
+The AMSP plan is costed for what the migrated job will run: the engine's unit (a layer) and
+the reduce dtype the ds_config route gives it (``reduce_dtype_from_ds``: fp32 unless the
+config names the compute dtype).
 """
 
 from __future__ import annotations
@@ -110,7 +117,7 @@ def old_layout(cfg: dict[str, Any]) -> tuple[str, int | None, int | None, str]:
 
 
 def _training(args, cfg: dict[str, Any], world: int, precision: str, bucket_bytes: int):
-    from amsp_ext.integrations.settings import resolve_batch
+    from amsp_ext.integrations.settings import reduce_dtype_from_ds, resolve_batch
     from amsp_ext.planner.specs import TrainingSpec
 
     batch_cfg = dict(cfg)
@@ -129,7 +136,15 @@ def _training(args, cfg: dict[str, Any], world: int, precision: str, bucket_byte
     return batch, TrainingSpec(
         seq_len=args.seq_len, micro_batch_size=batch.micro_batch_size,
         num_micro_batches=batch.gradient_accumulation_steps, recompute=args.recompute,
-        precision=precision, optimizer=optimizer, bucket_bytes=bucket_bytes)
+        precision=precision, optimizer=optimizer, bucket_bytes=bucket_bytes,
+        reduce_dtype=reduce_dtype_from_ds(cfg, precision))  # [Note: the two jobs]
+
+
+def _ds_reduce_dtype(cfg: dict[str, Any], precision: str) -> str:
+    """The dtype DeepSpeed reduces gradients in: ``communication_data_type``, else the compute
+    dtype."""
+    comm = cfg.get("communication_data_type")
+    return comm.lower() if isinstance(comm, str) else precision
 
 
 def _precision(args, cfg: dict[str, Any]) -> str:
@@ -241,7 +256,9 @@ def _make_problems(args, job: _Job) -> None:
 
     world = args.nodes * args.gpus_per_node
     job.batch, job.training = _training(args, job.cfg, world, job.precision, job.new_bucket)
-    tr_old = dataclasses.replace(job.training, bucket_bytes=job.old_bucket)  # once: _training may warn
+    # once: _training may warn; DeepSpeed's own job ([Note: the two jobs])
+    tr_old = dataclasses.replace(job.training, bucket_bytes=job.old_bucket, granularity="module",
+                                 reduce_dtype=_ds_reduce_dtype(job.cfg, job.precision))
     common = dict(missing=args.missing_mesh, memory_reserve_bytes=job.reserve_bytes)
     job.prob_new = make_problem(job.spec, job.cluster, job.training, args.profile, **common)
     job.prob_old = make_problem(job.spec, job.cluster, tr_old, args.profile, **common)

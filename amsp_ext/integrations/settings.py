@@ -56,7 +56,8 @@ from amsp_ext.choices import (MISSING_MESH, OBJECTIVES, check_bool, check_int, c
                               reduce_dtypes)
 from amsp_ext.engine_config import AutoPlanConfig, EngineConfig, FP16Config
 from amsp_ext.planner.adaptive import AdaptiveConfig, check_replannable
-from amsp_ext.planner.defaults import DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PROFILE
+from amsp_ext.planner.defaults import (DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PRECISION, DEFAULT_PROFILE,
+                                       DEFAULT_REDUCE_DTYPE)
 
 __all__ = [
     "AMSPSettings",
@@ -399,8 +400,8 @@ def resolve_batch(cfg: Mapping[str, Any], world_size: int) -> BatchSettings:
 class PrecisionSettings:
     """``bf16`` / ``fp16`` blocks. Dynamic loss scaling follows DeepSpeed's keys."""
 
-    precision: str = "fp32"
-    reduce_dtype: str = "fp32"  # ShardConfig.reduce_dtype; see reduce_dtype_from_ds
+    precision: str = DEFAULT_PRECISION
+    reduce_dtype: str = DEFAULT_REDUCE_DTYPE  # ShardConfig.reduce_dtype; see reduce_dtype_from_ds
     initial_scale: float = 2.0**16
     growth_interval: int = 1000
     min_scale: float = 1.0

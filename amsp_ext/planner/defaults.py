@@ -19,7 +19,8 @@ Pure Python.
 from __future__ import annotations
 
 __all__ = [
-    "DEFAULT_ALL_REDUCE", "DEFAULT_GPU_MEMORY", "DEFAULT_GPU_MEMORY_BYTES", "DEFAULT_MEMORY_RESERVE",
+    "DEFAULT_ALL_REDUCE", "DEFAULT_GPU_MEMORY", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_GRANULARITY",
+    "DEFAULT_PRECISION", "DEFAULT_REDUCE_DTYPE", "DEFAULT_GPU_MEMORY_BYTES", "DEFAULT_MEMORY_RESERVE",
     "DEFAULT_MISSING_MESH", "DEFAULT_OBJECTIVE", "DEFAULT_PROFILE", "DEFAULT_RESERVE_BYTES", "DEFAULT_SEQ_LEN",
     "GiB",
 ]
@@ -34,4 +35,10 @@ DEFAULT_RESERVE_BYTES = 2 * GiB
 DEFAULT_MISSING_MESH = "error"  # a mesh the profile lacks: refuse ("fit": alpha-beta estimate)
 DEFAULT_OBJECTIVE = "comm"  # the paper's Eq. 1 ("step": compute + unhidden communication)
 DEFAULT_ALL_REDUCE = "flat"  # one collective per gradient all-reduce, as DDP (choices.ALL_REDUCES)
+# the job's settings the engine runs with and the planner prices (EngineConfig's fields and
+# TrainingSpec's): engine_config.py [Note: one default per setting] says why these values
+DEFAULT_PRECISION = "fp32"
+DEFAULT_REDUCE_DTYPE = "fp32"
+DEFAULT_GRAD_BUCKET_BYTES = 25 * 2**20
+DEFAULT_GRANULARITY = "layer"
 DEFAULT_SEQ_LEN = 2048  # a ds_config planned for (`amsp config`, `amsp migrate`) that names none

@@ -52,7 +52,7 @@ from amsp_ext.planner.profile import BandwidthProfile, load_profile
 from amsp_ext.planner.search import (
     GiB, NoFeasiblePlan, Problem, evaluate, make_problem, search,
 )
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_PROFILE
 
@@ -181,9 +181,9 @@ class SimCell:
 
 
 def paper_training(model: str, settings: SimSettings = SimSettings()) -> TrainingSpec:
-    return TrainingSpec(seq_len=settings.seq_len, micro_batch_size=settings.micro_batch_size,
-                        global_batch_tokens=settings.global_batch_tokens,
-                        recompute=RECOMPUTE.get(model, False), precision=settings.precision)
+    return paper_job(seq_len=settings.seq_len, micro_batch_size=settings.micro_batch_size,
+                     global_batch_tokens=settings.global_batch_tokens,
+                     recompute=RECOMPUTE.get(model, False), precision=settings.precision)
 
 
 def _cluster(gpus: int, settings: SimSettings) -> ClusterSpec:
