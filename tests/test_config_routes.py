@@ -94,6 +94,12 @@ def test_defaults_agree_on_every_route(monkeypatch):
 
     ds = PrecisionSettings()  # a ds_config without bf16/fp16 blocks
     assert (ds.precision, ds.reduce_dtype) == (want["precision"], want["reduce_dtype"])
+    import inspect
+
+    from amsp_ext.planner.auto import auto_problem
+
+    # the Python API's plan_auto(**settings) without reduce_dtype plans the engine's gradients
+    assert inspect.signature(auto_problem).parameters["reduce_dtype"].default == want["reduce_dtype"]
 
 
 def test_the_same_settings_agree_on_every_route(monkeypatch):

@@ -24,7 +24,7 @@ def test_units_cover_every_param_once_in_forward_order():
     assert layer0[0].numel == 2 * 64  # the two RMSNorms
     seen = [id(p) for u in units for _, p in u.params]
     assert sorted(seen) == sorted(id(p) for p in model.parameters())
-    counts = dict(unit_param_counts(model))
+    counts = dict(unit_param_counts(model, "module"))
     assert sum(counts.values()) == sum(p.numel() for p in model.parameters())
     assert counts["model.layers.1.mlp.down_proj"] == 64 * 176
     assert len(list_units(model, "layer")) == 1 + 1 + 2 + 2  # root, embed, 2 layers, norm, head
@@ -32,7 +32,7 @@ def test_units_cover_every_param_once_in_forward_order():
 
 def test_tied_weights_go_to_the_root_unit():
     model = build_llama("tiny-llama", tie_word_embeddings=True)
-    units = list_units(model)
+    units = list_units(model, "module")
     assert [n for n, _ in units[0].params] == ["model.embed_tokens.weight"]
     assert "model.embed_tokens" not in [u.name for u in units]
     assert sum(u.numel for u in units) == sum(p.numel() for p in model.parameters())

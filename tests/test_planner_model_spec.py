@@ -54,7 +54,7 @@ def test_gqa_tied_and_bias_flags():
     layer = (64 * 64 + 64) * 2 + (64 * 32 + 32) * 2 + (64 * 176 + 176) * 2 + (176 * 64 + 64) + 128
     assert spec.params_per_layer == layer
     assert spec.num_params == 3 * layer + 100 * 64 + 64  # tied: no lm_head
-    assert [u.kind for u in spec.units()][-1] == "final_norm"
+    assert [u.kind for u in spec.units("module")][-1] == "final_norm"
 
 
 def test_qwen2_has_qkv_bias_only():

@@ -17,7 +17,7 @@ from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.search import Problem, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE,
-                                      DEFAULT_PROFILE)
+                                      DEFAULT_PROFILE, DEFAULT_REDUCE_DTYPE)
 
 __all__ = ["AutoPlanConfig", "auto_problem", "plan_auto"]
 
@@ -58,7 +58,7 @@ class AutoPlanConfig:
 def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, *,
                  num_nodes: int, gpus_per_node: int, gpu_memory_bytes: int,
                  nodes_per_leaf: int | None = None, precision: str, grad_bucket_bytes: int,
-                 granularity: str, recompute: bool, reduce_dtype: str | None = None,
+                 granularity: str, recompute: bool, reduce_dtype: str | None = DEFAULT_REDUCE_DTYPE,
                  all_reduce: str = DEFAULT_ALL_REDUCE) -> Problem:
     """The planner's Problem for ``model`` trained as ``auto`` says on ``num_nodes`` x
     ``gpus_per_node``, by an engine with these settings (ShardConfig's names): what

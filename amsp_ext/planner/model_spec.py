@@ -143,14 +143,14 @@ class ModelSpec:
     def num_params(self) -> int:
         return self.num_layers * self.params_per_layer + sum(n for _, n in self.outside_params())
 
-    def layer_units(self, granularity: str = "module") -> list[tuple[str, int]]:
+    def layer_units(self, granularity: str) -> list[tuple[str, int]]:
         """One layer's ``(kind, params)`` template at ``granularity`` (every layer is the same)."""
         _check_granularity(granularity)
         if granularity == "layer":
             return [("layer", self.params_per_layer)]
         return self.layer_module_params()
 
-    def units(self, granularity: str = "module") -> list[Unit]:
+    def units(self, granularity: str) -> list[Unit]:
         """Every sharding unit of the model in forward order, named by HF module path."""
         _check_granularity(granularity)
         paths = {

@@ -101,7 +101,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def __init__(self, masters: Mapping[int, nn.Parameter],
                  optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                  tensors: Sequence[LocalTensor], grads: GradSource, params: ParamBroadcaster,
-                 norm_group: NormGroup, device: torch.device, precision: str = "fp32",
+                 norm_group: NormGroup, device: torch.device, precision: str,
                  fp16: FP16Config | None = None, run_info: Mapping[str, Any] | None = None,
                  guard: NonFiniteGuard | None = None) -> None:
         self.masters = dict(masters)  # tensor index -> fp32 master (owned only), forward order

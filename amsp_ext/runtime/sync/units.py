@@ -60,7 +60,7 @@ def _shared_params(model: nn.Module) -> set[int]:
     return {k for k, v in seen.items() if v > 1}
 
 
-def list_units(model: nn.Module, granularity: str = "module") -> list[Unit]:
+def list_units(model: nn.Module, granularity: str) -> list[Unit]:
     """Units in forward order; every parameter of ``model`` is in exactly one unit."""
     check_one_of(granularity, GRANULARITIES, "granularity")
     layers = {id(m): i for i, m in enumerate(decoder_layers(model))}
@@ -112,7 +112,7 @@ def refresh_params(units: list[Unit], model: nn.Module) -> None:
         u.params = [(n, current[n]) for n, _ in u.params]
 
 
-def unit_param_counts(model: nn.Module, granularity: str = "module") -> list[tuple[str, int]]:
+def unit_param_counts(model: nn.Module, granularity: str) -> list[tuple[str, int]]:
     """``[(unit name, number of parameters)]`` in forward order (the root unit only if non-empty)."""
     return [(u.name or "<root>", u.numel) for u in list_units(model, granularity)
             if u.kind != "root" or u.params]
