@@ -4,7 +4,7 @@ import pytest
 
 from amsp_ext.planner.baselines import baselines, comparison
 from amsp_ext.planner.search import make_problem
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
+from amsp_ext.planner.specs import ClusterSpec, paper_job
 from planner_helpers import TOY, constant_profile
 
 GB = {"allgather": 1.0, "reducescatter": 2.0, "allreduce": 4.0, "broadcast": 8.0}

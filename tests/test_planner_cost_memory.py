@@ -12,7 +12,7 @@ from amsp_ext.planner.cost import comm_cost
 from amsp_ext.planner.memory import activation_bytes, memory_breakdown, optimizer_bytes_per_param
 from amsp_ext.planner.plan import parse_plan
 from amsp_ext.planner.profile import CommTimer
-from amsp_ext.planner.specs import TrainingSpec, paper_job
+from amsp_ext.planner.specs import paper_job
 from planner_helpers import TOY, TOY_PHI, constant_profile
 
 GB = {"allgather": 1.0, "reducescatter": 2.0, "allreduce": 4.0, "broadcast": 8.0}

@@ -10,7 +10,7 @@ from amsp_ext.planner.prefilter import legal_plans, prefilter
 from amsp_ext.planner.search import (
     NoFeasiblePlan, make_problem, pareto, plan_for, search, sensitivity,
 )
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
+from amsp_ext.planner.specs import ClusterSpec, paper_job
 from planner_helpers import TOY, ab_profile, constant_profile, divisors
 
 GiB = 2**30

@@ -6,7 +6,7 @@ from amsp_ext.planner.cost import comm_cost
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import parse_plan
 from amsp_ext.planner.profile import CommTimer
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
+from amsp_ext.planner.specs import ClusterSpec, paper_job
 from amsp_ext.planner.step import (
     OverlapRules, model_flops_per_token, optimizer_step_time, step_estimate,
 )

@@ -15,7 +15,7 @@ from amsp_ext.planner.simulate import (
     side_by_side, simulate, table_iv_plan,
 )
 from amsp_ext.planner.simulate_report import format_markdown
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
+from amsp_ext.planner.specs import ClusterSpec, paper_job
 from amsp_ext.planner.step import OverlapRules, step_estimate
 
 
