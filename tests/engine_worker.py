@@ -97,6 +97,20 @@ def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None
     return model, opt, {"losses": losses, "norms": norms, "masters": steps}
 
 
+@contextlib.contextmanager
+def unit_bucket_floor(nbytes):
+    """Buckets close at unit boundaries from ``nbytes`` on (grad_sync.UNIT_BUCKET_MIN_BYTES)
+    inside the block: tiny-llama's units are all under the 1 MiB default."""
+    from amsp_ext.runtime.sync import grad_sync
+
+    floor = grad_sync.UNIT_BUCKET_MIN_BYTES
+    grad_sync.UNIT_BUCKET_MIN_BYTES = nbytes
+    try:
+        yield
+    finally:
+        grad_sync.UNIT_BUCKET_MIN_BYTES = floor
+
+
 def record(name, model, run, extra=None):
     """Write this rank's view of case ``name`` for pytest (tests/parity_check.load_cases)."""
     e = model.amsp
@@ -212,8 +226,6 @@ def suite_extras(world, R):
     # in flight (advanced from the hooks) and give buckets of odd sizes (padded to split in two);
     # "two-level:ddp" closes a bucket per unit (as a larger model's are, grad_sync.py [Note:
     # buckets close at unit boundaries]), all of them in flight at the flush
-    from amsp_ext.runtime.sync import grad_sync
-
     for name, p, ckw in (("two-level:ddp", "ddp", {}),
                          ("two-level-small-buckets:ddp", "ddp", {"grad_bucket_bytes": 4096}),
                          ("two-level-small-buckets:p=1x1,g=2x2,os=2x2", "p=1x1,g=2x2,os=2x2",
@@ -230,12 +242,9 @@ def suite_extras(world, R):
             if fn not in model.amsp.comm.observers:
                 model.amsp.comm.observers.append(fn)
 
-        floor = grad_sync.UNIT_BUCKET_MIN_BYTES
-        grad_sync.UNIT_BUCKET_MIN_BYTES = 1024 if name == "two-level:ddp" else floor
-        try:
+        floor = unit_bucket_floor(1024) if name == "two-level:ddp" else contextlib.nullcontext()
+        with floor:
             model, opt, run = train(p, cfg(all_reduce="two_level", **ckw), world=world, after_step=watch)
-        finally:
-            grad_sync.UNIT_BUCKET_MIN_BYTES = floor
         counts = model.amsp.comm.counts
         record(name, model, run, extra={
             "counts": {f"{op}:{kind}": n for (op, kind), n in counts.items()},
@@ -245,19 +254,13 @@ def suite_extras(world, R):
     # buckets closed at unit boundaries (grad_sync.py [Note: buckets close at unit boundaries])
     # with a floor small enough for tiny-llama's units (its whole gradient is under the 1 MiB
     # default): one bucket per unit, for sp = 1 and for sp > 1 (after FSDP2's reduce-scatter)
-    from amsp_ext.runtime.sync import grad_sync
-
-    floor = grad_sync.UNIT_BUCKET_MIN_BYTES
-    grad_sync.UNIT_BUCKET_MIN_BYTES = 1024
-    try:
+    with unit_bucket_floor(1024):
         for p in ("p=1x1,g=2x2,os=2x2", "p=2x1,g=2x2,os=2x2"):
             model, opt, run = train(p, cfg(), world=world)
             record(f"unit-buckets:{p}", model, run,
                    extra={"num_buckets": len(model.amsp.grad_sync.buckets),
                           "num_units": len([u for u in model.amsp.units if u.params])})
             release(model)
-    finally:
-        grad_sync.UNIT_BUCKET_MIN_BYTES = floor
     # packed broadcasts under a budget small enough that only the smallest tensors are packed
     # (tiny-llama's local tensors are 128 B .. 32 KiB at sp = 2, about 250 KiB in all)
     model, opt, run = train("p=2x1,g=2x1,os=2x2", cfg(ownership="blocks", grad_bucket_bytes=32768),

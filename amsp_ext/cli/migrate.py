@@ -19,7 +19,7 @@ default would make one bucket of a 1B-element model and defeat overlap.
 
 [Note: the two jobs]
 The layouts differ in more than the bucket. The old one is DeepSpeed's: gradients reduced in
-the compute dtype unless ``communication_data_type`` says otherwise, prefetched per submodule.
+the compute dtype unless the config names one (``named_reduce_dtype``), prefetched per submodule.
 The AMSP plan is costed for what the migrated job will run: the engine's unit (a layer) and
 the reduce dtype the ds_config route gives it (``reduce_dtype_from_ds``: fp32 unless the
 config names the compute dtype).
@@ -140,13 +140,6 @@ def _training(args, cfg: dict[str, Any], world: int, precision: str, bucket_byte
         reduce_dtype=reduce_dtype_from_ds(cfg, precision))  # [Note: the two jobs]
 
 
-def _ds_reduce_dtype(cfg: dict[str, Any], precision: str) -> str:
-    """The dtype DeepSpeed reduces gradients in: ``communication_data_type``, else the compute
-    dtype."""
-    comm = cfg.get("communication_data_type")
-    return comm.lower() if isinstance(comm, str) else precision
-
-
 def _precision(args, cfg: dict[str, Any]) -> str:
     from amsp_ext.integrations.settings import PrecisionSettings
 
@@ -251,14 +244,16 @@ def _set_buckets(job: _Job) -> None:
 
 
 def _make_problems(args, job: _Job) -> None:
-    """The batch and the planner problems of both layouts (they differ only in the bucket)."""
+    """The batch and the planner problems of both layouts ([Note: the two bucket sizes],
+    [Note: the two jobs])."""
+    from amsp_ext.integrations.settings import named_reduce_dtype
     from amsp_ext.planner.search import make_problem
 
     world = args.nodes * args.gpus_per_node
     job.batch, job.training = _training(args, job.cfg, world, job.precision, job.new_bucket)
     # once: _training may warn; DeepSpeed's own job ([Note: the two jobs])
     tr_old = dataclasses.replace(job.training, bucket_bytes=job.old_bucket, granularity="module",
-                                 reduce_dtype=_ds_reduce_dtype(job.cfg, job.precision))
+                                 reduce_dtype=named_reduce_dtype(job.cfg, job.precision) or job.precision)
     common = dict(missing=args.missing_mesh, memory_reserve_bytes=job.reserve_bytes)
     job.prob_new = make_problem(job.spec, job.cluster, job.training, args.profile, **common)
     job.prob_old = make_problem(job.spec, job.cluster, tr_old, args.profile, **common)

@@ -498,6 +498,11 @@ def reduce_dtype_from_ds(cfg: Mapping[str, Any], precision: str) -> str:
     reduce_dtype: AMSP reduces and accumulates gradients in one dtype, fp32 or the precision.
     Absent, AMSP's default fp32 (DeepSpeed's is the compute dtype; the note in
     runtime/config.py says why AMSP differs, and ``amsp_ext.initialize`` prints the choice)."""
+    return named_reduce_dtype(cfg, precision) or DEFAULT_REDUCE_DTYPE
+
+
+def named_reduce_dtype(cfg: Mapping[str, Any], precision: str) -> str | None:
+    """The reduce dtype the ds_config names (checked, lower case), None where it names none."""
     allowed = reduce_dtypes(precision)
     got = {}
     comm = cfg.get("communication_data_type")
@@ -519,7 +524,7 @@ def reduce_dtype_from_ds(cfg: Mapping[str, Any], precision: str) -> str:
         raise ConfigError("communication_data_type and data_types.grad_accum_dtype differ "
                           f"({', '.join(f'{k}={v!r}' for k, v in got.items())}); AMSP accumulates "
                           "gradients in the dtype it reduces them in: give one value")
-    return values.pop() if values else "fp32"
+    return values.pop() if values else None
 
 
 def gradient_clipping(cfg: Mapping[str, Any]) -> float:

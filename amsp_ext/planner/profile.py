@@ -49,8 +49,9 @@ R groups that share the node's links, as for any 1 x p1 mesh).
 A calibration (calibration.py) adds a cost per collective and per byte to each collective the
 engine issues: gloo's work waiting for a core, on a CPU. The two-level all-reduce issues three,
 over 2v + v/p0 bytes, so it is charged that much (``CommTimer.issued``): priced as one
-all-reduce of v, the model predicted it 1 % faster than the flat one at 1 Gbit on the 2x2
-lab, where the engine measured it 9 % slower (comparisons/results/two_level_allreduce_lab_2026-12-03.md).
+all-reduce of v, the model predicted DDP's plan 1 % faster with it than with the flat one at
+1 Gbit on the 2x2 lab, where the engine's paired run measured 0.915x the flat one's throughput
+(comparisons/results/two_level_allreduce_lab_2026-12-03.md).
 
 Pure Python + NumPy.
 """

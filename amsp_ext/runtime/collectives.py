@@ -74,7 +74,7 @@ import dataclasses
 import datetime
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -89,7 +89,7 @@ __all__ = [
     "all_gather_objects",
     "all_gather_into_tensor",
     "advance",
-    "issue_gather",
+    "issue_gathers",
     "all_reduce",
     "all_reduce_two_level",
     "broadcast",
@@ -241,12 +241,12 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, group: dist.Process
 # cross-node all-reduce once the first phase is done, without blocking (GradSync calls it from
 # every gradient hook), and ``wait`` finishes the chain. Only that step is ever taken at a time
 # that depends on a collective's progress; the all-gather is issued by ``wait`` or
-# ``issue_gather``, at a point of the program every rank reaches in the same order, so each
+# ``issue_gathers``, at a point of the program every rank reaches in the same order, so each
 # process group sees its collectives in the same order on every rank (gloo matches them by
 # order): the local group its first phases in bucket order and its all-gathers at those points,
 # the node group its all-reduces in bucket order (callers advance chains oldest first and stop
-# at the first that cannot move). At the end of backward GradSync calls ``issue_gather`` for
-# every chain, oldest first, before it waits for any: each bucket's in-node all-gather then runs
+# at the first that cannot move). At the end of backward GradSync calls ``issue_gathers`` on
+# the chains in flight before it waits for any: each bucket's in-node all-gather then runs
 # while the next bucket's cross-node all-reduce is still on the link, where waiting chain by
 # chain had left them end to end (issue 23's breakdown: 499 ms of rank 0's step in
 # ``wait::all_gather::param_replica_local`` at 100 Mbit).
@@ -333,15 +333,17 @@ def advance(pending: "_TwoLevel | _Pending | None", *, block: bool = False) -> b
     return True
 
 
-def issue_gather(pending: "_TwoLevel | _Pending | None") -> None:
-    """Wait for a two-level all-reduce's cross-node phase and issue its all-gather without
-    waiting for it. Call it where every rank is at the same point of the program, for the
-    chains in the order they were issued ([Note: two-level all-reduce])."""
-    if not isinstance(pending, _TwoLevel):
-        return
-    advance(pending, block=True)
-    if pending.phase == "node_all_reduce":
-        _next_phase(pending)
+def issue_gathers(pendings: Iterable["_TwoLevel | _Pending | None"]) -> None:
+    """Move every two-level all-reduce of ``pendings`` (oldest first) on to its cross-node
+    all-reduce, then issue each one's all-gather once that is done, waiting for none of the
+    gathers. Call it where every rank is at the same point of the program ([Note: two-level
+    all-reduce]); other handles are left as they are."""
+    chains = [p for p in pendings if isinstance(p, _TwoLevel)]
+    for chain in chains:
+        advance(chain, block=True)
+    for chain in chains:
+        if chain.phase == "node_all_reduce":
+            _next_phase(chain)
 
 
 def broadcast(ctx: CollectiveContext, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None,

@@ -347,11 +347,7 @@ class GradSync:
                         buf[off : off + n].add_(self.kept.pop(idx).reshape(-1))
                 self.ready[b] = True
             self._launch_ready()
-            if self._group().levels is not None:  # collectives.py [Note: two-level all-reduce]
-                for _, pending in self.in_flight:
-                    C.advance(pending, block=True)
-                for _, pending in self.in_flight:
-                    C.issue_gather(pending)
+            C.issue_gathers(p for _, p in self.in_flight)  # [Note: two-level all-reduce]
             while self.in_flight:
                 self._complete_oldest()
         if self.stream is not None:  # the step reads what the side stream produced
