@@ -1,3 +1,21 @@
+"""[Note: test tiers]
+``python -m pytest -q`` (README's test command) runs the default tier: every unit, numeric and
+distributed test but those marked ``slow``, in about 12-14 minutes on the 2-core machine. The
+suite as a whole took 17-20 minutes there, and nearly all of that is process start-up: a rank
+spends about 5 s of CPU importing torch and transformers (13 s with DeepSpeed), and a launch
+through torchrun or `amsp train` pays that once per rank plus its agent (tests/fork_launch.py
+already forks the ranks of every test that does not test the launch path itself).
+
+``slow`` marks the few long end-to-end runs whose code paths the default tier also reaches more
+cheaply; each marked place names the default-tier test that does:
+- tests/test_integrations_scripts.py: third-party-style scripts on every route, twice each;
+- tests/test_train_resume.py: `amsp train --resume` across world sizes, the elastic restart;
+- tests/test_compare_hang.py's hung-system run (the harness waits out a 30 s timeout);
+- the 8-rank case of tests/test_engine_parity.py (the 4-rank case runs every code path).
+``python -m pytest -q -m slow`` runs them (about 5 minutes); .ci/run runs both tiers, so
+nothing leaves CI.
+"""
+
 import sys
 from pathlib import Path
 

@@ -39,6 +39,7 @@ def test_hang_fault_parses():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # conftest.py [Note: test tiers]; test_cluster_netns.py times out a hung job in the default tier
 def test_hung_system_is_stopped_and_the_next_one_runs(tmp_path, monkeypatch):
     from amsp_ext.compare.harness import run_comparison
     from amsp_ext.compare.launch import LaunchConfig

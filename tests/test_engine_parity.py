@@ -86,7 +86,10 @@ def extras(tmp_path_factory):
     return load_cases(out / "extras")
 
 
-@pytest.mark.parametrize("nproc,R,num_plans,steps", [(4, 2, 9, STEPS), (8, 4, 16, 2)])
+@pytest.mark.parametrize("nproc,R,num_plans,steps", [
+    (4, 2, 9, STEPS),
+    pytest.param(8, 4, 16, 2, marks=pytest.mark.slow),  # conftest.py [Note: test tiers]
+])
 def test_parity_every_prefiltered_plan(nproc, R, num_plans, steps, tmp_path):
     """[Note: 2 steps on 8 ranks]
     8 ranks on 2 cores cost ~5x a 4-rank case per step (an sp > 1 case 1-2 s a step, sp = 8

@@ -37,7 +37,9 @@ import pytest
 from clm_assets import reference_eval_loss
 from dist_utils import REPO, run_script, script_env
 
-pytestmark = pytest.mark.distributed
+# Slow tier (conftest.py [Note: test tiers]): the default tier reaches the same routes through
+# test_integrations_frameworks.py (Accelerate, HF Trainer) and test_integrations_deepspeed.py.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SCRIPTS = REPO / "tests" / "scripts"
 SHARDED = "p=2x1,g=2x1,os=2x1"

@@ -22,7 +22,10 @@ import pytest
 
 from dist_utils import REPO
 
-pytestmark = pytest.mark.distributed
+# Slow tier (conftest.py [Note: test tiers]): test_checkpoint.py covers saving and resharding
+# loads on forked ranks, test_nonfinite.py the NaN guard; what only this file runs is the
+# resume and the elastic restart through `amsp train`.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 COMMON = ["--steps", "8", "--seq-len", "32", "--micro-batch-size", "2", "--json"]
 TOL = 1e-6
