@@ -112,6 +112,9 @@ def _reference_losses(spec: RunSpec, world: int, steps: int) -> list[float]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # conftest.py [Note: test tiers]; test_compare_repeats.py launches the harness's DDP and
+# AMSP rows in the default tier; DeepSpeed's own engine runs in the slow tier only (here and in
+# test_integrations_scripts.py's "enabled": false routes)
 def test_harness_end_to_end_two_ranks(tmp_path):
     """A DeepSpeed row end to end, traced, with the report's files. DDP and AMSP end to end
     (two rounds, the same checks against the reference) are test_compare_repeats.py's: one
