@@ -1,8 +1,8 @@
 """[Note: test tiers]
 ``python -m pytest -q`` (README's test command) runs the default tier: every unit, numeric and
 distributed test but those marked ``slow``, in 12-15 minutes on the 2-core machine. The
-suite as a whole took 17-20 minutes there, and nearly all of that is process start-up: a rank
-spends about 5 s of CPU importing torch and transformers (13 s with DeepSpeed), and a launch
+suite as a whole took 17-20 minutes there, most of it process start-up: a rank spends about
+5 s of CPU importing torch and transformers (``import deepspeed`` alone: 9 s), and a launch
 through torchrun or `amsp train` pays that once per rank plus its agent (tests/fork_launch.py
 already forks the ranks of every test that does not test the launch path itself).
 
