@@ -88,7 +88,8 @@ def extras(tmp_path_factory):
 
 @pytest.mark.parametrize("nproc,R,num_plans,steps", [
     (4, 2, 9, STEPS),
-    pytest.param(8, 4, 16, 2, marks=pytest.mark.slow),  # conftest.py [Note: test tiers]
+    # conftest.py [Note: test tiers]: the 4-rank case above runs every code path this one does
+    pytest.param(8, 4, 16, 2, marks=pytest.mark.slow),
 ])
 def test_parity_every_prefiltered_plan(nproc, R, num_plans, steps, tmp_path):
     """[Note: 2 steps on 8 ranks]
