@@ -17,7 +17,7 @@ import re
 from typing import Any, Iterable
 
 __all__ = [
-    "ALL_REDUCES", "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS",
+    "ALL_REDUCES", "ALL_REDUCE_SETTINGS", "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS",
     "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
     "parse_size", "reduce_dtypes",
@@ -42,6 +42,9 @@ OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit")
 # collective, or reduce-scatter in the node / all-reduce across / all-gather in the node
 # (runtime/collectives.py [Note: two-level all-reduce])
 ALL_REDUCES = ("flat", "two_level")
+# what a user may ask for: one of those, or "auto", the one the planner's step model prices
+# lower for the plan (planner/auto.py [Note: all_reduce "auto"])
+ALL_REDUCE_SETTINGS = (*ALL_REDUCES, "auto")
 # the overlaps that can be switched off (the paper's Table V; OverlapConfig's fields)
 OVERLAP_OPS = ("allgather", "allreduce", "broadcast")
 # the same switches in the planner's step model (planner/step.py OverlapRules, `amsp plan`)

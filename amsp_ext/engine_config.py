@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from amsp_ext.choices import (ALL_REDUCES, GRANULARITIES, INIT_WEIGHTS, OVERLAP_OPS, OWNERSHIPS, PRECISIONS,
+from amsp_ext.choices import (ALL_REDUCE_SETTINGS, GRANULARITIES, INIT_WEIGHTS, OVERLAP_OPS, OWNERSHIPS, PRECISIONS,
                               check_one_of, reduce_dtypes)
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
@@ -135,11 +135,12 @@ class EngineConfig:
         None, minimum=0, size=True,
         help="packed parameter broadcasts in flight; default: the gradient bucket size; 0: one "
              "broadcast per tensor")
-    all_reduce: str = option(DEFAULT_ALL_REDUCE, choices=ALL_REDUCES,
+    all_reduce: str = option(DEFAULT_ALL_REDUCE, choices=ALL_REDUCE_SETTINGS,
                              help="gradient all-reduce over a group with several ranks on each of "
                                   "several nodes: one collective (flat, as DDP) or reduce-scatter in "
                                   "the node, all-reduce across, all-gather in the node (two_level: "
-                                  "2/3 of the bytes on the node links; wins where they are slow)")
+                                  "2/3 of the bytes on the node links; wins where they are slow); "
+                                  "auto: the one the planner's step model prices lower for the plan")
     granularity: str = option(DEFAULT_GRANULARITY, choices=GRANULARITIES,
                               help="sharding unit: the decoder layer (layer, as FSDP2 users wrap) or "
                                    "each Linear of it (module, the paper's)")

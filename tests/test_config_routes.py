@@ -140,16 +140,16 @@ def test_plan_auto_on_the_launcher_plans_with_the_engine_reduce_dtype(monkeypatc
 
     seen = {}
 
-    def fake_plan_auto(model, config, **settings):
+    def fake_resolve_auto(model, config, *, plan=None, **settings):
         seen.update(settings)
-        return "ddp"
+        return auto.Planned(plan="ddp", all_reduce=auto.AllReduceChoice(mode="flat"))
 
-    monkeypatch.setattr(auto, "plan_auto", fake_plan_auto)
+    monkeypatch.setattr(auto, "resolve_auto", fake_resolve_auto)
     p = argparse.ArgumentParser()
     cli_train.add_arguments(p)
     config = schema.from_namespace(TrainConfig, p.parse_args(
         ["--plan", "auto", "--precision", "bf16", "--gpu-memory", "1GiB"]))
-    assert cli_train._plan_before_launch(config, gpus_per_node=2, num_nodes=2) == "ddp"
+    assert cli_train._plan_before_launch(config, gpus_per_node=2, num_nodes=2) == ("ddp", "flat")
     assert seen["reduce_dtype"] == "fp32" and seen["precision"] == "bf16"
     assert {k: seen[k] for k in planner_settings(config.engine)} == planner_settings(config.engine)
 
@@ -161,10 +161,15 @@ def test_compare_plans_auto_with_the_rows_engine(monkeypatch):
     from amsp_ext.planner import auto
 
     seen = {}
-    monkeypatch.setattr(auto, "plan_auto", lambda model, config, **s: seen.update(s) or "ddp")
+
+    def fake_resolve_auto(model, config, *, plan=None, **settings):
+        seen.update(settings)
+        return auto.Planned(plan="ddp", all_reduce=auto.AllReduceChoice(mode="flat"))
+
+    monkeypatch.setattr(auto, "resolve_auto", fake_resolve_auto)
     spec = RunSpec(precision="bf16")
     planner = harness.PlannerInputs(profile="paper-a800")
-    harness._resolve_planned(spec, num_nodes=2, gpus_per_node=2, planner=planner)
+    harness._resolve_planned(spec, spec.amsp_plan, num_nodes=2, gpus_per_node=2, planner=planner)
     assert {k: seen[k] for k in planner_settings(engine_config(spec))} == planner_settings(engine_config(spec))
     # what the AMSP rows run with, by the comparison's rule: the compute dtype's 2-byte
     # gradients (as the DeepSpeed rows), the engine's unit and bucket

@@ -92,6 +92,8 @@ def _check_positive(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from amsp_ext.train.models import model_spec
     from amsp_ext.planner.report import build_report, format_text
+    from amsp_ext.choices import ALL_REDUCES
+    from amsp_ext.planner.auto import search_all_reduce
     from amsp_ext.planner.search import make_problem, search
     from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, parse_size
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
@@ -113,29 +115,40 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
         peak_flops=peak, nodes_per_leaf=settings["nodes_per_leaf"],
     )
-    training = TrainingSpec(
-        seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-        global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
-        num_micro_batches=args.micro_batches, recompute=settings["recompute"],
-        precision=settings["precision"], reduce_dtype=settings["reduce_dtype"], optimizer=args.optimizer,
-        bucket_bytes=settings["grad_bucket_bytes"], granularity=settings["granularity"],
-        all_reduce=settings["all_reduce"],
-    )
     off = set(args.no_overlap)
-    problem = make_problem(
-        spec, cluster, training, profile, objective=args.objective,
-        missing=args.missing_mesh,
-        efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
-        tie_tolerance=args.tie_tolerance,
-        overlap=OverlapRules(ag_rs="ag_rs" not in off, ar="ar" not in off, bc="bc" not in off),
-        memory_reserve_bytes=parse_size(args.memory_reserve, field="--memory-reserve",
-                                        allow_zero=True),
-    )
-    result = search(problem)
+
+    def problem_for(all_reduce: str):
+        training = TrainingSpec(
+            seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+            global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
+            num_micro_batches=args.micro_batches, recompute=settings["recompute"],
+            precision=settings["precision"], reduce_dtype=settings["reduce_dtype"],
+            optimizer=args.optimizer, bucket_bytes=settings["grad_bucket_bytes"],
+            granularity=settings["granularity"], all_reduce=all_reduce,
+        )
+        return make_problem(
+            spec, cluster, training, profile, objective=args.objective,
+            missing=args.missing_mesh,
+            efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
+            tie_tolerance=args.tie_tolerance,
+            overlap=OverlapRules(ag_rs="ag_rs" not in off, ar="ar" not in off, bc="bc" not in off),
+            memory_reserve_bytes=parse_size(args.memory_reserve, field="--memory-reserve",
+                                            allow_zero=True),
+        )
+
+    choice = None
+    if settings["all_reduce"] == "auto":  # planner/auto.py [Note: all_reduce "auto"]
+        result, choice = search_all_reduce({m: problem_for(m) for m in ALL_REDUCES})
+    else:
+        result = search(problem_for(settings["all_reduce"]))
+    problem, training = result.problem, result.problem.training
     report = build_report(result, with_pareto=args.pareto,
                           sensitivity_factor=args.sensitivity, mics_size=args.mics_size,
                           hpz_size=args.hpz_size)
     lines = []
+    if choice is not None:
+        report["all_reduce"] = choice.as_dict()
+        lines.append(f"{choice.describe()}: --all-reduce {choice.mode} runs this plan")
     if args.verify:
         usable = cluster.gpu_memory_bytes - problem.memory_reserve_bytes
         report["verify"] = _verify(result, args, engine, training, usable)

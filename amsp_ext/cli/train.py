@@ -31,13 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     schema.add_arguments(p, TrainConfig)
 
 
-def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: int) -> str:
-    """The plan the ranks will run, checked against this world before any rank starts: a plan
-    that cannot run, and every ``--plan auto`` error (a bad profile, nothing fits), is one line
-    from here. ``auto`` is planned here (the ranks get the factors) unless the device memory
-    has to be read from a GPU."""
+def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: int) -> tuple[str, str]:
+    """``(plan, all_reduce)`` the ranks will run, checked against this world before any rank
+    starts: a plan that cannot run, and every ``--plan auto`` error (a bad profile, nothing
+    fits), is one line from here. ``auto`` (the plan, or ``--all-reduce``) is decided here (the
+    ranks get the factors and the mode) unless the device memory has to be read from a GPU."""
     from amsp_ext.engine_config import planner_settings
-    from amsp_ext.planner.auto import auto_problem, plan_auto
+    from amsp_ext.planner.auto import auto_problem, resolve_auto
     from amsp_ext.planner.plan import resolve_plan, validate_plan
     from amsp_ext.planner.profile import load_profile
     from amsp_ext.train.config import auto_plan_config
@@ -48,20 +48,25 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
     # the same settings the ranks' engine plans with (engine_config.planner_settings): the
     # launcher once planned without reduce_dtype, i.e. for half the gradient bytes under bf16
     shape = dict(num_nodes=num_nodes, gpus_per_node=gpus_per_node, **planner_settings(config.engine))
+    model = llama_config_dict(config.model)
+    all_reduce = config.engine.all_reduce
     if config.plan.strip().lower() == "auto":
         if memory is None:
-            return config.plan  # the ranks read their device's memory
-        return str(plan_auto(llama_config_dict(config.model), auto_plan_config(config),
-                             gpu_memory_bytes=memory, **shape))
+            return config.plan, all_reduce  # the ranks read their device's memory
+        planned = resolve_auto(model, auto_plan_config(config), gpu_memory_bytes=memory, **shape)
+        return str(planned.plan), planned.all_reduce.mode
     plan = validate_plan(resolve_plan(config.plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes),
                          gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=True)
-    if memory is not None:  # an explicit plan too: refuse what cannot fit before any rank starts
-        # with no reserve: only what the memory model says cannot fit at all
-        auto = dataclasses.replace(auto_plan_config(config),
-                                   memory_reserve_bytes=config.planner.memory_reserve_bytes or 0)
-        _check_fits(auto_problem(llama_config_dict(config.model), auto, gpu_memory_bytes=memory, **shape),
-                    plan, memory)
-    return config.plan
+    if memory is None:
+        return config.plan, all_reduce
+    # an explicit plan too: refuse what cannot fit before any rank starts, with no reserve:
+    # only what the memory model says cannot fit at all
+    auto = dataclasses.replace(auto_plan_config(config),
+                               memory_reserve_bytes=config.planner.memory_reserve_bytes or 0)
+    planned = resolve_auto(model, auto, plan=plan, gpu_memory_bytes=memory, **shape)
+    _check_fits(auto_problem(model, auto, gpu_memory_bytes=memory,
+                             **{**shape, "all_reduce": planned.all_reduce.mode}), plan, memory)
+    return config.plan, planned.all_reduce.mode
 
 
 def _rank_memory(config: TrainConfig, gpus_per_node: int) -> int | None:
@@ -152,11 +157,12 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.cli.precision import warn_if_slow_bf16
 
     warn_if_slow_bf16(config.engine.precision)  # decided (the default is fp32): bf16 only warns
-    plan = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
+    plan, all_reduce = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
     _check_save_dir(config)
     _check_resume(config)
     config = dataclasses.replace(
-        config, plan=plan, engine=dataclasses.replace(config.engine, gpus_per_node=gpus))
+        config, plan=plan, engine=dataclasses.replace(config.engine, gpus_per_node=gpus,
+                                                      all_reduce=all_reduce))
     return launch(config, nproc_per_node=args.nproc_per_node)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from amsp_ext import choices
-from amsp_ext.choices import ALL_REDUCES, GRANULARITIES, OVERLAP_OPS
+from amsp_ext.choices import ALL_REDUCE_SETTINGS, GRANULARITIES, OVERLAP_OPS
 from amsp_ext.engine_config import engine_default
 from amsp_ext.schema import check_options, name_of, option
 from amsp_ext.train.models import MODEL_CONFIGS
@@ -79,9 +79,10 @@ class RunSpec:
                                    help="sharding unit of the AMSP rows: one per decoder layer, as "
                                         "the FSDP2 rows wrap, or every Linear (the paper's "
                                         "module-level AG/RS)")
-    amsp_all_reduce: str = option(engine_default("all_reduce"), choices=ALL_REDUCES,
+    amsp_all_reduce: str = option(engine_default("all_reduce"), choices=ALL_REDUCE_SETTINGS,
                                   help="how the AMSP rows run a gradient all-reduce that spans "
-                                       "nodes with several ranks on each (EngineConfig.all_reduce)")
+                                       "nodes with several ranks on each (EngineConfig.all_reduce; "
+                                       "auto: the launcher decides it per row with the planner)")
     trace: bool = option(True, help="profile one extra step for the exposed-communication figure")
     dist_timeout_s: float = option(300.0, above=0)
 

@@ -89,27 +89,42 @@ class PlannerInputs:
                 f"{format_size(self.memory_reserve_bytes)} reserve, missing meshes: {self.missing}")
 
 
-def _resolve_planned(spec: RunSpec, *, num_nodes: int, gpus_per_node: int,
+def _resolve_planned(spec: RunSpec, plan_text: str, *, num_nodes: int, gpus_per_node: int,
                      planner: PlannerInputs) -> tuple[RunSpec | None, str | None, str]:
-    """``(spec with explicit factors, why not, where the plan came from)``."""
-    if spec.amsp_plan.strip().lower() != "auto":
-        return spec, None, f"given: {spec.amsp_plan}"
+    """``(spec, why not, where the plan came from)``: an AMSP row's spec with ``plan_text``
+    "auto" made the planner's factors and ``amsp_all_reduce`` "auto" made the mode the planner
+    prices lower for the row's plan (planner/auto.py [Note: all_reduce "auto"]), so every rank
+    gets the same decided settings."""
+    is_auto = plan_text.strip().lower() == "auto"
+    if not is_auto and spec.amsp_all_reduce != "auto":
+        return spec, None, f"given: {plan_text}"
     from amsp_ext.compare.systems.amsp import engine_config
     from amsp_ext.engine_config import planner_settings
     from amsp_ext.train.models import llama_config_dict
-    from amsp_ext.planner.auto import AutoPlanConfig, plan_auto
+    from amsp_ext.planner.auto import AutoPlanConfig, resolve_auto
+    from amsp_ext.planner.plan import resolve_plan
 
     # the same engine configuration the AMSP rows run with, planned as the engine plans "auto"
     auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
                           num_micro_batches=spec.num_micro_batches, profile=planner.profile,
                           missing=planner.missing, memory_reserve_bytes=planner.memory_reserve_bytes)
     try:
-        plan = plan_auto(llama_config_dict(spec.model), auto, num_nodes=num_nodes,
-                         gpus_per_node=gpus_per_node, gpu_memory_bytes=planner.gpu_memory_bytes,
-                         **planner_settings(engine_config(spec, gpus_per_node)))
+        plan = None if is_auto else resolve_plan(plan_text, gpus_per_node=gpus_per_node,
+                                                 num_nodes=num_nodes)
+        planned = resolve_auto(llama_config_dict(spec.model), auto, plan=plan, num_nodes=num_nodes,
+                               gpus_per_node=gpus_per_node, gpu_memory_bytes=planner.gpu_memory_bytes,
+                               **planner_settings(engine_config(spec, gpus_per_node)))
     except ValueError as e:
         return None, f"planner: {e}", ""
-    return spec.replace(amsp_plan=str(plan)), None, f"planner ({planner.describe()}): {plan}"
+    resolved = spec.replace(amsp_all_reduce=planned.all_reduce.mode)
+    if is_auto:
+        resolved = resolved.replace(amsp_plan=str(planned.plan))
+        source = f"planner ({planner.describe()}): {planned.plan}"
+    else:
+        source = f"given: {plan_text}"
+    if spec.amsp_all_reduce == "auto":
+        source += f"; {planned.all_reduce.describe()}"
+    return resolved, None, source
 
 
 def resolve_world(spec: RunSpec, launch: LaunchConfig) -> tuple[int, int]:
@@ -165,12 +180,17 @@ def _prepare(index: int, item: RunItem, spec: RunSpec, *, nodes: int, gpn: int,
             "spec": dataclasses.asdict(item.spec)}
     item_spec = item.spec
     why = None
-    if item.system == "amsp-plan":
-        resolved, why, source = _resolve_planned(item_spec, num_nodes=nodes,
+    if item.system in ("amsp-plan", "amsp-mics"):
+        from amsp_ext.compare.systems.amsp import mics_plan
+
+        plan_text = item_spec.amsp_plan if item.system == "amsp-plan" else mics_plan(item_spec, gpn)
+        resolved, why, source = _resolve_planned(item_spec, plan_text, num_nodes=nodes,
                                                  gpus_per_node=gpn, planner=planner)
         item_spec = resolved or item_spec
-        base["plan_source"] = source
-        if resolved is not None and spec.amsp_plan.strip().lower() == "auto":
+        if item.system == "amsp-plan" or spec.amsp_all_reduce == "auto":
+            base["plan_source"] = source
+        if (resolved is not None and item.system == "amsp-plan"
+                and spec.amsp_plan.strip().lower() == "auto"):
             base["label"] = item.label.replace("planner's plan", f"planner's plan {resolved.amsp_plan}")
     return _Prepared(index=index, item=item, spec=item_spec, base=base, why=why)
 

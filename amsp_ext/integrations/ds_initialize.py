@@ -112,7 +112,8 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
     from amsp_ext.runtime.config import AutoPlanConfig, FP16Config
 
     auto = None
-    if settings.plan.lower() == "auto" or settings.adaptive is not None:
+    if (settings.plan.lower() == "auto" or settings.adaptive is not None
+            or settings.engine.all_reduce == "auto"):
         if settings.seq_len is None:  # AMSPSettings refuses this first; kept for direct callers
             raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner "
                               "sizes activations by it); or give amsp.plan as factors or a baseline")

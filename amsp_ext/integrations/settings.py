@@ -184,6 +184,9 @@ class AMSPSettings:
         if self.adaptive is not None and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required with amsp.adaptive (the monitor predicts "
                               "each step's collectives with the planner); or remove amsp.adaptive")
+        if self.engine.all_reduce == "auto" and self.enabled and self.seq_len is None:
+            raise ConfigError("amsp.seq_len is required when amsp.all_reduce is 'auto' (the planner "
+                              "prices both modes for the step); or give flat or two_level")
 
     def _check_plan_text(self) -> None:
         """Catch a misspelt plan now (one line), not after the ranks started."""

@@ -8,18 +8,20 @@ precision, reduce dtype, granularity and recompute the engine really uses.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from amsp_ext.choices import MISSING_MESH, OBJECTIVES, OPTIMIZERS, check_one_of
+from amsp_ext.choices import ALL_REDUCES, MISSING_MESH, OBJECTIVES, OPTIMIZERS, check_one_of
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
-from amsp_ext.planner.search import Problem, make_problem, search
+from amsp_ext.planner.search import Problem, SearchResult, evaluate, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE,
                                       DEFAULT_PROFILE, DEFAULT_REDUCE_DTYPE)
 
-__all__ = ["AutoPlanConfig", "auto_problem", "plan_auto"]
+__all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choose_all_reduce", "plan_auto",
+           "resolve_auto", "search_all_reduce", "two_level_applies"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +79,101 @@ def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
 
 def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, **settings: Any) -> Plan:
     """The planner's plan for ``model`` (a ModelSpec, a Hugging Face config dict or a preset):
-    the best of ``auto_problem(model, auto, **settings)``. Raises NoFeasiblePlan or another
-    one-line ValueError."""
-    return search(auto_problem(model, auto, **settings)).best.plan
+    the best of ``auto_problem(model, auto, **settings)`` (with ``all_reduce="auto"``, of the
+    plan and mode ``resolve_auto`` picks). Raises NoFeasiblePlan or another one-line ValueError."""
+    return resolve_auto(model, auto, **settings).plan
+
+
+# [Note: all_reduce "auto"]
+# The engine runs a gradient all-reduce over a group with several ranks on each of several nodes
+# as one collective (flat, DDP's) or as three (two_level: reduce-scatter in the node, all-reduce
+# across, all-gather in the node; runtime/collectives.py). Which is faster depends on the link:
+# on the 2x2 lab the replicate plan ran 0.915x with two-level at 1 Gbit/s and 1.11-1.17x at
+# 100 Mbit/s (comparisons/results/two_level_allreduce_lab_2026-12-03.md). "auto" runs the one
+# the planner's step model (objective "step") prices lower for the plan, whatever objective chose
+# the factors: Eq. 1 (objective "comm") prices bytes only, and on the lab's 1 Gbit profile it
+# prices two-level 7 % cheaper (0.144 vs 0.154 s) where the step model, whose calibration charges
+# each issued collective (profile.py [Note: a two-level all-reduce's time]), prices it 17 %
+# dearer (1.570 vs 1.341 s), the sign the engine measured. Two-level must win by more than the
+# problem's tie tolerance: it issues three collectives where flat issues one, and the model's
+# price of the extra ones is right in sign, not in size. With plan "auto" the factors are
+# searched under each mode (the best plan can differ: at 100 Mbit/s Eq. 1 picks MiCS's factors
+# under flat, `os=2x1` under two-level) and the step model picks between the two (plan, mode)
+# pairs. A plan none of whose all-reduce groups has several ranks on each of several nodes runs
+# flat, unpriced: both modes issue the same collective there.
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceChoice:
+    """The all-reduce mode a run uses and, when "auto" chose it, the step times it compared."""
+
+    mode: str  # one of ALL_REDUCES
+    step_s: Mapping[str, float] = dataclasses.field(default_factory=dict)  # mode -> modelled step
+    plans: Mapping[str, str] = dataclasses.field(default_factory=dict)  # mode -> plan it priced
+    why: str = ""  # set when "auto" chose without pricing
+
+    def describe(self) -> str:
+        if self.step_s:
+            differ = len(set(self.plans.values())) > 1
+            priced = ", ".join(f"{m}{f' ({self.plans[m]})' if differ else ''} {t:.3f} s"
+                               for m, t in self.step_s.items())
+            return f"all-reduce {self.mode} (auto; step model: {priced})"
+        return f"all-reduce {self.mode}" + (f" (auto: {self.why})" if self.why else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "step_s": dict(self.step_s), "plans": dict(self.plans), "why": self.why}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planned:
+    """What a run executes: the plan's factors and its all-reduce mode."""
+
+    plan: Plan
+    all_reduce: AllReduceChoice
+
+
+def two_level_applies(plan: Plan, *, gpus_per_node: int, num_nodes: int) -> bool:
+    """Whether an all-reduce group of ``plan`` (T0_os's replica mesh, Tg's) has several ranks on
+    each of several nodes: the only groups the engine runs two-level (topology/mesh.py)."""
+    meshes = (plan.replica_mesh(gpus_per_node, num_nodes), plan.grad_mesh())
+    return any(p0 > 1 and p1 > 1 for p0, p1 in meshes)
+
+
+def choose_all_reduce(problems: Mapping[str, Problem], plans: Mapping[str, Plan]) -> AllReduceChoice:
+    """[Note: all_reduce "auto"]: ``problems`` prices the job under each of ALL_REDUCES, ``plans``
+    is the plan each would run; the mode whose pair the step model prices lower."""
+    cluster = problems["two_level"].cluster
+    if not two_level_applies(plans["two_level"], gpus_per_node=cluster.gpus_per_node,
+                             num_nodes=cluster.num_nodes):
+        return AllReduceChoice(mode="flat", why="no all-reduce group of the plan has several ranks "
+                                                "on each of several nodes")
+    step_s = {m: evaluate(problems[m], plans[m], with_step=True).step.step_s for m in ALL_REDUCES}
+    flat, two = step_s["flat"], step_s["two_level"]
+    mode = "two_level" if two < flat * (1 - problems["two_level"].tie_tolerance) else "flat"
+    return AllReduceChoice(mode=mode, step_s=step_s, plans={m: str(plans[m]) for m in ALL_REDUCES})
+
+
+def search_all_reduce(problems: Mapping[str, Problem]) -> tuple[SearchResult, AllReduceChoice]:
+    """The search under each all-reduce mode and the mode ``choose_all_reduce`` picks between
+    their best plans; returns the picked mode's search."""
+    results = {m: search(problems[m]) for m in ALL_REDUCES}
+    choice = choose_all_reduce(problems, {m: r.best.plan for m, r in results.items()})
+    return results[choice.mode], choice
+
+
+def resolve_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, *,
+                 plan: Plan | None = None, **settings: Any) -> Planned:
+    """The plan (``plan``, or the planner's when None) and the all-reduce mode a run executes:
+    ``settings["all_reduce"]`` itself, or with "auto" the mode [Note: all_reduce "auto"] picks.
+    ``settings``: auto_problem's keywords. Raises NoFeasiblePlan or another one-line ValueError."""
+    requested = settings.pop("all_reduce", DEFAULT_ALL_REDUCE)
+    if requested != "auto":
+        check_one_of(requested, ALL_REDUCES, "all_reduce")
+        if plan is None:
+            plan = search(auto_problem(model, auto, all_reduce=requested, **settings)).best.plan
+        return Planned(plan=plan, all_reduce=AllReduceChoice(mode=requested))
+    problems = {m: auto_problem(model, auto, all_reduce=m, **settings) for m in ALL_REDUCES}
+    if plan is not None:
+        return Planned(plan=plan, all_reduce=choose_all_reduce(problems, dict.fromkeys(ALL_REDUCES, plan)))
+    result, choice = search_all_reduce(problems)
+    return Planned(plan=result.best.plan, all_reduce=choice)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from amsp_ext.planner.auto import plan_auto
+from amsp_ext.planner.auto import Planned, resolve_auto, two_level_applies
 from amsp_ext.planner.plan import Plan, PlanError, resolve_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
@@ -209,28 +209,41 @@ def plan_world(config: ShardConfig) -> World:
                              nodes_per_leaf=config.nodes_per_leaf)
 
 
-def resolve_engine_plan(plan, model: nn.Module, world: World, config: ShardConfig) -> Plan:
-    if isinstance(plan, str) and plan.strip().lower() == "auto":
-        return _auto_plan(model, world, config)
-    return resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
+def resolve_engine_plan(plan, model: nn.Module, world: World,
+                        config: ShardConfig) -> tuple[Plan, ShardConfig]:
+    """The plan this run executes and ``config`` with its all-reduce mode decided: plan "auto"
+    is the planner's ([Note: plan "auto"]); ``config.all_reduce="auto"`` becomes the mode the
+    planner prices lower for the plan (planner/auto.py [Note: all_reduce "auto"])."""
+    is_auto = isinstance(plan, str) and plan.strip().lower() == "auto"
+    if not is_auto:
+        plan = resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
+        if config.all_reduce != "auto":
+            return plan, config
+        if not two_level_applies(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes):
+            return plan, dataclasses.replace(config, all_reduce="flat")
+    planned = _planned(model, world, config, None if is_auto else plan)
+    return planned.plan, dataclasses.replace(config, all_reduce=planned.all_reduce.mode)
 
 
-def _auto_plan(model: nn.Module, world: World, config: ShardConfig) -> Plan:
-    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.auto.plan_auto) for this
-    model (its Hugging Face config), this world, ``config.auto`` and the engine's settings. Every rank runs the same
-    deterministic search; the fingerprint check that follows verifies they agree."""
+def _planned(model: nn.Module, world: World, config: ShardConfig, plan: Plan | None) -> Planned:
+    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.auto.resolve_auto) for this
+    model (its Hugging Face config), this world, ``config.auto`` and the engine's settings, or
+    ``plan`` with the all-reduce mode it prices lower. Every rank runs the same deterministic
+    search; the fingerprint check that follows verifies they agree."""
+    what = "plan 'auto'" if plan is None else "config.all_reduce='auto'"
     a = config.auto
     if a is None:
         raise PlanError(
-            "plan 'auto' needs config.auto=AutoPlanConfig(seq_len=..., micro_batch_size=..., "
+            f"{what} needs config.auto=AutoPlanConfig(seq_len=..., micro_batch_size=..., "
             "num_micro_batches=...) to size the step for the planner"
         )
     hf = getattr(model, "config", None)
     if hf is None or not hasattr(hf, "to_dict"):
-        raise PlanError("plan 'auto' needs a Hugging Face model (model.config) to read its shape")
-    return plan_auto(hf.to_dict(), a, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
-                     gpu_memory_bytes=a.gpu_memory_bytes or device_memory(world.gpus_per_node),
-                     **planner_settings(config))
+        raise PlanError(f"{what} needs a Hugging Face model (model.config) to read its shape")
+    return resolve_auto(hf.to_dict(), a, plan=plan, num_nodes=world.num_nodes,
+                        gpus_per_node=world.gpus_per_node,
+                        gpu_memory_bytes=a.gpu_memory_bytes or device_memory(world.gpus_per_node),
+                        **planner_settings(config))
 
 
 def device_memory(gpus_per_node: int) -> int:

@@ -72,7 +72,7 @@ def shard(model: nn.Module, plan: "Plan | str",
         raise ValueError("model is already sharded by amsp_ext.shard")
     t_start = time.perf_counter()
     world = plan_world(config)
-    plan = resolve_engine_plan(plan, model, world, config)
+    plan, config = resolve_engine_plan(plan, model, world, config)  # all_reduce "auto" decided
     validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
                   structural_only=True)
     # the monitor's planner problem (reads the profile), before any collective: bad input fails here

@@ -268,6 +268,7 @@ def _summary(config: TrainConfig, model, start: _Start, *, history: list, sample
         "plan_str": str(plan), "world": {"num_nodes": world.num_nodes, "gpus_per_node": world.gpus_per_node},
         "steps": b.steps, "micro_batches": b.micro_batches, "micro_batch_size": b.micro_batch_size,
         "seq_len": b.seq_len, "precision": e.precision, "reduce_dtype": e.reduce_dtype,
+        "all_reduce": model.amsp.config.all_reduce,  # as run ("auto" is decided by then)
         "loss": [h["loss"] for h in history],
         "switches": list(model.amsp.switches),
         "adaptive_decisions": ([{**dataclasses.asdict(d), "line": d.line()} for d in adaptive.decisions]

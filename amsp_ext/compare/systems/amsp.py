@@ -24,7 +24,7 @@ from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable,
 from amsp_ext.engine_config import EngineConfig, OverlapConfig
 from amsp_ext.train.models import causal_lm_loss
 
-__all__ = ["engine_config", "plan_text", "setup"]
+__all__ = ["engine_config", "mics_plan", "plan_text", "setup"]
 
 
 def engine_config(spec, gpus_per_node: int | None = None) -> EngineConfig:
@@ -38,9 +38,14 @@ def engine_config(spec, gpus_per_node: int | None = None) -> EngineConfig:
                         overlap=OverlapConfig(**OVERLAP_SWITCHES[spec.amsp_overlap]))
 
 
+def mics_plan(spec, gpus_per_node: int) -> str:
+    """The ``amsp-mics`` row's plan: DeepSpeed-MiCS's shard group (default: one node)."""
+    return f"mics:{spec.mics_shard_size or gpus_per_node}"
+
+
 def plan_text(name: str, ctx: Context) -> str:
     if name == "amsp-mics":
-        return f"mics:{ctx.spec.mics_shard_size or ctx.gpus_per_node}"
+        return mics_plan(ctx.spec, ctx.gpus_per_node)
     if ctx.spec.amsp_plan.strip().lower() == "auto":
         raise SystemUnavailable("the launcher must resolve amsp_plan='auto' to factors before "
                                 "starting ranks", status="failed")

@@ -117,15 +117,22 @@ def model_spec_of(spec: DryRunSpec):
     return model_spec(spec.model, spec.model_config)
 
 
-def resolved_plan(spec: DryRunSpec):
-    """The plan (named, explicit or ``auto``), validated for the world: one-line ValueError."""
+def resolved(spec: DryRunSpec):
+    """``(plan, spec)``: the plan (named, explicit or ``auto``) validated for the world, and
+    ``spec`` with its engine's all-reduce mode decided for it as shard() decides it (planner/
+    auto.py [Note: all_reduce "auto"]; the ranks run with no planner inputs). One-line ValueError."""
     from amsp_ext.planner.plan import resolve_plan, validate_plan
 
-    if spec.plan == "auto":
-        return _auto_plan(spec)
-    plan = resolve_plan(spec.plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
-    validate_plan(plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes, structural_only=True)
-    return plan
+    plan = None
+    if spec.plan != "auto":
+        plan = resolve_plan(spec.plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
+        validate_plan(plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes,
+                      structural_only=True)
+        if spec.engine.all_reduce != "auto":
+            return plan, spec
+    planned = _planned(spec, plan)
+    engine = dataclasses.replace(spec.engine, all_reduce=planned.all_reduce.mode)
+    return planned.plan, dataclasses.replace(spec, engine=engine)
 
 
 def _training(spec: DryRunSpec):
@@ -141,16 +148,17 @@ def _training(spec: DryRunSpec):
                         bucket_bytes=s["grad_bucket_bytes"], granularity=s["granularity"])
 
 
-def _auto_plan(spec: DryRunSpec):
-    from amsp_ext.planner.profile import load_profile
-    from amsp_ext.planner.search import make_problem, search
-    from amsp_ext.planner.specs import ClusterSpec
+def _planned(spec: DryRunSpec, plan):
+    """The planner's plan (``plan`` None) and all-reduce mode for the dry run's job and engine."""
+    from amsp_ext.engine_config import planner_settings
+    from amsp_ext.planner.auto import AutoPlanConfig, resolve_auto
 
-    cluster = ClusterSpec(num_nodes=spec.num_nodes, gpus_per_node=spec.gpus_per_node,
-                          gpu_memory_bytes=spec.gpu_memory_bytes, peak_flops=312e12)
-    problem = make_problem(model_spec_of(spec), cluster, _training(spec), load_profile(spec.profile),
-                           missing=spec.missing_mesh)
-    return search(problem).best.plan
+    auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
+                          num_micro_batches=spec.micro_batches, profile=spec.profile,
+                          missing=spec.missing_mesh)
+    return resolve_auto(model_spec_of(spec), auto, plan=plan, num_nodes=spec.num_nodes,
+                        gpus_per_node=spec.gpus_per_node, gpu_memory_bytes=spec.gpu_memory_bytes,
+                        **planner_settings(spec.engine))
 
 
 def planner_numbers(spec: DryRunSpec, plan) -> dict:
@@ -192,8 +200,8 @@ def dry_run_many(specs: list[DryRunSpec], *, max_parallel: int = 2,
     stays full across specs (most of a small rank's time is its interpreter's imports)."""
     checked = []
     for spec in specs:
-        plan = resolved_plan(spec)
         model_spec_of(spec)  # unknown model: one line, before any process
+        plan, spec = resolved(spec)
         checked.append((spec, plan, planner_numbers(spec, plan)))
     t0 = time.perf_counter()
     todo = [(i, r) for i, (spec, _, _) in enumerate(checked) for r in spec.sampled_ranks()]

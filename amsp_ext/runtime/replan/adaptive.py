@@ -85,7 +85,7 @@ def _log_rank0(line: str) -> None:
 
 
 def planner_problem(model, world, config) -> Any:
-    """The planner's Problem for this run: the one plan "auto" searches (engine._auto_plan),
+    """The planner's Problem for this run: the one plan "auto" searches (engine._planned),
     for the model's Hugging Face config, ``world`` and ``config.auto`` (ShardConfig requires it
     with ``adaptive``). No collective: ``shard`` builds it before its first one, so a bad
     profile fails there."""

@@ -79,7 +79,8 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     same object too. A no-op (after the agreement check) when the plan does not change.
     """
     e = engine_of(model, optimizer)
-    new = resolve_engine_plan(plan, model, e.world, e.config)
+    # e.config's all-reduce mode was decided at shard(): a switch keeps it
+    new, _ = resolve_engine_plan(plan, model, e.world, e.config)
     validate_plan(new, gpus_per_node=e.world.gpus_per_node, num_nodes=e.world.num_nodes,
                   structural_only=True)
     if e.grad_sync.owned or e.grad_sync.kept or e.grad_sync.mode is not None:
