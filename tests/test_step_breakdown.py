@@ -96,3 +96,27 @@ def test_a_two_level_all_reduce_counts_as_AR():
                ev("gloo:all_gather", 7, 72, 80, shapes=[[16]], dtypes=["float"])]
     b = step_breakdown([s, bwd, rs, rs_issue, ar, ar_issue, ag, ag_issue, ag_p, ag_p_issue, *workers])
     assert sorted((r["kind"], r["count"]) for r in b["rows"]) == [("AG", 1), ("AR", 3)]
+
+
+def test_median_step_is_read_whole_with_its_predecessor_skipped():
+    """Four profiled steps: the first only precedes; of the other three (exposed 400, 300 and
+    200 us by hand: nothing computes while each all-reduce runs) the 300-us one is kept."""
+    from amsp_ext.compare.breakdown import median_step
+
+    events = []
+    steps = []
+    for k, run_us in enumerate((50, 400, 300, 200)):
+        t = k * 1000
+        s = ev("phase::step", 1, t, t + 1000)
+        bwd = ev("phase::backward", 1, t, t + 900, s)
+        label = ev("amsp::all_reduce::param_replica", 1, t + 100, t + 110, bwd)
+        events += [s, bwd, ev("aten::mm", 1, t, t + 100, bwd), label,
+                   ev("c10d::allreduce_", 1, t + 100, t + 110, label, shapes=[[]]),
+                   ev("amsp::wait::all_reduce::param_replica", 1, t + 110, t + 100 + run_us, bwd),
+                   ev("gloo:all_reduce", 8, t + 105, t + 100 + run_us, shapes=[[1000]], dtypes=["float"])]
+        steps.append(s)
+    b, step = median_step(events)
+    assert step is steps[2]
+    assert b["exposed_s_per_step"] == pytest.approx([400e-6, 300e-6, 200e-6])
+    assert b["totals"]["exposed_s"] == pytest.approx(300e-6) and b["totals"]["count"] == 1
+    assert median_step(events[:7]) is None  # one step: nothing after the first to read

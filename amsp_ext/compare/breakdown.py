@@ -4,7 +4,8 @@ trace, the same way for every system (DDP, FSDP2, DeepSpeed, the AMSP engine).
 [Note: one step's breakdown]
 The runners label their step (``phase::step``) and its phases (``phase::forward``,
 ``phase::backward``, ``phase::optimizer``: clipping, step, zero_grad) with record_function
-(systems/base.py ``phase``); the worker profiles two steps and this module reads the second.
+(systems/base.py ``phase``); the worker profiles 1 + ``trace_steps`` steps and this module
+reads each after the first ([Note: the median profiled step]).
 A collective is seen twice in a CPU/gloo trace: its *issue* on a training thread (the c10d
 dispatcher op, ``c10d::allreduce_`` etc., short for async ones) and its *run* on one of the
 process group's gloo worker threads (``gloo:all_reduce``, with the tensor's numel and dtype as
@@ -45,7 +46,7 @@ from typing import Any, Iterable
 from amsp_ext.compare.trace import COMM_WORKER_PREFIXES, subtract, total, union
 from amsp_ext.topology.groups import ALL_REDUCE_KINDS, group_kind
 
-__all__ = ["KINDS", "PHASES", "Collective", "overlap_windows", "step_breakdown", "timeline"]
+__all__ = ["KINDS", "PHASES", "Collective", "median_step", "overlap_windows", "step_breakdown", "timeline"]
 
 KINDS = ("AG", "RS", "AR", "BC", "other")
 PHASES = ("forward", "backward", "optimizer", "post_step_broadcast", "outside")
@@ -233,15 +234,16 @@ def _site_of(t: float, sites: list) -> str:
     return best
 
 
-def step_breakdown(events: list) -> dict[str, Any] | None:
-    """The breakdown of the last ``phase::step`` in ``events`` (see [Note: one step's
-    breakdown]); None without a labelled step."""
+def step_breakdown(events: list, index: int = -1) -> dict[str, Any] | None:
+    """The breakdown of the ``index``-th ``phase::step`` in ``events`` (default: the last; see
+    [Note: one step's breakdown]); None without a labelled step."""
     steps = sorted((e for e in events if e.name == STEP_LABEL), key=lambda e: e.time_range.start)
     if not steps:
         return None
-    t0, t1 = _span(steps[-1])
+    i = index % len(steps)
+    t0, t1 = _span(steps[i])
     colls, worker_threads = collectives(events)
-    prev = _span(steps[-2]) if len(steps) > 1 else None
+    prev = _span(steps[i - 1]) if i > 0 else None
     chosen = []
     for c in colls:
         if c.phase == "post_step_broadcast":
@@ -286,6 +288,26 @@ def step_breakdown(events: list) -> dict[str, Any] | None:
     return {"rows": rows, "kinds": kinds, "totals": totals,
             "overlap_windows": overlap_windows(step_events),
             "timeline": timeline(chosen, compute_in, origin=t0)}
+
+
+# [Note: the median profiled step]
+# On a shared CPU one step's exposed time says more about the load during it than about the
+# engine: in issue 23's 1 Gbit rounds the replicate plan's rank 0 exposed 52 ms in one round's
+# step against a median of 1106 ms over rounds. So the worker can profile several steps
+# (``RunSpec.trace_steps``); every step after the first is read (the first only supplies its
+# post-step broadcasts) and the one whose exposed time is the median (the lower one for an even
+# count) is kept whole: its rows add up to its totals, which per-field medians would not.
+# ``exposed_s_per_step`` keeps every step's figure.
+def median_step(events: list) -> tuple[dict[str, Any], Any] | None:
+    """``(breakdown, step event)`` of [Note: the median profiled step]; None with fewer than
+    two labelled steps."""
+    steps = sorted((e for e in events if e.name == STEP_LABEL), key=lambda e: e.time_range.start)
+    if len(steps) < 2:
+        return None
+    read = [step_breakdown(events, index=i) for i in range(1, len(steps))]
+    exposed = [b["totals"]["exposed_s"] for b in read]
+    median = sorted(range(len(read)), key=exposed.__getitem__)[(len(read) - 1) // 2]
+    return {**read[median], "exposed_s_per_step": exposed}, steps[1 + median]
 
 
 def timeline(chosen: list[Collective], compute: list, *, origin: float) -> dict[str, Any]:

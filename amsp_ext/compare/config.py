@@ -83,7 +83,10 @@ class RunSpec:
                                   help="how the AMSP rows run a gradient all-reduce that spans "
                                        "nodes with several ranks on each (EngineConfig.all_reduce; "
                                        "auto: the launcher decides it per row with the planner)")
-    trace: bool = option(True, help="profile one extra step for the exposed-communication figure")
+    trace: bool = option(True, help="profile extra steps for the exposed-communication figure")
+    trace_steps: int = option(1, minimum=1,
+                              help="steps profiled per round (after one more that is not read); "
+                                   "the breakdown is the one whose exposed time is the median")
     dist_timeout_s: float = option(300.0, above=0)
 
     def __post_init__(self) -> None:

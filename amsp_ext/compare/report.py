@@ -378,7 +378,8 @@ def rounds_section(rows: list[dict[str, Any]], ratio_recs: list[dict[str, Any]],
     out = [f"### Rounds ({num_rounds})", "",
            f"Order: {meta['order_scheme']}. Ratios are taken within each round (both systems ran "
            "minutes apart, under about the same load) and the medians above are over rounds. "
-           "Every round profiles one step after its timed steps: the comm columns are the "
+           "Every round profiles steps after its timed steps (of several, each rank keeps the "
+           "one whose exposed time is the median): the comm columns are the "
            "median over rounds (each round's median over ranks); the per-phase rows below are "
            "the first successful round's rank 0, their step line gives the medians over "
            "rounds. Loss and memory are from each system's first successful round.", "",
@@ -456,7 +457,8 @@ def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str,
                   *abl, ""]
     bd = breakdown_table(rows)
     if bd:
-        lines += ["### Where a step's time goes (one profiled step, rank 0)", "",
+        lines += ["### Where a step's time goes (one profiled step, rank 0: with several, the "
+                  "median by exposed time)", "",
                   "Per phase the collectives were issued in and kind (amsp_ext/compare/breakdown.py): "
                   "busy = wall time with one in flight (issue to end on gloo's worker), exposed = the "
                   "part of it when the training thread computed nothing, and where that thread was "
@@ -482,7 +484,7 @@ def _setup_lines(meta: dict[str, Any]) -> list[str]:
         f"micro-batch {spec['micro_batch_size']} per rank, M = {spec['num_micro_batches']} micro-batches, "
         f"global batch {meta['global_batch_sequences']} sequences ({meta['global_batch_tokens']:,} tokens).",
         f"- Steps: {spec['num_steps']} timed ({spec['num_warmup_steps']} warm-up excluded from the median)"
-        + (" + 1 profiled" if spec["trace"] else "")
+        + (f" + {spec.get('trace_steps', 1)} profiled" if spec["trace"] else "")
         + (f", in each of {meta['repeats']} rounds" if meta.get("repeats", 1) > 1 else "")
         + ".",
         f"- Optimizer: AdamW lr {spec['lr']}, betas (0.9, 0.95), weight decay {spec['weight_decay']}; "

@@ -68,9 +68,11 @@ def _warm_process(ctx) -> None:
 
 
 def _profiled_steps(sysrun, spec, rank: int, out: Path) -> tuple[dict, dict | None]:
-    """Two more steps under torch.profiler: the old per-kind figures of the last one, and its
-    breakdown, which reads the second step with the first's post-step broadcasts (breakdown.py
-    [Note: one step's breakdown]). Rank 0 also writes its Chrome trace."""
+    """1 + ``spec.trace_steps`` more steps under torch.profiler: of the steps after the first
+    (each read with its predecessor's post-step broadcasts, breakdown.py [Note: one step's
+    breakdown]), the breakdown and the old per-kind figures of the one whose exposed time is
+    the median (breakdown.py [Note: the median profiled step]). Rank 0 also writes its Chrome
+    trace."""
     from torch.profiler import ProfilerActivity, profile
 
     from amsp_ext.compare import breakdown, trace
@@ -86,16 +88,15 @@ def _profiled_steps(sysrun, spec, rank: int, out: Path) -> tuple[dict, dict | No
     # ``phase::step`` (outside what breakdown.py reads), and the timed steps' before it starts.
     sysrun.drain()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for extra in range(2):
+        for extra in range(1 + spec.trace_steps):
             with phase("step"):
                 sysrun.train_step(spec.num_steps + extra)
         sysrun.drain()
     events = prof.events()
-    steps_breakdown = breakdown.step_breakdown(events)
-    last = max((e for e in events if e.name == breakdown.STEP_LABEL), key=lambda e: e.time_range.start)
-    lo, hi = last.time_range.start, last.time_range.end
+    steps_breakdown, step = breakdown.median_step(events)
+    lo, hi = step.time_range.start, step.time_range.end
     comm = trace.comm_breakdown([e for e in events if e.time_range.end > lo and e.time_range.start < hi])
-    if steps_breakdown is not None and rank != 0:
+    if rank != 0:
         steps_breakdown.pop("timeline")  # rank 0's is plotted
     if rank == 0:
         prof.export_chrome_trace(str(out / "trace-rank0.json"))
