@@ -114,6 +114,7 @@ CLI = [
     ("tune:plans-empty", ["tune", "--plans", ";"], "--plans ';' names no plan"),
     ("tune:out-a-file", ["tune", "--out", "{a_file}"], "is a file"),
     ("tune:calibrate-out-no-folder", ["tune", "--calibrate-out", "{no_dir}/cal.json"], "does not exist"),
+    ("tune:all-reduce-auto", ["tune", "--all-reduce", "auto"], "--all-reduce must be flat or two_level for amsp tune"),
     ("plan:unknown-profile", PLAN + ["--profile", "nosuch-profile"], "nosuch-profile"),
     ("plan:truncated-profile", PLAN + ["--profile", "{truncated_profile}"], "not valid JSON"),
     ("plan:profile-not-object", PLAN + ["--profile", "{list_json}"], "list_json.json"),

@@ -66,6 +66,9 @@ class TuneConfig:
     def __post_init__(self) -> None:
         check_options(self)
         check_seq_len(self.batch, self.hf_config().get("max_position_embeddings"), self.model_name)
+        if self.engine.all_reduce == "auto":  # tune fits the model to one mode's measurements
+            raise ValueError("--all-reduce must be flat or two_level for amsp tune (it measures and "
+                             "calibrates one mode per run), got 'auto'")
 
     def hf_config(self) -> dict[str, Any]:
         """The model's Hugging Face config (read from --model-config, else the built-in's)."""
