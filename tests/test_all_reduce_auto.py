@@ -190,6 +190,8 @@ def test_ds_block_needs_seq_len_for_auto():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # conftest.py [Note: test tiers]; the default tier has the launcher's decision
+# (test_amsp_train_decides_on_the_launcher) and a rank running a decided mode (the dry run below)
 def test_amsp_train_runs_the_decided_mode_end_to_end():
     """4 ranks as 2 nodes x 2: the 100 Mbit profile makes DDP's plan two-level; the ranks run
     it (the summary reports the engine's mode) and the first loss is a single process's."""
