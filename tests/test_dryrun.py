@@ -194,3 +194,28 @@ def test_plan_verify_drops_a_candidate_that_does_not_fit_by_the_engine(capsys):
     assert got[victim["plan"]]["engine_peak_bytes"] == victim["engine_peak_bytes"]
     assert all(v["fits"] == (v["engine_peak_bytes"] <= squeeze) for v in out["verify"])
     assert out["plan_text"] == next(v["plan"] for v in out["verify"] if v["fits"]) != victim["plan"]
+
+
+@pytest.mark.distributed
+def test_two_level_all_reduce_at_1024_ranks_bytes_by_hand():
+    """DDP's plan on 128 x 8 with all_reduce="two_level" (collectives.py [Note: two-level
+    all-reduce]): tiny-llama's one fp32 bucket (PHI elements, a multiple of 8: no padding) is
+    summed in the node (8 ranks), its eighth across the 128 nodes, and gathered back in the
+    node; only the middle phase crosses nodes."""
+    from amsp_ext.planner.profile import CommTimer, load_profile
+
+    engine = EngineConfig(precision="bf16", reduce_dtype="fp32", granularity="module",
+                          all_reduce="two_level")
+    r = dry_run(DryRunSpec(engine=engine, model="tiny-llama", num_nodes=128, gpus_per_node=8,
+                           plan="ddp", seq_len=32, steps=1, ranks=(1023,)))
+    got = {}
+    for c in r["ranks"][0]["collectives"]:
+        key = (c["group"], c["kind"], c["group_size"], c["cross_node"])
+        got[key] = got.get(key, 0) + c["bytes"]
+    assert got == {("param_replica_local", "all_reduce", 8, False): 4 * PHI,
+                   ("param_replica_node", "all_reduce", 128, True): 4 * PHI // 8,
+                   ("param_replica_local", "all_gather", 8, False): 4 * PHI,
+                   ("world", "all_reduce", 1024, True): 4}  # the clip norm's sum of squares
+    # the planner charges the same three collectives over 2v + v/8 bytes
+    timer = CommTimer(load_profile("paper-a800"), 8, all_reduce="two_level")
+    assert timer.issued("allreduce", 4 * PHI, 8, 128) == (3, 4 * PHI * (2 + 1 / 8))
