@@ -157,7 +157,8 @@ CLI = [
     ("amsp:unknown-command", ["trian"], "invalid choice: 'trian'"),
     # found by comparisons/hostile_inputs.py: refused before the first system runs
     ("compare:systems-empty", ["compare", "--systems", ""], "--systems '' names no system"),
-    ("compare:plan-garbage", ["compare", "--amsp-plan", "p=2"], "--amsp-plan 'p=2': plan: cannot read"),
+    ("compare:plan-garbage", ["compare", "--amsp-plan", "p=2"], "--amsp-plan: cannot read 'p=2'"),
+    ("compare:plan-unknown-name", ["compare", "--amsp-plan", "zero9"], "--amsp-plan must be 'auto', a baseline name"),
     ("compare:profile-unknown", ["compare", "--profile", "nosuch"], "got 'nosuch'"),
     ("compare:timeout-nan", ["compare", "--timeout", "nan"], "--timeout must be a number > 0, got nan"),
     ("compare:out-a-file", ["compare", "--out", "{a_file}"], "is a file, not a folder"),

@@ -1,5 +1,7 @@
 """Plan rules (Eq. 3-7), text form and named baselines, against hand-worked cases."""
 
+import re
+
 import pytest
 
 from amsp_ext.planner.plan import (
@@ -75,3 +77,24 @@ def test_fingerprint_differs_between_plans():
     a, b = parse_plan("p=1x1,os=2x1"), parse_plan("p=1x1,os=2x2")
     assert a.fingerprint() != b.fingerprint()
     assert a.fingerprint() == parse_plan("p=1x1,g=1x1,os=2x1").fingerprint()
+
+
+@pytest.mark.parametrize("text", ["auto", "ddp", "ZeRO3", " zero1 ", "mics:4", "p=2x1,g=2x1,os=2x2"])
+def test_plan_text_every_route_accepts(text):
+    """`amsp compare --amsp-plan ddp` was once refused: its check read factors only."""
+    from amsp_ext.planner.plan import check_plan_text
+
+    check_plan_text(text, "--amsp-plan")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("zero9", "--amsp-plan must be 'auto', a baseline name (ddp, zero1, zero2, zero3, mics:K)"),
+    ("mics", "--amsp-plan: 'mics' needs a shard group size"),
+    ("mics:0", "--amsp-plan: 'mics' needs a shard group size"),
+    ("p=2x1", "--amsp-plan: both 'p=' and 'os=' are required"),
+])
+def test_plan_text_refused_naming_the_field(text, needle):
+    from amsp_ext.planner.plan import PlanError, check_plan_text
+
+    with pytest.raises(PlanError, match=re.escape(needle)):
+        check_plan_text(text, "--amsp-plan")

@@ -98,17 +98,14 @@ def _check_before_launch(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from amsp_ext.choices import check_number
-    from amsp_ext.planner.plan import parse_plan
+    from amsp_ext.planner.plan import check_plan_text
     from amsp_ext.planner.profile import load_profile
 
     check_number(args.timeout, "--timeout", above=0)
     if args.systems is not None and not [s for s in args.systems.split(",") if s.strip()]:
         raise ValueError(f"--systems {args.systems!r} names no system (comma-separated, e.g. ddp,zero1,amsp-plan)")
-    if args.amsp_plan is not None and args.amsp_plan.strip().lower() != "auto":
-        try:
-            parse_plan(args.amsp_plan)
-        except ValueError as e:
-            raise ValueError(f"--amsp-plan {args.amsp_plan!r}: {e}") from None
+    if args.amsp_plan is not None:
+        check_plan_text(args.amsp_plan, "--amsp-plan")
     load_profile(args.profile)
     out = Path(args.out)
     if out.exists() and not out.is_dir():

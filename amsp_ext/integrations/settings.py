@@ -190,25 +190,12 @@ class AMSPSettings:
 
     def _check_plan_text(self) -> None:
         """Catch a misspelt plan now (one line), not after the ranks started."""
-        from amsp_ext.planner.plan import PlanError, parse_plan
+        from amsp_ext.planner.plan import PlanError, check_plan_text
 
-        text = self.plan
-        low = text.lower()
-        if low in ("auto", "ddp", "zero1", "zero2", "zero3"):
-            return
-        if low.startswith("mics"):
-            _, _, k = low.partition(":")
-            if not k.isdigit() or int(k) < 1:
-                raise ConfigError(f"amsp.plan: 'mics' needs a shard group size, e.g. 'mics:8', got {text!r}")
-            return
-        if "=" not in text:
-            raise ConfigError(
-                f"amsp.plan must be 'auto', a baseline name (ddp, zero1, zero2, zero3, mics:K) or "
-                f"factors 'p=S0xS1,g=S0xS1,os=S0xS1', got {text!r}")
         try:
-            parse_plan(text)
+            check_plan_text(self.plan, "amsp.plan")
         except PlanError as e:
-            raise ConfigError(f"amsp.{e}") from None
+            raise ConfigError(str(e)) from None
 
     @property
     def gpu_memory_bytes(self) -> int | None:

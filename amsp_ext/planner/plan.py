@@ -27,6 +27,7 @@ from typing import Iterator
 __all__ = [
     "COMPONENTS",
     "NAMED_PLANS",
+    "check_plan_text",
     "Plan",
     "PlanError",
     "RULES",
@@ -204,6 +205,26 @@ def named_plan(name: str, *, gpus_per_node: int, num_nodes: int) -> Plan:
         f"plan: unknown name {name!r}; use one of {', '.join(NAMED_PLANS)}, 'auto', "
         f"or factors like 'p=2x1,g=2x1,os=2x2'"
     )
+
+
+def check_plan_text(text: str, field: str) -> None:
+    """Refuse a misspelt plan in one line naming ``field`` before the world is known (so before
+    any rank starts): 'auto', a baseline name or factors; ``resolve_plan`` fits it to the world."""
+    low = text.strip().lower()
+    if low in ("auto", *(n for n in NAMED_PLANS if n != "mics:K")):
+        return
+    if low.startswith("mics"):
+        _, _, k = low.partition(":")
+        if not k.isdigit() or int(k) < 1:
+            raise PlanError(f"{field}: 'mics' needs a shard group size, e.g. 'mics:8', got {text!r}")
+        return
+    if "=" not in text:
+        raise PlanError(f"{field} must be 'auto', a baseline name ({', '.join(NAMED_PLANS)}) or "
+                        f"factors 'p=S0xS1,g=S0xS1,os=S0xS1', got {text!r}")
+    try:
+        parse_plan(text)
+    except PlanError as e:
+        raise PlanError(f"{field}: {str(e).removeprefix('plan: ')}") from None
 
 
 def resolve_plan(spec: "Plan | str", *, gpus_per_node: int, num_nodes: int) -> Plan:
