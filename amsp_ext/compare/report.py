@@ -484,6 +484,7 @@ def _setup_lines(meta: dict[str, Any]) -> list[str]:
         f"micro-batch {spec['micro_batch_size']} per rank, M = {spec['num_micro_batches']} micro-batches, "
         f"global batch {meta['global_batch_sequences']} sequences ({meta['global_batch_tokens']:,} tokens).",
         f"- Steps: {spec['num_steps']} timed ({spec['num_warmup_steps']} warm-up excluded from the median)"
+        # results written before trace_steps existed read one profiled step
         + (f" + {spec.get('trace_steps', 1)} profiled" if spec["trace"] else "")
         + (f", in each of {meta['repeats']} rounds" if meta.get("repeats", 1) > 1 else "")
         + ".",

@@ -21,7 +21,7 @@ from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH,
                                       DEFAULT_PROFILE, DEFAULT_REDUCE_DTYPE)
 
 __all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choose_all_reduce", "plan_auto",
-           "resolve_auto", "search_all_reduce", "two_level_applies"]
+           "resolve_auto", "search_all_reduce", "two_level_applies", "unpriced_choice"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,14 +139,28 @@ def two_level_applies(plan: Plan, *, gpus_per_node: int, num_nodes: int) -> bool
     return any(p0 > 1 and p1 > 1 for p0, p1 in meshes)
 
 
+def unpriced_choice(plan: Plan, all_reduce: str, *, gpus_per_node: int,
+                    num_nodes: int) -> AllReduceChoice | None:
+    """The mode ``plan`` runs without the planner: the one asked for, or under "auto" flat where
+    no group has a two-level form; None when "auto" has to price it. Routes that need planner
+    inputs only for pricing (shard()'s config.auto) ask this first."""
+    if all_reduce != "auto":
+        check_one_of(all_reduce, ALL_REDUCES, "all_reduce")
+        return AllReduceChoice(mode=all_reduce)
+    if not two_level_applies(plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes):
+        return AllReduceChoice(mode="flat", why="no all-reduce group of the plan has several ranks "
+                                                "on each of several nodes")
+    return None
+
+
 def choose_all_reduce(problems: Mapping[str, Problem], plans: Mapping[str, Plan]) -> AllReduceChoice:
     """[Note: all_reduce "auto"]: ``problems`` prices the job under each of ALL_REDUCES, ``plans``
     is the plan each would run; the mode whose pair the step model prices lower."""
     cluster = problems["two_level"].cluster
-    if not two_level_applies(plans["two_level"], gpus_per_node=cluster.gpus_per_node,
-                             num_nodes=cluster.num_nodes):
-        return AllReduceChoice(mode="flat", why="no all-reduce group of the plan has several ranks "
-                                                "on each of several nodes")
+    unpriced = unpriced_choice(plans["two_level"], "auto", gpus_per_node=cluster.gpus_per_node,
+                               num_nodes=cluster.num_nodes)
+    if unpriced is not None:
+        return unpriced
     step_s = {m: evaluate(problems[m], plans[m], with_step=True).step.step_s for m in ALL_REDUCES}
     flat, two = step_s["flat"], step_s["two_level"]
     mode = "two_level" if two < flat * (1 - problems["two_level"].tie_tolerance) else "flat"
@@ -167,10 +181,14 @@ def resolve_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
     ``settings["all_reduce"]`` itself, or with "auto" the mode [Note: all_reduce "auto"] picks.
     ``settings``: auto_problem's keywords. Raises NoFeasiblePlan or another one-line ValueError."""
     requested = settings.pop("all_reduce", DEFAULT_ALL_REDUCE)
-    if requested != "auto":
+    if plan is not None:
+        unpriced = unpriced_choice(plan, requested, gpus_per_node=settings["gpus_per_node"],
+                                   num_nodes=settings["num_nodes"])
+        if unpriced is not None:
+            return Planned(plan=plan, all_reduce=unpriced)
+    elif requested != "auto":
         check_one_of(requested, ALL_REDUCES, "all_reduce")
-        if plan is None:
-            plan = search(auto_problem(model, auto, all_reduce=requested, **settings)).best.plan
+        plan = search(auto_problem(model, auto, all_reduce=requested, **settings)).best.plan
         return Planned(plan=plan, all_reduce=AllReduceChoice(mode=requested))
     problems = {m: auto_problem(model, auto, all_reduce=m, **settings) for m in ALL_REDUCES}
     if plan is not None:

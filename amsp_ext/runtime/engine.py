@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from amsp_ext.planner.auto import Planned, resolve_auto, two_level_applies
+from amsp_ext.planner.auto import Planned, resolve_auto, unpriced_choice
 from amsp_ext.planner.plan import Plan, PlanError, resolve_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
@@ -217,10 +217,10 @@ def resolve_engine_plan(plan, model: nn.Module, world: World,
     is_auto = isinstance(plan, str) and plan.strip().lower() == "auto"
     if not is_auto:
         plan = resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
-        if config.all_reduce != "auto":
-            return plan, config
-        if not two_level_applies(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes):
-            return plan, dataclasses.replace(config, all_reduce="flat")
+        unpriced = unpriced_choice(plan, config.all_reduce, gpus_per_node=world.gpus_per_node,
+                                   num_nodes=world.num_nodes)
+        if unpriced is not None:  # no planner inputs needed
+            return plan, dataclasses.replace(config, all_reduce=unpriced.mode)
     planned = _planned(model, world, config, None if is_auto else plan)
     return planned.plan, dataclasses.replace(config, all_reduce=planned.all_reduce.mode)
 

@@ -128,9 +128,7 @@ def resolved(spec: DryRunSpec):
         plan = resolve_plan(spec.plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
         validate_plan(plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes,
                       structural_only=True)
-        if spec.engine.all_reduce != "auto":
-            return plan, spec
-    planned = _planned(spec, plan)
+    planned = _planned(spec, plan)  # reads no profile unless it has to price
     engine = dataclasses.replace(spec.engine, all_reduce=planned.all_reduce.mode)
     return planned.plan, dataclasses.replace(spec, engine=engine)
 
