@@ -213,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         # [Note: exit without interpreter teardown] About one run in three, a rank that had
         # finished cleanly aborted in interpreter teardown ("terminate called without an active
-        # exception", SIGABRT) with DeepSpeed's and torch.profiler's threads still alive; torchrun
-        # then failed the whole job after result.json was written. Everything this process owes
-        # is on disk and every rank has passed the barrier, so skip the teardown.
+        # exception", SIGABRT; runtime/collectives.py [Note: process groups torn down at exit]
+        # has the cause); torchrun then failed the whole job after result.json was written.
+        # Everything this process owes is on disk and every rank has passed the barrier, so
+        # skip the teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

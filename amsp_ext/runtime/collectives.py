@@ -52,17 +52,31 @@ all-gather / reduce-scatter stream; the post-step broadcasts run on the step's s
 (gloo) there are no streams and every caller passes None.
 
 [Note: process groups torn down at exit]
-A script that trains through an integration (HF Trainer, Accelerate, a DeepSpeed script) seldom
-calls ``destroy_process_group()``, and its gloo groups' worker threads (two per group, thirteen
-groups in the HF Trainer test) then meet the interpreter's finalisation. Now and then a rank
-that had finished cleanly aborted there ("terminate called without an active exception",
-SIGABRT; CI, tests/scripts/run_clm.py, after the last checkpoint and the eval were written) and
-torchrun failed the job. The DDP test scripts aborted the same way about one run in three until
-they destroyed their group themselves. ``shard`` therefore registers ``destroy_groups_at_exit``:
-at exit, while the interpreter is whole, every group is destroyed (local on gloo: no
-collective; a pending collective whose peer has gone does not block it, checked with a 2-rank
-run). A script that destroyed its groups itself is left alone. torch's own atexit for this
-(pytorch#179291) was withdrawn, so the engine does it for the runs it drives.
+A rank that had finished cleanly now and then died in interpreter teardown with "terminate
+called without an active exception" (SIGABRT), and torchrun failed the job. The cause, read
+off a core dump (2026-12-04, a 4-rank script that called ``shard`` and then
+``destroy_process_group()`` itself): a gloo worker thread (``ProcessGroupGloo::runLoop``)
+dropped its reference to a finished collective (``~AsyncAllgatherWork``) after the main thread
+had begun finalizing. The work held the last reference to a tensor whose Python object had
+already gone, so releasing it must take the GIL; a thread that asks for the GIL during
+finalization is ended by ``pthread_exit``, and its forced unwind through a ``noexcept``
+destructor calls ``std::terminate``. Any collective can be that one, a user's or ours: the
+worker drops its reference a moment after the waiting thread saw the work complete.
+``destroy_process_group()`` does not stop gloo's workers (``shutdown``/``abort`` are no-ops for
+gloo in torch 2.13): a group's threads are joined only when its last reference goes (the
+call joined the world group's three threads, but not those of a subgroup the script still
+held). The engine holds references to its groups, so their threads outlive the call, and the
+DDP test scripts' cure of old (destroy your group yourself) does not hold under the engine:
+tests/scripts/exit_race.py, which does, failed 5 runs in 32 on a loaded machine (two busy
+loops on the 2 cores).
+``shard`` therefore registers ``destroy_groups_at_exit``. At exit, while the interpreter is
+whole, it destroys every group (unless the script did: local on gloo, no collective; a pending
+collective whose peer has gone does not block it, checked with a 2-rank run) and then waits,
+with the GIL released, until no gloo worker thread of the process is running for two polls
+in a row (at most ``EXIT_DRAIN_S``): whatever a worker still had to release, it releases
+then (the same script: 0 failed runs in 40). torch's own atexit for this (pytorch#179291) was withdrawn. The per-rank entry points
+(`amsp train`'s ranks, the compare worker) leave with ``os._exit`` once their results are
+written and skip teardown altogether.
 """
 
 from __future__ import annotations
@@ -95,6 +109,7 @@ __all__ = [
     "broadcast",
     "checkpoint_group",
     "destroy_groups_at_exit",
+    "drain_gloo_workers",
     "full_tensor",
     "gather_objects",
     "observing",
@@ -515,18 +530,63 @@ def full_tensor(ctx: CollectiveContext, tensor: torch.Tensor, *, name: str) -> t
 
 # -- lifecycle -----------------------------------------------------------------------------------
 
-def _destroy_groups() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - the process is exiting; say so, do not raise
-        print(f"amsp: destroying the process groups at exit failed: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
+EXIT_DRAIN_S = 1.0  # [Note: process groups torn down at exit]; polled every 10 ms
+_GLOO_WORKER_PREFIXES = ("pt_gloo", "gloo")
+
+
+def _gloo_workers_running() -> bool | None:
+    """Whether a gloo thread of this process is running or runnable (Linux ``/proc``; None
+    where it cannot be read)."""
+    import glob
+
+    tasks = glob.glob("/proc/self/task/*")
+    if not tasks:
+        return None
+    for task in tasks:
+        try:
+            with open(f"{task}/comm") as f:
+                name = f.read().strip()
+            if not name.startswith(_GLOO_WORKER_PREFIXES):
+                continue
+            with open(f"{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        if state in ("R", "D"):
+            return True
+    return False
+
+
+def drain_gloo_workers(max_s: float = EXIT_DRAIN_S, poll_s: float = 0.01) -> bool:
+    """Sleep (the GIL released) until no gloo worker thread runs for two polls in a row; True
+    if they went idle within ``max_s``. Without ``/proc``, one poll interval."""
+    deadline = time.monotonic() + max_s
+    idle = 0
+    while True:
+        time.sleep(poll_s)
+        running = _gloo_workers_running()
+        if running is None:
+            return True
+        idle = 0 if running else idle + 1
+        if idle >= 2:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
+def _teardown_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001 - the process is exiting; say so, do not raise
+            print(f"amsp: destroying the process groups at exit failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+    drain_gloo_workers()
 
 
 def destroy_groups_at_exit() -> None:
-    """Destroy every process group at interpreter exit ([Note: process groups torn down at
-    exit]); calling it again keeps one handler (the one registered last runs first)."""
-    atexit.unregister(_destroy_groups)
-    atexit.register(_destroy_groups)
+    """Destroy every process group at interpreter exit and let gloo's workers go idle before
+    finalization ([Note: process groups torn down at exit]); calling it again keeps one
+    handler (the one registered last runs first)."""
+    atexit.unregister(_teardown_at_exit)
+    atexit.register(_teardown_at_exit)
