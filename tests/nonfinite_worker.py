@@ -1,6 +1,6 @@
 """torchrun worker for the non-finite guard: NaN injected into one rank's loss, in fp32, bf16 and
-fp16, with and without clipping, on plans whose optim group is the world (os=2x2 on 4 ranks)
-or half of it (os=2x1). Prints ``RESULT {json}`` per rank and case.
+fp16, with and without clipping, on plans whose optim group is the world (os=2x2 on 4 ranks),
+half of it (os=2x1) or one rank (os=1x1, NaN in the loss only). Prints ``RESULT {json}`` per rank and case.
 
 Usage: python -m tests.nonfinite_worker
 """
@@ -40,7 +40,7 @@ def weights(model):
     return consolidated_state_dict(model, rank0_only=False)
 
 
-def run_case(name, plan, *, precision, clip, nan_steps, steps, **cfg):
+def run_case(name, plan, *, precision, clip, nan_steps, steps, nan_in_gradient=True, **cfg):
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = shard(build_llama("tiny-llama", seed=0), plan,
                        lambda p: torch.optim.AdamW(p, lr=1e-3),
@@ -53,7 +53,9 @@ def run_case(name, plan, *, precision, clip, nan_steps, steps, **cfg):
         b = micro_batch(step, 0, rank, world_size=world, num_micro_batches=1, micro_batch_size=2, seq_len=16)
         loss = causal_lm_loss(model, b)
         if step in nan_steps and rank == NAN_RANK:
-            loss = loss * float("nan")
+            # a NaN factor makes the gradients NaN too; a NaN constant added leaves them finite,
+            # so only the loss verdict can tell the other ranks
+            loss = loss * float("nan") if nan_in_gradient else loss + torch.tensor(float("nan"))
         applied_before = opt.num_steps
         try:
             opt.backward(loss)
@@ -92,6 +94,10 @@ def main():
     # from step 6 the scale is at its minimum and the overflows count
     run_case("fp16-noclip", "p=1x1,g=1x1,os=2x1", precision="fp16", clip=False, nan_steps=nan_steps, steps=10,
              fp16=FP16Config(initial_scale=2.0, min_scale=1.0))
+    # the replicate plan (sos = 1): no norm all-reduce, the verdict rides on the gradients'
+    # (nonfinite.py [Note: one decision, on the norm all-reduce]); the gradients stay finite
+    run_case("fp32-replicate-clip", "p=1x1,g=1x1,os=1x1", precision="fp32", clip=True,
+             nan_steps=nan_steps, steps=10, nan_in_gradient=False)
     # negative control: the guard off, fp32 applies the NaN step
     run_case("fp32-guard-off", "p=1x1,g=1x1,os=2x1", precision="fp32", clip=False, nan_steps={3}, steps=5,
              max_bad_steps=0)

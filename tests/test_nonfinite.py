@@ -1,5 +1,6 @@
 """The non-finite guard (amsp_ext/runtime/optim/nonfinite.py), 4 ranks (tests/nonfinite_worker.py): a NaN
-loss on rank 2 at step 3 is skipped on every rank in fp32, bf16 and fp16 (the weights are exactly
+loss on rank 2 at step 3 is skipped on every rank in fp32, bf16 and fp16, and on the replicate
+plan, whose norm is not all-reduced, with a NaN that leaves the gradients finite (the weights are exactly
 those before the step, and finite) and training goes on; three bad steps in a row (steps 6-8)
 stop every rank at the same step with one line. The control with the guard off applies the NaN
 step, so the checks can fail."""
@@ -26,7 +27,7 @@ def results():
     return out
 
 
-@pytest.mark.parametrize("case", ["fp32-clip", "bf16-noclip", "fp16-noclip"])
+@pytest.mark.parametrize("case", ["fp32-clip", "bf16-noclip", "fp16-noclip", "fp32-replicate-clip"])
 def test_nan_step_skipped_everywhere_then_three_stop_the_job(results, case):
     ranks = results[case]
     assert sorted(ranks) == [0, 1, 2, 3]

@@ -76,6 +76,9 @@ class Engine:
         self.units, self.tensors, self.device = parts.units, parts.tensors, parts.device
         self.grad_sync, self.param_sync, self.optimizer = parts.grad_sync, parts.param_sync, optimizer
         self.comm = parts.comm
+        # no norm all-reduce: the non-finite verdict rides on the gradients' (nonfinite.py
+        # [Note: one decision, on the norm all-reduce])
+        self.grad_sync.fold_verdict = None if norm_group(parts).reduce else optimizer.guard.fold
         self.rank = dist.get_rank()
         # [Note: state dicts on the integration routes] see AMSPModule.state_dict
         self.full_state_dict = full_state_dict
@@ -356,6 +359,8 @@ def norm_group(parts: EngineParts) -> NormGroup:
     # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
     world = GroupHandle(pg=dist.group.WORLD, name="world", size=parts.world.size,
                         timeout=parts.config.timeout, cross_node=parts.world.num_nodes > 1)
+    if parts.mesh.size("optim") == 1:  # every rank owns every gradient: the norm is local
+        return NormGroup(group=world, replicas=1, reduce=False, comm=parts.comm)
     return NormGroup(group=world, replicas=parts.world.size // parts.mesh.size("optim"), comm=parts.comm)
 
 

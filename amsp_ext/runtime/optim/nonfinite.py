@@ -8,6 +8,17 @@ partial sum of squares, and a non-finite gradient makes that sum non-finite by i
 all-reduce runs over the whole world (each ``optim`` group holds every gradient once, so the
 world sum is ``world / sos`` times the squared norm, and is divided back), so every rank gets
 the same non-finite value and takes the same decision: no extra collective on the hot path.
+Where every rank owns every gradient (sos = 1: the replicate plan, DDP's), the norm needs no
+all-reduce at all: each rank holds the same reduced gradients, so each computes the same norm,
+as DDP's users clip. The engine skips that all-reduce there (NormGroup(reduce=False)), and the
+verdict rides on the gradients' own all-reduce instead: a rank whose loss was non-finite adds
+NaN to the first element of the boundary's first bucket (GradSync.fold_verdict, + 0 on the
+others), so every rank's reduced gradient, and so its norm, is NaN. The all-reduce was a
+4-byte sync point between the backward and the step that DDP does not have. Its time did
+not show on CPU: as separate jobs on loopback (comparisons/separate_jobs.py, 4 ranks on 2
+cores, six alternated rounds) the replicate plan's median step was 1578 ms with it and 1582
+ms without, DDP's 1498 ms. tests/test_nonfinite.py checks the verdict with a NaN that leaves
+the gradients finite.
 With clipping on, that all-reduce is the clip's. With clipping off, ``step()`` computes the
 norm for the guard: one norm per owned gradient tensor (a read of ``2 Phi / sos`` bytes in the
 compute dtype) and a 4-byte all-reduce per step; ``max_bad_steps=0`` turns the guard off (fp32

@@ -82,10 +82,13 @@ class ParamBroadcaster(Protocol):
 class NormGroup:
     """Where gradient norms (and the non-finite decision riding on them) are reduced (None:
     this process alone); ``replicas``: how many times the group holds each gradient (its sum of
-    squares is divided by it)."""
+    squares is divided by it). ``reduce=False``: every rank holds every gradient, the same on
+    each, so the norm is local; the group then only names the bad ranks of a skipped step
+    (nonfinite.py [Note: one decision, on the norm all-reduce])."""
 
     group: GroupHandle | None = None
     replicas: int = 1
+    reduce: bool = True
     comm: C.CollectiveContext | None = None  # the engine's (collectives.py); needed with a group
 
     def __post_init__(self) -> None:
@@ -203,7 +206,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         g = self._norm_group
-        if g.group is not None:
+        if g.group is not None and g.reduce:
             C.all_reduce(g.comm, t, g.group.pg, name=g.group.name, stream=None, op=op, async_op=False,
                          timeout=g.group.timeout)  # blocking, on the step's (current) stream
 

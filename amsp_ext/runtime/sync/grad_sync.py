@@ -69,7 +69,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -165,6 +165,10 @@ class GradSync:
         self.is_boundary = True  # set by the engine (no_sync / set_gradient_accumulation_boundary)
         self.owned: dict[int, torch.Tensor] = {}  # boundary result: owned tensors' averaged grads
         self.kept: dict[int, torch.Tensor] = {}  # Tg result: kept grads, accumulated
+        # set by the engine where the gradient norm is not all-reduced: NaN if this rank's loss
+        # was non-finite, else its argument (optim/nonfinite.py [Note: one decision, on the
+        # norm all-reduce]); folded into the first element of the boundary's first bucket
+        self.fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._reset_pass()
         self._handles = []
         self.peak_grad_bytes = 0
@@ -295,6 +299,9 @@ class GradSync:
             while self.in_flight and self.in_flight_numel + self.buckets[b].numel > self.max_in_flight_numel:
                 self._complete_oldest()
             group = self._group()
+            if b == 0 and self.mode == "replica" and self.fold_verdict is not None:
+                first = self.buffers[b][:1]  # a gradient element: + 0 leaves it as it was
+                first.add_(self.fold_verdict(torch.zeros_like(first)))
             pending = None
             if group.levels is not None:  # collectives.py [Note: two-level all-reduce]
                 local, node = group.levels
