@@ -13,7 +13,8 @@ CPU and wall time in the forward, backward and optimizer phases. With every rank
 takes about (CPU over all ranks) / (cores); ``core_use`` = CPU / (cores x step) says how much
 of the cores the job kept busy, so a system that needs no more CPU but waits more shows there.
 
-``NUM_IDLE_GROUPS=N`` (an experiment): the job first makes N gloo groups over all ranks and
+``PIN_CORES=1`` (an experiment): rank r and every thread it starts run on core r mod cores
+only, so the scheduler cannot move them. ``NUM_IDLE_GROUPS=N`` (an experiment): the job first makes N gloo groups over all ranks and
 never uses them, as the engine's mesh does with its one-rank and unused groups (each gloo group
 has its own TCP loop thread, which wakes some 20 times a second even when idle).
 """
@@ -35,6 +36,9 @@ from amsp_ext.compare.systems.base import Context
 from amsp_ext.train.models import build_llama
 
 torch.set_num_threads(1)
+CORES = sorted(os.sched_getaffinity(0))
+if os.environ.get("PIN_CORES") == "1":  # an experiment: rank r and its threads on core r % cores
+    os.sched_setaffinity(0, {CORES[int(os.environ["RANK"]) % len(CORES)]})
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
 rank, world = dist.get_rank(), dist.get_world_size()
 STEPS = int(os.environ.get("STEPS", 4))
@@ -88,12 +92,13 @@ mine = torch.tensor([v / (STEPS + 1) for p in PHASES for v in phase_cpu_wall[p]]
 per_rank = [torch.zeros_like(mine) for _ in range(world)]
 dist.all_gather(per_rank, mine)
 if rank == 0:
-    cores = len(os.sched_getaffinity(0))
+    cores = len(CORES)
     step_s = statistics.median(x[0] for x in steps)
     cpu_s = statistics.median(x[1] for x in steps)
     print(json.dumps({
         "system": SYSTEM,
         "num_idle_groups": int(os.environ.get("NUM_IDLE_GROUPS", 0)),
+        "pinned": os.environ.get("PIN_CORES") == "1",
         "step_ms_median": round(step_s * 1000), "step_ms": [round(x[0] * 1000) for x in steps],
         "cpu_ms_per_step": round(cpu_s * 1000),
         "main_thread_cpu_ms_per_step": round(statistics.median(x[2] for x in steps) * 1000),
