@@ -1,6 +1,7 @@
 """torchrun worker for the non-finite guard: NaN injected into one rank's loss, in fp32, bf16 and
 fp16, with and without clipping, on plans whose optim group is the world (os=2x2 on 4 ranks),
-half of it (os=2x1) or one rank (os=1x1, NaN in the loss only). Prints ``RESULT {json}`` per rank and case.
+half of it (os=2x1) or one rank (os=1x1, NaN in the loss only). Prints ``RESULT {json}`` per
+rank and case.
 
 Usage: python -m tests.nonfinite_worker
 """

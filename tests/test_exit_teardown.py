@@ -52,7 +52,6 @@ def test_groups_destroyed_at_exit_after_shard():
     assert "done" in out and "live at exit: False" in out, out
 
 
-
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
 
 PR_SET_NAME = 15
@@ -106,7 +105,7 @@ def test_gives_up_after_its_bound():
     t.join(5)
 
 
-def test_shard_registers_the_handler_once():
+def test_the_handler_is_registered_once():
     import atexit
 
     calls = []

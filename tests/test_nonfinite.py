@@ -1,7 +1,7 @@
 """The non-finite guard (amsp_ext/runtime/optim/nonfinite.py), 4 ranks (tests/nonfinite_worker.py): a NaN
 loss on rank 2 at step 3 is skipped on every rank in fp32, bf16 and fp16, and on the replicate
-plan, whose norm is not all-reduced, with a NaN that leaves the gradients finite (the weights are exactly
-those before the step, and finite) and training goes on; three bad steps in a row (steps 6-8)
+plan, whose norm is not all-reduced, with a NaN that leaves the gradients finite (the weights
+are exactly those before the step, and finite) and training goes on; three bad steps in a row (steps 6-8)
 stop every rank at the same step with one line. The control with the guard off applies the NaN
 step, so the checks can fail."""
 

@@ -74,9 +74,9 @@ whole, it destroys every group (unless the script did: local on gloo, no collect
 collective whose peer has gone does not block it, checked with a 2-rank run) and then waits,
 with the GIL released, until no gloo worker thread of the process is running for two polls
 in a row (at most ``EXIT_DRAIN_S``): whatever a worker still had to release, it releases
-then (the same script: 0 failed runs in 40). torch's own atexit for this (pytorch#179291) was withdrawn. The per-rank entry points
-(`amsp train`'s ranks, the compare worker) leave with ``os._exit`` once their results are
-written and skip teardown altogether.
+then (the same script: 0 failed runs in 40). torch's own atexit for this (pytorch#179291)
+was withdrawn. The per-rank entry points (`amsp train`'s ranks, the compare worker) leave with
+``os._exit`` once their results are written and skip teardown altogether.
 """
 
 from __future__ import annotations

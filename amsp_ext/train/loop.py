@@ -378,8 +378,8 @@ def exit_rank(code: int) -> None:
     finished collective during finalization, is runtime/collectives.py [Note: process groups
     torn down at exit]), and the launcher reported a failed job for a run that had finished.
     As on the failure path ([Note: a failed rank exits at once]) the rank flushes what it
-    printed and leaves with its exit code. Only the per-rank entry points (``python -m amsp_ext.train``, what `amsp
-    train` launches, and this module) call it; `amsp train` under an existing launcher
+    printed and leaves with its exit code. Only the per-rank entry points (``python -m
+    amsp_ext.train``, what `amsp train` launches, and this module) call it; `amsp train` under an existing launcher
     (cli/train.py) returns normally.
     """
     sys.stdout.flush()

@@ -12,8 +12,8 @@ Where every rank owns every gradient (sos = 1: the replicate plan, DDP's), the n
 all-reduce at all: each rank holds the same reduced gradients, so each computes the same norm,
 as DDP's users clip. The engine skips that all-reduce there (NormGroup(reduce=False)), and the
 verdict rides on the gradients' own all-reduce instead: a rank whose loss was non-finite adds
-NaN to the first element of the boundary's first bucket (GradSync.fold_verdict, + 0 on the
-others), so every rank's reduced gradient, and so its norm, is NaN. The all-reduce was a
+NaN to the first element of the boundary's first bucket (GradSync.fold_verdict; the others
+leave it as it is), so every rank's reduced gradient, and so its norm, is NaN. The all-reduce was a
 4-byte sync point between the backward and the step that DDP does not have. Its time did
 not show on CPU: as separate jobs on loopback (comparisons/separate_jobs.py, 4 ranks on 2
 cores, six alternated rounds) the replicate plan's median step was 1578 ms with it and 1582

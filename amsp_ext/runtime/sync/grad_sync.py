@@ -166,8 +166,8 @@ class GradSync:
         self.owned: dict[int, torch.Tensor] = {}  # boundary result: owned tensors' averaged grads
         self.kept: dict[int, torch.Tensor] = {}  # Tg result: kept grads, accumulated
         # set by the engine where the gradient norm is not all-reduced: NaN if this rank's loss
-        # was non-finite, else its argument (optim/nonfinite.py [Note: one decision, on the
-        # norm all-reduce]); folded into the first element of the boundary's first bucket
+        # was non-finite, else its argument itself (optim/nonfinite.py [Note: one decision, on
+        # the norm all-reduce]); applied to the first element of the boundary's first bucket
         self.fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._reset_pass()
         self._handles = []
@@ -300,8 +300,8 @@ class GradSync:
                 self._complete_oldest()
             group = self._group()
             if b == 0 and self.mode == "replica" and self.fold_verdict is not None:
-                first = self.buffers[b][:1]  # a gradient element: + 0 leaves it as it was
-                first.add_(self.fold_verdict(torch.zeros_like(first)))
+                first = self.buffers[b][:1]  # NaN if this rank's loss was bad; else unchanged
+                first.copy_(self.fold_verdict(first))
             pending = None
             if group.levels is not None:  # collectives.py [Note: two-level all-reduce]
                 local, node = group.levels
