@@ -338,6 +338,15 @@ def suite_guards(world, R):
         _emit({"case": f"unfit:{plan}:{kw}", "error": err,
                "collectives_issued": sum(comm.counts.values()),
                "groups_created": len(c10d._world.pg_map) - groups})
+    # 1b. a legal plan: the engine builds only the groups it issues collectives on
+    #     (topology/mesh.py [Note: only the groups the plan issues collectives on])
+    for plan, kw in (("p=1x1,g=1x1,os=1x1", {}), ("p=1x1,g=1x1,os=1x1", {"all_reduce": "two_level"}),
+                     ("p=2x1,g=2x1,os=2x2", {})):
+        groups = len(c10d._world.pg_map)
+        model, _ = shard(build_llama("tiny-llama"), plan, adamw,
+                         config=ShardConfig(**{"gpus_per_node": R, "timeout": 30, **kw}))
+        _emit({"case": f"groups:{plan}:{kw}", "groups_created": len(c10d._world.pg_map) - groups})
+        release(model)
     # 2. ranks with different plans (and configs) are detected at init on every rank
     for what, plan, cfg in (
         ("plan", "p=1x1,g=1x1,os=2x1" if rank == world - 1 else "p=1x1,g=1x1,os=2x2", {}),

@@ -39,6 +39,17 @@ def test_unfit_plan_refused_before_any_collective(guards):
     assert "gpus_per_node=3" in msgs["unfit:p=1x1,g=1x1,os=2x1:{'gpus_per_node': 3}"]
 
 
+def test_only_the_groups_collectives_run_on_are_built(guards):
+    # 2 x 2: DDP's plan all-reduces over the world (one group, or its two levels as well); MiCS's
+    # p=2x1 adds the node's shard group and the broadcast group; no group of one rank, no optim
+    want = {"p=1x1,g=1x1,os=1x1:{}": 1, "p=1x1,g=1x1,os=1x1:{'all_reduce': 'two_level'}": 3,
+            "p=2x1,g=2x1,os=2x2:{}": 3}
+    rows = [r for r in guards if r["case"].startswith("groups:")]
+    assert len(rows) == 4 * len(want)
+    for r in rows:
+        assert r["groups_created"] == want[r["case"][len("groups:"):]], r
+
+
 def test_mismatched_ranks_detected_at_init(guards):
     for what in ("plan", "config"):
         rows = [r for r in guards if r["case"] == f"mismatch:{what}"]

@@ -120,3 +120,23 @@ def test_a_two_level_all_reduce_is_counted_as_its_groups_all_reduce():
         {"kind": "all_gather", "group": "param_shard", "bytes": 70},
         {"kind": "all_reduce", "group": "world", "bytes": 4}]}
     assert bytes_per_kind(rank) == {"all_gather": 70, "reduce_scatter": 0, "all_reduce": 1300, "broadcast": 0}
+
+
+def test_process_groups_only_where_collectives_run_by_hand():
+    # topology/mesh.py [Note: only the groups the plan issues collectives on]; 2 x 2 world
+    from amsp_ext.topology.mesh import plan_groups
+
+    w = World(num_nodes=2, gpus_per_node=2)
+    ddp = parse_plan("p=1x1,g=1x1,os=1x1")
+    assert plan_groups(ddp, w) == {"param_replica": [[0, 1, 2, 3]]}
+    assert plan_groups(ddp, w, two_level=True) == {
+        "param_replica": [[0, 1, 2, 3]], "param_replica_local": [[0, 1], [2, 3]],
+        "param_replica_node": [[0, 2], [1, 3]]}
+    assert plan_groups(parse_plan("p=2x1,g=2x1,os=2x2"), w) == {
+        "param_shard": [[0, 1], [2, 3]], "param_replica": [[0, 2], [1, 3]],
+        "optim_bcast": [[0, 2], [1, 3]]}
+    # ZeRO-3 over the world: one shard group, nothing replicated, no level of one node
+    assert plan_groups(parse_plan("p=2x2,g=2x2,os=2x2"), w, two_level=True) == {
+        "param_shard": [[0, 1, 2, 3]]}
+    assert plan_groups(parse_plan("p=1x1,g=2x1,os=2x2"), w) == {
+        "param_replica": [[0, 1, 2, 3]], "grad": [[0, 1], [2, 3]], "optim_bcast": [[0, 1, 2, 3]]}

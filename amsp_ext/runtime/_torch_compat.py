@@ -20,7 +20,6 @@ warning, for whoever is doing the re-check.
 
 from __future__ import annotations
 
-import datetime
 import os
 import warnings
 from typing import Callable
@@ -31,8 +30,8 @@ import torch.nn as nn
 
 __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
-    "backend_options", "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
-    "end_coalescing", "flatten_dense_tensors", "flatten_mesh",
+    "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
+    "end_coalescing", "flatten_dense_tensors",
     "fake_store", "fake_tensor_mode", "give_fake_storage", "nominal_fake_scalars", "fsdp_all_gather_streams",
     "live_process_groups", "local_chunk_offset", "mem_tracker", "real_tensors", "optimizer_hooks",
     "queue_backward_callback",
@@ -106,26 +105,6 @@ def local_chunk_offset(t: torch.Tensor) -> list[int]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return list(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
-
-
-# -- process groups and DeviceMesh -----------------------------------------------------------
-def backend_options(timeout: datetime.timedelta):
-    """(backend, options) carrying ``timeout`` for the default backend, for DeviceMesh's
-    ``backend_override``; None where the backend has no options object."""
-    backend = dist.get_backend()
-    if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
-        opts = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    opts._timeout = timeout
-    return (backend, opts)
-
-
-def flatten_mesh(mesh, name: str, backend_override=None):
-    """``DeviceMesh._flatten``: one 1-D mesh (and process group) over several mesh axes."""
-    return mesh._flatten(name, backend_override=backend_override)
 
 
 # -- nn.Module state dicts ---------------------------------------------------------------------

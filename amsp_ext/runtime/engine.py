@@ -379,7 +379,7 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
                                two_level=config.all_reduce == "two_level")
     units = list_units(model, config.granularity)
     if plan.sp > 1:
-        apply_fsdp(model, units, mesh.submeshes["param_shard"], comm, name=mesh.name("param_shard"),
+        apply_fsdp(model, units, mesh.shard_mesh, comm, name=mesh.name("param_shard"),
                    timeout=config.timeout, overlap_allgather=config.overlap.allgather,
                    reduce_dtype=reduce_dtype_of(config))
         refresh_params(units, model)
