@@ -87,7 +87,7 @@ def free_plan_groups(mesh) -> None:
     destroy_plan_mesh) and forget DTensor's cached sharding decisions.
 
     [Note: freeing a case's groups in a worker]
-    Kept, every case's ~13 groups (each with gloo threads) pile up over a launch and slow every
+    Kept, every case's groups (at most 7 on 2 x 2, each with gloo threads) pile up over a launch and slow every
     later case. Freed alone, a later case whose mesh has the same layout fails in DTensor
     (``full_tensor``: "Could not resolve the process group registered under the name 15"):
     DeviceMesh compares equal by layout, so DTensor's sharding-propagation caches (a Python

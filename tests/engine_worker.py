@@ -125,7 +125,8 @@ def release(model, *, free_groups=True):
     """End of a case: detach the engine's hooks and free its plan's process groups.
 
     [Note: one case's process groups]
-    Every ``shard()`` builds its plan's groups (~13 on 2 x 2, each with gloo threads). Kept, they
+    Every ``shard()`` builds its plan's groups (at most 7 on 2 x 2, each with gloo threads; ~13
+    when these figures were taken, before topology/mesh.py built only the used ones). Kept, they
     pile up over a launch's cases: on 4 ranks a second pass over the 18 parity cases took 331 s
     instead of 45 s (1,400 threads per rank); freed, 62 s. The trace and guard suites keep
     theirs: after a freed mesh, DTensor's full_tensor on the next mesh with the same layout
