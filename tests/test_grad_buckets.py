@@ -72,3 +72,68 @@ def test_launching_a_bucket_waits_only_past_two_full_buckets_in_flight(monkeypat
                       ("wait", 50), ("launch", 100),
                       ("wait", 50), ("wait", 50), ("launch", 100),
                       ("wait", 100), ("launch", 100)]
+
+
+def _replica_sync(owners, dp_size=2, predivide_dtype=None):
+    """A GradSync whose bucket is reduced by a stand-in all-reduce that doubles it (the sum over 2
+    ranks holding the same gradient): two tensors of 3 elements in one unit, one bucket, laid out
+    in backward order (tensor 1 at elements 0-2, tensor 0 at 3-5), holding 1..6 before the sum."""
+    import torch
+
+    from amsp_ext.runtime import collectives as C
+    from amsp_ext.runtime.sync import grad_sync
+    from amsp_ext.topology.mesh import GroupHandle
+
+    ts = [SimpleNamespace(index=i, unit=0, numel=3, local_shape=(3,), owner_rank=o, keeper_rank=o,
+                          name=f"t{i}") for i, o in enumerate(owners)]
+    group = GroupHandle(pg=None, name="param_replica[0,1]", size=2, timeout=5.0, cross_node=False)
+    gs = grad_sync.GradSync(ts, comm=C.CollectiveContext(timeout=5.0), rank=0, dtype=torch.float32,
+                            device=torch.device("cpu"), bucket_bytes=2**20, dp_size=dp_size,
+                            replica=group, grad=group, overlap=False,
+                            reduce_dtype=predivide_dtype)
+    gs.mode = "replica"
+    buf = gs._buffer(0)
+    buf.copy_(torch.arange(buf.numel(), dtype=buf.dtype) + 1)
+    if gs.predivide:
+        buf.div_(dp_size)
+    buf.mul_(2)  # the all-reduce's sum over two equal contributions
+    return gs, buf
+
+
+def test_a_bucket_owned_whole_is_kept_in_place(monkeypatch):
+    """grad_sync.py [Note: a bucket this rank owns whole]: rank 0 owns both tensors, so its owned
+    gradients are slices of the reduced bucket, divided once (by hand: element k holds
+    (k + 1) x 2 / 2)."""
+    import torch
+
+    from amsp_ext.runtime.sync import grad_sync
+
+    monkeypatch.setattr(grad_sync.C, "wait", lambda pending: None)
+    gs, buf = _replica_sync(owners=[0, 0])
+    gs._complete(0, None)
+    assert torch.equal(gs.owned[1], torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(gs.owned[0], torch.tensor([4.0, 5.0, 6.0]))
+    for idx, off in ((1, 0), (0, 3)):
+        assert gs.owned[idx].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert gs.owned[idx].storage_offset() == off
+    # fp16 divides before the sum: the bucket already holds the average, nothing more to divide
+    gs, buf = _replica_sync(owners=[0, 0], predivide_dtype=torch.float16)
+    gs._complete(0, None)
+    assert torch.equal(gs.owned[0], torch.tensor([4.0, 5.0, 6.0], dtype=torch.float16))
+    assert gs.owned[0].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_a_bucket_owned_in_part_is_copied_out(monkeypatch):
+    """Rank 0 owns tensor 0 only: its gradient is copied out, so the bucket (and tensor 1's part)
+    can be freed, and tensor 1 is dropped."""
+    import torch
+
+    from amsp_ext.runtime.sync import grad_sync
+
+    monkeypatch.setattr(grad_sync.C, "wait", lambda pending: None)
+    gs, buf = _replica_sync(owners=[0, 1])
+    gs._complete(0, None)
+    assert list(gs.owned) == [0]
+    assert torch.equal(gs.owned[0], torch.tensor([4.0, 5.0, 6.0]))
+    assert gs.owned[0].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert torch.equal(buf, torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 12.0]))  # left as reduced

@@ -9,7 +9,7 @@ kind            size (mesh)                           what runs on it
 param_shard     s0_p x s1_p                           AllGather / ReduceScatter (Tp)
 param_replica   (R/s0_p) x (N/s1_p)                   gradient AllReduce, last micro-batch (T0_os)
 grad            (s0_g/s0_p) x (s1_g/s1_p)             gradient AllReduce, other micro-batches (Tg)
-optim           s0_os x s1_os                         grad-norm / overflow reductions
+optim           s0_os x s1_os                         sizes grad-norm / overflow reductions
 optim_bcast     (s0_os/s0_p) x (s1_os/s1_p)           Broadcast of updated parameters (T1_os)
 ============== ===================================== =====================================
 
