@@ -110,7 +110,9 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
                     timeout: datetime.timedelta | None = None, two_level: bool = False) -> PlanMesh:
     """Collective over the default group: every rank must call it with the same plan.
 
-    ``timeout``: the timeout of the groups built (default: the default group's).
+    ``timeout``: the timeout of the groups built (default: the default group's). It bounds every
+    collective on them, including the waits torch (FSDP2) does itself, and on NCCL it arms the
+    watchdog that aborts a hung collective.
     ``two_level``: see ``plan_groups``.
     """
     if dist.get_world_size() != world.size:

@@ -38,9 +38,9 @@ switch back to an earlier plan the re-sharded parameters' DTensors were found ho
 earlier mesh: with its groups destroyed, ``full_tensor`` (consolidated_state_dict, full state
 dicts on the integration routes) failed with "Could not resolve the process group registered
 under the name N"; kept, it runs on groups of the same ranks. The cost is the old plan's gloo or
-NCCL communicators (on 2 x 2: at most 7 groups, topology/mesh.py) per switch; the adaptive policy switches rarely
-(hysteresis, min_steps_between_switches). Tested: tests/switch_worker.py exports the full model
-after the switch back.
+NCCL communicators (on 2 x 2: at most 7 groups, topology/mesh.py) per switch; the adaptive
+policy switches rarely (hysteresis, min_steps_between_switches). Tested: tests/switch_worker.py
+exports the full model after the switch back.
 
 [Note: exactness]
 Masters and states are copied, never recomputed: a switch changes no value. The steps after a

@@ -325,17 +325,20 @@ class GradSync:
     # [Note: a bucket this rank owns whole]
     # Select & drop copies a rank's owned gradients out of the reduced bucket, so the bucket and
     # the rest of it can be freed. When the rank owns every tensor of the bucket (always when
-    # sos = sp, as in the replicate plan), nothing is dropped: the bucket is divided in place and its
-    # slices are the owned gradients, as DDP's ``gradient_as_bucket_view`` keeps them. That saves
-    # an allocation and a pass over the bucket per step, and the bucket's bytes are held once,
-    # not twice, while it is selected. The slices stay until ``zero_grad`` drops them.
+    # sos = sp, as in the replicate plan), nothing is dropped: the bucket is divided in place and
+    # its slices are the owned gradients, as DDP's ``gradient_as_bucket_view`` keeps them. That
+    # saves an allocation and a pass over the bucket per step, and the bucket's bytes are held
+    # once, not twice, while it is selected. The slices stay until ``zero_grad`` drops them.
+    # No step-time change was measurable on the CPU lab (comparisons/results/
+    # two_level_allreduce_lab_2026-12-03.md, "Session 6").
     def _complete(self, b: int, pending) -> None:
         C.wait(pending)  # with its group's timeout, given at issue
         buf = self.buffers.pop(b)
         with record_function("amsp::select_and_drop"), torch.no_grad():
             slots = self.buckets[b].slots
             # see [Note: a bucket this rank owns whole]
-            whole = self.mode == "replica" and all(self.tensors[i].owner_rank == self.rank for i, _, _ in slots)
+            whole = self.mode == "replica" and all(self.tensors[i].owner_rank == self.rank
+                                                   for i, _, _ in slots)
             if whole and not self.predivide:
                 buf.div_(self.dp_size)
             for idx, off, n in slots:
