@@ -17,7 +17,6 @@ measurement only.
 """
 
 import dataclasses
-import datetime
 import os
 import statistics
 import time
@@ -26,22 +25,14 @@ import torch
 import torch.distributed as dist
 
 import amsp_ext.runtime.sync.grad_sync as gs
-from amsp_ext.cli.compare import FULL
-from amsp_ext.compare.config import RunSpec
 from amsp_ext.compare.systems import amsp, ddp
-from amsp_ext.compare.systems.base import Context
 from amsp_ext.train.models import build_llama
+from replicate_job import start
 
-torch.set_num_threads(1)
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-rank, world = dist.get_rank(), dist.get_world_size()
 STEPS = int(os.environ.get("STEPS", 4))
 VARIANTS = os.environ.get("VARIANTS", "units,two_level").split(",")
-# `amsp compare`'s job (its full table's model and shape), in fp32; the training steps are the
-# harness's own (compare/systems)
-JOB = ("model", "seq_len", "micro_batch_size", "num_micro_batches")
-spec = RunSpec(**{k: FULL[k] for k in JOB}, precision="fp32", amsp_plan="p=1x1,g=1x1,os=1x1")
-ctx = Context(spec=spec, rank=rank, world_size=world, num_nodes=world // 2, gpus_per_node=2)
+spec, ctx = start()  # the training steps are the harness's own (compare/systems)
+rank = ctx.rank
 _orig = gs._plan_buckets
 
 

@@ -21,7 +21,6 @@ job each of them woke 585-1174 times, used or not).
 """
 
 import contextlib
-import datetime
 import json
 import os
 import resource
@@ -31,25 +30,19 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.cli.compare import FULL
-from amsp_ext.compare.config import RunSpec
 from amsp_ext.compare.systems import amsp, ddp
-from amsp_ext.compare.systems.base import Context
 from amsp_ext.train.models import build_llama
+from replicate_job import start
 
-torch.set_num_threads(1)
-CORES = sorted(os.sched_getaffinity(0))
-if os.environ.get("PIN_CORES") == "1":  # an experiment: rank r and its threads on core r % cores
-    os.sched_setaffinity(0, {CORES[int(os.environ["RANK"]) % len(CORES)]})
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-rank, world = dist.get_rank(), dist.get_world_size()
-STEPS = int(os.environ.get("STEPS", 4))
 SYSTEM = os.environ["SYSTEM"]
 if SYSTEM not in ("ddp", "amsp"):
     raise SystemExit(f"SYSTEM must be ddp or amsp, got {SYSTEM!r}")
-JOB = ("model", "seq_len", "micro_batch_size", "num_micro_batches")  # `amsp compare`'s full table
-spec = RunSpec(**{k: FULL[k] for k in JOB}, precision="fp32", amsp_plan="p=1x1,g=1x1,os=1x1")
-ctx = Context(spec=spec, rank=rank, world_size=world, num_nodes=world // 2, gpus_per_node=2)
+STEPS = int(os.environ.get("STEPS", 4))
+CORES = sorted(os.sched_getaffinity(0))
+if os.environ.get("PIN_CORES") == "1":  # an experiment: rank r and its threads on core r % cores
+    os.sched_setaffinity(0, {CORES[int(os.environ["RANK"]) % len(CORES)]})
+spec, ctx = start()  # after the pinning: the groups' threads inherit it
+rank, world = ctx.rank, ctx.world_size
 
 PHASES = ("forward", "backward", "optimizer")
 phase_cpu_wall = {p: [0.0, 0.0] for p in PHASES}

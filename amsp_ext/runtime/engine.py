@@ -78,7 +78,7 @@ class Engine:
         self.comm = parts.comm
         # no norm all-reduce: the non-finite verdict rides on the gradients' (nonfinite.py
         # [Note: one decision, on the norm all-reduce])
-        self.grad_sync.fold_verdict = None if norm_group(parts).reduce else optimizer.guard.fold
+        self.grad_sync.fold_verdict = optimizer.guard.fold if optimizer.norm_is_local else None
         self.rank = dist.get_rank()
         # [Note: state dicts on the integration routes] see AMSPModule.state_dict
         self.full_state_dict = full_state_dict

@@ -25,15 +25,14 @@ one that runs.
 from __future__ import annotations
 
 import datetime
-import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from amsp_ext.planner.plan import Plan
-from amsp_ext.topology.groups import (ALL_REDUCE_KINDS, GROUP_AXES, World, axis_sizes, groups_over,
-                                      level_axes, mesh_ranks)
+from amsp_ext.topology.groups import (ALL_REDUCE_KINDS, World, group_of, groups_over, level_axes,
+                                      mesh_ranks, rank_groups)
 
 __all__ = ["KINDS_WITH_COLLECTIVES", "GroupHandle", "PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
 
@@ -92,17 +91,14 @@ def plan_groups(plan: Plan, world: World, two_level: bool = False) -> dict[str, 
     (see the Note), in the order ``build_plan_mesh`` creates them. ``two_level``: also the two
     levels (``<kind>_local``, ``<kind>_node``) of each ALL_REDUCE_KINDS group that has several
     ranks on each of several nodes."""
-    sizes = axis_sizes(plan, world)
-    coords = mesh_ranks(plan, world)
-    out: dict[str, list[list[int]]] = {}
-    for kind in KINDS_WITH_COLLECTIVES:
-        if math.prod(sizes[a] for a in GROUP_AXES[kind]) > 1:
-            out[kind] = groups_over(coords, GROUP_AXES[kind])
-    for kind in ALL_REDUCE_KINDS if two_level else ():
-        local, across = level_axes(kind)
-        if math.prod(sizes[a] for a in local) > 1 and math.prod(sizes[a] for a in across) > 1:
-            out[f"{kind}_local"] = groups_over(coords, local)
-            out[f"{kind}_node"] = groups_over(coords, across)
+    out = {kind: groups for kind, groups in rank_groups(plan, world).items()
+           if kind in KINDS_WITH_COLLECTIVES and len(groups[0]) > 1}
+    if two_level:
+        coords = mesh_ranks(plan, world)
+        for kind in ALL_REDUCE_KINDS:
+            local, node = (groups_over(coords, axes) for axes in level_axes(kind))
+            if len(local[0]) > 1 and len(node[0]) > 1:
+                out[f"{kind}_local"], out[f"{kind}_node"] = local, node
     return out
 
 
@@ -121,10 +117,8 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
             f"{world.num_nodes} x {world.gpus_per_node}"
         )
     me = dist.get_rank()
-    coords = mesh_ranks(plan, world)
-    ranks = {kind: next(g for g in groups_over(coords, axes) if me in g)
-             for kind, axes in GROUP_AXES.items()}
-    groups: dict[str, dist.ProcessGroup | None] = dict.fromkeys(GROUP_AXES)
+    ranks = {kind: group_of(me, groups) for kind, groups in rank_groups(plan, world).items()}
+    groups: dict[str, dist.ProcessGroup | None] = dict.fromkeys(ranks)
     for kind, all_groups in plan_groups(plan, world, two_level).items():
         for g in all_groups:
             pg = dist.new_group(g, timeout=timeout, group_desc=kind)

@@ -192,6 +192,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
         """Steps skipped so far (fp16 overflows and non-finite steps)."""
         return self._skipped
 
+    @property
+    def norm_is_local(self) -> bool:
+        """The gradient norm takes no all-reduce (every rank holds every gradient; nonfinite.py
+        [Note: one decision, on the norm all-reduce])."""
+        return not self._norm_group.reduce
+
     def __repr__(self) -> str:
         where = ", ".join(f"{k}={v}" for k, v in self.run_info.items())
         return f"AMSPOptimizer({where + ', ' if where else ''}owned={len(self.masters)}, inner={self.inner!r})"

@@ -156,6 +156,9 @@ class GradSync:
         self.buckets = _plan_buckets(self.tensors, cap, min(cap, max(1, UNIT_BUCKET_MIN_BYTES // elem)))
         self.max_in_flight_numel = IN_FLIGHT_BUCKETS * cap  # see [Note: bytes in flight]
         self.slot_of = {idx: (b, off, n) for b, bk in enumerate(self.buckets) for idx, off, n in bk.slots}
+        # per bucket: this rank owns every tensor in it (see [Note: a bucket this rank owns whole])
+        self.owned_whole = [all(self.tensors[i].owner_rank == rank for i, _, _ in bk.slots)
+                            for bk in self.buckets]
         # fp16 sums can overflow: divide each contribution before reducing; else divide once after
         self.predivide = self.reduce_dtype == torch.float16
         # local accumulation (sg == sp) in the reduce dtype when it is wider than the compute dtype
@@ -335,13 +338,10 @@ class GradSync:
         C.wait(pending)  # with its group's timeout, given at issue
         buf = self.buffers.pop(b)
         with record_function("amsp::select_and_drop"), torch.no_grad():
-            slots = self.buckets[b].slots
-            # see [Note: a bucket this rank owns whole]
-            whole = self.mode == "replica" and all(self.tensors[i].owner_rank == self.rank
-                                                   for i, _, _ in slots)
+            whole = self.mode == "replica" and self.owned_whole[b]  # see the Note above
             if whole and not self.predivide:
                 buf.div_(self.dp_size)
-            for idx, off, n in slots:
+            for idx, off, n in self.buckets[b].slots:
                 t = self.tensors[idx]
                 view = buf[off : off + n].view(t.local_shape)
                 if whole:
