@@ -17,7 +17,8 @@ import re
 from typing import Any, Iterable
 
 __all__ = [
-    "ALL_REDUCES", "ALL_REDUCE_SETTINGS", "GRANULARITIES", "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS",
+    "ALL_REDUCES", "ALL_REDUCE_SETTINGS", "DRYRUN_DEVICES", "DRYRUN_TENSORS", "GRANULARITIES",
+    "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS",
     "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
     "parse_size", "reduce_dtypes",
@@ -36,6 +37,10 @@ INIT_WEIGHTS = ("broadcast", "check")
 OBJECTIVES = ("comm", "step")
 # a mesh the bandwidth profile lacks: refuse, or fit it from the profile's other meshes
 MISSING_MESH = ("error", "fit")
+# a dry run's tensors: without storage (any model, any device) or allocated (a GPU's allocator),
+# and where they live (runtime/measure/dryrun.py [Note: real tensors on a GPU])
+DRYRUN_TENSORS = ("fake", "real")
+DRYRUN_DEVICES = ("cpu", "cuda")
 # optimizers the planner's memory model knows the state size of
 OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit")
 # how a gradient all-reduce over several ranks on each of several nodes runs: one flat

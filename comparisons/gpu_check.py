@@ -26,6 +26,13 @@ What CPU machines cannot tell us, each written to ``<out>/gpu_check.json`` as it
    the measured matmul rate beside it). ``section`` can be pasted into a profile's calibration.
    A 1-GPU run has no collectives, so the overlap and communication constants stay for a
    multi-GPU ``amsp tune``.
+6. ``scale``: rank 0 of a 1,024-rank world (128 nodes x 8) on this GPU, LLaMA-7B, seq 4096, bf16,
+   plans ``auto``, ``zero3`` and ``mics:8``: ``amsp dryrun --tensors real --device cuda``
+   (runtime/measure/dryrun.py [Note: real tensors on a GPU]). The fake backend stands in for the
+   other 1,023 ranks; the engine's CUDA streams, events and allocator are real. Per plan: the
+   CUDA allocator's peak beside MemTracker's count and the planner's, and the step time without
+   communication. The same job's CPU fake-tensor dry run is committed in
+   comparisons/results/dryrun_7b/.
 """
 
 from __future__ import annotations
@@ -84,7 +91,8 @@ def check_compute(device, dtype, peak_flops: float, quick: bool) -> dict:
     cfg.update(max_position_embeddings=seq, rms_norm_eps=1e-5, tie_word_embeddings=False)
     out = {"config": cfg, "seq_len": seq}
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).to(device, dtype)
+    with torch.device(device):  # initialised on the GPU: seconds, not a minute of CPU
+        model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa")).to(dtype)
     model.train()
     tokens = torch.randint(0, cfg["vocab_size"], (1, seq), device=device)
     fpt = flops_per_token({**cfg, "model_type": "llama"}, seq)
@@ -130,8 +138,9 @@ def check_calibration(device, quick: bool) -> dict:
     out = {"peak": peak.as_dict(), "shapes": {}}
     for name, (cfg, seq, mbs) in shapes.items():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"},
-                                             attn_implementation="sdpa")).to(device, dtype)
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"},
+                                                 attn_implementation="sdpa")).to(dtype)
         model.train()
         tokens = torch.randint(0, cfg["vocab_size"], (mbs, seq), device=device)
         fwd_flops = forward_flops_per_token(ModelSpec.from_hf_config(cfg), seq) * mbs * seq
@@ -184,6 +193,35 @@ def check_calibration(device, quick: bool) -> dict:
         "backward_flops_per_s": sh["backward_flops_per_s"],
         "optimizer_bytes_per_s": sh["optimizer_bytes_per_s"],
     }
+    return out
+
+
+def check_scale(device, quick: bool) -> dict:
+    """Item 6 of the module doc: one plan at a time, so one that fails keeps the others."""
+    from amsp_ext.engine_config import EngineConfig
+    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
+
+    if quick:
+        job = dict(model="tiny-llama", num_nodes=4, gpus_per_node=8, seq_len=64)
+        plans = ("zero3", "mics:8")
+    else:
+        job = dict(model="llama-7b", num_nodes=128, gpus_per_node=8, seq_len=4096)
+        plans = ("auto", "zero3", "mics:8")
+    out = {}
+    for plan in plans:
+        spec = DryRunSpec(**job, plan=plan, engine=EngineConfig(precision="bf16"), ranks=(0,),
+                          steps=3, tensors="real", device=device.type)
+        try:
+            r = dry_run(spec, timeout_s=240)
+        except Exception as e:  # noqa: BLE001 - keep the other plans
+            out[plan] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            continue
+        rank = r["ranks"][0]
+        out[plan] = {"plan": r["plan"], "world": r["world"], "real": rank.get("real"),
+                     "memtracker_peak_bytes": rank["peak_bytes"], "memory": rank["memory"],
+                     "peak_moment": rank["peak_moment"], "model_state_bytes": rank["model_state_bytes"],
+                     "planner": r["planner"]["memory"], "planner_peak_moment": r["planner"]["peak_moment"],
+                     "seconds": rank["seconds"], "num_collectives_per_step": len(rank["collectives"])}
     return out
 
 
@@ -262,6 +300,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a dry run on CPU)")
+    ap.add_argument("--only", default=None, help="comma-separated checks to run (default: all): "
+                    "nccl, peak, engine, scale, compute, calibration")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no GPU; use --device cpu --quick for a dry run",
@@ -284,11 +324,15 @@ def main(argv=None) -> int:
 
     steps = [("nccl", lambda: check_collectives(device)),
              ("peak", lambda: check_peak(device, torch.bfloat16, a.quick)),
+             ("engine", lambda: check_engine(device, a.quick)),
+             ("scale", lambda: check_scale(device, a.quick)),
              ("compute", lambda: check_compute(device, torch.bfloat16,
                                                max(result["peak"].values()) * 1e12, a.quick)),
-             ("engine", lambda: check_engine(device, a.quick)),
              ("calibration", lambda: check_calibration(device, a.quick))]
+    only = set(a.only.split(",")) if a.only else None
     for key, fn in steps:
+        if only is not None and key not in only:
+            continue
         t0 = time.perf_counter()
         try:
             result[key] = fn()

@@ -128,6 +128,40 @@ def test_bad_input_one_line_before_any_process(args, needle):
     assert "rank" not in p.stdout
 
 
+def test_device_cuda_without_a_gpu_is_one_line_naming_the_choices():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    p = subprocess.run([sys.executable, "-m", "amsp_ext.cli.main", "dryrun", "--model", "tiny-llama",
+                        "--seq-len", "32", "--nodes", "1", "--gpus-per-node", "8", "--plan", "zero3",
+                        "--tensors", "real", "--device", "cuda"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "device 'cuda'" in lines[0] and "cpu, cuda" in lines[0], p.stderr
+
+
+@pytest.mark.distributed
+def test_real_tensors_count_what_the_fake_run_counts():
+    """[Note: real tensors on a GPU], on the CPU: rank 0 of 2 x 8 under MiCS-8 with allocated
+    tensors (the model initialised, every op computed) records the same peak, categories,
+    model-state bytes and collectives as the run on tensors without storage, and takes the
+    ordinary path: the fake backend fills its outputs, so no step is skipped."""
+    from amsp_ext.runtime.measure.dryrun import dry_run_many
+
+    fake, real = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=2,
+                                          gpus_per_node=8, plan="mics:8", seq_len=64, ranks=(0,),
+                                          tensors=t) for t in ("fake", "real")])
+    f, r = fake["ranks"][0], real["ranks"][0]
+    assert "real" not in f and real["tensors"] == "real"
+    assert r["real"]["fake_fills_outputs"] is True and r["real"]["steps_skipped"] == 0
+    assert len(r["real"]["step_s"]) == 2 and r["real"]["untracked_step_s"] > 0
+    assert r["peak_bytes"] == f["peak_bytes"] > 0
+    assert r["memory"] == f["memory"] and r["peak_moment"] == f["peak_moment"]
+    assert r["model_state_bytes"] == f["model_state_bytes"]
+    assert f["collectives"] and _per_phase(r["collectives"]) == _per_phase(f["collectives"])
+
+
 def _per_phase(records):
     import collections
 

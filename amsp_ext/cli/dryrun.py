@@ -1,4 +1,5 @@
-"""``amsp dryrun``: run the real engine for sampled ranks of a huge world on fake tensors.
+"""``amsp dryrun``: run the real engine for sampled ranks of a huge world on fake tensors
+(``--tensors real --device cuda``: allocated on this machine's GPU, its allocator measured).
 
     amsp dryrun --model llama-7b --nodes 128 --gpus-per-node 8 --gpu-memory 80GiB \\
                 --seq-len 4096 --micro-batches 1 --precision bf16 --plan zero3 [--ranks 0,1023] [--json] [--out DIR]
@@ -15,14 +16,17 @@ import os
 
 from amsp_ext import schema
 from amsp_ext.cli.plan import PLANNED_ENGINE_FIELDS
+from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_missing_mesh, add_profile, check_counts
 
-HELP = "dry-run the engine for sampled ranks of a large world (fake backend, fake tensors)"
+HELP = ("dry-run the engine for sampled ranks of a large world (fake backend; fake tensors, "
+        "or real ones on a GPU)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from amsp_ext.planner.model_spec import MODEL_PRESETS
+    from amsp_ext.runtime.measure.dryrun import DryRunSpec
     from amsp_ext.train.models import MODEL_CONFIGS
 
     model = p.add_mutually_exclusive_group(required=True)
@@ -43,7 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("dry run")
     d.add_argument("--plan", default="auto", help="auto, a name (zero3, mics:8, ...) or p=..,g=..,os=..")
     d.add_argument("--ranks", default=None, help="comma-separated ranks (default: 0, a middle node's, the last)")
-    d.add_argument("--steps", type=int, default=2)
+    default = {f.name: f.default for f in dataclasses.fields(DryRunSpec)}  # defined once, there
+    d.add_argument("--steps", type=int, default=default["steps"])
+    d.add_argument("--tensors", default=default["tensors"], choices=DRYRUN_TENSORS,
+                   help="fake: no storage (any model on any machine); real: allocated, on --device "
+                        "(runtime/measure/dryrun.py [Note: real tensors on a GPU])")
+    d.add_argument("--device", default=default["device"], choices=DRYRUN_DEVICES,
+                   help="cuda: this machine's GPU (its streams, events and allocator; one rank at a time)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--out", default=None, metavar="DIR", help="write report.md, dryrun.json, memory.png")
 
@@ -72,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                       micro_batches=args.micro_batches,
                       engine=dataclasses.replace(schema.from_namespace(EngineConfig, args), gpus_per_node=None),
                       steps=args.steps, ranks=_ranks(args.ranks), profile=args.profile,
-                      missing_mesh=args.missing_mesh)
+                      missing_mesh=args.missing_mesh, tensors=args.tensors, device=args.device)
     result = dry_run(spec)
     if args.out:
         write_out(result, args.out)

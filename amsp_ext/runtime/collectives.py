@@ -372,13 +372,19 @@ def broadcast(ctx: CollectiveContext, tensor: torch.Tensor, src: int, group: dis
         return _finish(ctx, work, "broadcast", name, tensor, async_op, timeout, _nbytes(tensor))
 
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names
+# warn there); earlier releases, such as a GPU image's torch, have only the old names.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_into_tensor(ctx: CollectiveContext, output: torch.Tensor, input: torch.Tensor,
                            group: dist.ProcessGroup | None, *, name: str, stream: torch.Stream | None,
                            async_op: bool = True, timeout=None) -> _Pending | None:
     with _on_stream(stream):
         with record_function(f"amsp::all_gather::{_kind(name)}"):
             _issue(ctx, "all_gather", name)
-            work = dist.all_gather_single(output, input, group=group, async_op=True)
+            work = _ALL_GATHER_SINGLE(output, input, group=group, async_op=True)
         return _finish(ctx, work, "all_gather", name, output, async_op, timeout, _nbytes(output))
 
 
@@ -389,7 +395,7 @@ def reduce_scatter_tensor(ctx: CollectiveContext, output: torch.Tensor, input: t
     with _on_stream(stream):
         with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
             _issue(ctx, "reduce_scatter", name)
-            work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=True)
+            work = _REDUCE_SCATTER_SINGLE(output, input, op=op, group=group, async_op=True)
         return _finish(ctx, work, "reduce_scatter", name, output, async_op, timeout, _nbytes(input))
 
 

@@ -318,8 +318,12 @@ def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: Sh
             f"the model with the same seed on every rank, or use ShardConfig(init_weights='broadcast')")
 
 
-def engine_device() -> torch.device:
-    if dist.get_backend() == "nccl":
+def engine_device(model: nn.Module) -> torch.device:
+    """Where the engine runs: the GPU of an NCCL rank, else the CPU (gloo). The fake backend of
+    a dry run (runtime/measure/dryrun.py [Note: dry run]) moves no data, so its rank runs where
+    its model was built: on a GPU, the streams, events and allocator are a real run's."""
+    backend = dist.get_backend()
+    if backend == "nccl" or (backend == "fake" and next(model.parameters()).device.type == "cuda"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

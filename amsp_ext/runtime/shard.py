@@ -80,7 +80,7 @@ def shard(model: nn.Module, plan: "Plan | str",
     C.destroy_groups_at_exit()  # collectives.py [Note: process groups torn down at exit]
     # -- first collective ------------------------------------------------------------------
     check_same_everywhere(comm, run_fingerprint(plan, config, world, model), config)
-    device = engine_device()
+    device = engine_device(model)
     if device.type != "cpu":
         model.to(device)
     same_initial_weights(comm, model, config)

@@ -36,10 +36,26 @@ What a fake run cannot be, and how it is handled:
   False), so control flow takes the ordinary "finite, no skip" path of a healthy step;
 * the fake backend's all-gather of fingerprints returns no data: collectives.all_gather_bytes
   answers with this rank's payload on the fake backend (every simulated rank runs this code);
-* the device is ``cpu`` (fake CPU tensors): FSDP2 on a ``cuda`` mesh needs CUDA streams and
-  events, which cannot be faked on a CPU-only build, and FSDP2 moves its states to the mesh's
-  device. Memory is counted per tensor, so the figures do not depend on the device; the CUDA
-  branches of the engine (streams, events, device placement) do not run in a dry run.
+* the device is ``cpu`` by default (fake CPU tensors): FSDP2 on a ``cuda`` mesh needs CUDA
+  streams and events, which cannot be faked on a CPU-only build, and FSDP2 moves its states to
+  the mesh's device. Memory is counted per tensor, so the figures do not depend on the device;
+  the CUDA branches of the engine (streams, events, device placement) run only with
+  ``device="cuda"`` on a machine with a GPU ([Note: real tensors on a GPU]).
+
+[Note: real tensors on a GPU]
+``tensors="real", device="cuda"`` runs the sampled rank with allocated tensors on this
+machine's GPU, still on the fake backend: the model is built and initialised for real (seed 0),
+the engine takes the GPU as an NCCL rank would (runtime/engine.py ``engine_device``: its side
+streams, events and ``record_stream``), and the step's compute is a real rank's. What the fake
+run cannot see, this one measures: the CUDA caching allocator's peak (``max_memory_allocated``,
+``max_memory_reserved``: blocks a side stream still holds, fragmentation) beside MemTracker's
+count and the planner's, and the step time without communication. The fake backend of torch 2.13
+fills an all-gather's output with copies of this rank's input and a reduce-scatter's with its own
+chunk, so values stay finite and the step takes the ordinary path; ``fake_fills_outputs`` in the
+result says whether this torch does (where it does not, outputs hold whatever memory they got, and
+a non-finite verdict may skip the step: ``steps_skipped`` says so). One rank at a time runs
+(the GPU is shared), so ``ranks`` should name one. ``tensors="real"`` on ``cpu`` is the same run
+on the CPU (the tests' small check of this path).
 """
 
 from __future__ import annotations
@@ -53,7 +69,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from amsp_ext import schema
-from amsp_ext.choices import MISSING_MESH, check_int, check_one_of
+from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS, MISSING_MESH, check_int, check_one_of
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
@@ -78,12 +94,16 @@ class DryRunSpec:
     ranks: tuple[int, ...] | None = None
     profile: str = DEFAULT_PROFILE
     missing_mesh: str = DEFAULT_MISSING_MESH  # --plan auto: a mesh the profile lacks (error | fit)
+    tensors: str = "fake"  # [Note: real tensors on a GPU]
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
                      "steps", "gpu_memory_bytes"):
             check_int(getattr(self, name), f"dryrun: {name}", minimum=1)
         check_one_of(self.missing_mesh, MISSING_MESH, "dryrun: missing_mesh")
+        check_one_of(self.tensors, DRYRUN_TENSORS, "dryrun: tensors")
+        check_one_of(self.device, DRYRUN_DEVICES, "dryrun: device")
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"dryrun: engine must be an EngineConfig, got {type(self.engine).__name__}")
         world = self.world
@@ -197,6 +217,9 @@ def dry_run_many(specs: list[DryRunSpec], *, max_parallel: int = 2,
     pool of ``max_parallel``: every spec is checked before any process starts, and the pool
     stays full across specs (most of a small rank's time is its interpreter's imports)."""
     checked = []
+    if any(spec.device == "cuda" for spec in specs):
+        _check_gpu()
+        max_parallel = 1  # one GPU: ranks would share its memory and its time
     for spec in specs:
         model_spec_of(spec)  # unknown model: one line, before any process
         plan, spec = resolved(spec)
@@ -214,7 +237,13 @@ def dry_run_many(specs: list[DryRunSpec], *, max_parallel: int = 2,
                                  text=True, env={**os.environ, "AMSP_DRYRUN": "1"})
             running.append((i, r, p, time.perf_counter()))
         i, r, p, started = running.pop(0)
-        out, err = p.communicate(timeout=timeout_s)
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in (p, *(q for _, _, q, _ in running)):
+                q.kill()
+            raise RuntimeError(f"dryrun: {checked[i][1]} rank {r} did not finish within "
+                               f"{timeout_s} s") from None
         if p.returncode != 0:
             for _, _, q, _ in running:
                 q.kill()
@@ -228,13 +257,21 @@ def dry_run_many(specs: list[DryRunSpec], *, max_parallel: int = 2,
             for i, (spec, plan, planner) in enumerate(checked)]
 
 
+def _check_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"dryrun: device 'cuda' needs a GPU, and torch {torch.__version__} sees none; "
+                         f"use device 'cpu' (allowed: {', '.join(DRYRUN_DEVICES)})")
+
+
 def _result(spec: DryRunSpec, plan, planner: dict, ranks: list[dict], seconds: float) -> dict:
     fits = all(rec["peak_bytes"] <= spec.gpu_memory_bytes for rec in ranks)
     return {"world": spec.world, "plan": str(plan), "model": spec.model or spec.model_config,
             "shape": {"seq_len": spec.seq_len, "micro_batch_size": spec.micro_batch_size,
                       "micro_batches": spec.micro_batches, "precision": spec.precision,
                       "reduce_dtype": spec.reduce_dtype, "recompute": spec.recompute},
-            "ranks": ranks, "planner": planner, "fits": fits,
+            "tensors": spec.tensors, "device": spec.device, "ranks": ranks, "planner": planner, "fits": fits,
             "gpu_memory_bytes": spec.gpu_memory_bytes, "seconds": seconds}
 
 
@@ -270,6 +307,33 @@ def _build_fake_model(spec: DryRunSpec, device):
         model = LlamaForCausalLM(config)
     compat.give_fake_storage(model, device)
     return model
+
+
+def _build_real_model(spec: DryRunSpec, device):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = {k: v for k, v in hf_config_of(spec).items() if k not in ("architectures",)}
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: a 7B model is seconds on a GPU
+        return LlamaForCausalLM(config)
+
+
+def fake_fills_outputs() -> bool:
+    """Whether this torch's fake backend writes an all-gather's output (2.13 does: copies of the
+    input); with real tensors, unwritten outputs would hold stale memory. A throwaway context:
+    the probe is not one of the engine's collectives."""
+    import torch
+    import torch.distributed as dist
+
+    from amsp_ext.runtime import collectives as C
+
+    out = torch.full((2 * dist.get_world_size(),), float("nan"))
+    C.all_gather_into_tensor(C.CollectiveContext(timeout=60), out, torch.ones(2), None, name="world",
+                             stream=None, async_op=False)
+    return bool(torch.isfinite(out).all())
 
 
 def _sdpa_kernel(model, spec: DryRunSpec, device) -> str:
@@ -354,6 +418,7 @@ def train_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> Non
 
 def run_rank(spec: DryRunSpec, rank: int) -> dict:
     """Dry-run ``rank`` of ``spec.world`` in this process (see [Note: dry run])."""
+    import contextlib
 
     import torch
     import torch.distributed as dist
@@ -366,11 +431,16 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
     clog = CollectiveLog(world=spec.world, gpus_per_node=spec.gpus_per_node)
     comm = C.CollectiveContext(timeout=spec.engine.timeout, observers=[clog])  # from shard's first one
-    device = torch.device("cpu")
+    real, cuda = spec.tensors == "real", spec.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     config = dataclasses.replace(spec.engine, gpus_per_node=spec.gpus_per_node)
     mem: dict = {}
-    with compat.fake_tensor_mode(), compat.nominal_fake_scalars():
-        model = _build_fake_model(spec, device)
+    fills = fake_fills_outputs() if real else None
+    step_s: list[float] = []
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with (contextlib.nullcontext() if real else compat.fake_tensor_mode()), \
+            (contextlib.nullcontext() if real else compat.nominal_fake_scalars()):
+        model = (_build_real_model if real else _build_fake_model)(spec, device)
         t_build = time.perf_counter()
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            config=config, comm=comm)
@@ -384,21 +454,41 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
                     tracker.reset_mod_stats()
                     tracker.reset_peak()
                     moment.name = None
+                    if cuda:
+                        sync()
+                        torch.cuda.reset_peak_memory_stats()
+                t_step = time.perf_counter()
                 train_step(model, opt, spec, device, clog)
+                sync()
+                step_s.append(time.perf_counter() - t_step)
         state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
         peak = tracker.get_tracker_snapshot("peak")
         mem = _categories(peak)
+        if real:  # one more step outside the tracker: its dispatch hooks slow every op
+            t_step = time.perf_counter()
+            train_step(model, opt, spec, device, clog)
+            sync()
+            untracked_s = time.perf_counter() - t_step
     t_end = time.perf_counter()
-    steps = spec.steps
+    steps = spec.steps + (1 if real else 0)  # the untracked step's collectives are logged too
     log = clog.records
     last = [c for c in log if c["phase"] != "setup"]
     per_step = len(last) // steps if steps else 0
-    return {"rank": rank, "peak_bytes": mem.pop("_total"), "memory": mem, "peak_moment": moment.name,
-            "model_state_bytes": state_bytes, "collectives": last[-per_step:] if per_step else [],
-            "setup_collectives": [c for c in log if c["phase"] == "setup"],
-            "sdpa_kernel": _sdpa_kernel(model, spec, device),
-            "seconds": {"build": t_build - t0, "shard": t_shard - t_build, "steps": t_end - t_shard,
-                        "total": t_end - t0}}
+    rec = {"rank": rank, "peak_bytes": mem.pop("_total"), "memory": mem, "peak_moment": moment.name,
+           "model_state_bytes": state_bytes, "collectives": last[-per_step:] if per_step else [],
+           "setup_collectives": [c for c in log if c["phase"] == "setup"],
+           "sdpa_kernel": _sdpa_kernel(model, spec, device),
+           "seconds": {"build": t_build - t0, "shard": t_shard - t_build, "steps": t_end - t_shard,
+                       "total": t_end - t0}}
+    if real:  # [Note: real tensors on a GPU]
+        rec["real"] = {"torch": torch.__version__, "fake_fills_outputs": fills, "step_s": step_s,
+                       "untracked_step_s": untracked_s, "steps_skipped": opt.skipped_steps}
+        if cuda:
+            rec["real"].update(device=torch.cuda.get_device_name(device),
+                               peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+                               peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+                               allocated_after_step_bytes=torch.cuda.memory_allocated(device))
+    return rec
 
 
 def _categories(peak: dict) -> dict:

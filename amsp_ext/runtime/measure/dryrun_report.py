@@ -65,6 +65,13 @@ def _rows(result: dict) -> list[str]:
         for c in CATS:
             e, p = rank["memory"][c], at[c]
             lines.append(f"  {c:<12} {_gib(e):>11} {_gib(p):>12} {e / p if p else float('nan'):>7.2f}")
+        real = rank.get("real")
+        if real and "peak_allocated_bytes" in real:  # [Note: real tensors on a GPU]
+            lines.append(f"  {real['device']} (torch {real['torch']}): allocator peak "
+                         f"{_gib(real['peak_allocated_bytes'])} GiB allocated, "
+                         f"{_gib(real['peak_reserved_bytes'])} GiB reserved; step "
+                         f"{real['untracked_step_s']:.3f} s without communication; "
+                         f"{real['steps_skipped']} step(s) skipped")
         got, want = bytes_per_kind(rank), result["planner"]["bytes"]
         lines.append(f"  {'collective':<15} {'engine MiB':>11} {'planner MiB':>12}")
         for k in KINDS:
