@@ -77,7 +77,7 @@ def run_case(case: str, quick: bool, device_type: str, profile_step: bool = True
 
     from amsp_ext.runtime import _torch_compat as compat
     from amsp_ext.runtime import collectives as C
-    from amsp_ext.runtime.measure.dryrun import CollectiveLog, _build_real_model, train_step
+    from amsp_ext.runtime.measure.dryrun import CollectiveLog, build_model, train_step
     from amsp_ext.runtime.shard import shard
     from amsp_ext.train.models import causal_lm_loss
 
@@ -90,7 +90,7 @@ def run_case(case: str, quick: bool, device_type: str, profile_step: bool = True
     out: dict = {"case": case, "world": spec.world, "model": spec.model, "seq_len": spec.seq_len,
                  "torch": torch.__version__}
     t0 = time.perf_counter()
-    model = _build_real_model(spec, device)
+    model = build_model(spec, device, real=True)
     out["build_s"] = time.perf_counter() - t0
     fake_s = [0.0]
     started: dict = {}

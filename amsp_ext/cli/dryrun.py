@@ -26,7 +26,6 @@ HELP = ("dry-run the engine for sampled ranks of a large world (fake backend; fa
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from amsp_ext.planner.model_spec import MODEL_PRESETS
-    from amsp_ext.runtime.measure.dryrun import DryRunSpec
     from amsp_ext.train.models import MODEL_CONFIGS
 
     model = p.add_mutually_exclusive_group(required=True)
@@ -47,12 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("dry run")
     d.add_argument("--plan", default="auto", help="auto, a name (zero3, mics:8, ...) or p=..,g=..,os=..")
     d.add_argument("--ranks", default=None, help="comma-separated ranks (default: 0, a middle node's, the last)")
-    default = {f.name: f.default for f in dataclasses.fields(DryRunSpec)}  # defined once, there
-    d.add_argument("--steps", type=int, default=default["steps"])
-    d.add_argument("--tensors", default=default["tensors"], choices=DRYRUN_TENSORS,
+    # None: DryRunSpec's default (defined once, there; importing it here would load torch)
+    d.add_argument("--steps", type=int, default=None, help="steps to run; the last is measured")
+    d.add_argument("--tensors", default=None, choices=DRYRUN_TENSORS,
                    help="fake: no storage (any model on any machine); real: allocated, on --device "
                         "(runtime/measure/dryrun.py [Note: real tensors on a GPU])")
-    d.add_argument("--device", default=default["device"], choices=DRYRUN_DEVICES,
+    d.add_argument("--device", default=None, choices=DRYRUN_DEVICES,
                    help="cuda: this machine's GPU (its streams, events and allocator; one rank at a time)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--out", default=None, metavar="DIR", help="write report.md, dryrun.json, memory.png")
@@ -81,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
                       plan=args.plan, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
                       micro_batches=args.micro_batches,
                       engine=dataclasses.replace(schema.from_namespace(EngineConfig, args), gpus_per_node=None),
-                      steps=args.steps, ranks=_ranks(args.ranks), profile=args.profile,
-                      missing_mesh=args.missing_mesh, tensors=args.tensors, device=args.device)
+                      ranks=_ranks(args.ranks), profile=args.profile, missing_mesh=args.missing_mesh,
+                      **{k: getattr(args, k) for k in ("steps", "tensors", "device")
+                         if getattr(args, k) is not None})
     result = dry_run(spec)
     if args.out:
         write_out(result, args.out)

@@ -44,18 +44,20 @@ What a fake run cannot be, and how it is handled:
 
 [Note: real tensors on a GPU]
 ``tensors="real", device="cuda"`` runs the sampled rank with allocated tensors on this
-machine's GPU, still on the fake backend: the model is built and initialised for real (seed 0),
+machine's GPU, still on the fake backend. The model is built and initialised for real (seed 0),
 the engine takes the GPU as an NCCL rank would (runtime/engine.py ``engine_device``: its side
 streams, events and ``record_stream``), and the step's compute is a real rank's. What the fake
 run cannot see, this one measures: the CUDA caching allocator's peak (``max_memory_allocated``,
 ``max_memory_reserved``: blocks a side stream still holds, fragmentation) beside MemTracker's
-count and the planner's, and the step time without communication. The fake backend of torch 2.13
-fills an all-gather's output with copies of this rank's input and a reduce-scatter's with its own
-chunk, so values stay finite and the step takes the ordinary path; ``fake_fills_outputs`` in the
-result says whether this torch does (where it does not, outputs hold whatever memory they got, and
-a non-finite verdict may skip the step: ``steps_skipped`` says so). One rank at a time runs
-(the GPU is shared), so ``ranks`` should name one. ``tensors="real"`` on ``cpu`` is the same run
-on the CPU (the tests' small check of this path).
+count and the planner's, and the step time without communication (one more step, outside the
+tracker, whose dispatch hooks slow every op). The fake backend of torch 2.11 and 2.13 fills an
+all-gather's output with copies of this rank's input and a reduce-scatter's with its own chunk,
+so values stay finite and the step takes the ordinary path; ``fake_fills_outputs`` says whether
+this torch does (where it does not, outputs hold stale memory and a non-finite verdict may skip
+a step: ``steps_skipped``). Filling costs one copy per rank of the group, so at 1,024 ranks a
+ZeRO-3 step's time is mostly the simulation's (comparisons/results/gpu_h200_2026-12-04.md).
+One rank runs at a time (the GPU is shared). ``tensors="real"`` on ``cpu`` is the same run on
+the CPU (the tests' check of this path).
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS, MISSING_MESH, check
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
-__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "train_step", "dry_run", "dry_run_many",
-           "planner_numbers", "run_rank", "hf_config_of"]
+__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "build_model", "train_step", "dry_run",
+           "dry_run_many", "planner_numbers", "run_rank", "hf_config_of"]
 
 @dataclass(frozen=True, kw_only=True)
 class DryRunSpec:
@@ -294,31 +296,25 @@ def hf_config_of(spec: DryRunSpec) -> dict:
             "max_position_embeddings": max(4096, spec.seq_len), "rms_norm_eps": 1e-5}
 
 
-def _build_fake_model(spec: DryRunSpec, device):
+def build_model(spec: DryRunSpec, device, *, real: bool):
+    """The Llama model: on ``meta`` and then given fake storage (no initialisation compute), or
+    built and initialised where it runs ([Note: real tensors on a GPU]; seconds for 7B there)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from amsp_ext.runtime import _torch_compat as compat
 
     cfg = {k: v for k, v in hf_config_of(spec).items() if k not in ("architectures",)}
     config = LlamaConfig(**cfg)
     config._attn_implementation = "sdpa"  # what a GPU run uses: the fused kernel, no s x s matrix
-    from amsp_ext.runtime import _torch_compat as compat
-
-    with torch.device("meta"):  # no initialisation compute; storage comes below (fake)
+    if real:
+        torch.manual_seed(0)
+        with torch.device(device):
+            return LlamaForCausalLM(config)
+    with torch.device("meta"):
         model = LlamaForCausalLM(config)
     compat.give_fake_storage(model, device)
     return model
-
-
-def _build_real_model(spec: DryRunSpec, device):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = {k: v for k, v in hf_config_of(spec).items() if k not in ("architectures",)}
-    config = LlamaConfig(**cfg)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised where it runs: a 7B model is seconds on a GPU
-        return LlamaForCausalLM(config)
 
 
 def fake_fills_outputs() -> bool:
@@ -440,7 +436,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with (contextlib.nullcontext() if real else compat.fake_tensor_mode()), \
             (contextlib.nullcontext() if real else compat.nominal_fake_scalars()):
-        model = (_build_real_model if real else _build_fake_model)(spec, device)
+        model = build_model(spec, device, real=real)
         t_build = time.perf_counter()
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            config=config, comm=comm)
