@@ -40,7 +40,8 @@ What a fake run cannot be, and how it is handled:
   streams and events, which cannot be faked on a CPU-only build, and FSDP2 moves its states to
   the mesh's device. Memory is counted per tensor, so the figures do not depend on the device;
   the CUDA branches of the engine (streams, events, device placement) run only with
-  ``device="cuda"`` on a machine with a GPU ([Note: real tensors on a GPU]).
+  ``device="cuda"`` on a machine with a GPU ([Note: real tensors on a GPU]; run there with real
+  tensors only: fake tensors on a GPU have not run).
 
 [Note: real tensors on a GPU]
 ``tensors="real", device="cuda"`` runs the sampled rank with allocated tensors on this
@@ -318,8 +319,8 @@ def build_model(spec: DryRunSpec, device, *, real: bool):
 
 
 def fake_fills_outputs() -> bool:
-    """Whether this torch's fake backend writes an all-gather's output (2.13 does: copies of the
-    input); with real tensors, unwritten outputs would hold stale memory. A throwaway context:
+    """Whether this torch's fake backend writes an all-gather's output (2.11 and 2.13 do: copies
+    of the input); with real tensors, unwritten outputs would hold stale memory. A throwaway context:
     the probe is not one of the engine's collectives."""
     import torch
     import torch.distributed as dist
