@@ -33,6 +33,8 @@ What CPU machines cannot tell us, each written to ``<out>/gpu_check.json`` as it
    CUDA allocator's peak beside MemTracker's count and the planner's, and the step time without
    communication. The same job's CPU fake-tensor dry run is committed in
    comparisons/results/dryrun_7b/.
+7. ``engine_large``: item 3 on LLaMA-7B's layer shape (4 layers, 1.07B parameters, seq 4096):
+   the hooks' cost where kernels are long.
 """
 
 from __future__ import annotations
@@ -225,13 +227,34 @@ def check_scale(device, quick: bool) -> dict:
     return out
 
 
-def check_engine(device, quick: bool) -> dict:
+def _llama_7b_layers(device, quick: bool):
+    """LLaMA-7B's layer shape, 4 layers (1.07B parameters), fp32, initialised on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = (dict(hidden_size=128, intermediate_size=352, num_attention_heads=4, num_hidden_layers=2,
+                vocab_size=512) if quick else
+           dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=4,
+                vocab_size=32000))
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(LlamaConfig(**cfg, num_key_value_heads=cfg["num_attention_heads"],
+                                            max_position_embeddings=4096, rms_norm_eps=1e-5,
+                                            tie_word_embeddings=False, attn_implementation="sdpa"))
+
+
+def check_engine(device, quick: bool, large: bool = False) -> dict:
+    """``large``: the 7B-layer model at seq 4096 (``engine_large``): the hooks' cost where kernels
+    are long, beside small-llama's where they are short."""
     import amsp_ext
     from amsp_ext.train.data import micro_batch
     from amsp_ext.train.models import build_llama, causal_lm_loss
     from amsp_ext.runtime.config import ShardConfig
 
     name, steps, seq, mbs = ("tiny-llama", 4, 64, 2) if quick else ("small-llama", 20, 512, 8)
+    build = lambda: build_llama(name, seed=0)  # noqa: E731
+    if large:
+        name, steps, seq, mbs = ("7b-layers", 4, 64, 1) if quick else ("7b-layers", 10, 4096, 1)
+        build = lambda: _llama_7b_layers(device, quick)  # noqa: E731
 
     def batch(step):
         return micro_batch(step, 0, 0, world_size=1, num_micro_batches=1, micro_batch_size=mbs,
@@ -252,9 +275,12 @@ def check_engine(device, quick: bool) -> dict:
         return losses, times
 
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
-    plain = build_llama(name, seed=0).to(device)
+    plain = build().to(device)
     p_losses, p_times = run(plain, adamw(plain.parameters()), lambda l: l.backward(), True)
-    model, opt = amsp_ext.shard(build_llama(name, seed=0), "ddp", adamw,
+    plain = None  # free its states before the engine's copy
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    model, opt = amsp_ext.shard(build(), "ddp", adamw,
                                 config=ShardConfig(gpus_per_node=1, precision="bf16", timeout=120))
     a_losses, a_times = run(model, opt, opt.backward, False)
     warm = max(1, steps // 4)
@@ -301,7 +327,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a dry run on CPU)")
     ap.add_argument("--only", default=None, help="comma-separated checks to run (default: all): "
-                    "nccl, peak, engine, scale, compute, calibration")
+                    "nccl, peak, engine, scale, compute, calibration, engine_large")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no GPU; use --device cpu --quick for a dry run",
@@ -328,7 +354,8 @@ def main(argv=None) -> int:
              ("scale", lambda: check_scale(device, a.quick)),
              ("compute", lambda: check_compute(device, torch.bfloat16,
                                                max(result["peak"].values()) * 1e12, a.quick)),
-             ("calibration", lambda: check_calibration(device, a.quick))]
+             ("calibration", lambda: check_calibration(device, a.quick)),
+             ("engine_large", lambda: check_engine(device, a.quick, large=True))]
     only = set(a.only.split(",")) if a.only else None
     for key, fn in steps:
         if only is not None and key not in only:
