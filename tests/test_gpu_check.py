@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(script: str, *args: str, out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, str(ROOT / "comparisons" / script), "--device", "cpu", "--quick",
-                        "--out", str(out), *args], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    cmd = [sys.executable, str(ROOT / "comparisons" / script), "--device", "cpu", "--quick",
+           "--out", str(out), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
 
 
