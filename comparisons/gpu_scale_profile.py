@@ -15,9 +15,10 @@ communication twice as long as the other plans' (0.88 s against 0.42-0.43 s, LLa
   work: it fills an all-gather's output with one copy per rank (1,024 copy kernels a gather),
   which a real NCCL all-gather does not launch, so it is the simulation's cost, not the engine's;
 * ``peak_allocated`` / ``peak_reserved`` bytes over the timed steps;
-* one profiled step (``torch.profiler``, CPU and CUDA): the GPU's busy time (kernels' own time),
-  the number of kernels, the host time under each ``amsp::`` and ``FSDP::`` label, and the ops
-  with the most host time.
+* one profiled step (``torch.profiler``, CPU and CUDA): ``gpu_busy_s``, the kernels' own time
+  summed (kernels that overlap on two streams count twice, and the profiler slows them: on the
+  H200 it exceeded the unprofiled step), the number of kernels, the host time under each
+  ``amsp::`` and ``FSDP::`` label, and the ops with the most host time.
 
 Cases: ``amsp:<plan>`` (``amsp_ext.shard``, bf16, fp32 masters) and ``fsdp2:zero3``: torch's
 ``fully_shard`` applied to the same units as the engine's (its ``granularity``, by default one
@@ -151,6 +152,7 @@ def run_case(case: str, quick: bool, device_type: str, profile_step: bool = True
         sync()
     t = time.perf_counter()
     avgs = prof.key_averages()
+
     def dev_self(e):  # the name changed between releases
         return getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
 
