@@ -198,21 +198,26 @@ def check_calibration(device, quick: bool) -> dict:
     return out
 
 
+def scale_spec(quick: bool, plan: str, device_type: str, **overrides):
+    """Item 6's job (also gpu_scale_profile.py's): rank 0 of 128 x 8, LLaMA-7B, seq 4096, bf16,
+    real tensors; ``quick``: tiny-llama on 4 x 8."""
+    from amsp_ext.engine_config import EngineConfig
+    from amsp_ext.runtime.measure.dryrun import DryRunSpec
+
+    job = (dict(model="tiny-llama", num_nodes=4, gpus_per_node=8, seq_len=64) if quick else
+           dict(model="llama-7b", num_nodes=128, gpus_per_node=8, seq_len=4096))
+    return DryRunSpec(**job, plan=plan, engine=EngineConfig(precision="bf16"), ranks=(0,),
+                      tensors="real", device=device_type, **overrides)
+
+
 def check_scale(device, quick: bool) -> dict:
     """Item 6 of the module doc: one plan at a time, so one that fails keeps the others."""
-    from amsp_ext.engine_config import EngineConfig
-    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
+    from amsp_ext.runtime.measure.dryrun import dry_run
 
-    if quick:
-        job = dict(model="tiny-llama", num_nodes=4, gpus_per_node=8, seq_len=64)
-        plans = ("zero3", "mics:8")
-    else:
-        job = dict(model="llama-7b", num_nodes=128, gpus_per_node=8, seq_len=4096)
-        plans = ("auto", "zero3", "mics:8")
+    plans = ("zero3", "mics:8") if quick else ("auto", "zero3", "mics:8")
     out = {}
     for plan in plans:
-        spec = DryRunSpec(**job, plan=plan, engine=EngineConfig(precision="bf16"), ranks=(0,),
-                          steps=3, tensors="real", device=device.type)
+        spec = scale_spec(quick, plan, device.type, steps=3)
         try:
             r = dry_run(spec, timeout_s=240)
         except Exception as e:  # noqa: BLE001 - keep the other plans

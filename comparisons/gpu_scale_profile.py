@@ -44,15 +44,11 @@ CASES = ("amsp:zero3", "fsdp2:zero3", "amsp:mics:8+expandable", "amsp:mics:8", "
 
 
 def _spec(quick: bool, plan: str, device: str):
-    from amsp_ext.engine_config import EngineConfig
-    from amsp_ext.runtime.measure.dryrun import DryRunSpec
+    from gpu_check import scale_spec  # the same job as gpu_check.py's item `scale`
 
-    job = (dict(model="tiny-llama", num_nodes=4, gpus_per_node=8, seq_len=64) if quick else
-           dict(model="llama-7b", num_nodes=128, gpus_per_node=8, seq_len=4096))
-    if quick and plan.startswith("p="):
+    if quick and plan.startswith("p="):  # factors for 128 nodes do not fit 4
         plan = "p=8x2,g=8x2,os=8x2"
-    return DryRunSpec(**job, plan=plan, engine=EngineConfig(precision="bf16"), ranks=(0,),
-                      tensors="real", device=device)
+    return scale_spec(quick, plan, device)
 
 
 def _fsdp2(model, world: int, device, granularity: str):
@@ -104,7 +100,7 @@ def run_case(case: str, quick: bool, device_type: str, profile_step: bool = True
 
     clog = CollectiveLog(world=spec.world, gpus_per_node=spec.gpus_per_node)
     if system == "amsp":
-        comm = C.CollectiveContext(timeout=600, observers=[clog, timer])
+        comm = C.CollectiveContext(timeout=spec.engine.timeout, observers=[clog, timer])
         config = dataclasses.replace(spec.engine, gpus_per_node=spec.gpus_per_node)
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            config=config, comm=comm)

@@ -6,8 +6,8 @@ needs: the comm base classes of ``set_custom_all_gather`` / ``set_custom_reduce_
 all-gather streams and the unshard ``async_op`` switch of an FSDP module, the local tensor of a
 DTensor without autograd, a chunk's global offset, and the autograd engine's end-of-backward
 callback. Private names move between releases without notice. Keeping them here means one
-file to re-check on a torch upgrade, and ``tests/test_torch_compat.py`` fails if a private ``torch`` attribute shows up anywhere else in
-amsp_ext.
+file to re-check on a torch upgrade, and ``tests/test_torch_compat.py`` fails if a private
+``torch`` attribute shows up anywhere else in amsp_ext.
 
 [Note: versions]
 Each access below was read in the torch source and exercised by the test suite on the

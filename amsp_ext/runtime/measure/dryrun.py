@@ -51,7 +51,8 @@ streams, events and ``record_stream``), and the step's compute is a real rank's.
 run cannot see, this one measures: the CUDA caching allocator's peak (``max_memory_allocated``,
 ``max_memory_reserved``: blocks a side stream still holds, fragmentation) beside MemTracker's
 count and the planner's, and the step time without communication (one more step, outside the
-tracker, whose dispatch hooks slow every op). The fake backend of torch 2.11 and 2.13 fills an
+tracker, whose dispatch hooks slow every op; the allocator's peak is read after it, so it
+covers the last tracked step and that one). The fake backend of torch 2.11 and 2.13 fills an
 all-gather's output with copies of this rank's input and a reduce-scatter's with its own chunk,
 so values stay finite and the step takes the ordinary path; ``fake_fills_outputs`` says whether
 this torch does (where it does not, outputs hold stale memory and a non-finite verdict may skip
