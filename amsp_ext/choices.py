@@ -38,7 +38,7 @@ OBJECTIVES = ("comm", "step")
 # a mesh the bandwidth profile lacks: refuse, or fit it from the profile's other meshes
 MISSING_MESH = ("error", "fit")
 # a dry run's tensors: without storage (any model, any device) or allocated (a GPU's allocator),
-# and where they live (runtime/measure/dryrun.py [Note: real tensors on a GPU])
+# and where they live (tools/dryrun.py [Note: real tensors on a GPU])
 DRYRUN_TENSORS = ("fake", "real")
 DRYRUN_DEVICES = ("cpu", "cuda")
 # optimizers the planner's memory model knows the state size of

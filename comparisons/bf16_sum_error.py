@@ -3,15 +3,15 @@
 
     python comparisons/bf16_sum_error.py
 
-tiny-llama in bf16, one 32-token sequence per "rank" (real text, amsp_ext.train.data), the bf16
+tiny-llama in bf16, one 32-token sequence per "rank" (real text, amsp_ext.common.data), the bf16
 gradients summed one rank at a time (as a ring all-reduce adds them) in bf16 and in fp32, each
 compared with the fp64 sum: relative L2 error. One process, a few seconds.
 """
 
 import torch
 
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 
 
 def main() -> None:

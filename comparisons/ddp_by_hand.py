@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="tiny-llama")

@@ -6,7 +6,7 @@ import glob
 import json
 import sys
 
-from amsp_ext.runtime.measure.dryrun_report import CATS, KINDS, bytes_per_kind, planner_at
+from amsp_ext.tools.dryrun_report import CATS, KINDS, bytes_per_kind, planner_at
 
 OUT, DEST = sys.argv[1], sys.argv[2]
 runs = {d.split("/")[-2]: json.load(open(d)) for d in sorted(glob.glob(f"{OUT}/*/dryrun.json"))}

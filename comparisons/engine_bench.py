@@ -66,7 +66,7 @@ def _setup():
 
 
 def _batch(step, m, rank, world, M, mbs, seq):
-    from amsp_ext.train.data import micro_batch
+    from amsp_ext.common.data import micro_batch
 
     return micro_batch(step, m, rank, world_size=world, num_micro_batches=M,
                        micro_batch_size=mbs, seq_len=seq)
@@ -91,7 +91,7 @@ def _summary(times):
 
 
 def _engine_loop(model, opt, rank, world, M, mbs, seq):
-    from amsp_ext.train.models import causal_lm_loss
+    from amsp_ext.common.models import causal_lm_loss
 
     def run_step(s):
         for m in range(M):
@@ -106,7 +106,7 @@ def worker_overhead(a):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from amsp_ext.train.models import build_llama, causal_lm_loss
+    from amsp_ext.common.models import build_llama, causal_lm_loss
     from amsp_ext.runtime import ShardConfig, shard
 
     dist = _setup()
@@ -163,7 +163,7 @@ TABLE_V = {
 def worker_overlap(a):
     import torch
 
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.models import build_llama
     from amsp_ext.runtime import OverlapConfig, ShardConfig, shard
     from amsp_ext.runtime import collectives as C
 
@@ -224,7 +224,7 @@ def worker_overlap(a):
 def worker_ownership(a):
     import torch
 
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.models import build_llama
     from amsp_ext.runtime import ShardConfig, shard
     from amsp_ext.runtime.optim.ownership import load_per_owner
 
@@ -274,7 +274,7 @@ def worker_reduce(a):
     dtype (ShardConfig.reduce_dtype), per plan; rounds alternate the order of the two."""
     import torch
 
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.models import build_llama
     from amsp_ext.runtime import ShardConfig, shard
 
     dist = _setup()

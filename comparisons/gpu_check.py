@@ -28,7 +28,7 @@ What CPU machines cannot tell us, each written to ``<out>/gpu_check.json`` as it
    multi-GPU ``amsp tune``.
 6. ``scale``: rank 0 of a 1,024-rank world (128 nodes x 8) on this GPU, LLaMA-7B, seq 4096, bf16,
    plans ``auto``, ``zero3`` and ``mics:8``: ``amsp dryrun --tensors real --device cuda``
-   (runtime/measure/dryrun.py [Note: real tensors on a GPU]). The fake backend stands in for the
+   (tools/dryrun.py [Note: real tensors on a GPU]). The fake backend stands in for the
    other 1,023 ranks; the engine's CUDA streams, events and allocator are real. Per plan: the
    CUDA allocator's peak beside MemTracker's count and the planner's, and the step time without
    communication. The same job's CPU fake-tensor dry run is committed in
@@ -70,7 +70,7 @@ def _timed(fn, device: torch.device, *, reps: int, warmup: int = 2) -> list[floa
 
 
 def check_peak(device, dtype, quick: bool) -> dict:
-    from amsp_ext.train.metrics import matmul_peak_flops
+    from amsp_ext.common.metrics import matmul_peak_flops
 
     sizes = (512,) if quick else (4096, 8192)
     return {f"n{n}_tflops": matmul_peak_flops(device, dtype, n=n, seconds=0.5 if quick else 2.0) / 1e12
@@ -80,7 +80,7 @@ def check_peak(device, dtype, quick: bool) -> dict:
 def check_compute(device, dtype, peak_flops: float, quick: bool) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from amsp_ext.train.metrics import flops_per_token
+    from amsp_ext.common.metrics import flops_per_token
 
     if quick:
         cfg = dict(hidden_size=128, intermediate_size=352, num_attention_heads=4,
@@ -120,7 +120,7 @@ def check_calibration(device, quick: bool) -> dict:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
     from amsp_ext.planner.model_spec import ModelSpec
     from amsp_ext.planner.step import forward_flops_per_token
     from amsp_ext.runtime.measure.peak import device_peak
@@ -202,7 +202,7 @@ def scale_spec(quick: bool, plan: str, device_type: str, **overrides):
     """Item 6's job (also gpu_scale_profile.py's): rank 0 of 128 x 8, LLaMA-7B, seq 4096, bf16,
     real tensors; ``quick``: tiny-llama on 4 x 8."""
     from amsp_ext.engine_config import EngineConfig
-    from amsp_ext.runtime.measure.dryrun import DryRunSpec
+    from amsp_ext.tools.dryrun import DryRunSpec
 
     job = (dict(model="tiny-llama", num_nodes=4, gpus_per_node=8, seq_len=64) if quick else
            dict(model="llama-7b", num_nodes=128, gpus_per_node=8, seq_len=4096))
@@ -212,7 +212,7 @@ def scale_spec(quick: bool, plan: str, device_type: str, **overrides):
 
 def check_scale(device, quick: bool) -> dict:
     """Item 6 of the module doc: one plan at a time, so one that fails keeps the others."""
-    from amsp_ext.runtime.measure.dryrun import dry_run
+    from amsp_ext.tools.dryrun import dry_run
 
     plans = ("zero3", "mics:8") if quick else ("auto", "zero3", "mics:8")
     out = {}
@@ -251,8 +251,8 @@ def check_engine(device, quick: bool, large: bool = False) -> dict:
     """``large``: the 7B-layer model at seq 4096 (``engine_large``): the hooks' cost where kernels
     are long, beside small-llama's where they are short."""
     import amsp_ext
-    from amsp_ext.train.data import micro_batch
-    from amsp_ext.train.models import build_llama, causal_lm_loss
+    from amsp_ext.common.data import micro_batch
+    from amsp_ext.common.models import build_llama, causal_lm_loss
     from amsp_ext.runtime.config import ShardConfig
 
     name, steps, seq, mbs = ("tiny-llama", 4, 64, 2) if quick else ("small-llama", 20, 512, 8)

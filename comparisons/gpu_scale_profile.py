@@ -5,7 +5,7 @@
     PYTHONPATH=. python3 comparisons/gpu_scale_profile.py --device cpu --quick --out /tmp/gsp   # dry run here
 
 gpu_check.py's ``scale`` item ran rank 0 of a 128 x 8 world (fake backend, real tensors on the
-GPU; runtime/measure/dryrun.py [Note: real tensors on a GPU]) and found ZeRO-3's step without
+GPU; tools/dryrun.py [Note: real tensors on a GPU]) and found ZeRO-3's step without
 communication twice as long as the other plans' (0.88 s against 0.42-0.43 s, LLaMA-7B, seq
 4096). Each case here runs in its own process and reports:
 
@@ -74,9 +74,9 @@ def run_case(case: str, quick: bool, device_type: str, profile_step: bool = True
 
     from amsp_ext.runtime import _torch_compat as compat
     from amsp_ext.runtime import collectives as C
-    from amsp_ext.runtime.measure.dryrun import CollectiveLog, build_model, train_step
+    from amsp_ext.tools.dryrun import CollectiveLog, build_model, dry_step
     from amsp_ext.runtime.shard import shard
-    from amsp_ext.train.models import causal_lm_loss
+    from amsp_ext.common.models import causal_lm_loss
 
     system, plan = case.split("+")[0].split(":", 1)
     spec = _spec(quick, plan, device_type)
@@ -107,7 +107,7 @@ def run_case(case: str, quick: bool, device_type: str, profile_step: bool = True
         out["plan"] = str(model.amsp.plan)
 
         def step():
-            train_step(model, opt, spec, device, clog)
+            dry_step(model, opt, spec, device, clog)
     else:
         model, opt = _fsdp2(model, spec.world, device, spec.engine.granularity)
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import amsp_ext.runtime.sync.grad_sync as gs
 from amsp_ext.compare.systems import amsp, ddp
-from amsp_ext.train.models import build_llama
+from amsp_ext.common.models import build_llama
 from replicate_job import start
 
 STEPS = int(os.environ.get("STEPS", 4))

@@ -45,7 +45,7 @@ def _stats(xs: list[float]) -> dict:
 def _make(model_name: str, plan: str, **cfg):
     import torch
 
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.models import build_llama
     from amsp_ext.runtime.config import ShardConfig
     from amsp_ext.runtime.shard import shard
 
@@ -56,8 +56,8 @@ def _make(model_name: str, plan: str, **cfg):
 def _step(model, opt, step: int, *, clip: bool, seq: int, mbs: int) -> float:
     import torch.distributed as dist
 
-    from amsp_ext.train.data import micro_batch
-    from amsp_ext.train.models import causal_lm_loss
+    from amsp_ext.common.data import micro_batch
+    from amsp_ext.common.models import causal_lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from amsp_ext.compare.systems import amsp, ddp
-from amsp_ext.train.models import build_llama
+from amsp_ext.common.models import build_llama
 from replicate_job import start
 
 SYSTEM = os.environ["SYSTEM"]

@@ -4,8 +4,8 @@
 reduce-scatters cross nodes), ``amsp_ext.shard(..., config=ShardConfig(adaptive=...))`` with
 window 4 and no minimum between switches (the settings of the DeepSpeed-route case,
 integrations_worker.suite_adaptive). From the test's step K (``AMSP_FAULTS`` ``slow``
-multiplies the monitor's measured cross-node times, train/faults.py) the monitor sees a slow link, so
-the loop must switch plans by itself, at the end of an ``optimizer.step()``. Every step's loss
+multiplies the monitor's measured cross-node times, common/faults.py) the monitor sees a slow link, so
+the loop must switch plans by itself, in the ``optimizer.zero_grad()`` after the deciding step. Every step's loss
 and gradient norm is compared with the same loop on torch DDP (fp32), the independent
 reference: they hold only if the switch moved masters and optimizer states exactly and the
 loop went on with the same optimizer object.
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.models import build_llama, causal_lm_loss
 from tests.dist_utils import end_worker
 from tests.integrations_worker import (ADAPTIVE, ADAPTIVE_STEPS, SEQ, adaptive_config, batches,
                                        ddp_reference, emit)

@@ -1,4 +1,4 @@
-"""Worker for tests/test_bound_rendezvous.py: under ``python -m amsp_ext.runtime.rendezvous``
+"""Worker for tests/test_bound_rendezvous.py: under ``python -m amsp_ext.tools.rendezvous``
 (2 ranks, master address 127.0.0.2) the ranks meet through the agent's store, all-reduce, and
 rank 0 prints the local addresses of every LISTEN socket on MASTER_PORT (kernel table)."""
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint
 from amsp_ext.runtime.config import FP16Config, ShardConfig, compute_dtype
 from amsp_ext.runtime.shard import shard

@@ -28,8 +28,8 @@ from torch.distributed import HashStore
 
 from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.config import ShardConfig
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 
 PLAN = "p=1x1,g=1x1,os=1x1"
 OLD_FORMAT = "amsp-checkpoint/2"

@@ -1,5 +1,5 @@
 """Real 4-rank gloo run of tiny-llama for test_dryrun's equivalence check: per plan, one step of
-the dry run's loop (runtime/measure/dryrun.train_step) with the same CollectiveLog, then rank 0
+the dry run's loop (tools/dryrun.dry_step) with the same CollectiveLog, then rank 0
 writes {plan: {"collectives": [...], "model_state_bytes": {...}}} as JSON to argv[1]."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig
-from amsp_ext.runtime.measure.dryrun import CollectiveLog, DryRunSpec, train_step
+from amsp_ext.tools.dryrun import CollectiveLog, DryRunSpec, dry_step
 from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.config import EngineConfig
-from amsp_ext.train.models import build_llama
+from amsp_ext.common.models import build_llama
 from tests.dist_utils import free_plan_groups
 
 ENGINE = EngineConfig(precision="bf16", reduce_dtype="fp32", granularity="module")  # as test_dryrun's
@@ -34,7 +34,7 @@ def main(out: str) -> None:
                            config=ShardConfig(gpus_per_node=2, precision="bf16", reduce_dtype="fp32",
                                               granularity="module"),
                            comm=C.CollectiveContext(timeout=120, observers=[clog]))
-        train_step(model, opt, spec, torch.device("cpu"), clog)
+        dry_step(model, opt, spec, torch.device("cpu"), clog)
         got[plan] = {"collectives": [c for c in clog.records if c["phase"] != "setup"],
                      "model_state_bytes": model.model_state_bytes()}
         model.amsp.grad_sync.remove()

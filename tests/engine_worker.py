@@ -24,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 from amsp_ext.planner.plan import Plan, check_plan, named_plan, parse_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import FP16Config, OverlapConfig, ShardConfig
@@ -99,16 +99,16 @@ def train(plan, config, *, world, clip=None, boundary_api="no_sync", inject=None
 
 @contextlib.contextmanager
 def unit_bucket_floor(nbytes):
-    """Buckets close at unit boundaries from ``nbytes`` on (grad_sync.UNIT_BUCKET_MIN_BYTES)
-    inside the block: tiny-llama's units are all under the 1 MiB default."""
-    from amsp_ext.runtime.sync import grad_sync
+    """Buckets close at unit boundaries from ``nbytes`` on (planner/buckets.py
+    UNIT_BUCKET_MIN_BYTES) inside the block: tiny-llama's units are all under the 1 MiB default."""
+    from amsp_ext.planner import buckets
 
-    floor = grad_sync.UNIT_BUCKET_MIN_BYTES
-    grad_sync.UNIT_BUCKET_MIN_BYTES = nbytes
+    floor = buckets.UNIT_BUCKET_MIN_BYTES
+    buckets.UNIT_BUCKET_MIN_BYTES = nbytes
     try:
         yield
     finally:
-        grad_sync.UNIT_BUCKET_MIN_BYTES = floor
+        buckets.UNIT_BUCKET_MIN_BYTES = floor
 
 
 def record(name, model, run, extra=None):
@@ -252,7 +252,7 @@ def suite_extras(world, R):
             "num_buckets": len(model.amsp.grad_sync.buckets),
             "max_local_gathers_in_flight": gathers["max"]})
         release(model)
-    # buckets closed at unit boundaries (grad_sync.py [Note: buckets close at unit boundaries])
+    # buckets closed at unit boundaries (planner/buckets.py [Note: buckets close at unit boundaries])
     # with a floor small enough for tiny-llama's units (its whole gradient is under the 1 MiB
     # default): one bucket per unit, for sp = 1 and for sp > 1 (after FSDP2's reduce-scatter)
     with unit_bucket_floor(1024):

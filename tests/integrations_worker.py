@@ -4,7 +4,7 @@ Every case runs a DeepSpeed-style script - ``deepspeed.initialize(model=..., con
 to AMSP by ``amsp_ext.patch_deepspeed()``, then per micro-batch ``loss = engine(batch)``,
 ``engine.backward(loss)``, ``engine.step()`` - and compares each rank's per-micro-batch losses,
 and the gradient norm of each step, with the same script on torch DDP (fp32): the independent
-reference. Each rank trains on its own slice of real text (amsp_ext.train.data).
+reference. Each rank trains on its own slice of real text (amsp_ext.common.data).
 
 Usage: torchrun --nproc-per-node 4 -m tests.integrations_worker SUITE [ARGS]
   SUITE ds          parity of the routed deepspeed.initialize, ds scheduler, bf16, engine API
@@ -28,8 +28,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 from tests.dist_utils import end_worker, free_plan_groups
 
 SEQ = 32

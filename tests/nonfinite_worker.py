@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 from amsp_ext.runtime.config import FP16Config, ShardConfig
 from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.state.export import consolidated_state_dict

@@ -19,8 +19,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from amsp_ext.compare.breakdown import overlap_windows
 from amsp_ext.runtime.config import OverlapConfig, ShardConfig
 from amsp_ext.runtime.shard import shard
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 from tests.dist_utils import end_worker, free_plan_groups
 from tests.parity_check import adamw
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from amsp_ext.train.data import micro_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 
 STEPS, M, MBS, SEQ, LR = 5, 2, 1, 32, 1e-3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

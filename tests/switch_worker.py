@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.train.models import build_llama
+from amsp_ext.common.models import build_llama
 from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import TrainingSpec

@@ -155,7 +155,7 @@ def test_trace_kinds_cross_nodes_follow_the_plans_meshes():
 
 
 def test_slow_fault_parses_and_bad_ones_are_one_line():
-    from amsp_ext.train.faults import faults, slow_factor
+    from amsp_ext.common.faults import faults, slow_factor
 
     fs = faults("slow:rank=1:step=5-9:x=100;nan:rank=0:step=2")
     assert slow_factor(fs, rank=1, step=5) == 100.0 and slow_factor(fs, rank=1, step=10) == 1.0

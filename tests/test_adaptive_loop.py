@@ -1,5 +1,5 @@
 """Adaptive AMSP in your own loop: ``amsp_ext.shard(config=ShardConfig(adaptive=...))`` switches
-plans by itself at the end of an ``optimizer.step()`` once the monitor sees a slow link (a fake
+plans by itself (decided at the end of an ``optimizer.step()``, switched in the ``zero_grad()`` after it) once the monitor sees a slow link (a fake
 one: AMSP_FAULTS ``slow`` from step K), and trains like torch DDP on every step before and after
 the switch. One 4-rank launch (tests/adaptive_loop_worker.py); the band of
 test_adaptive_train.py ([Note: the band of this test] there: the bundled A800 profile is ~200x

@@ -3,7 +3,7 @@
 One launch of tiny-llama on 4 gloo ranks as 2 nodes x 2, plan zero3 (its gathers and
 reduce-scatters cross nodes), M = 1, layer units, --adaptive with window 4 and no minimum
 between switches, 56 steps; from step K = 50 a fake slow link (AMSP_FAULTS ``slow``: every
-rank's measured cross-node times x 1e6, the monitor's input only, train/faults.py):
+rank's measured cross-node times x 1e6, the monitor's input only, common/faults.py):
 
 - steps 0..49 are a steady run of 50 steps: no decision before K;
 - then a switch K + window steps later (+ 1 of slack; runtime/replan/adaptive.py reads step k's
@@ -35,7 +35,7 @@ import pytest
 
 from dist_utils import REPO
 
-from amsp_ext.train.models import llama_config_dict
+from amsp_ext.common.models import llama_config_dict
 from amsp_ext.planner.search import make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 
@@ -68,8 +68,8 @@ def reference_losses() -> list[float]:
     clip and LR schedule (OptimOptions' defaults)."""
     import torch
 
-    from amsp_ext.train.data import micro_batch_at
-    from amsp_ext.train.models import build_llama, causal_lm_loss
+    from amsp_ext.common.data import micro_batch_at
+    from amsp_ext.common.models import build_llama, causal_lm_loss
     from amsp_ext.train.loop import lr_at
     from amsp_ext.train.config import BatchOptions, TrainConfig
 

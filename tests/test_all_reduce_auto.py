@@ -16,7 +16,7 @@ from amsp_ext.planner.auto import AutoPlanConfig, auto_problem, choose_all_reduc
 from amsp_ext.planner.plan import PlanError, resolve_plan
 from amsp_ext.planner.search import evaluate, make_problem
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
-from amsp_ext.train.models import llama_config_dict
+from amsp_ext.common.models import llama_config_dict
 
 REPO = Path(__file__).resolve().parents[1]
 LAB = REPO / "comparisons/results/tune_small-llama_cpu-2x2-lab_2026-12-01"
@@ -210,7 +210,7 @@ def test_dry_run_decides_on_the_launcher_and_the_rank_runs_it():
     """`amsp dryrun` hands its rank processes a decided mode: two-level's in-node levels issue
     collectives under the 100 Mbit profile, the flat group under the 1 Gbit one."""
     from amsp_ext.engine_config import EngineConfig
-    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run_many
+    from amsp_ext.tools.dryrun import DryRunSpec, dry_run_many
 
     specs = [DryRunSpec(model="tiny-llama", num_nodes=2, gpus_per_node=2, plan="ddp", seq_len=32,
                         steps=1, ranks=(0,), profile=str(LAB / f"profile-{link}.calibrated.json"),

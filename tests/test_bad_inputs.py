@@ -52,7 +52,7 @@ def _files(tmp: Path) -> dict[str, Path]:
                         "ds_clip_negative": {"gradient_clipping": -1},
                         "ds_lr_minus_one": {"optimizer": {"type": "AdamW", "params": {"lr": -1}}}}.items():
         out[name] = json.dumps({**ZERO1, **patch})
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
 
     tiny = llama_config_dict("tiny-llama")
     for name, patch in {"hf_heads_indivisible": {"hidden_size": 100, "num_attention_heads": 3},

@@ -1,5 +1,5 @@
 """Across machines, node 0's rendezvous store listens on the master address the user gave, not on
-every interface (runtime/rendezvous.py, [Note: a static rendezvous bound to the master address]).
+every interface (tools/rendezvous.py, [Note: a static rendezvous bound to the master address]).
 On one machine: the ``amsp-static`` handler for master address 127.0.0.2 (a loopback alias, so a
 "master address" that is not the usual 127.0.0.1) is checked in the kernel's socket table
 (/proc/net/tcp{,6}); torch's own static handler, given the same address, is the negative control
@@ -35,7 +35,7 @@ def _params(port, backend):
 
 
 def test_amsp_static_store_listens_on_the_master_address_only():
-    from amsp_ext.runtime.rendezvous import BOUND_BACKEND, bound_static_handler
+    from amsp_ext.tools.rendezvous import BOUND_BACKEND, bound_static_handler
 
     port = _free_port()
     h = bound_static_handler(_params(port, BOUND_BACKEND))
@@ -57,7 +57,7 @@ def test_torch_static_store_listens_everywhere_negative_control():
 
 
 def test_torchrun_flags_become_the_bound_backend():
-    from amsp_ext.runtime.rendezvous import bound_torchrun_args
+    from amsp_ext.tools.rendezvous import bound_torchrun_args
 
     got = bound_torchrun_args(["--nnodes=2", "--nproc-per-node=4", "--node-rank=1", "--master-addr=10.9.0.1",
                                "--master-port=29555", "--tee=3", "-m", "amsp_ext.cli", "profile", "--node-rank=7"])
@@ -72,7 +72,7 @@ def test_single_machine_launchers_use_the_static_rendezvous(tmp_path):
     ([Note: no pickle in a launch]): amsp train's agent and amsp compare's systems run torchrun
     as node 0 of 1 of amsp-static, the store on 127.0.0.1."""
     from amsp_ext.compare.launch import LaunchConfig, worker_command
-    from amsp_ext.runtime.rendezvous import bound_torchrun_args, loopback_torchrun_args
+    from amsp_ext.tools.rendezvous import bound_torchrun_args, loopback_torchrun_args
 
     args = loopback_torchrun_args()
     got = bound_torchrun_args([*args, "--nproc-per-node=2", "-m", "amsp_ext.train"])
@@ -80,7 +80,7 @@ def test_single_machine_launchers_use_the_static_rendezvous(tmp_path):
     assert got == ["--rdzv-backend=amsp-static", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=rank=0",
                    "--nnodes=1", "--nproc-per-node=2", "-m", "amsp_ext.train"] and 0 < port < 65536
     cmd = worker_command("ddp", tmp_path / "spec.json", tmp_path, LaunchConfig(launcher="torchrun", nproc_per_node=2))
-    assert cmd[1:3] == ["-m", "amsp_ext.runtime.rendezvous"] and "--master-addr=127.0.0.1" in cmd, cmd
+    assert cmd[1:3] == ["-m", "amsp_ext.tools.rendezvous"] and "--master-addr=127.0.0.1" in cmd, cmd
     assert not [a for a in cmd if "c10d" in a or a == "--standalone"], cmd
 
 
@@ -92,13 +92,13 @@ def test_cluster_nodes_launch_through_the_bound_torchrun(tmp_path):
     for n in node_launches(spec, ["-m", "x"], master_port=29555, state_file=str(tmp_path / "s"),
                            log_dir=str(tmp_path)):
         i = n.argv.index("-m")
-        assert n.argv[i + 1] == "amsp_ext.runtime.rendezvous", n.argv
+        assert n.argv[i + 1] == "amsp_ext.tools.rendezvous", n.argv
         assert "--master-port=29555" in n.argv
 
 
 @pytest.mark.distributed
 def test_two_ranks_meet_through_the_bound_store(tmp_path):
-    """2 ranks (CPU lock) launched by ``python -m amsp_ext.runtime.rendezvous`` with master address
+    """2 ranks (CPU lock) launched by ``python -m amsp_ext.tools.rendezvous`` with master address
     127.0.0.2: they all-reduce, and the only socket listening on the master port is on 127.0.0.2."""
     import json
     import subprocess
@@ -109,7 +109,7 @@ def test_two_ranks_meet_through_the_bound_store(tmp_path):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
-    p = subprocess.run([sys.executable, "-m", "amsp_ext.runtime.rendezvous", "--nnodes=1", "--nproc-per-node=2",
+    p = subprocess.run([sys.executable, "-m", "amsp_ext.tools.rendezvous", "--nnodes=1", "--nproc-per-node=2",
                         "--node-rank=0", "--master-addr=127.0.0.2", f"--master-port={port}",
                         str(REPO / "tests" / "bound_rdzv_worker.py")], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=180)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from amsp_ext.train.models import llama_config_dict
+from amsp_ext.common.models import llama_config_dict
 from amsp_ext.planner.calibration import KINDS, Calibration, parse_calibration
 from amsp_ext.planner.fit import PlanObservation, ProbeObservation, fit_calibration, nnls
 from amsp_ext.planner.issued import broadcast_items, grad_buckets
@@ -287,7 +287,7 @@ def test_issued_collectives_match_the_engines_own_bucketing_and_packing():
     # parameters in the engine's unit order.
     import torch
 
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.models import build_llama
     from amsp_ext.runtime.sync.grad_sync import _plan_buckets
     from amsp_ext.runtime.optim.ownership import assign_greedy
     from amsp_ext.runtime.sync.param_sync import broadcast_items as engine_items
@@ -308,13 +308,8 @@ def test_issued_collectives_match_the_engines_own_bucketing_and_packing():
     owners = assign_greedy([p.numel() for _, p in params], 2)  # the engine's default ownership
     tensors = [T(i, p, owners[i], ui) for i, (ui, p) in enumerate(params)]
     spec = _problem(None).spec
-    from amsp_ext.planner.issued import UNIT_BUCKET_MIN_BYTES
-    from amsp_ext.runtime.sync import grad_sync
-
-    assert UNIT_BUCKET_MIN_BYTES == grad_sync.UNIT_BUCKET_MIN_BYTES
     for U in (4096, 64 * 1024, 2**20, 25 * 2**20):
-        unit_min = min(U // 4, UNIT_BUCKET_MIN_BYTES // 4)
-        want = [b.numel * 4 for b in _plan_buckets(tensors, U // 4, unit_min)]
+        want = [b.numel * 4 for b in _plan_buckets(tensors, U, 4)]
         got = [b for b, _ in grad_buckets(spec, Plan(), granularity="layer", bucket_bytes=U,
                                           elem_bytes=4)]
         assert got == want

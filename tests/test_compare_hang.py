@@ -30,7 +30,7 @@ def _with_env(key: str, value: str) -> list[int]:
 
 
 def test_hang_fault_parses():
-    from amsp_ext.train.faults import faults
+    from amsp_ext.common.faults import faults
 
     (f,) = faults("hang:rank=1:step=0:system=ddp")
     assert (f.kind, f.rank, f.first, f.system) == ("hang", 1, 0, "ddp")
@@ -55,7 +55,7 @@ def test_hung_system_is_stopped_and_the_next_one_runs(tmp_path, monkeypatch):
     # [Note: the hang test's timeout]
     # The timeout is what this test waits for (then 10 s of SIGTERM grace, which rank 1
     # ignores). It must leave the ddp row time to reach step 0, where rank 1 starts to spin: the
-    # case under test. The row's log line "[amsp fault] hang: ..." (train/faults.py) is checked
+    # case under test. The row's log line "[amsp fault] hang: ..." (common/faults.py) is checked
     # below, so a timeout that came first fails the test instead of passing it without a hang.
     # Measured on the 2-core machine: the line came 11 s after the launch at load ~9, and not
     # within 20 s at load ~19 (another job's 4 ranks running); 30 s leaves that margin.

@@ -87,8 +87,8 @@ def _reference_losses(spec: RunSpec, world: int, steps: int) -> list[float]:
     """Single process, plain PyTorch: the same global batch, the same AdamW, fp32."""
     import torch
 
-    from amsp_ext.train.data import micro_batch
-    from amsp_ext.train.models import build_llama, causal_lm_loss
+    from amsp_ext.common.data import micro_batch
+    from amsp_ext.common.models import build_llama, causal_lm_loss
 
     model = build_llama(spec.model, seed=spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,

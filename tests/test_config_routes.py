@@ -212,7 +212,7 @@ def test_each_engine_setting_is_defined_once():
         ("precision", "planner/simulate.py:SimSettings"), ("gpus_per_node", "planner/simulate.py:SimSettings"),
         ("nodes_per_leaf", "cluster/lab.py:LabSpec"),
         # the simulated world's shape of `amsp dryrun` (its engine settings are an EngineConfig)
-        ("gpus_per_node", "runtime/measure/dryrun.py:DryRunSpec"),
+        ("gpus_per_node", "tools/dryrun.py:DryRunSpec"),
         # DeepSpeed's precision blocks, translated to the engine's fields
         ("precision", "integrations/settings.py:PrecisionSettings"),
         ("reduce_dtype", "integrations/settings.py:PrecisionSettings"),

@@ -118,3 +118,35 @@ def test_the_default_scan_finds_a_planted_literal():
 
     planted = ast.parse('"""docstring: paper-a800"""\nx = f(profile="paper-a800", size=80 * 2**30)\n')
     assert sorted(text for _, text in _default_literals(planted)) == ["80 * 2 ** 30", "paper-a800"]
+
+
+# [Note: one definition of each recipe]
+# The engine is assembled in one function (runtime/engine.py build_engine: shard() and
+# switch_plan() call it), one step's micro-batch loop is written once (runtime/step.py
+# train_step: amsp train, the compare rows, amsp tune and the dry run call it), the job shape
+# from engine settings once (planner/specs.py job_spec), the bucket layout once
+# (planner/buckets.py). A second copy of any drifts from the first unnoticed. Each pattern's
+# allowed places, with why the others are not copies:
+ONE_DEFINITION = {
+    r"(?<!class )(?<![\"'])\bAMSPOptimizer\(": {"runtime/engine.py"},  # built, not declared
+    r"\bEngine\(parts": {"runtime/engine.py"},
+    r"\bbuild_parts\(": {"runtime/engine.py"},
+    # a baseline's own loop (compare/systems/ddp.py: torch DDP's no_sync) is not the engine's step
+    r"(?<!ddp)\.no_sync\(\)": {"runtime/step.py"},
+    # `amsp migrate` costs a DeepSpeed job, whose settings are not an EngineConfig
+    r"\bTrainingSpec\(": {"planner/specs.py", "cli/migrate.py"},
+    r"\bUNIT_BUCKET_MIN_BYTES\s*=|\bIN_FLIGHT_BUCKETS\s*=": {"planner/buckets.py"},
+}
+
+
+def test_each_recipe_is_defined_once():
+    bad = []
+    for pattern, allowed in ONE_DEFINITION.items():
+        for path in sorted(PKG.rglob("*.py")):
+            code = "\n".join(line for line in path.read_text().splitlines()
+                             if not line.lstrip().startswith(("#", '"', "'", "``")))
+            code = re.sub(r'""".*?"""', "", code, flags=re.S)
+            rel = path.relative_to(PKG).as_posix()
+            if re.search(pattern, code) and rel not in allowed:
+                bad.append(f"{rel}: {pattern}")
+    assert not bad, "a second definition:\n" + "\n".join(bad)

@@ -1,4 +1,4 @@
-"""amsp dryrun (runtime/measure/dryrun.py): bytes against hand-computed values at 1,024 ranks,
+"""amsp dryrun (tools/dryrun.py): bytes against hand-computed values at 1,024 ranks,
 and bad input refused in one line before any process starts."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import sys
 import pytest
 
 from amsp_ext.engine_config import EngineConfig
-from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
-from amsp_ext.runtime.measure.dryrun_report import bytes_per_kind
+from amsp_ext.tools.dryrun import DryRunSpec, dry_run
+from amsp_ext.tools.dryrun_report import bytes_per_kind
 
 # the engine the hand counts below are worked out for (bf16 compute, fp32 reduction, one unit
 # per Linear), given explicitly: the engine's defaults are fp32 and layer units
 PAPER_ENGINE = EngineConfig(precision="bf16", reduce_dtype="fp32", granularity="module")
 
-# tiny-llama by hand (train/models.py): vocab 256, hidden 64, intermediate 176, 2 layers,
+# tiny-llama by hand (common/models.py): vocab 256, hidden 64, intermediate 176, 2 layers,
 # 4 heads of 16, 2 kv heads -> (rows, cols) of every parameter
 _LAYER = [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176), (64,), (64,)]
 _SHAPES = [(256, 64)] + _LAYER * 2 + [(64,), (256, 64)]
@@ -62,7 +62,7 @@ def test_os_only_at_1024_ranks_bytes_by_hand():
 def test_steady_state_categories_at_1024_ranks_by_hand():
     """--steps 2 measures the second step: the optimizer states made by the first step and the
     gradients kept across M = 2 micro-batches show at the peak, with hand-counted bytes."""
-    from amsp_ext.runtime.measure.dryrun import dry_run_many
+    from amsp_ext.tools.dryrun import dry_run_many
 
     plans = ("zero3", "mics:8", "p=1x1,g=1x1,os=8x1")
     results = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8,
@@ -147,7 +147,7 @@ def test_real_tensors_count_what_the_fake_run_counts():
     tensors (the model initialised, every op computed) records the same peak, categories,
     model-state bytes and collectives as the run on tensors without storage, and takes the
     ordinary path: the fake backend fills its outputs, so no step is skipped."""
-    from amsp_ext.runtime.measure.dryrun import dry_run_many
+    from amsp_ext.tools.dryrun import dry_run_many
 
     fake, real = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=2,
                                           gpus_per_node=8, plan="mics:8", seq_len=64, ranks=(0,),
@@ -176,7 +176,7 @@ def test_equivalent_to_a_real_4_rank_run(tmp_path):
     real launch runs all four, the four dry runs share one pool of two processes."""
     import json
 
-    from amsp_ext.runtime.measure.dryrun import dry_run_many
+    from amsp_ext.tools.dryrun import dry_run_many
     from tests.dist_utils import run_ranks
     from tests.dryrun_real_worker import PLANS
 

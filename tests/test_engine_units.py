@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amsp_ext.train.models import build_llama
+from amsp_ext.common.models import build_llama
 from amsp_ext.runtime.config import OverlapConfig, ShardConfig
 from amsp_ext.runtime.optim.ownership import assign_blocks, assign_greedy, load_per_owner
 from amsp_ext.runtime.sync.param_shard import prefetch_targets

@@ -1,10 +1,11 @@
-"""Gradient buckets close at unit boundaries (grad_sync.py [Note: buckets close at unit
+"""Gradient buckets close at unit boundaries (planner/buckets.py [Note: buckets close at unit
 boundaries]), in the engine and in the planner's list, against hand-computed layouts."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from amsp_ext.planner import buckets
 from amsp_ext.planner.issued import grad_buckets
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
@@ -15,19 +16,23 @@ def _tensors(units_numels):
     return [SimpleNamespace(index=i, unit=u, numel=n) for i, (u, n) in enumerate(units_numels)]
 
 
-def test_engine_buckets_close_at_units_once_big_enough():
-    ts = _tensors([(0, 300), (1, 200), (1, 200), (2, 100), (3, 50)])
+def test_engine_buckets_close_at_units_once_big_enough(monkeypatch):
+    units_numels = [(0, 300), (1, 200), (1, 200), (2, 100), (3, 50)]
+    ts = _tensors(units_numels)
     # backward: 50 (u3), 100 (u2), 200, 200 (u1), 300 (u0); a bucket closes at a unit
-    # boundary only once it holds 250 elements
-    got = [[idx for idx, _, _ in b.slots] for b in _plan_buckets(ts, 1000, 250)]
+    # boundary only once it holds 250 elements (1-byte elements: bytes are elements)
+    monkeypatch.setattr(buckets, "UNIT_BUCKET_MIN_BYTES", 250)
+    assert buckets.bucket_layout(units_numels, bucket_bytes=1000, elem_bytes=1) == [[4, 3, 2, 1], [0]]
+    got = [[idx for idx, _, _ in b.slots] for b in _plan_buckets(ts, 1000, 1)]  # the engine's slots
     assert got == [[4, 3, 2, 1], [0]]
-    got = [b.numel for b in _plan_buckets(ts, 400, 250)]  # the cap still applies
+    got = [b.numel for b in _plan_buckets(ts, 400, 1)]  # the cap still applies
     assert got == [350, 200, 300]
-    assert [b.numel for b in _plan_buckets(ts, 1000)] == [850]  # no unit rule: filled to U
+    monkeypatch.setattr(buckets, "UNIT_BUCKET_MIN_BYTES", 10**6)  # no unit rule: filled to U
+    assert [b.numel for b in _plan_buckets(ts, 1000, 1)] == [850]
 
 
 def test_planner_buckets_small_llama_fp32():
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
 
     spec = ModelSpec.from_hf_config(llama_config_dict("small-llama"), name="small-llama")
     got = [b for b, _ in grad_buckets(spec, Plan(), granularity="layer", bucket_bytes=25 * 2**20,
@@ -39,12 +44,13 @@ def test_planner_buckets_small_llama_fp32():
 
 
 def test_launching_a_bucket_waits_only_past_two_full_buckets_in_flight(monkeypatch):
-    """grad_sync.py [Note: bytes in flight]: U = 400 bytes (100 fp32 elements), so at most 200
+    """planner/buckets.py [Note: bytes in flight]: U = 400 bytes (100 fp32 elements), so at most 200
     elements in flight; buckets (backward order) of 50, 50, 50, 100, 100, 100. The old rule (two
     buckets) completed bucket 0 before launching the third; now the three small ones go out
     together and a launch waits only once 200 would be passed."""
     import torch
 
+    from amsp_ext.planner import buckets
     from amsp_ext.runtime import collectives as C
     from amsp_ext.runtime.sync import grad_sync
     from amsp_ext.topology.mesh import GroupHandle
@@ -52,7 +58,7 @@ def test_launching_a_bucket_waits_only_past_two_full_buckets_in_flight(monkeypat
     numels = [100, 100, 100, 50, 50, 50]  # forward order, one unit each, reversed in backward
     ts = [SimpleNamespace(index=i, unit=i, numel=n, local_shape=(n,), owner_rank=0, keeper_rank=0,
                           name=f"t{i}") for i, n in enumerate(numels)]
-    monkeypatch.setattr(grad_sync, "UNIT_BUCKET_MIN_BYTES", 1)  # a bucket per unit
+    monkeypatch.setattr(buckets, "UNIT_BUCKET_MIN_BYTES", 1)  # a bucket per unit
     group = GroupHandle(pg=None, name="param_replica[0,1]", size=2, timeout=5.0, cross_node=False)
     gs = grad_sync.GradSync(ts, comm=C.CollectiveContext(timeout=5.0), rank=0, dtype=torch.float32,
                             device=torch.device("cpu"), bucket_bytes=400, dp_size=2, replica=group,

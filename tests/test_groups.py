@@ -103,7 +103,7 @@ def test_a_two_level_all_reduce_is_counted_as_its_groups_all_reduce():
     """The consumers of groups.group_kind: the engine's trace kinds (comm_trace.kind_of) and the
     dry run's bytes (dryrun_report.bytes_per_kind, one bucket's v, not its three phases)."""
     from amsp_ext.runtime.measure.comm_trace import kind_of
-    from amsp_ext.runtime.measure.dryrun_report import bytes_per_kind
+    from amsp_ext.tools.dryrun_report import bytes_per_kind
     from amsp_ext.topology.groups import group_kind
 
     assert group_kind("param_replica_local[0,1]") == group_kind("param_replica[0,1,2,3]") == "param_replica"

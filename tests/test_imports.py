@@ -14,39 +14,47 @@ PACKAGE = Path(__file__).resolve().parents[1] / "amsp_ext"
 # Cycles that another change removes; each names its issue. Delete the entry with the cycle.
 KNOWN_CYCLES: set[frozenset[str]] = set()
 
-_APP_ABOVE_RUNTIME = ("amsp_ext.train.loop", "amsp_ext.train.state", "amsp_ext.train.supervise",
-                      "amsp_ext.train.config")
-_ABOVE_RUNTIME = ("amsp_ext.cli", "amsp_ext.integrations", "amsp_ext.compare", *_APP_ABOVE_RUNTIME,
-                  "amsp_ext.cluster", "amsp_ext.tune")
-# The training application's leaf modules: what the runtime, compare and tune may import of it.
-_APP_LEAVES = ("amsp_ext.train.models", "amsp_ext.train.data", "amsp_ext.train.metrics",
-               "amsp_ext.train.faults")
+# The layers, bottom up (docs/DESIGN.md, Layers). A module imports its own layer and the ones
+# below, never one above:
+#   choices; schema and planner (neither imports the other); engine_config; common (the
+#   planner and choices only); topology; runtime (the engine); tools (dry run, profiler,
+#   rendezvous); the applications: integrations, train, compare, tune; cli on top.
+# cluster (the one-machine lab) stands beside them, importing none of amsp_ext's other layers.
+_APPS = ("amsp_ext.integrations", "amsp_ext.train", "amsp_ext.compare", "amsp_ext.tune", "amsp_ext.cli")
+_ABOVE_ENGINE = ("amsp_ext.tools", *_APPS)
+_ENGINE_AND_ABOVE = ("amsp_ext.runtime", *_ABOVE_ENGINE)
+_TRAIN_APP = ("amsp_ext.train.loop", "amsp_ext.train.state", "amsp_ext.train.supervise",
+              "amsp_ext.train.__main__")
 # module prefix -> prefixes it must not import (a prefix ending in "." covers everything under it)
 FORBIDDEN = {
     "amsp_ext.choices": ("amsp_ext.",),
-    "amsp_ext.schema": ("amsp_ext.planner", "amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.train",
-                        *_ABOVE_RUNTIME),
-    "amsp_ext.engine_config": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.train", *_ABOVE_RUNTIME),
-    "amsp_ext.planner": ("amsp_ext.engine_config", "amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.schema", "amsp_ext.train",
-                         *_ABOVE_RUNTIME),
-    "amsp_ext.topology": ("amsp_ext.runtime", "amsp_ext.train", *_ABOVE_RUNTIME),
-    "amsp_ext.cluster": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.cli",
-                         "amsp_ext.integrations", "amsp_ext.compare", "amsp_ext.train"),
-    **{leaf: ("amsp_ext.topology", "amsp_ext.runtime", *_ABOVE_RUNTIME) for leaf in _APP_LEAVES},
-    "amsp_ext.runtime": _ABOVE_RUNTIME,
-    "amsp_ext.train.config": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.cli",
-                              "amsp_ext.integrations", "amsp_ext.compare", *_APP_ABOVE_RUNTIME),
-    "amsp_ext.integrations": ("amsp_ext.cli", "amsp_ext.compare", *_APP_ABOVE_RUNTIME),
-    "amsp_ext.compare": ("amsp_ext.cli", *_APP_ABOVE_RUNTIME),
+    "amsp_ext.schema": ("amsp_ext.planner", "amsp_ext.engine_config", "amsp_ext.common",
+                        "amsp_ext.topology", "amsp_ext.cluster", *_ENGINE_AND_ABOVE),
+    "amsp_ext.planner": ("amsp_ext.schema", "amsp_ext.engine_config", "amsp_ext.common",
+                         "amsp_ext.topology", "amsp_ext.cluster", *_ENGINE_AND_ABOVE),
+    "amsp_ext.engine_config": ("amsp_ext.common", "amsp_ext.topology", "amsp_ext.cluster",
+                               *_ENGINE_AND_ABOVE),
+    "amsp_ext.common": ("amsp_ext.schema", "amsp_ext.engine_config", "amsp_ext.topology",
+                        "amsp_ext.cluster", *_ENGINE_AND_ABOVE),
+    "amsp_ext.topology": ("amsp_ext.cluster", *_ENGINE_AND_ABOVE),
+    "amsp_ext.runtime": ("amsp_ext.cluster", *_ABOVE_ENGINE),
+    "amsp_ext.tools": ("amsp_ext.cluster", *_APPS),
+    "amsp_ext.cluster": ("amsp_ext.schema", "amsp_ext.planner", "amsp_ext.engine_config",
+                         "amsp_ext.common", "amsp_ext.topology", *_ENGINE_AND_ABOVE),
+    "amsp_ext.integrations": ("amsp_ext.tools", "amsp_ext.train", "amsp_ext.compare",
+                              "amsp_ext.tune", "amsp_ext.cli"),
+    # the config of `amsp train` stays torch-free: below the engine
+    "amsp_ext.train.config": ("amsp_ext.topology", "amsp_ext.runtime", "amsp_ext.tools",
+                              "amsp_ext.integrations", *_TRAIN_APP, "amsp_ext.compare", "amsp_ext.tune",
+                              "amsp_ext.cli"),
+    "amsp_ext.train": ("amsp_ext.compare", "amsp_ext.tune", "amsp_ext.cli"),
+    "amsp_ext.compare": ("amsp_ext.train", "amsp_ext.tune", "amsp_ext.cli"),
     "amsp_ext.compare.harness": ("amsp_ext.runtime",),  # it plans "auto" with the planner alone
-    "amsp_ext.train": ("amsp_ext.cli",),
     "amsp_ext.tune": ("amsp_ext.cli", "amsp_ext.compare.harness"),
+    "amsp_ext.cli": (),  # the top: every layer below
 }
-# [Note: the one import from topology into runtime]
-# topology/mesh.py builds the plan's DeviceMesh and so needs torch's private mesh helpers, which
-# live in runtime/_torch_compat.py only (tests/test_torch_compat.py). _torch_compat imports
-# nothing of amsp_ext, so this edge cannot close a cycle.
-ALLOWED = {("amsp_ext.topology.mesh", "amsp_ext.runtime._torch_compat")}
+# an edge the layers allow by exception, with the reason in a Note (none today)
+ALLOWED: set[tuple[str, str]] = set()
 NEVER_TORCH = ("amsp_ext.planner", "amsp_ext.topology.groups", "amsp_ext.engine_config", "amsp_ext.choices", "amsp_ext.schema", "amsp_ext.train.config",
                "amsp_ext.tune.spec", "amsp_ext.tune.candidates", "amsp_ext.tune.analysis")
 
@@ -182,6 +190,40 @@ def test_no_upward_imports():
             bad += [f"{module} -> {target}" for r in rules for t in behind
                     if _matches(t, r) and (module, t) not in ALLOWED]
     assert not bad, "upward imports:\n" + "\n".join(sorted(set(bad)))
+
+
+# the package's facades, above everything: amsp_ext (lazy engine and integrations) and
+# amsp_ext.accelerate (the integrations' Accelerator under a short name)
+FACADES = ("amsp_ext", "amsp_ext.accelerate")
+
+
+def test_every_module_is_in_a_layer():
+    """A new package must be placed in a layer (FORBIDDEN) before it can import anything."""
+    loose = [m for m in MODULES if m not in FACADES
+             and not any(m == p or m.startswith(p + ".") for p in FORBIDDEN)]
+    assert not loose, f"modules in no layer of FORBIDDEN: {sorted(loose)}"
+
+
+def test_the_layers_refuse_an_upward_edge():
+    """The rules catch the edges this layout removed (the engine importing a tool or an
+    application, a shared leaf importing the engine)."""
+    def refused(module: str, target: str) -> bool:
+        return any(_matches(target, r) for r in _rules_for(module))
+
+    for module, target in [("amsp_ext.runtime.shard", "amsp_ext.train.loop"),
+                           ("amsp_ext.runtime.measure.peak", "amsp_ext.compare.worker"),
+                           ("amsp_ext.runtime.engine", "amsp_ext.tools.dryrun"),
+                           ("amsp_ext.topology.mesh", "amsp_ext.integrations.engine"),
+                           ("amsp_ext.planner.issued", "amsp_ext.tune.worker"),
+                           ("amsp_ext.planner.issued", "amsp_ext.common.models"),
+                           ("amsp_ext.common.faults", "amsp_ext.runtime.collectives"),
+                           ("amsp_ext.common.models", "amsp_ext.topology.groups"),
+                           ("amsp_ext.tools.dryrun", "amsp_ext.cli.main")]:
+        assert refused(module, target), f"{module} -> {target} passes the layer rules"
+    for module, target in [("amsp_ext.runtime.shard", "amsp_ext.common.faults"),
+                           ("amsp_ext.tools.dryrun", "amsp_ext.runtime.shard"),
+                           ("amsp_ext.train.loop", "amsp_ext.tools.rendezvous")]:
+        assert not refused(module, target), f"{module} -> {target} is refused"
 
 
 def test_the_planner_and_the_schema_never_import_torch():

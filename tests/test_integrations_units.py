@@ -83,7 +83,7 @@ def test_initialize_rejects_a_bad_config_before_any_collective():
     import torch.distributed as dist
 
     import amsp_ext
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.models import build_llama
 
     assert not dist.is_initialized()
     model = build_llama("tiny-llama")
@@ -204,7 +204,7 @@ def test_optimizer_block_follows_deepspeed_names():
 
 def test_param_groups_survive_the_rebuild():
     from amsp_ext.integrations.optim import build_optimizer_factory
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.models import build_llama
 
     model = build_llama("tiny-llama")
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
@@ -411,7 +411,7 @@ def test_migrate_reads_the_old_layout_and_plans(capsys, tmp_path, name, old_layo
     from amsp_ext.planner.search import make_problem, search
     from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
     from amsp_ext.planner.model_spec import ModelSpec
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
 
     out = tmp_path / f"{name}.amsp.json"
     code, text, err = migrate(capsys, BEFORE / f"{name}.json", *LAB, "--gpu-memory", "6MiB", "-o", out, "--json")

@@ -1,4 +1,4 @@
-"""A single-machine `amsp train` listens on loopback only (runtime/rendezvous.py, [Note: no server
+"""A single-machine `amsp train` listens on loopback only (tools/rendezvous.py, [Note: no server
 on every interface]): while a 2-rank run trains, every LISTEN socket of its process tree (the
 launcher, torchrun's agent, the ranks), read from /proc/net/tcp{,6} and /proc/<pid>/fd, is bound
 to 127.0.0.1 (or ::1). The reference is the kernel's socket table, not the code's own account."""

@@ -3,8 +3,8 @@ Megatron-LM's closed form and a hand count."""
 
 import pytest
 
-from amsp_ext.train.metrics import flops_per_token, median_after_warmup, mfu
-from amsp_ext.train.models import llama_config_dict
+from amsp_ext.common.metrics import flops_per_token, median_after_warmup, mfu
+from amsp_ext.common.models import llama_config_dict
 
 
 def test_reduces_to_megatron_closed_form_for_a_gpt_shaped_layer():
@@ -42,9 +42,9 @@ def test_mfu_of_a_run_whose_peak_was_measured_never_exceeds_one():
 
     import torch
 
-    from amsp_ext.train.data import micro_batch
-    from amsp_ext.train.metrics import mfu_check
-    from amsp_ext.train.models import build_llama, causal_lm_loss
+    from amsp_ext.common.data import micro_batch
+    from amsp_ext.common.metrics import mfu_check
+    from amsp_ext.common.models import build_llama, causal_lm_loss
     from amsp_ext.runtime.measure.peak import device_peak
 
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def test_mfu_of_a_run_whose_peak_was_measured_never_exceeds_one():
 
 
 def test_mfu_above_one_is_flagged_and_gpu_peaks_come_from_the_table():
-    from amsp_ext.train.metrics import mfu_check, table_peak
+    from amsp_ext.common.metrics import mfu_check, table_peak
 
     assert "exceeds 100%" in mfu_check(1.3) and mfu_check(0.4) is None and mfu_check(None) is None
     assert table_peak("NVIDIA H100 80GB HBM3") == 989e12

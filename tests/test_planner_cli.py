@@ -57,7 +57,7 @@ def test_text_output(capsys):
 
 
 def test_model_config_path(tmp_path, capsys):
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(llama_config_dict("tiny-llama")))

@@ -70,7 +70,7 @@ def test_qwen2_has_qkv_bias_only():
 ])
 def test_counts_match_a_real_llama(overrides):
     pytest.importorskip("transformers")
-    from amsp_ext.train.models import build_llama, llama_config_dict
+    from amsp_ext.common.models import build_llama, llama_config_dict
 
     cfg = {**llama_config_dict("tiny-llama"), **overrides}
     spec = ModelSpec.from_hf_config(cfg)

@@ -156,7 +156,7 @@ def test_sensitivity_cases():
 
 
 def test_plan_for_takes_an_hf_config():
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
 
     cl = ClusterSpec(num_nodes=2, gpus_per_node=2, gpu_memory_bytes=8 * GiB)
     tr = paper_job(seq_len=64, micro_batch_size=2, global_batch_size=16)

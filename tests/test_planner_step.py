@@ -124,7 +124,7 @@ def test_timeline_helpers_by_hand():
 
 
 def test_engine_all_reduce_window_counts_bytes_by_hand():
-    """grad_sync.py [Note: bytes in flight], as the calibrated model applies it: one micro-batch,
+    """planner/buckets.py [Note: bytes in flight], as the calibrated model applies it: one micro-batch,
     backward 0..10 s, four buckets ready at 1, 2, 3, 4 s, each all-reduce 4 s, no thread cost."""
     import numpy as np
 

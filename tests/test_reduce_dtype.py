@@ -60,7 +60,7 @@ def test_planner_charges_four_bytes_per_gradient():
     """Hand-computed: tiny-llama has 125248 parameters; bf16 gradients reduced in fp32 take 4
     bytes each in model states (G*Phi/sg) and in the bucket count e_g*Phi/(U*sp) of Tg/T0_os;
     the parameter broadcast T1_os still moves 2-byte parameters."""
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
 
     spec = ModelSpec.from_hf_config(llama_config_dict("tiny-llama"))
     phi = spec.num_params

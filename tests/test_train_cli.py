@@ -12,8 +12,8 @@ import torch
 
 from dist_utils import REPO
 
-from amsp_ext.train.data import global_batch
-from amsp_ext.train.models import build_llama, causal_lm_loss
+from amsp_ext.common.data import global_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
 
 
 def amsp(*args, timeout=300):

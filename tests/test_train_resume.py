@@ -9,7 +9,7 @@ batch 16 sequences):
   with every sample seen exactly once;
 - D: NaN on rank 1 at steps 1-3 (2 ranks): the guard skips them and the third stops the job,
   exit 1, one error line.
-Faults come from AMSP_FAULTS (amsp_ext/train/faults.py)."""
+Faults come from AMSP_FAULTS (amsp_ext/common/faults.py)."""
 
 from __future__ import annotations
 

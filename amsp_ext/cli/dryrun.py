@@ -4,7 +4,7 @@
     amsp dryrun --model llama-7b --nodes 128 --gpus-per-node 8 --gpu-memory 80GiB \\
                 --seq-len 4096 --micro-batches 1 --precision bf16 --plan zero3 [--ranks 0,1023] [--json] [--out DIR]
 
-See runtime/measure/dryrun.py [Note: dry run]. Each sampled rank runs in its own process.
+See tools/dryrun.py [Note: dry run]. Each sampled rank runs in its own process.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ HELP = ("dry-run the engine for sampled ranks of a large world (fake backend; fa
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from amsp_ext.planner.model_spec import MODEL_PRESETS
-    from amsp_ext.train.models import MODEL_CONFIGS
+    from amsp_ext.common.models import MODEL_CONFIGS
 
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])}")
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--steps", type=int, default=None, help="steps to run; the last is measured")
     d.add_argument("--tensors", default=None, choices=DRYRUN_TENSORS,
                    help="fake: no storage (any model on any machine); real: allocated, on --device "
-                        "(runtime/measure/dryrun.py [Note: real tensors on a GPU])")
+                        "(tools/dryrun.py [Note: real tensors on a GPU])")
     d.add_argument("--device", default=None, choices=DRYRUN_DEVICES,
                    help="cuda: this machine's GPU (its streams, events and allocator; one rank at a time)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} is a file, not a folder")  # before the run, not after
     from amsp_ext.planner.specs import parse_size
-    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
-    from amsp_ext.runtime.measure.dryrun_report import format_text, write_out
+    from amsp_ext.tools.dryrun import DryRunSpec, dry_run
+    from amsp_ext.tools.dryrun_report import format_text, write_out
 
     check_counts(args, ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches", "steps"))
     spec = DryRunSpec(model=args.model, model_config=args.model_config, num_nodes=args.nodes,

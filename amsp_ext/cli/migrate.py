@@ -220,7 +220,7 @@ def _read_inputs(args) -> _Job:
 def _read_cluster(args, job: _Job) -> None:
     """The model, its sequence length, the target cluster and the memory reserve."""
     from amsp_ext.planner.specs import ClusterSpec, parse_size
-    from amsp_ext.train.models import model_spec
+    from amsp_ext.common.models import model_spec
 
     job.spec = model_spec(args.model, args.model_config)
     if args.seq_len is None:  # the planner's estimate only; amsp.seq_len can be changed later

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from amsp_ext.planner.model_spec import MODEL_PRESETS
 
     model = p.add_mutually_exclusive_group(required=True)
-    from amsp_ext.train.models import MODEL_CONFIGS
+    from amsp_ext.common.models import MODEL_CONFIGS
 
     model.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])} "
                                        "(the last ones are amsp train's built-in models)")
@@ -90,12 +90,12 @@ def _check_positive(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from amsp_ext.train.models import model_spec
+    from amsp_ext.common.models import model_spec
     from amsp_ext.planner.report import build_report, format_text
     from amsp_ext.choices import ALL_REDUCES
     from amsp_ext.planner.auto import search_all_reduce
     from amsp_ext.planner.search import make_problem, search
-    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, parse_size
+    from amsp_ext.planner.specs import ClusterSpec, job_spec, parse_size
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
 
     from amsp_ext.planner.profile import load_profile
@@ -118,14 +118,10 @@ def run(args: argparse.Namespace) -> int:
     off = set(args.no_overlap)
 
     def problem_for(all_reduce: str):
-        training = TrainingSpec(
-            seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+        training = job_spec(
+            settings, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
             global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
-            num_micro_batches=args.micro_batches, recompute=settings["recompute"],
-            precision=settings["precision"], reduce_dtype=settings["reduce_dtype"],
-            optimizer=args.optimizer, bucket_bytes=settings["grad_bucket_bytes"],
-            granularity=settings["granularity"], all_reduce=all_reduce,
-        )
+            num_micro_batches=args.micro_batches, optimizer=args.optimizer, all_reduce=all_reduce)
         return make_problem(
             spec, cluster, training, profile, objective=args.objective,
             missing=args.missing_mesh,
@@ -172,11 +168,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _verify(result, args, engine, training, usable: int) -> list[dict]:
     """[Note: plan --verify] The planner's memory model is an estimate; the dry run counts what
-    the engine allocates (runtime/measure/dryrun.py). The top K candidates that fit by the
+    the engine allocates (tools/dryrun.py). The top K candidates that fit by the
     model are dry-run (rank 0, two steps, all in one pool of two processes) at the usable
     memory (--gpu-memory less --memory-reserve), in rank order; the first that also fits by the
     engine's count becomes the plan. Rank 0 only: other ranks own other tensors."""
-    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run_many
+    from amsp_ext.tools.dryrun import DryRunSpec, dry_run_many
 
     world = args.nodes * args.gpus_per_node
     feasible = [c for c in result.ranked if c.feasible][:args.verify]

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace):
     from amsp_ext.planner.specs import parse_size
-    from amsp_ext.runtime.measure.profile_cases import ProfileConfig
+    from amsp_ext.tools.profile_cases import ProfileConfig
 
     given = {}
     if args.min_size is not None:
@@ -63,7 +63,7 @@ def _config(args: argparse.Namespace):
 
 def _launch_env():
     """(rank, world size, local world size, local rank) from torchrun's environment."""
-    from amsp_ext.runtime.measure.profile_cases import ProfileError
+    from amsp_ext.tools.profile_cases import ProfileError
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     missing = [k for k in keys if k not in os.environ]
@@ -83,7 +83,7 @@ def _lab_link() -> dict | None:
 
 
 def _print_fits(measurements, out) -> None:
-    from amsp_ext.runtime.measure.profile_cases import alpha_beta_fit
+    from amsp_ext.tools.profile_cases import alpha_beta_fit
 
     print(f"{'op':<14}{'mesh':>6}  {'alpha (us)':>11}  {'1/beta (GB/s)':>13}  {'GB/s at max':>11}", file=out)
     for m in measurements:
@@ -94,7 +94,7 @@ def _print_fits(measurements, out) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from amsp_ext.runtime.measure.profile_cases import ProfileError
+    from amsp_ext.tools.profile_cases import ProfileError
 
     config = _config(args)  # bad flags fail here, before any rank talks to another
     rank, world_size, local_world, local_rank = _launch_env()
@@ -111,15 +111,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from amsp_ext.runtime.measure.profile_cases import profile_document
-    from amsp_ext.runtime.measure.profiler import measure, pick_device
+    from amsp_ext.tools.profile_cases import profile_document
+    from amsp_ext.tools.profiler import measure, pick_device
     from amsp_ext.topology.groups import World
 
     backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     world = World.with_leaves(num_nodes=world_size // local_world, gpus_per_node=local_world,
                               nodes_per_leaf=nodes_per_leaf)
     device = pick_device(backend, local_rank)
-    from amsp_ext.runtime.rendezvous import init_process_group
+    from amsp_ext.tools.rendezvous import init_process_group
 
     init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
                             device_id=device if device.type == "cuda" else None)

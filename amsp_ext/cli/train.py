@@ -41,7 +41,7 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
     from amsp_ext.planner.plan import resolve_plan, validate_plan
     from amsp_ext.planner.profile import load_profile
     from amsp_ext.train.config import auto_plan_config
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
 
     load_profile(config.planner.profile)  # a bad --profile is refused whatever the plan
     memory = _rank_memory(config, gpus_per_node)
@@ -172,11 +172,11 @@ def launch(config: TrainConfig, *, nproc_per_node: int) -> int:
     summary."""
     from amsp_ext.train.supervise import Job
 
-    from amsp_ext.runtime.rendezvous import loopback_env, loopback_torchrun_args
+    from amsp_ext.tools.rendezvous import loopback_env, loopback_torchrun_args
 
     env = loopback_env({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                         "PYTHONUNBUFFERED": "1"})
-    # the store lives in the agent, on 127.0.0.1 only (runtime/rendezvous.py); every restart's
+    # the store lives in the agent, on 127.0.0.1 only (tools/rendezvous.py); every restart's
     # ranks are its clients
     with Job("amsp-train-") as job:
         config_file, result_file = job.dir / "config.json", job.dir / "result.json"

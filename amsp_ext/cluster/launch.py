@@ -1,9 +1,9 @@
 """``amsp cluster run``: one torchrun per lab node, inside that node's namespace.
 
 [Note: what each node gets]
-Node ``i`` runs ``ip netns exec <name>-n<i> python -m amsp_ext.runtime.rendezvous --nnodes N
+Node ``i`` runs ``ip netns exec <name>-n<i> python -m amsp_ext.tools.rendezvous --nnodes N
 --nproc-per-node R --node-rank i --master-addr <node 0's address> --master-port P ...``: torchrun
-with its static rendezvous, node 0's store listening on that address only (runtime/rendezvous.py,
+with its static rendezvous, node 0's store listening on that address only (tools/rendezvous.py,
 [Note: a static rendezvous bound to the master address]; static rendezvous, so global rank = i * R + local rank, the order :mod:`amsp_ext.topology.groups`
 assumes). Its environment names the lab interface for gloo and NCCL socket traffic, and sets
 ``NCCL_HOSTID`` per node: the namespaces share one host, and without it NCCL would see one host
@@ -71,7 +71,7 @@ def node_launches(spec: LabSpec, command: Sequence[str], *, master_port: int, st
     for i in range(spec.num_nodes):
         argv = [
             "ip", "netns", "exec", lab.node_ns(i),
-            python, "-m", "amsp_ext.runtime.rendezvous",  # torchrun, node 0's store on the master address
+            python, "-m", "amsp_ext.tools.rendezvous",  # torchrun, node 0's store on the master address
             f"--nnodes={spec.num_nodes}", f"--nproc-per-node={spec.gpus_per_node}",
             f"--node-rank={i}", f"--master-addr={lab.master_address}", f"--master-port={master_port}",
             "--tee=3", f"--log-dir={Path(log_dir) / f'node{i}'}",

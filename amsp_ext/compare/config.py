@@ -1,7 +1,7 @@
 """What one comparison holds fixed across systems, as a kw-only dataclass.
 
 Every system in a comparison gets the same ``RunSpec``: model and seed (so the same initial
-weights), data (``amsp_ext.train.data``: the same tokens per step, micro-batch and rank), global batch
+weights), data (``amsp_ext.common.data``: the same tokens per step, micro-batch and rank), global batch
 (``micro_batch_size x num_micro_batches x world``), number of steps, optimizer and precision.
 """
 
@@ -16,7 +16,7 @@ from amsp_ext import choices
 from amsp_ext.choices import ALL_REDUCE_SETTINGS, GRANULARITIES, OVERLAP_OPS
 from amsp_ext.engine_config import engine_default
 from amsp_ext.schema import check_options, name_of, option
-from amsp_ext.train.models import MODEL_CONFIGS
+from amsp_ext.common.models import MODEL_CONFIGS
 
 __all__ = ["GRANULARITIES", "OVERLAPS", "OVERLAP_LABELS", "OVERLAP_SWITCHES", "PRECISIONS", "RunSpec", "SpecError"]
 

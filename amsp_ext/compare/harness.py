@@ -27,7 +27,7 @@ from amsp_ext.compare.launch import LaunchConfig, run_system
 from amsp_ext.compare.rounds import combine_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS
-from amsp_ext.train.metrics import mfu
+from amsp_ext.common.metrics import mfu
 from amsp_ext.planner.specs import format_size
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_PROFILE, DEFAULT_RESERVE_BYTES
 
@@ -100,7 +100,7 @@ def _resolve_planned(spec: RunSpec, plan_text: str, *, num_nodes: int, gpus_per_
         return spec, None, f"given: {plan_text}"
     from amsp_ext.compare.systems.amsp import engine_config
     from amsp_ext.engine_config import planner_settings
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
     from amsp_ext.planner.auto import AutoPlanConfig, resolve_auto
     from amsp_ext.planner.plan import resolve_plan
 
@@ -387,8 +387,8 @@ def _machine() -> str:
 
 
 def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak, hardware) -> dict:
-    from amsp_ext.train.metrics import flops_per_token
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.metrics import flops_per_token
+    from amsp_ext.common.models import llama_config_dict
     from amsp_ext.planner.model_spec import ModelSpec
 
     ok = [r for r in raw if r.get("status") == "ok"]

@@ -19,7 +19,7 @@ from typing import Any
 
 from amsp_ext.cluster.proctree import JOB_ENV, new_job_id, stop_job
 from amsp_ext.compare.config import RunSpec
-from amsp_ext.runtime.rendezvous import loopback_env, loopback_torchrun_args
+from amsp_ext.tools.rendezvous import loopback_env, loopback_torchrun_args
 
 __all__ = ["LAUNCHERS", "LaunchConfig", "run_system", "worker_command"]
 
@@ -50,11 +50,11 @@ class LaunchConfig:
 
 
 def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig) -> list[str]:
-    """On torchrun: node 0 of 1, its store on 127.0.0.1 only (runtime/rendezvous.py)."""
+    """On torchrun: node 0 of 1, its store on 127.0.0.1 only (tools/rendezvous.py)."""
     worker = ["-m", "amsp_ext.compare.worker", "--spec", str(spec_path), "--system", system,
               "--out", str(out)]
     if launch.launcher == "torchrun":
-        return [sys.executable, "-m", "amsp_ext.runtime.rendezvous", *loopback_torchrun_args(),
+        return [sys.executable, "-m", "amsp_ext.tools.rendezvous", *loopback_torchrun_args(),
                 f"--nproc-per-node={launch.nproc_per_node}", *worker]
     return [sys.executable, "-m", "amsp_ext.cli", "cluster", "run", "--name", launch.cluster_name,
             "--timeout", str(int(launch.timeout_s)), "--master-port", str(launch.master_port),

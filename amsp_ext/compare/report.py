@@ -480,7 +480,7 @@ def _setup_lines(meta: dict[str, Any]) -> list[str]:
         "",
         f"- Model: `{spec['model']}` (transformers LlamaForCausalLM from a config, seed {spec['seed']}); "
         f"{meta['num_params']:,} parameters; FLOPs/token (Megatron, see below) {meta['flops_per_token']:,.0f}.",
-        f"- Data: byte tokens of the Python reference manual (`amsp_ext.train.data`), seq len {spec['seq_len']}, "
+        f"- Data: byte tokens of the Python reference manual (`amsp_ext.common.data`), seq len {spec['seq_len']}, "
         f"micro-batch {spec['micro_batch_size']} per rank, M = {spec['num_micro_batches']} micro-batches, "
         f"global batch {meta['global_batch_sequences']} sequences ({meta['global_batch_tokens']:,} tokens).",
         f"- Steps: {spec['num_steps']} timed ({spec['num_warmup_steps']} warm-up excluded from the median)"

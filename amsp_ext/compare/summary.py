@@ -6,7 +6,7 @@ import statistics
 from typing import Any
 
 from amsp_ext.compare.config import RunSpec
-from amsp_ext.train.metrics import flops_per_token, median_after_warmup, mfu
+from amsp_ext.common.metrics import flops_per_token, median_after_warmup, mfu
 
 __all__ = ["global_losses", "peak_flops", "summarize", "step_times"]
 
@@ -52,7 +52,7 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
                                       "spec", "plan_source")}
     if result.get("status") != "ok":
         return row
-    from amsp_ext.train.models import llama_config_dict
+    from amsp_ext.common.models import llama_config_dict
 
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     times = step_times(ranks)

@@ -58,7 +58,7 @@ def _warm_process(ctx) -> None:
     arenas) is created on first use and never freed; without this it would land in the first
     system-specific figure and swamp a tiny model's footprint.
     """
-    from amsp_ext.train.models import build_llama, causal_lm_loss
+    from amsp_ext.common.models import build_llama, causal_lm_loss
 
     model = build_llama(ctx.spec.model, seed=ctx.spec.seed + 1)
     with ctx.autocast():
@@ -115,8 +115,8 @@ def run(system: str, spec, out: Path, coll) -> dict:
     from amsp_ext.compare.config import resolve_topology
     from amsp_ext.compare.systems import SYSTEMS, runner
     from amsp_ext.compare.systems.base import Context
-    from amsp_ext.train.faults import faults, hang_now
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.faults import faults, hang_now
+    from amsp_ext.common.models import build_llama
 
     info = SYSTEMS[system]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,7 +130,7 @@ def run(system: str, spec, out: Path, coll) -> dict:
 
         patches_applied = patches.apply_needed()
 
-    # the MFU denominator: train/metrics.py [Note: one MFU] (every rank at once, best of trials)
+    # the MFU denominator: common/metrics.py [Note: one MFU] (every rank at once, best of trials)
     peak_flops = device_peak(torch.device("cpu"), ctx.param_dtype, comm=coll).flops
 
     _warm_process(ctx)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         # [Note: CPU only] The runners place models on CPU (FSDP meshes, autocast, DeepSpeed's
         # CPU accelerator); a GPU path needs per-rank devices and NCCL and is not built yet.
         backend = "gloo"
-        from amsp_ext.runtime.rendezvous import init_process_group
+        from amsp_ext.tools.rendezvous import init_process_group
 
         init_process_group(backend, timeout=datetime.timedelta(seconds=spec.dist_timeout_s))
         coll = C.CollectiveContext(timeout=spec.dist_timeout_s)

@@ -16,7 +16,7 @@ from amsp_ext.choices import ALL_REDUCES, MISSING_MESH, OBJECTIVES, OPTIMIZERS, 
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.search import Problem, SearchResult, evaluate, make_problem, search
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.specs import ClusterSpec, job_spec
 from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE,
                                       DEFAULT_PROFILE, DEFAULT_REDUCE_DTYPE)
 
@@ -67,11 +67,10 @@ def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
     ``plan_auto`` searches and what adaptive AMSP (runtime/replan/adaptive.py) predicts steps with."""
     cluster = ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                           gpu_memory_bytes=gpu_memory_bytes, nodes_per_leaf=nodes_per_leaf)
-    training = TrainingSpec(seq_len=auto.seq_len, micro_batch_size=auto.micro_batch_size,
-                            num_micro_batches=auto.num_micro_batches, recompute=recompute,
-                            precision=precision, optimizer=auto.optimizer,
-                            bucket_bytes=grad_bucket_bytes, granularity=granularity,
-                            reduce_dtype=reduce_dtype, all_reduce=all_reduce)
+    settings = dict(precision=precision, grad_bucket_bytes=grad_bucket_bytes, granularity=granularity,
+                    recompute=recompute, reduce_dtype=reduce_dtype, all_reduce=all_reduce)
+    training = job_spec(settings, seq_len=auto.seq_len, micro_batch_size=auto.micro_batch_size,
+                        num_micro_batches=auto.num_micro_batches, optimizer=auto.optimizer)
     reserve = {} if auto.memory_reserve_bytes is None else {"memory_reserve_bytes": auto.memory_reserve_bytes}
     return make_problem(model, cluster, training, auto.profile, objective=auto.objective,
                         missing=auto.missing, **reserve)

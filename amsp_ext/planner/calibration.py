@@ -14,7 +14,7 @@ Schema (one object, every field validated; an error is one line naming the field
       "source": "amsp tune on ...",            # what was measured, non-empty
       "date": "2026-12-01",                    # YYYY-MM-DD
       "device": "cpu",                         # the device it was measured on
-      "peak_flops": 3.1e10,                    # MFU denominator of that run (train/metrics.py)
+      "peak_flops": 3.1e10,                    # MFU denominator of that run (common/metrics.py)
       "forward_flops_per_s": 2.0e10,           # model FLOPs / forward time, per GPU
       "backward_flops_per_s": 2.2e10,          # 2 x model FLOPs / backward time, per GPU
       "optimizer_bytes_per_s": 9.0e9,          # optimizer traffic / optimizer-step time
@@ -94,7 +94,7 @@ class Calibration:
     optimizer_bytes_per_s: float
     step_overhead_s: float = 0.0
     micro_batch_overhead_s: float = 0.0
-    ar_buckets_in_flight: int | None = None  # in-flight cap in U bytes (grad_sync.IN_FLIGHT_BUCKETS)
+    ar_buckets_in_flight: int | None = None  # in-flight cap in U bytes (planner/buckets.py IN_FLIGHT_BUCKETS)
     blocking: tuple[str, ...] = ()  # kinds whose collectives block the compute thread here
     comm_time_scale: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 1.0))
     comm_s_per_byte: Mapping[str, float] = field(default_factory=lambda: _per_kind(None, 0.0))

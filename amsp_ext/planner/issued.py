@@ -7,7 +7,8 @@ local tensor, the smallest packed per owner up to a budget of U (param_sync.py).
 collective costs a fixed latency on top of its bytes, the count matters: small-llama's
 optimizer-state broadcasts over 2 ranks are 30 broadcasts of 128-700 KiB, not one of 6 MiB, and
 on the CPU lab each pays about a millisecond before a byte moves. This module lists them from the
-model's shapes, in the engine's order, so the calibrated model can price each one.
+model's shapes, in the engine's order, so the calibrated model can price each one; the layout
+itself is the engine's own, planner/buckets.py, applied to the model's shapes.
 
 [Note: tensors of a unit]
 Per decoder layer: q, k, v, o, gate, up, down (each with its bias when the config has one) and
@@ -22,15 +23,11 @@ Pure Python.
 
 from __future__ import annotations
 
+from amsp_ext.planner.buckets import bucket_layout, packable
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 
-__all__ = ["UNIT_BUCKET_MIN_BYTES", "broadcast_items", "grad_buckets", "local_tensors"]
-
-# grad_sync.py's constant (the planner does not import the runtime): a bucket closes at a unit
-# boundary once it holds this many bytes (DDP's first-bucket size).
-UNIT_BUCKET_MIN_BYTES = 2**20
-
+__all__ = ["broadcast_items", "grad_buckets", "local_tensors"]
 
 def _layer_tensors(spec: ModelSpec) -> list[tuple[str, int]]:
     """(unit kind at module granularity, numel) of one layer's tensors, forward order."""
@@ -67,22 +64,10 @@ def local_tensors(spec: ModelSpec, granularity: str, sp: int) -> list[tuple[int,
 def grad_buckets(spec: ModelSpec, plan: Plan, *, granularity: str, bucket_bytes: int,
                  elem_bytes: int) -> list[tuple[float, list[int]]]:
     """(bytes, units of its tensors) of each gradient bucket, in backward (launch) order: the
-    engine's rule (runtime/sync/grad_sync.py [Note: buckets close at unit boundaries]): at most
-    U bytes, and closed where the backward moves to another unit once it holds 1 MiB."""
-    cap = max(1, bucket_bytes // elem_bytes)
-    unit_min = min(cap, max(1, UNIT_BUCKET_MIN_BYTES // elem_bytes))
-    buckets: list[tuple[float, list[int]]] = []
-    cur_n, cur_units = 0.0, []
-    for unit, n in reversed(local_tensors(spec, granularity, plan.sp)):
-        boundary = bool(cur_units) and unit != cur_units[-1]
-        if cur_units and (cur_n + n > cap or (boundary and cur_n >= unit_min)):
-            buckets.append((cur_n * elem_bytes, cur_units))
-            cur_n, cur_units = 0.0, []
-        cur_n += n
-        cur_units.append(unit)
-    if cur_units:
-        buckets.append((cur_n * elem_bytes, cur_units))
-    return buckets
+    engine's layout (planner/buckets.py [Note: buckets close at unit boundaries])."""
+    tensors = local_tensors(spec, granularity, plan.sp)
+    return [(sum(tensors[j][1] for j in bucket) * elem_bytes, [tensors[j][0] for j in bucket])
+            for bucket in bucket_layout(tensors, bucket_bytes=bucket_bytes, elem_bytes=elem_bytes)]
 
 
 def broadcast_items(spec: ModelSpec, plan: Plan, *, granularity: str, bucket_bytes: int,
@@ -93,19 +78,12 @@ def broadcast_items(spec: ModelSpec, plan: Plan, *, granularity: str, bucket_byt
     if owners <= 1:
         return []
     tensors = local_tensors(spec, granularity, plan.sp)
-    cap, budget = bucket_bytes / 2, float(bucket_bytes)
-    packable = set()
-    for idx in sorted(range(len(tensors)), key=lambda j: (tensors[j][1], j)):
-        b = tensors[idx][1] * elem_bytes
-        if b > cap or b > budget:
-            break
-        packable.add(idx)
-        budget -= b
-    items = [(n * elem_bytes, unit) for j, (unit, n) in enumerate(tensors) if j not in packable]
-    if packable:
-        num_packs = min(owners, len(packable))
-        packed = sum(tensors[j][1] for j in packable) * elem_bytes
-        first = tensors[min(packable)][0]
-        items += [(packed / num_packs, first)] * num_packs
+    packed = packable([n * elem_bytes for _, n in tensors], bucket_bytes)
+    items = [(n * elem_bytes, unit) for j, (unit, n) in enumerate(tensors) if j not in packed]
+    if packed:
+        num_packs = min(owners, len(packed))
+        total = sum(tensors[j][1] for j in packed) * elem_bytes
+        first = tensors[min(packed)][0]
+        items += [(total / num_packs, first)] * num_packs
         items.sort(key=lambda it: it[1])
     return items

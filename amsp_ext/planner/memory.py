@@ -105,7 +105,7 @@ the one that wins, so they compare with the dry run's categories at the engine's
   allocates
   - the recomputed layer, T*A_layer, with recomputation;
   - gradient buckets, whenever the plan all-reduces gradients (its replica or gradient group
-    has more than one GPU): up to 2U in flight (grad_sync.py [Note: bytes in flight]) and the
+    has more than one GPU): up to 2U in flight (planner/buckets.py [Note: bytes in flight]) and the
     bucket being filled, U, or alone the largest gradient tensor of a layer when that is larger
     (g*n bytes). Never more than the rank's gradients, g*Phi/sp (the engine sizes its buckets
     to the tensors they hold; U is capped there too). The gradient being copied into its bucket

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any, Mapping
 
 from amsp_ext.choices import ALL_REDUCES, GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, reduce_dtypes
 from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_GRANULARITY,
@@ -20,6 +21,7 @@ __all__ = [
     "SpecError",
     "PAPER_JOB",
     "TrainingSpec",
+    "job_spec",
     "paper_job",
     "parse_size",
 ]
@@ -164,6 +166,23 @@ class TrainingSpec:
                 f"{self.micro_batch_size} x {world_size} = {per_step}"
             )
         return seqs // per_step
+
+
+def job_spec(settings: Mapping[str, Any], *, seq_len: int, micro_batch_size: int = 1,
+             num_micro_batches: int | None = None, global_batch_tokens: int | None = None,
+             global_batch_size: int | None = None, optimizer: str | None = None,
+             all_reduce: str | None = None) -> TrainingSpec:
+    """The job an engine runs: the batch, and ``settings``, the engine's settings as
+    ``engine_config.planner_settings`` names them (auto_problem's keywords; ``nodes_per_leaf``,
+    a cluster setting, is not the job's). ``all_reduce``: the mode the engine runs, where the
+    settings' may still be "auto" (None: the settings')."""
+    kw = {} if optimizer is None else {"optimizer": optimizer}
+    return TrainingSpec(seq_len=seq_len, micro_batch_size=micro_batch_size,
+                        num_micro_batches=num_micro_batches, global_batch_tokens=global_batch_tokens,
+                        global_batch_size=global_batch_size, recompute=settings["recompute"],
+                        precision=settings["precision"], reduce_dtype=settings["reduce_dtype"],
+                        bucket_bytes=settings["grad_bucket_bytes"], granularity=settings["granularity"],
+                        all_reduce=settings["all_reduce"] if all_reduce is None else all_reduce, **kw)
 
 
 # [Note: the paper's job]

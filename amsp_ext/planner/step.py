@@ -43,7 +43,7 @@ The calibrated model also follows two rules of the engine (grad_sync.py) that th
 description leaves out: a backward pass ends only when its all-reduce buckets (and
 reduce-scatters) are complete, so they never run into the next micro-batch or the optimizer
 step; and at most ``ar_buckets_in_flight`` x U bytes are in flight, so launching a bucket first
-waits, on the backward thread, for the oldest ones (grad_sync.py [Note: bytes in flight]). Both
+waits, on the backward thread, for the oldest ones (planner/buckets.py [Note: bytes in flight]). Both
 matter when the all-reduces are slower than the backward (a CPU cluster), not on the paper's
 testbed.
 Without a calibration the uncalibrated constants (and o_k = 1) are used, as before.

@@ -3,7 +3,7 @@
 One folder per concern (docs/DESIGN.md): ``sync/`` (the FSDP units, gradient and parameter
 synchronisation), ``optim/`` (the optimizer over owned masters, ownership, layout, the
 non-finite guard, loss scaling), ``state/`` (checkpoints, their files, export), ``replan/``
-(switching plans, adaptive AMSP) and ``measure/`` (profiler, comm trace, peak); ``shard.py``,
+(switching plans, adaptive AMSP) and ``measure/`` (comm trace, peak, the CPU bf16 probe); ``shard.py``,
 ``engine.py``, ``collectives.py`` (the only module that issues collectives) and
 ``_torch_compat.py`` (every private torch name) at the top.
 """

@@ -208,7 +208,7 @@ def live_process_groups() -> list:
     return list(dist.distributed_c10d._world.pg_map)
 
 
-# -- dry run (runtime/measure/dryrun.py): one rank of a huge world, tensors without storage -----
+# -- dry run (tools/dryrun.py): one rank of a huge world, tensors without storage -----
 def fake_store():
     """``torch.testing._internal.distributed.fake_pg.FakeStore``: the store of the ``"fake"``
     backend (every collective returns at once, moving no data), checked with 2.13."""

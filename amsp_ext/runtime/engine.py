@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig, compute_dtype, planner_settings, reduce_dtype_of
 from amsp_ext.runtime.sync.grad_sync import GradSync
 from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
+from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.sync.param_sync import ParamSync
@@ -40,7 +42,8 @@ from amsp_ext.runtime.sync.units import Unit, decoder_layers, list_units, refres
 from amsp_ext.topology.groups import World
 from amsp_ext.topology.mesh import GroupHandle, PlanMesh, build_plan_mesh
 
-__all__ = ["AMSPModule", "Engine", "EngineParts", "MismatchError", "build_parts", "full_state_dict", "install"]
+__all__ = ["AMSPModule", "Engine", "EngineParts", "MismatchError", "build_engine", "build_parts", "full_state_dict",
+           "install"]
 
 
 class MismatchError(ValueError):
@@ -63,6 +66,7 @@ class EngineParts:
     masters: dict[int, nn.Parameter]  # tensor index -> fp32 master, owned only
     grad_sync: GradSync
     param_sync: ParamSync
+    norm_group: NormGroup  # the gradient norm's reduction (the optimizer's clip and guard)
     comm: C.CollectiveContext  # collectives.py [Note: the collective context]; kept by a switch
 
 
@@ -76,9 +80,6 @@ class Engine:
         self.units, self.tensors, self.device = parts.units, parts.tensors, parts.device
         self.grad_sync, self.param_sync, self.optimizer = parts.grad_sync, parts.param_sync, optimizer
         self.comm = parts.comm
-        # no norm all-reduce: the non-finite verdict rides on the gradients' (nonfinite.py
-        # [Note: one decision, on the norm all-reduce])
-        self.grad_sync.fold_verdict = optimizer.guard.fold if optimizer.norm_is_local else None
         self.rank = dist.get_rank()
         # [Note: state dicts on the integration routes] see AMSPModule.state_dict
         self.full_state_dict = full_state_dict
@@ -320,7 +321,7 @@ def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: Sh
 
 def engine_device(model: nn.Module) -> torch.device:
     """Where the engine runs: the GPU of an NCCL rank, else the CPU (gloo). The fake backend of
-    a dry run (runtime/measure/dryrun.py [Note: dry run]) moves no data, so its rank runs where
+    a dry run (tools/dryrun.py [Note: dry run]) moves no data, so its rank runs where
     its model was built: on a GPU, the streams, events and allocator are a real run's."""
     backend = dist.get_backend()
     if backend == "nccl" or (backend == "fake" and next(model.parameters()).device.type == "cuda"):
@@ -359,24 +360,55 @@ def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(dtype)
 
 
-def norm_group(parts: EngineParts) -> NormGroup:
+def _norm_group(world: World, mesh: PlanMesh, config: ShardConfig, comm: C.CollectiveContext) -> NormGroup:
     # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
-    world = GroupHandle(pg=dist.group.WORLD, name="world", size=parts.world.size,
-                        timeout=parts.config.timeout, cross_node=parts.world.num_nodes > 1)
-    if parts.mesh.size("optim") == 1:  # every rank owns every gradient: the norm is local
-        return NormGroup(group=world, replicas=1, reduce=False, comm=parts.comm)
-    return NormGroup(group=world, replicas=parts.world.size // parts.mesh.size("optim"), comm=parts.comm)
+    everyone = GroupHandle(pg=dist.group.WORLD, name="world", size=world.size,
+                           timeout=config.timeout, cross_node=world.num_nodes > 1)
+    if mesh.size("optim") == 1:  # every rank owns every gradient: the norm is local
+        return NormGroup(group=everyone, replicas=1, reduce=False, comm=comm)
+    return NormGroup(group=everyone, replicas=world.size // mesh.size("optim"), comm=comm)
 
 
 def run_info(parts: EngineParts) -> dict:
     return {"plan": str(parts.plan), "world": [parts.world.num_nodes, parts.world.gpus_per_node]}
 
 
+def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig, device: torch.device,
+                 comm: C.CollectiveContext, *, optimizer_factory=None, optimizer: AMSPOptimizer | None = None,
+                 monitor: Callable[[EngineParts], Any] | None = None, previous: "Engine | None" = None) -> Engine:
+    """[Note: one assembly of an engine]
+    ``shard`` builds the first engine of a model and ``switch_plan`` every next one, both here:
+    the parts (``build_parts``), the optimizer over them, the Engine, the hooks (``install``).
+    Every collaborator goes to a constructor, so an object is complete once built. ``shard``
+    passes ``optimizer_factory`` (a new AMSPOptimizer, its non-finite guard from the config, and
+    ``monitor(parts)``: the adaptive run, or None); ``switch_plan`` passes the ``optimizer`` to
+    keep (rebound to the new parts; its guard, loss scaler and adaptive run stay) and the engine
+    it replaces as ``previous`` (its switch record, retired meshes and state-dict mode go on)."""
+    guard = optimizer.guard if optimizer is not None else NonFiniteGuard(max_bad_steps=config.max_bad_steps)
+    parts = build_parts(model, plan, world, config, device, comm, guard=guard)
+    wiring = dict(tensors=parts.tensors, grads=parts.grad_sync, params=parts.param_sync,
+                  norm_group=parts.norm_group, run_info=run_info(parts))
+    if optimizer is None:
+        optimizer = AMSPOptimizer(parts.masters, optimizer_factory, device=device, precision=config.precision,
+                                  fp16=config.fp16, guard=guard,
+                                  adaptive=monitor(parts) if monitor is not None else None, **wiring)
+    else:
+        optimizer.rebind(parts.masters, **wiring)
+    kept = {} if previous is None else dict(
+        full_state_dict=previous.full_state_dict, switches=previous.switches,
+        retired_meshes=[*previous.retired_meshes, previous.mesh])
+    engine = Engine(parts, optimizer, **kept)
+    install(model, engine)
+    return engine
+
+
 def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
-                device: torch.device, comm: C.CollectiveContext) -> EngineParts:
+                device: torch.device, comm: C.CollectiveContext, *, guard: NonFiniteGuard) -> EngineParts:
     """Steps 3-6 of [Note: order of construction] on an fp32 model that every rank holds whole:
     the mesh, the units (FSDP2 when sp > 1), the layout, the owners' fp32 masters, the model in
-    the compute dtype, GradSync and ParamSync (not yet installed), all issuing through ``comm``."""
+    the compute dtype, GradSync and ParamSync (not yet installed), all issuing through ``comm``.
+    ``guard``: the optimizer's non-finite guard, whose verdict rides on the gradients where the
+    norm takes no all-reduce (nonfinite.py [Note: one decision, on the norm all-reduce])."""
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
         mesh = build_plan_mesh(plan, world, device_type=device.type,
                                timeout=datetime.timedelta(seconds=config.timeout),
@@ -407,22 +439,23 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         if dtype != torch.float32:
             _to_dtype_keep_buffers(model, dtype)
 
+    norm = _norm_group(world, mesh, config, comm)
     grad_sync = GradSync(
         tensors, comm=comm, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
         dp_size=world.size,
         replica=mesh.handle("param_replica", timeout=config.timeout),
         grad=mesh.handle("grad", timeout=config.timeout),
-        overlap=config.overlap.allreduce, reduce_dtype=reduce_dtype_of(config))
+        overlap=config.overlap.allreduce, reduce_dtype=reduce_dtype_of(config),
+        fold_verdict=guard.fold if not norm.reduce else None)
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
     param_sync = ParamSync(
         tensors, units, comm=comm, group=mesh.handle("optim_bcast", timeout=config.timeout), rank=rank,
         prefetch=fwd_prefetch, overlap=config.overlap.broadcast,
-        bucket_bytes=config.broadcast_staging_bytes)
-    if plan.sp > 1 and device.type != "cpu":
-        param_sync.after_wait = lambda: fsdp_streams_wait_current(model)
+        bucket_bytes=config.broadcast_staging_bytes,
+        after_wait=(lambda: fsdp_streams_wait_current(model)) if plan.sp > 1 and device.type != "cpu" else None)
     return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,
                        device=device, masters=masters, grad_sync=grad_sync, param_sync=param_sync,
-                       comm=comm)
+                       norm_group=norm, comm=comm)
 
 
 def install(model: nn.Module, engine: Engine) -> None:

@@ -1,8 +1,9 @@
 """``shard(model, plan, optimizer_factory, config=...)``: the one entry point of the engine.
 
 It checks its arguments, resolves the plan, compares it across ranks, and builds the engine in
-the order of [Note: order of construction] (engine.py), then the optimizer and, with
-``ShardConfig.adaptive``, the monitor (runtime/replan/adaptive.py) as the optimizer's post-step hook.
+the order of [Note: order of construction] with engine.build_engine ([Note: one assembly of an
+engine]), which gives the optimizer, with ``ShardConfig.adaptive``, the monitor
+(runtime/replan/adaptive.py; [Note: where a switch happens] there).
 A module of its own because the monitor switches plans (switch.py), which rebuilds engines:
 ``engine <- switch <- adaptive <- shard`` is one-way only if ``shard`` lives above all three.
 """
@@ -16,16 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from amsp_ext.train.faults import faults
+from amsp_ext.common.faults import faults
 from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.plan import Plan, validate_plan
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import (check_same_everywhere, engine_device, enable_recompute, run_fingerprint,
-                                     resolve_engine_plan, same_initial_weights, plan_world, Engine, build_parts,
-                                     install, norm_group, run_info)
-from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
+                                     resolve_engine_plan, same_initial_weights, plan_world, build_engine)
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
 __all__ = ["shard"]
@@ -86,17 +85,12 @@ def shard(model: nn.Module, plan: "Plan | str",
     same_initial_weights(comm, model, config)
     if config.recompute:
         enable_recompute(model)
-    parts = build_parts(model, plan, world, config, device, comm)
-    optimizer = AMSPOptimizer(
-        parts.masters, optimizer_factory, tensors=parts.tensors, grads=parts.grad_sync,
-        params=parts.param_sync, device=device, precision=config.precision, fp16=config.fp16,
-        norm_group=norm_group(parts), guard=NonFiniteGuard(max_bad_steps=config.max_bad_steps),
-        run_info=run_info(parts))
-    engine = Engine(parts, optimizer)
-    install(model, engine)
+    monitor = None
     if config.adaptive is not None:  # runtime/replan/adaptive.py: every optimizer.step() is a boundary
-        run = AdaptiveRun(model, problem, config.adaptive, timeout=config.timeout,
-                          first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
-        engine.optimizer.adaptive = run
-        engine.optimizer.register_step_post_hook(run.on_step)
+        def monitor(parts):
+            return AdaptiveRun(model, problem, config.adaptive, plan=parts.plan, world=parts.world,
+                               comm=comm, timeout=config.timeout,
+                               first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
+    engine = build_engine(model, plan, world, config, device, comm, optimizer_factory=optimizer_factory,
+                          monitor=monitor)
     return model, engine.optimizer

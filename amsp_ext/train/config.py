@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from amsp_ext.choices import OBJECTIVES
 from amsp_ext.engine_config import EngineConfig
-from amsp_ext.train.models import MODEL_CONFIGS
+from amsp_ext.common.models import MODEL_CONFIGS
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import contextlib
 import datetime
 import json
 import math
@@ -29,21 +28,23 @@ import torch.distributed as dist
 
 import amsp_ext
 from amsp_ext import schema
-from amsp_ext.train import metrics
-from amsp_ext.runtime.rendezvous import init_process_group
+from amsp_ext.common import metrics
+from amsp_ext.tools.rendezvous import init_process_group
 from amsp_ext.train.supervise import JOB_DIR_ENV, die_with_parent, report_error
-from amsp_ext.train.data import micro_batch_at
-from amsp_ext.train.faults import faults, kill_now, nan_now
-from amsp_ext.train.models import build_llama, causal_lm_loss, llama_config_dict
+from amsp_ext.common.data import micro_batch_at
+from amsp_ext.common.faults import faults, kill_now, nan_now
+from amsp_ext.common.models import build_llama, causal_lm_loss, llama_config_dict
 from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.model_spec import ModelSpec
-from amsp_ext.planner.specs import TrainingSpec
+from amsp_ext.planner.specs import job_spec
+from amsp_ext.engine_config import planner_settings
 from amsp_ext.runtime import collectives
 from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
 from amsp_ext.runtime.config import ShardConfig, compute_dtype
 from amsp_ext.runtime.optim.nonfinite import NonFiniteError
 from amsp_ext.runtime.measure.peak import device_peak
-from amsp_ext.runtime.measure.profiler import pick_device
+from amsp_ext.runtime.step import train_step
+from amsp_ext.tools.profiler import pick_device
 from amsp_ext.train.config import (BatchOptions, OptimOptions, PlannerOptions, TrainConfig,
                                     auto_plan_config_of)
 from amsp_ext.train.state import checkpoint_name, prune, resolve_resume
@@ -105,19 +106,18 @@ def train(config: TrainConfig) -> dict | None:
     start = _start(config, model, optimizer, scheduler, global_batch=global_batch, log=log)
     samples, history = start.samples, start.history  # the data position, every step taken
     injected = faults()
-    # [Note: adaptive in amsp train] with --adaptive, shard() installed runtime/replan/adaptive.py's
-    # monitor as a post-step hook of the optimizer: at the end of every optimizer.step() it
-    # agrees on the previous step's per-kind times (one all-reduce), feeds planner/adaptive.py's
-    # Monitor and on drift re-fits, re-plans, decides and maybe switches plans in memory
-    # (switch_plan: the same model and optimizer objects, so the scheduler, the data position
-    # below and the RNG go on). Here it learns the run's length and logs through us. Off: none of
-    # it exists.
+    # [Note: adaptive in amsp train] with --adaptive, shard() gave the optimizer
+    # runtime/replan/adaptive.py's monitor: at the end of every optimizer.step() it agrees on the
+    # previous step's per-kind times (one all-reduce), feeds planner/adaptive.py's Monitor and on
+    # drift re-fits, re-plans and decides; a switch it decides runs in the step's zero_grad()
+    # (runtime/step.py), in memory (switch_plan: the same model and optimizer objects, so the
+    # scheduler, the data position below and the RNG go on). Here it learns the run's length and
+    # first step and logs through us. Off: none of it exists.
     adaptive = optimizer.adaptive
     if adaptive is not None:
-        adaptive.total_steps, adaptive.faults, adaptive.log = b.steps, injected, log
-        adaptive.num_steps = len(history)  # a resumed run goes on counting
+        adaptive.follow_loop(total_steps=b.steps, first_step=len(history), log=log)
 
-    # -- 4. the peak for MFU (train/metrics.py [Note: one MFU]) ---------------------------------
+    # -- 4. the peak for MFU (common/metrics.py [Note: one MFU]) ---------------------------------
     peak = device_peak(device, compute_dtype(engine_config), comm=comm)
 
     # -- 5. the loop: global batch after global batch, until steps x global batch samples ---
@@ -150,8 +150,8 @@ def _run_steps(config: TrainConfig, model, optimizer, scheduler, *, samples: int
         step = len(history)
         kill_now(injected, rank=rank, step=step)
         t0 = time.perf_counter()
-        loss, grad_norm, applied = train_step(model, optimizer, scheduler, config, samples=samples,
-                                              step=step, device=device, injected=injected)
+        loss, grad_norm, applied = global_batch_step(model, optimizer, scheduler, config, samples=samples,
+                                                     step=step, device=device, injected=injected)
         history.append({"step": step, "first_sample": samples, "num_samples": global_batch,
                         "loss": loss, "applied": applied})
         samples += global_batch
@@ -193,34 +193,30 @@ def _finish(config: TrainConfig, model, start, comm: collectives.CollectiveConte
     return result
 
 
-def train_step(model, optimizer, scheduler, config: TrainConfig, *, samples: int, step: int,
-               device: torch.device, injected) -> tuple[float, torch.Tensor | None, bool]:
-    """One optimizer step over the global batch that starts at sample ``samples``: M
-    micro-batches (gradients synchronised on the last), clipping, the step. Returns the
+def global_batch_step(model, optimizer, scheduler, config: TrainConfig, *, samples: int, step: int,
+                      device: torch.device, injected) -> tuple[float, torch.Tensor | None, bool]:
+    """One optimizer step over the global batch that starts at sample ``samples``
+    (runtime/step.py ``train_step``, the LR scheduler stepped before ``zero_grad``). Returns the
     global-batch mean loss, the gradient norm (None without clipping) and whether the step was
     applied (a non-finite loss or norm skips it on every rank)."""
     b = config.batch
     rank, world_size, M = dist.get_rank(), dist.get_world_size(), b.micro_batches
+    batches = [micro_batch_at(samples, micro, rank, world_size=world_size, num_micro_batches=M,
+                              micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
+               for micro in range(M)]
+
+    def loss_of(model, batch):
+        loss = causal_lm_loss(model, batch)
+        return loss * float("nan") if nan_now(injected, rank=rank, step=step) else loss
+
+    done = train_step(model, optimizer, batches, loss_of, clip=config.optim.clip, between=scheduler.step)
     step_loss = torch.zeros((), device=device)
-    for micro in range(M):
-        batch = micro_batch_at(samples, micro, rank, world_size=world_size, num_micro_batches=M,
-                               micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
-        with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
-            loss = causal_lm_loss(model, batch) / M
-            if nan_now(injected, rank=rank, step=step):
-                loss = loss * float("nan")
-            optimizer.backward(loss)
-        step_loss += loss.detach().float()
-    clip = config.optim.clip
-    grad_norm = optimizer.clip_grad_norm_(clip) if clip > 0 else None
-    skipped = optimizer.skipped_steps
-    optimizer.step()  # skipped on every rank if the loss or the norm is not finite
-    scheduler.step()
-    optimizer.zero_grad()
+    for loss in done.losses:
+        step_loss += (loss / M).float()
     # the logged loss is the global-batch mean: average over the data-parallel world
     collectives.all_reduce(model.amsp.comm, step_loss, dist.group.WORLD, name="world", stream=None,
                            async_op=False, timeout=config.engine.timeout)  # blocking, read next
-    return step_loss.item() / world_size, grad_norm, optimizer.skipped_steps == skipped
+    return step_loss.item() / world_size, done.grad_norm, done.applied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,10 +253,8 @@ def _summary(config: TrainConfig, model, start: _Start, *, history: list, sample
     adaptive = model.amsp.optimizer.adaptive
     predicted = memory_breakdown(
         ModelSpec.from_hf_config(llama_config_dict(config.model)), plan,
-        TrainingSpec(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
-                     num_micro_batches=b.micro_batches, precision=e.precision,
-                     reduce_dtype=e.reduce_dtype, bucket_bytes=e.grad_bucket_bytes,
-                     granularity=e.granularity, recompute=e.recompute),
+        job_spec(planner_settings(e), seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
+                 num_micro_batches=b.micro_batches, all_reduce=model.amsp.config.all_reduce),
         gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
     flops_per_token = metrics.flops_per_token(llama_config_dict(config.model), b.seq_len)
     result = {

@@ -182,9 +182,9 @@ def _agent(argv: list[str]) -> int:
         if name.startswith("torch.distributed.elastic") and isinstance(lg, logging.Logger):
             lg.setLevel(logging.CRITICAL)
 
-    from amsp_ext.runtime.rendezvous import bound_torchrun_args, register
+    from amsp_ext.tools.rendezvous import bound_torchrun_args, register
 
-    register()  # the store bound to the master address (runtime/rendezvous.py)
+    register()  # the store bound to the master address (tools/rendezvous.py)
     try:
         run(parse_args(bound_torchrun_args(argv)))
         return 0

@@ -47,7 +47,7 @@ def observations(result: dict[str, Any]) -> tuple[list[PlanObservation], ProbeOb
 
 def calibrate_from_result(result: dict[str, Any], config, problems: Problems,
                           candidates: list[Candidate], out: Path) -> None:
-    from amsp_ext.runtime.sync.grad_sync import IN_FLIGHT_BUCKETS
+    from amsp_ext.planner.buckets import IN_FLIGHT_BUCKETS
 
     meta = result["meta"]
     plans, probe = observations(result)

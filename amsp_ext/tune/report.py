@@ -38,7 +38,7 @@ def build_result(config, problems: Problems, candidates: list[Candidate], record
     ok = [r for r in plans if r["measured"]["step_s"] is not None]
     winner = min(ok, key=lambda r: r["measured"]["step_s"]["median"])["key"] if ok else None
     cal = problems.calibrated["step"].calibration if problems.calibrated else None
-    from amsp_ext.train.metrics import flops_per_token
+    from amsp_ext.common.metrics import flops_per_token
 
     fpt = flops_per_token(config.hf_config(), config.batch.seq_len)
     for r in ok:

@@ -38,7 +38,7 @@ def run_tune(config, *, command: str) -> int:
 
     from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
-    from amsp_ext.runtime.measure.profiler import pick_device
+    from amsp_ext.tools.profiler import pick_device
     from amsp_ext.tune.candidates import choose_plans, make_problems
     from amsp_ext.tune.worker import run_rounds
 
@@ -47,7 +47,7 @@ def run_tune(config, *, command: str) -> int:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = pick_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
     t = config.tune
-    from amsp_ext.runtime.rendezvous import init_process_group
+    from amsp_ext.tools.rendezvous import init_process_group
 
     init_process_group(backend, timeout=datetime.timedelta(seconds=config.engine.timeout),
                             device_id=device if device.type == "cuda" else None)

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from amsp_ext.train.models import MODEL_CONFIGS, llama_config_dict
+from amsp_ext.common.models import MODEL_CONFIGS, llama_config_dict
 from amsp_ext.schema import check_options, option, section
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.train.config import BatchOptions, PlannerOptions, check_seq_len

@@ -53,7 +53,7 @@ _PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 
 
 def build_model(config: TuneConfig):
-    from amsp_ext.train.models import build_llama
+    from amsp_ext.common.models import build_llama
 
     if config.model_config is None:
         return build_llama(config.model, seed=config.seed)
@@ -67,7 +67,7 @@ def build_model(config: TuneConfig):
 
 
 def _batch(config: TuneConfig, step: int, micro: int, rank: int, world: int, device) -> torch.Tensor:
-    from amsp_ext.train.data import micro_batch
+    from amsp_ext.common.data import micro_batch
 
     b = config.batch
     return micro_batch(step, micro, rank, world_size=world, num_micro_batches=b.micro_batches,
@@ -82,7 +82,7 @@ def _sync(device) -> None:
 def compute_probe(config: TuneConfig, device, comm: C.CollectiveContext) -> dict[str, float]:
     """Median forward, backward and optimizer-step seconds of the unsharded model (see the Note);
     call on every rank at once."""
-    from amsp_ext.train.models import causal_lm_loss
+    from amsp_ext.common.models import causal_lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
     e, M, timeout = config.engine, config.batch.micro_batches, config.engine.timeout
@@ -133,7 +133,7 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
     collective context; the plan's engine issues through it and the trace observes it."""
     import amsp_ext
     from amsp_ext.compare import memory
-    from amsp_ext.train.metrics import peak_memory_bytes
+    from amsp_ext.common.metrics import peak_memory_bytes
 
     rank, timeout = dist.get_rank(), config.engine.timeout
     engine = dataclasses.replace(config.engine, gpus_per_node=gpus_per_node)
@@ -179,38 +179,32 @@ def measure_plan(config: TuneConfig, cand: Candidate, *, gpus_per_node: int, dev
 
 def _timed_step(config: TuneConfig, model, opt, *, step: int, device,
                 comm: C.CollectiveContext) -> dict[str, Any]:
-    """One step as ``amsp train`` runs it, every phase timed: step time, loss, window, phases."""
-    from amsp_ext.train.models import causal_lm_loss
+    """One step as ``amsp train`` runs it (runtime/step.py), every phase timed: step time, loss,
+    window, phases."""
+    from amsp_ext.common.models import causal_lm_loss
+    from amsp_ext.runtime.step import train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     M, optim = config.batch.micro_batches, OptimOptions()
-    phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": []}
+    phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": [], "optimizer": []}
+
+    @contextlib.contextmanager
+    def timed(name: str):
+        t0 = time.perf_counter()
+        yield
+        _sync(device)
+        phases[name].append((t0, time.perf_counter()))
+
     t_start = time.perf_counter()
+    batches = [_batch(config, step, micro, rank, world, device) for micro in range(M)]
+    done = train_step(model, opt, batches, causal_lm_loss, clip=optim.clip, phase=timed)
     step_loss = torch.zeros((), device=device)
-    for micro in range(M):
-        batch = _batch(config, step, micro, rank, world, device)
-        with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
-            t0 = time.perf_counter()
-            loss = causal_lm_loss(model, batch) / M
-            _sync(device)
-            t1 = time.perf_counter()
-            opt.backward(loss)
-            _sync(device)
-            t2 = time.perf_counter()
-        phases["forward"].append((t0, t1))
-        phases["backward"].append((t1, t2))
-        step_loss += loss.detach().float()
-    t_opt = time.perf_counter()
-    if optim.clip > 0:
-        opt.clip_grad_norm_(optim.clip)
-    opt.step()
-    opt.zero_grad()
-    _sync(device)
-    t_opt_end = time.perf_counter()
+    for loss in done.losses:
+        step_loss += (loss / M).float()
+    t_opt_end = phases["optimizer"][-1][1]
     C.all_reduce(comm, step_loss, dist.group.WORLD, name="world", stream=None,
                  async_op=False, timeout=config.engine.timeout)  # blocking, after _sync
     t_end = time.perf_counter()
-    phases["optimizer"] = [(t_opt, t_opt_end)]
     phases["loss_sync"] = [(t_opt_end, t_end)]
     return {"step_s": t_end - t_start, "loss": float(step_loss.item()),
             "window": (t_start, t_end), "phases": phases}

@@ -22,7 +22,7 @@ from __future__ import annotations
 from amsp_ext.compare.config import OVERLAP_SWITCHES
 from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable, phase
 from amsp_ext.engine_config import EngineConfig, OverlapConfig
-from amsp_ext.train.models import causal_lm_loss
+from amsp_ext.common.models import causal_lm_loss
 
 __all__ = ["engine_config", "mics_plan", "plan_text", "setup"]
 
@@ -53,28 +53,17 @@ def plan_text(name: str, ctx: Context) -> str:
 
 
 def setup(name: str, model, ctx: Context) -> SystemRun:
-    import contextlib
-
     from amsp_ext import shard
+    from amsp_ext.runtime.step import train_step as engine_step
 
     plan = plan_text(name, ctx)
     config = engine_config(ctx.spec, ctx.gpus_per_node)
     model, optimizer = shard(model, plan, ctx.optimizer_factory, config=config)
-    M = ctx.spec.num_micro_batches
 
     def train_step(step: int) -> float:
-        losses = []
-        for m, batch in enumerate(ctx.batches(step)):
-            with model.no_sync() if m < M - 1 else contextlib.nullcontext():
-                with phase("forward"):
-                    loss = causal_lm_loss(model, batch)
-                with phase("backward"):
-                    optimizer.backward(loss / M)
-            losses.append(loss.item())
-        with phase("optimizer"):
-            optimizer.clip_grad_norm_(ctx.spec.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad()
+        done = engine_step(model, optimizer, ctx.batches(step), causal_lm_loss,
+                           clip=ctx.spec.grad_clip, phase=phase)
+        losses = [loss.item() for loss in done.losses]
         return sum(losses) / len(losses)
 
     return SystemRun(train_step=train_step, drain=model.amsp.wait_params, settings={

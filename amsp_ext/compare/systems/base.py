@@ -48,7 +48,7 @@ class Context:
 
     def batches(self, step: int) -> list:
         """This rank's ``M`` micro-batches of optimizer step ``step`` (the same for every system)."""
-        from amsp_ext.train.data import micro_batch
+        from amsp_ext.common.data import micro_batch
 
         s = self.spec
         return [

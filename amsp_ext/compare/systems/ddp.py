@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from amsp_ext.compare.systems.base import Context, SystemRun, phase
-from amsp_ext.train.models import causal_lm_loss
+from amsp_ext.common.models import causal_lm_loss
 
 __all__ = ["setup"]
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable, phase
-from amsp_ext.train.models import causal_lm_loss, llama_config_dict
+from amsp_ext.common.models import causal_lm_loss, llama_config_dict
 
 __all__ = ["ds_config", "setup"]
 

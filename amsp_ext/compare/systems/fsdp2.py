@@ -21,7 +21,7 @@ defaults both meshes train on gloo (checked 2026-11-30, torch 2.13, 4 ranks, fsd
 from __future__ import annotations
 
 from amsp_ext.compare.systems.base import Context, SystemRun, phase
-from amsp_ext.train.models import causal_lm_loss
+from amsp_ext.common.models import causal_lm_loss
 
 __all__ = ["setup"]
 

@@ -1,8 +1,8 @@
-"""The MFU denominator of a run: the device's peak (train/metrics.py [Note: one MFU]).
+"""The MFU denominator of a run: the device's peak (common/metrics.py [Note: one MFU]).
 
 On a GPU the datasheet figure by device name; on a CPU a measurement every rank makes at once,
 so it needs collectives (a barrier and a MAX all-reduce, issued through collectives.py): that is
-why it lives in the runtime and train/metrics.py, which the launchers import, only has the table.
+why it lives in the runtime and common/metrics.py, which the launchers import, only has the table.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.train.metrics import Peak, table_peak
+from amsp_ext.common.metrics import Peak, table_peak
 from amsp_ext.runtime import collectives as C
 
 __all__ = ["device_peak", "measure_shared_peak"]
@@ -26,7 +26,7 @@ def _sync(device: torch.device) -> None:
 def measure_shared_peak(device: torch.device, dtype: torch.dtype, *, n: int = 1024,
                         reps: int = 4, trials: int = 5, group=None,
                         comm: C.CollectiveContext | None = None) -> float:
-    """Per-rank dense-matmul FLOP/s with every rank of ``group`` busy (train/metrics.py [Note: a peak that is stable for the device]): per trial,
+    """Per-rank dense-matmul FLOP/s with every rank of ``group`` busy (common/metrics.py [Note: a peak that is stable for the device]): per trial,
     a barrier, ``reps`` ``n x n`` matmuls per rank, rate = work / slowest rank's time; the best
     trial. Without torch.distributed initialised, one process alone; with it, the barrier and
     the all-reduce go through ``comm`` (the caller's collective context, with its timeout)."""
@@ -60,7 +60,7 @@ def measure_shared_peak(device: torch.device, dtype: torch.dtype, *, n: int = 10
 
 def device_peak(device: torch.device, dtype: torch.dtype, *, override_flops: float | None = None,
                 group=None, comm: C.CollectiveContext | None = None) -> Peak:
-    """The MFU denominator for this run (train/metrics.py [Note: one MFU]). Collective when measured on CPU: every
+    """The MFU denominator for this run (common/metrics.py [Note: one MFU]). Collective when measured on CPU: every
     rank of ``group`` must call it at the same point."""
     if override_flops is not None:
         if not override_flops > 0:

@@ -61,7 +61,7 @@ from amsp_ext.runtime.optim.loss_scale import DynamicLossScaler
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
 from amsp_ext.topology.mesh import GroupHandle
 
-__all__ = ["AMSPOptimizer", "GradSource", "NormGroup", "ParamBroadcaster"]
+__all__ = ["AMSPOptimizer", "GradSource", "NormGroup", "ParamBroadcaster", "StepBoundary"]
 
 
 class GradSource(Protocol):
@@ -76,6 +76,15 @@ class ParamBroadcaster(Protocol):
     def broadcast_all(self) -> None: ...
 
     def wait_all(self) -> None: ...
+
+
+class StepBoundary(Protocol):
+    """What runs at the step boundary (runtime/replan/adaptive.py AdaptiveRun): a decision at the
+    end of ``step()``, a switch it decided in the next ``zero_grad()``."""
+
+    def at_step_end(self) -> None: ...
+
+    def switch_if_decided(self, optimizer: "AMSPOptimizer") -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +115,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                  tensors: Sequence[LocalTensor], grads: GradSource, params: ParamBroadcaster,
                  norm_group: NormGroup, device: torch.device, precision: str,
                  fp16: FP16Config | None = None, run_info: Mapping[str, Any] | None = None,
-                 guard: NonFiniteGuard | None = None) -> None:
+                 guard: NonFiniteGuard | None = None, adaptive: StepBoundary | None = None) -> None:
         self.masters = dict(masters)  # tensor index -> fp32 master (owned only), forward order
         self.tensors = list(tensors)
         self._grads, self._params, self._norm_group = grads, params, norm_group
@@ -133,7 +142,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # so step() needs no second all-reduce (and no per-tensor isfinite sync) to find out
         self._found_inf: bool | None = None
         self.num_steps = 0
-        self.adaptive = None  # runtime/adaptive.AdaptiveRun with ShardConfig.adaptive (a step hook)
+        # runtime/replan/adaptive.AdaptiveRun with ShardConfig.adaptive ([Note: where a switch
+        # happens] there): step() ends with its decision, zero_grad() carries out a switch
+        self.adaptive = adaptive
         self.guard = guard or NonFiniteGuard(max_bad_steps=0)  # nonfinite.py (0: off)
         self._skipped = 0
 
@@ -253,6 +264,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step()
+        if self.adaptive is not None:  # a step boundary, skipped step or not
+            self.adaptive.at_step_end()
+        return loss
+
+    def _step(self) -> None:
         self._params.wait_all()
         with record_function("amsp::optimizer_step"):
             checked = self.scaler is not None or self.guard.enabled
@@ -261,7 +278,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             found_inf, self._found_inf = self._found_inf, None
             if checked and found_inf:  # [amsp nonfinite] the same decision on every rank
                 self._skip_step()
-                return loss
+                return
             self.guard.after_step(step=self.num_steps + self._skipped, bad=False, counts=False,
                                   ranks=None, norm=self.last_grad_norm, rank=_rank())
             factor = self._grad_coef / (self.scaler.scale if self.scaler else 1.0)
@@ -285,7 +302,6 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 self.scaler.update(False)
             self.num_steps += 1
         self._params.broadcast_all()
-        return loss
 
     def _skip_step(self) -> None:
         """A non-finite step: nothing is applied, on any rank (see nonfinite.py)."""
@@ -308,6 +324,11 @@ class AMSPOptimizer(torch.optim.Optimizer):
         self.guard.reset_loss()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        self._zero_grad(set_to_none)
+        if self.adaptive is not None:  # no gradient pending: the one place a switch may run
+            self.adaptive.switch_if_decided(self)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         with record_function("amsp::zero_grad"):
             self._found_inf = None
             self.guard.reset_loss()

@@ -1,21 +1,28 @@
 """The engine side of adaptive AMSP: measure each step's collectives, agree, decide, switch.
 
 ``amsp_ext.shard`` with ``ShardConfig(adaptive=...)`` builds one ``AdaptiveRun`` (on every
-route: ``amsp train --adaptive``, your own loop, ds_config ``amsp.adaptive``) and registers
-``on_step`` as a post-step hook of the optimizer it returns, so each ``optimizer.step()`` is a
-step boundary. The decision logic is planner/adaptive.py's (Monitor, refit_scales, replan,
-decide); this file feeds it and acts on it.
+route: ``amsp train --adaptive``, your own loop, ds_config ``amsp.adaptive``) and gives it to the
+optimizer it returns. The decision logic is planner/adaptive.py's (Monitor, refit_scales,
+replan, decide); this file feeds it and acts on it.
 
 [Note: the step boundary is the end of optimizer.step()]
 Every route calls ``optimizer.step()`` once per global batch on every rank (DeepSpeed's
 ``engine.step()`` and the HF Trainer call it too), so its end is where every rank is between
 two steps: the one place a loop we did not write gives us. The window of step k is from the end
-of step k-1's ``optimizer.step()`` to the end of its own. A switch needs no gradients pending
-(switch_plan), and the step has just consumed them: on a step where the decision is to switch,
-the hook releases them (``optimizer.zero_grad()``, which every loop does next anyway) and
-switches; the loop's ``scheduler.step()`` and ``zero_grad()`` then act on the same optimizer
-object, over the new plan's masters. A step skipped for a non-finite gradient is a boundary
-too (its collectives are still the step's).
+of step k-1's ``optimizer.step()`` to the end of its own. A step skipped for a non-finite
+gradient is a boundary too (its collectives are still the step's).
+
+[Note: where a switch happens]
+``optimizer.step()`` ends with ``at_step_end``: measure, agree (one all-reduce), decide. It never
+re-shards: a switch needs no gradient pending (switch_plan), and inside ``step()`` the step's
+own gradients still are. A decision to switch waits for the optimizer's next ``zero_grad()``,
+the call every loop makes between two steps once the gradients are consumed (runtime/step.py
+``train_step``; DeepSpeed's ``engine.step()`` makes it right after ``optimizer.step()``), which
+releases the gradients and then calls ``switch_if_decided``: every rank switches there, having
+taken the same decision. What the loop does between the two calls (an LR scheduler's step)
+acts on the old plan's param groups, whose hyper-parameters the switch carries over; after
+``zero_grad()`` the same optimizer object holds the new plan's masters. A loop that never calls
+``optimizer.zero_grad()`` keeps its plan.
 
 [Note: one step's numbers]
 A ``CommTrace`` (runtime/measure/comm_trace.py) records every collective while the run trains. At the
@@ -51,7 +58,7 @@ prediction a ratio is taken against is already the re-fit profile's. With a cali
 (``amsp tune``) only the profile-time part of the calibrated prices scales; its per-byte and
 per-collective constants do not.
 
-Off (no ``adaptive``) nothing of this exists: no trace, no hook, no extra collective.
+Off (no ``adaptive``) nothing of this exists: no trace, no monitor, no extra collective.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from amsp_ext.train.faults import slow_factor
+from amsp_ext.common.faults import slow_factor
 from amsp_ext.planner.adaptive import (AdaptiveConfig, Decision, Monitor, decide, predicted_trace_kinds,
                                        refit_scales, replan, switch_move_s, trace_kinds_cross_nodes)
 from amsp_ext.planner.auto import auto_problem
@@ -97,11 +104,11 @@ def planner_problem(model, world, config) -> Any:
 
 class AdaptiveRun:
     """Monitor, decide and switch for one run (see the Notes). ``shard`` builds it (it installs
-    the trace then) with the run's planner ``problem`` (``planner_problem``); ``close()``
-    removes the trace."""
+    the trace then) with the run's planner ``problem`` (``planner_problem``), the first ``plan``
+    and ``world`` and the engine's ``comm``; ``close()`` removes the trace."""
 
-    def __init__(self, model, problem, adaptive: AdaptiveConfig, *, first_switch_cost_s: float,
-                 timeout: float, total_steps: int | None = None, faults=(),
+    def __init__(self, model, problem, adaptive: AdaptiveConfig, *, plan, world, comm: C.CollectiveContext,
+                 first_switch_cost_s: float, timeout: float, total_steps: int | None = None, faults=(),
                  log: Callable[[str], None] | None = None) -> None:
         self.model, self.problem, self.adaptive = model, problem, adaptive
         # total_steps: the run's length where known (amsp train), else adaptive.horizon_steps
@@ -112,7 +119,7 @@ class AdaptiveRun:
         self._boundary = time.perf_counter()
         self.monitor = Monitor(adaptive)
         self.scales = (1.0, 1.0)
-        self.comm = model.amsp.comm  # the engine's; a switch keeps it, so the trace stays on
+        self.comm = comm  # the engine's; a switch keeps it, so the trace stays on
         self.trace = CommTrace(self.comm)
         self.windows: list[tuple[int, float, float]] = []  # (step, begin, end) not yet read
         self.decisions: list[Decision] = []
@@ -120,26 +127,47 @@ class AdaptiveRun:
         # reads how close a steady run came to the band from it), the last RATIO_STEPS of them
         self.ratios: collections.deque[dict[str, float]] = collections.deque(maxlen=RATIO_STEPS)
         self.last_switch_step = -1  # steps since the last switch count from the start
-        self._refresh()
+        self._pending: tuple[int, Any] | None = None  # (step, plan) of a switch not yet made
+        self._refresh(plan, world)
         self.trace.__enter__()
 
     def close(self) -> None:
         self.trace.__exit__(None, None, None)
 
-    def on_step(self, optimizer, *_args, **_kwargs) -> None:
-        """The optimizer's post-step hook ([Note: the step boundary is the end of
+    def follow_loop(self, *, total_steps: int, first_step: int, log: Callable[[str], None]) -> None:
+        """A loop that knows the run (amsp train): its length, the step it starts at (a resumed
+        run goes on counting; known only once the checkpoint is loaded into the sharded model)
+        and where decisions are logged. Before the first step."""
+        if self.num_steps:
+            raise ValueError("AdaptiveRun.follow_loop: call it before the first step")
+        self.total_steps, self.num_steps, self.log = total_steps, first_step, log
+
+    def at_step_end(self) -> None:
+        """The end of ``optimizer.step()`` ([Note: the step boundary is the end of
         optimizer.step()]): this step's window, then ``after_step``."""
         now = time.perf_counter()
         step, t0 = self.num_steps, self._boundary
         self.num_steps += 1
-        decision = self.after_step(step, t0, now, optimizer)
+        decision = self.after_step(step, t0, now)
         if decision is not None:
             self.log(decision.line())
-        self._boundary = time.perf_counter()  # the switch, if any, is no step's time
+        self._boundary = time.perf_counter()  # the monitor's all-reduce is no step's time
 
-    def _refresh(self) -> None:
-        """The prediction and the kinds' node crossing for the current plan and scales."""
-        plan, world = self.model.amsp.plan, self.model.amsp.world
+    def switch_if_decided(self, optimizer) -> None:
+        """From ``optimizer.zero_grad()`` ([Note: where a switch happens]): the switch the last
+        boundary decided, if any, on every rank."""
+        if self._pending is None:
+            return
+        (step, plan), self._pending = self._pending, None  # switch_plan calls zero_grad() again
+        switch_plan(self.model, optimizer, plan)
+        self.last_switch_step = step
+        self.windows.clear()  # the switch's own collectives are no step's
+        self.trace.clear()
+        self._refresh(self.model.amsp.plan, self.model.amsp.world)
+        self._boundary = time.perf_counter()  # the switch is no step's time
+
+    def _refresh(self, plan, world) -> None:
+        """The prediction and the kinds' node crossing for ``plan`` and the current scales."""
         self.predicted = predicted_trace_kinds(self.problem, plan, self.scales)
         self.crosses = trace_kinds_cross_nodes(plan, world.gpus_per_node, world.num_nodes,
                                                self.problem.num_micro_batches)
@@ -148,7 +176,7 @@ class AdaptiveRun:
         summary = self.trace.summary(t0, t1)
         out = {k: summary[k]["busy_s"] for k in KINDS}
         f = slow_factor(self.faults, rank=dist.get_rank(), step=step)
-        if f != 1.0:  # a fake slow link (train/faults.py): only this input changes
+        if f != 1.0:  # a fake slow link (common/faults.py): only this input changes
             out = {k: v * f if self.crosses[k] else v for k, v in out.items()}
         # drop what was read: the trace must not grow over a long run
         self.trace.records[:] = [r for r in self.trace.records if r.issued >= t1]
@@ -159,9 +187,9 @@ class AdaptiveRun:
         sw = self.model.amsp.switches
         return float(sw[-1]["seconds"]) if sw else float(self.first_cost)
 
-    def after_step(self, step: int, t0: float, t1: float, optimizer) -> Decision | None:
-        """Call on every rank at the end of step ``step`` (its window [t0, t1)), between steps.
-        Returns the decision taken now, if any (after a switch ``model.amsp`` is the new plan)."""
+    def after_step(self, step: int, t0: float, t1: float) -> Decision | None:
+        """Call on every rank at the end of step ``step`` (its window [t0, t1)). Returns the
+        decision taken now, if any; a switch it decides waits for ``switch_if_decided``."""
         self.windows.append((step, t0, t1))
         if len(self.windows) < 2:
             return None
@@ -191,11 +219,7 @@ class AdaptiveRun:
                    config=self.adaptive, drift=drift, scales=self.scales)
         self.decisions.append(d)
         if d.switch:
-            optimizer.zero_grad()  # consumed by the step that just ended
-            switch_plan(self.model, optimizer, best)
-            self.last_switch_step = step
-            self.windows.clear()  # the switch's own collectives are no step's
-            self.trace.clear()
+            self._pending = (step, best)
         self.monitor.reset()
-        self._refresh()
+        self._refresh(current, self.model.amsp.world)  # the new scales; the new plan after the switch
         return d

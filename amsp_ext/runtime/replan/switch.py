@@ -20,7 +20,7 @@ non-tensor states and hyper-parameters). Step 2 rebuilds every global tensor: ea
 broadcast once from its lowest-ranked owner, straight into its slice of the full tensor.
 Step 3 undoes the old engine (hooks, FSDP2 via _torch_compat.fsdp_remove, groups) and puts
 the full fp32 values back as the model's parameters, so step 4 is exactly ``shard``'s
-construction on an fp32 model (engine.build_parts): the new owners' masters are their slices
+construction on an fp32 model (engine.build_engine): the new owners' masters are their slices
 of the old masters bit for bit, and a non-owner's compute-dtype parameter is the same rounding
 of the master it held before. Step 5 gives the inner optimizer the slices of the states.
 
@@ -62,8 +62,8 @@ from amsp_ext.planner.plan import Plan, validate_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.state.checkpoint import reshard_all, rng_state, set_rng_state, engine_of, wait_for_save
-from amsp_ext.runtime.engine import (AMSPModule, Engine, build_parts, check_same_everywhere, install,
-                                     norm_group, resolve_engine_plan, run_fingerprint, run_info)
+from amsp_ext.runtime.engine import (AMSPModule, Engine, build_engine, check_same_everywhere,
+                                     resolve_engine_plan, run_fingerprint)
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
 __all__ = ["switch_plan"]
@@ -100,13 +100,9 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     full = _gather(e, optimizer)
     frozen = _gather_frozen(model, e)
     _teardown(model, e, full, frozen)
-    parts = build_parts(model, new, e.world, e.config, e.device, e.comm)  # the same context
-    optimizer.rebind(parts.masters, tensors=parts.tensors, grads=parts.grad_sync,
-                     params=parts.param_sync, norm_group=norm_group(parts), run_info=run_info(parts))
-    engine = Engine(parts, optimizer, full_state_dict=e.full_state_dict, switches=e.switches,
-                    retired_meshes=[*e.retired_meshes, e.mesh])
-    _load_states(engine, optimizer, full)
-    install(model, engine)
+    # the same context; the same optimizer, rebound ([Note: one assembly of an engine])
+    engine = build_engine(model, new, e.world, e.config, e.device, e.comm, optimizer=optimizer, previous=e)
+    _load_states(engine, optimizer, full)  # inner optimizer state only: the hooks do not read it
     set_rng_state(rng, e.device)
     C.barrier(e.comm, None, name="world", timeout=e.config.timeout)
     engine.switches.append({"step": optimizer.num_steps, "from": str(e.plan), "to": str(new),

@@ -8,10 +8,10 @@ when sp > 1 (FSDP2 calls ``_post_accumulate_grad_hooks`` right after it accumula
 reduce-scatter output into ``.grad``). The hook copies the gradient into its slot of a bucket of
 ``U = grad_bucket_bytes`` and frees ``.grad``; a bucket whose slots are all filled launches an
 async AllReduce. Buckets are laid out statically in backward order (reverse forward order),
-closed at unit boundaries (see [Note: buckets close at unit boundaries]), and
+closed at unit boundaries (planner/buckets.py [Note: buckets close at unit boundaries]), and
 launched strictly in bucket order, so every rank issues the same collectives in the same order
 even if hooks fire in a slightly different order. At most ``IN_FLIGHT_BUCKETS`` x U bytes
-are in flight (see [Note: bytes in flight]). With ``all_reduce="two_level"`` a group with
+are in flight (planner/buckets.py [Note: bytes in flight]). With ``all_reduce="two_level"`` a group with
 several ranks on each of several nodes runs each bucket's AllReduce as collectives.py's
 three-phase chain ([Note: two-level all-reduce]; the bucket is padded to split over the node's
 ranks), and every hook moves the chains in flight on to their cross-node phase.
@@ -74,6 +74,7 @@ from typing import Callable, Sequence
 import torch
 from torch.profiler import record_function
 
+from amsp_ext.planner.buckets import bucket_layout, in_flight_cap
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.optim.layout import LocalTensor
@@ -81,60 +82,24 @@ from amsp_ext.topology.mesh import GroupHandle
 
 __all__ = ["GradSync"]
 
-# [Note: bytes in flight]
-# Launching a bucket first completes the oldest ones until what is in flight, this bucket
-# included, is at most IN_FLIGHT_BUCKETS x U bytes: the bucket memory (D_tmp; planner/memory.py
-# charges 2U in flight plus the bucket being filled) stays bounded while the backward goes on.
-# The limit used to count buckets (two, as InternEvo does). Once buckets closed at unit
-# boundaries (above), a model's buckets were often far smaller than U, and the third one's
-# launch waited on the backward thread for the first: issue 23's breakdown showed the
-# replicate plan's backward stalled in wait::all_reduce while DDP, which launches every bucket
-# and waits once at the end, hid that time. Counting bytes keeps the memory bound of the old rule for full buckets and lets small
-# ones queue in the process group as DDP's do. The planner's calibrated step model
-# (planner/step.py, ``ar_buckets_in_flight``) applies the same rule.
-IN_FLIGHT_BUCKETS = 2
-
-
 @dataclass(kw_only=True)
 class _Bucket:
     slots: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor index, offset, numel)
     numel: int = 0
 
 
-# [Note: buckets close at unit boundaries]
-# Buckets used to be filled to U regardless of units. A model smaller than U (small-llama: 12 MB
-# of fp32 gradients, U = 25 MiB) then had ONE bucket, ready only when the last gradient of the
-# backward arrived: the whole AllReduce ran after the backward, exposed (issue 23's breakdown:
-# AMSP's replicate plan exposed all of its all-reduce while DDP, whose first bucket is 1 MiB,
-# hid part of it; the MiCS config waited for one replica AllReduce at the flush while FSDP2's
-# HSDP all-reduces each unit right after its reduce-scatter). Now a bucket also closes where
-# the backward moves to the next unit once it holds UNIT_BUCKET_MIN_BYTES (DDP's first-bucket
-# size): a unit's gradients (for sp > 1, its reduce-scatter's output) go on the wire as soon as
-# its backward is over, while the earlier units compute; units smaller than that share a
-# bucket, so a tiny model keeps one collective per step. Still never more than U, a tensor
-# larger than U alone. The planner's list (planner/issued.py grad_buckets) follows the same
-# rule; tests/test_calibration.py checks that both agree.
-UNIT_BUCKET_MIN_BYTES = 2**20
-
-
-def _plan_buckets(tensors: Sequence[LocalTensor], bucket_numel: int,
-                  unit_min_numel: int | None = None) -> list[_Bucket]:
-    """Buckets in backward order; see [Note: buckets close at unit boundaries]. ``unit_min_numel``:
-    the elements a bucket must hold to close at a unit boundary (None: never)."""
-    buckets: list[_Bucket] = []
-    cur = _Bucket()
-    prev_unit = None
-    for t in reversed(tensors):  # backward order
-        at_boundary = prev_unit is not None and t.unit != prev_unit
-        if cur.slots and (cur.numel + t.numel > bucket_numel or (
-                at_boundary and unit_min_numel is not None and cur.numel >= unit_min_numel)):
-            buckets.append(cur)
-            cur = _Bucket()
-        cur.slots.append((t.index, cur.numel, t.numel))
-        cur.numel += t.numel
-        prev_unit = t.unit
-    if cur.slots:
-        buckets.append(cur)
+def _plan_buckets(tensors: Sequence[LocalTensor], bucket_bytes: int, elem_bytes: int) -> list[_Bucket]:
+    """Buckets in backward order, as planner/buckets.py lays them out ([Note: buckets close at
+    unit boundaries] there), with each tensor's slot."""
+    buckets = []
+    for positions in bucket_layout([(t.unit, t.numel) for t in tensors], bucket_bytes=bucket_bytes,
+                                   elem_bytes=elem_bytes):
+        bucket = _Bucket()
+        for pos in positions:
+            t = tensors[pos]
+            bucket.slots.append((t.index, bucket.numel, t.numel))
+            bucket.numel += t.numel
+        buckets.append(bucket)
     return buckets
 
 
@@ -143,7 +108,8 @@ class GradSync:
                  dtype: torch.dtype,
                  device: torch.device, bucket_bytes: int, dp_size: int,
                  replica: GroupHandle, grad: GroupHandle, overlap: bool,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None,
+                 fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.tensors = list(tensors)
         self.comm = comm
         self.rank, self.dtype, self.device = rank, dtype, device
@@ -152,9 +118,8 @@ class GradSync:
         self.replica, self.grad = replica, grad  # the boundary's group and the others'
         self.overlap = overlap
         elem = torch.empty((), dtype=self.reduce_dtype).element_size()
-        cap = max(1, bucket_bytes // elem)
-        self.buckets = _plan_buckets(self.tensors, cap, min(cap, max(1, UNIT_BUCKET_MIN_BYTES // elem)))
-        self.max_in_flight_numel = IN_FLIGHT_BUCKETS * cap  # see [Note: bytes in flight]
+        self.buckets = _plan_buckets(self.tensors, bucket_bytes, elem)
+        self.max_in_flight_numel = in_flight_cap(bucket_bytes, elem)  # planner/buckets.py [Note: bytes in flight]
         self.slot_of = {idx: (b, off, n) for b, bk in enumerate(self.buckets) for idx, off, n in bk.slots}
         # per bucket: this rank owns every tensor in it (see [Note: a bucket this rank owns whole])
         self.owned_whole = [all(self.tensors[i].owner_rank == rank for i, _, _ in bk.slots)
@@ -168,10 +133,10 @@ class GradSync:
         self.is_boundary = True  # set by the engine (no_sync / set_gradient_accumulation_boundary)
         self.owned: dict[int, torch.Tensor] = {}  # boundary result: owned tensors' averaged grads
         self.kept: dict[int, torch.Tensor] = {}  # Tg result: kept grads, accumulated
-        # set by the engine where the gradient norm is not all-reduced: NaN if this rank's loss
-        # was non-finite, else its argument itself (optim/nonfinite.py [Note: one decision, on
-        # the norm all-reduce]); applied to the first element of the boundary's first bucket
-        self.fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # given where the gradient norm is not all-reduced: NaN if this rank's loss was
+        # non-finite, else its argument itself (optim/nonfinite.py [Note: one decision, on the
+        # norm all-reduce]); applied to the first element of the boundary's first bucket
+        self.fold_verdict = fold_verdict
         self._reset_pass()
         self._handles = []
         self.peak_grad_bytes = 0

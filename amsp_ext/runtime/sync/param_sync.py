@@ -26,7 +26,7 @@ waited for right after the step (the paper's Table V ablation).
 On NCCL, waiting makes the *current* stream wait for the broadcast. FSDP2's all-gather
 copy-in stream synchronizes with the current stream only at the root's pre-forward, which
 runs before these waits, so after waiting we make FSDP2's all-gather streams wait on the
-current stream again (``after_wait``, set by the engine when sp > 1 on an accelerator);
+current stream again (``after_wait``, given by the engine when sp > 1 on an accelerator);
 otherwise a gather could read a shard before its broadcast landed. The unpacking copies of a
 coalesced item run on the current stream after that wait, so they are ordered too.
 """
@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import torch
 from torch.profiler import record_function
 
+from amsp_ext.planner.buckets import packable
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.optim.layout import LocalTensor
 from amsp_ext.runtime.sync.units import Unit
@@ -72,18 +73,12 @@ def broadcast_items(tensors: Sequence[LocalTensor], bucket_bytes: int) -> list[B
         return t.numel * t.local().element_size()
 
     live = [t for t in tensors if t.numel > 0]
-    packable: set[int] = set()
-    budget = bucket_bytes
-    for t in sorted(live, key=lambda t: (nbytes(t), t.index)):  # smallest first
-        if nbytes(t) > cap or nbytes(t) > budget:
-            break
-        packable.add(t.index)
-        budget -= nbytes(t)
+    packed = packable([nbytes(t) for t in live], bucket_bytes)  # planner/buckets.py
     items: list[BroadcastItem] = []
     open_pack: dict[tuple, BroadcastItem] = {}  # (owner, dtype) -> pack being filled
-    for t in live:
+    for pos, t in enumerate(live):
         b = nbytes(t)
-        if t.index not in packable:
+        if pos not in packed:
             items.append(BroadcastItem(tensors=[t], owner_rank=t.owner_rank, nbytes=b))
             continue
         key = (t.owner_rank, t.local().dtype)
@@ -99,7 +94,7 @@ def broadcast_items(tensors: Sequence[LocalTensor], bucket_bytes: int) -> list[B
 class ParamSync:
     def __init__(self, tensors: Sequence[LocalTensor], units: Sequence[Unit], *,
                  comm: C.CollectiveContext, group: GroupHandle, rank: int, prefetch: dict[int, int],
-                 overlap: bool, bucket_bytes: int) -> None:
+                 overlap: bool, bucket_bytes: int, after_wait: Callable[[], None] | None = None) -> None:
         self.tensors, self.units = list(tensors), list(units)
         self.comm = comm
         self.group, self.rank = group, rank
@@ -116,7 +111,7 @@ class ParamSync:
         self.peak_staging = 0  # most packed bytes ever in flight (tests, memory accounting)
         self._handles = []
         self.log: list[tuple[str, int]] | None = None  # ("issue"/"wait", unit) when enabled
-        self.after_wait: Callable[[], None] | None = None
+        self.after_wait = after_wait
         self.wait_seconds = 0.0  # time spent blocked in broadcast waits (benchmarks)
 
     @property

@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the mesh list, the rank layout of each mesh, the message sizes, the
 alpha-beta fit and the profile document are all unit-tested without launching ranks.
-:mod:`amsp_ext.runtime.measure.profiler` runs the collectives.
+:mod:`amsp_ext.tools.profiler` runs the collectives.
 
 [Note: which meshes]
 The planner costs four collectives on these meshes (DESIGN.md, group table), with ``a | R`` and

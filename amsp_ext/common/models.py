@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# Byte-level tokens (amsp_ext.train.data): 256 symbols.
+# Byte-level tokens (amsp_ext.common.data): 256 symbols.
 VOCAB_SIZE = 256
 
 __all__ = ["VOCAB_SIZE", "MODEL_CONFIGS", "build_llama", "causal_lm_loss", "llama_config_dict", "model_spec"]
@@ -59,7 +59,7 @@ def build_llama(name: str = "tiny-llama", *, seed: int = 0, **overrides: Any):
 
 
 def causal_lm_loss(model, batch):
-    """Mean next-token cross-entropy of ``batch`` (``[B, seq_len + 1]`` tokens, see amsp_ext.train.data)."""
+    """Mean next-token cross-entropy of ``batch`` (``[B, seq_len + 1]`` tokens, see amsp_ext.common.data)."""
     import torch.nn.functional as F
 
     logits = model(input_ids=batch[:, :-1]).logits

@@ -100,7 +100,7 @@ def init_process_group(backend: str, *, timeout: datetime.timedelta, **kw) -> No
 # Across machines torchrun's static rendezvous (``--node-rank i --master-addr A --master-port P``:
 # global rank = i * R + local rank, the order topology/groups.py assumes) makes node 0's agent host
 # a TCPStore that every agent and, through ``TORCHELASTIC_USE_AGENT_STORE``, every rank uses; torch
-# creates it listening on every interface. ``python -m amsp_ext.runtime.rendezvous`` is torchrun
+# creates it listening on every interface. ``python -m amsp_ext.tools.rendezvous`` is torchrun
 # with one change: the same static rendezvous under the backend name ``amsp-static``, whose node 0
 # store listens on ``A`` only (a socket bound to it, handed over as ``master_listen_fd``). The
 # ranks' gloo pairs follow ``GLOO_SOCKET_IFNAME`` (the lab's interface for ``amsp cluster run``).
@@ -191,7 +191,7 @@ def bound_torchrun_args(argv: list[str]) -> list[str]:
             rest.append(a)
     missing = [k for k in ("--node-rank", "--master-addr", "--master-port") if k not in opts]
     if missing:
-        raise ValueError(f"amsp_ext.runtime.rendezvous: needs {', '.join(m + '=...' for m in missing)}")
+        raise ValueError(f"amsp_ext.tools.rendezvous: needs {', '.join(m + '=...' for m in missing)}")
     return [f"--rdzv-backend={BOUND_BACKEND}", f"--rdzv-endpoint={opts['--master-addr']}:{opts['--master-port']}",
             f"--rdzv-conf=rank={opts['--node-rank']}", *rest]
 

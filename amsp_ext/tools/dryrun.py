@@ -1,6 +1,6 @@
 """``amsp dryrun``: one rank of a huge world in one CPU process, the real engine on fake tensors.
 
-    from amsp_ext.runtime.measure.dryrun import DryRunSpec, dry_run
+    from amsp_ext.tools.dryrun import DryRunSpec, dry_run
     result = dry_run(DryRunSpec(model="llama-7b", num_nodes=128, gpus_per_node=8, plan="zero3"))
 
 [Note: dry run]
@@ -77,7 +77,7 @@ from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS, MISSING_MESH, check
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
-__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "build_model", "train_step", "dry_run",
+__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "build_model", "dry_step", "dry_run",
            "dry_run_many", "planner_numbers", "run_rank", "hf_config_of"]
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +136,7 @@ class DryRunSpec:
 
 # -- checks before any process starts --------------------------------------------------------
 def model_spec_of(spec: DryRunSpec):
-    from amsp_ext.train.models import model_spec
+    from amsp_ext.common.models import model_spec
 
     return model_spec(spec.model, spec.model_config)
 
@@ -161,13 +161,13 @@ def _training(spec: DryRunSpec):
     """The planner's TrainingSpec of the dry run's job, with the engine's settings
     (planner_settings: the reduce dtype too, so both sides count the same gradient bytes)."""
     from amsp_ext.engine_config import planner_settings
-    from amsp_ext.planner.specs import TrainingSpec
+    from amsp_ext.planner.defaults import DEFAULT_ALL_REDUCE
+    from amsp_ext.planner.specs import job_spec
 
-    s = planner_settings(spec.engine)
-    return TrainingSpec(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
-                        num_micro_batches=spec.micro_batches, recompute=s["recompute"],
-                        precision=s["precision"], reduce_dtype=s["reduce_dtype"],
-                        bucket_bytes=s["grad_bucket_bytes"], granularity=s["granularity"])
+    # the memory model and the bytes below do not read the all-reduce mode, which may be "auto"
+    return job_spec(planner_settings(spec.engine), seq_len=spec.seq_len,
+                    micro_batch_size=spec.micro_batch_size, num_micro_batches=spec.micro_batches,
+                    all_reduce=DEFAULT_ALL_REDUCE)
 
 
 def _planned(spec: DryRunSpec, plan):
@@ -236,7 +236,7 @@ def dry_run_many(specs: list[DryRunSpec], *, max_parallel: int = 2,
             i, r = todo.pop(0)
             spec, plan, _ = checked[i]
             payload = json.dumps({**asdict(spec), "plan": str(plan), "ranks": None})
-            p = subprocess.Popen([sys.executable, "-m", "amsp_ext.runtime.measure.dryrun", str(r), payload],
+            p = subprocess.Popen([sys.executable, "-m", "amsp_ext.tools.dryrun", str(r), payload],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, env={**os.environ, "AMSP_DRYRUN": "1"})
             running.append((i, r, p, time.perf_counter()))
@@ -282,7 +282,7 @@ def _result(spec: DryRunSpec, plan, planner: dict, ranks: list[dict], seconds: f
 # -- one rank (runs in its own process) -------------------------------------------------------
 def hf_config_of(spec: DryRunSpec) -> dict:
     """A Llama ``config.json`` dict for the model (built-ins, presets, or --model-config)."""
-    from amsp_ext.train.models import MODEL_CONFIGS, llama_config_dict
+    from amsp_ext.common.models import MODEL_CONFIGS, llama_config_dict
 
     if spec.model in MODEL_CONFIGS:
         return llama_config_dict(spec.model)
@@ -381,7 +381,7 @@ class PeakMoment:
         self.clog, self.name = clog, None
 
     def __call__(self, parents: set, is_bw: bool) -> None:
-        if self.clog.phase in ("optimizer", "post_step"):
+        if self.clog.phase == "optimizer":
             self.name = "optimizer step"
         elif not is_bw:
             self.name = "forward"
@@ -390,27 +390,24 @@ class PeakMoment:
             self.name = "layer backward" if in_layer else "loss backward"
 
 
-def train_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> None:
-    """One step as ``amsp train`` runs it: M micro-batches (no_sync but the last), clip, step."""
+def dry_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> None:
+    """One step as ``amsp train`` runs it (runtime/step.py ``train_step``, clip 1.0) on zero
+    tokens, each collective logged under its phase; then the post-step broadcasts waited for."""
     import contextlib
 
     import torch
 
-    from amsp_ext.train.models import causal_lm_loss
+    from amsp_ext.common.models import causal_lm_loss
+    from amsp_ext.runtime.step import train_step
 
-    M = spec.micro_batches
-    for micro in range(M):
-        batch = torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long, device=device)
-        with model.no_sync() if micro < M - 1 else contextlib.nullcontext():
-            clog.phase = "forward"
-            loss = causal_lm_loss(model, batch) / M  # the loss amsp train computes
-            clog.phase = "backward"
-            opt.backward(loss)
-    clog.phase = "optimizer"  # the post-step broadcasts are issued inside step()
-    opt.clip_grad_norm_(1.0)
-    opt.step()
-    clog.phase = "post_step"
-    opt.zero_grad()
+    @contextlib.contextmanager
+    def logged(name: str):
+        clog.phase = name  # the post-step broadcasts are issued inside step(): "optimizer"
+        yield
+
+    batches = [torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long, device=device)
+               for _ in range(spec.micro_batches)]
+    train_step(model, opt, batches, causal_lm_loss, clip=1.0, phase=logged)
     model.amsp.wait_params()
 
 
@@ -456,7 +453,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
                         sync()
                         torch.cuda.reset_peak_memory_stats()
                 t_step = time.perf_counter()
-                train_step(model, opt, spec, device, clog)
+                dry_step(model, opt, spec, device, clog)
                 sync()
                 step_s.append(time.perf_counter() - t_step)
         state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
@@ -464,7 +461,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         mem = _categories(peak)
         if real:  # one more step outside the tracker: its dispatch hooks slow every op
             t_step = time.perf_counter()
-            train_step(model, opt, spec, device, clog)
+            dry_step(model, opt, spec, device, clog)
             sync()
             untracked_s = time.perf_counter() - t_step
     t_end = time.perf_counter()

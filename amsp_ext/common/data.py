@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from amsp_ext.train.models import VOCAB_SIZE
+from amsp_ext.common.models import VOCAB_SIZE
 
 __all__ = ["VOCAB_SIZE", "corpus_tokens", "global_batch", "micro_batch", "micro_batch_at"]
 

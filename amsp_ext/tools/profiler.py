@@ -1,7 +1,7 @@
 """The measurement loop of ``amsp profile``: times each (op, mesh, size) with all groups at once.
 
 Run by every rank (torchrun or ``amsp cluster run``). What is measured and why is in
-:mod:`amsp_ext.runtime.measure.profile_cases`; every collective goes through
+:mod:`amsp_ext.tools.profile_cases`; every collective goes through
 :mod:`amsp_ext.runtime.collectives`. The same code serves NCCL (one GPU per local rank) and gloo
 (CPU tensors); only the device differs.
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.measure.profile_cases import (
+from amsp_ext.tools.profile_cases import (
     Case,
     Measurement,
     ProfileConfig,

@@ -1,4 +1,4 @@
-"""Text, Markdown and PNG of a dry run's result (runtime/measure/dryrun.py): engine vs planner."""
+"""Text, Markdown and PNG of a dry run's result (tools/dryrun.py): engine vs planner."""
 
 from __future__ import annotations
 

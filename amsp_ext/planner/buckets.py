@@ -1,0 +1,88 @@
+"""How the engine groups tensors into collectives, stated once: gradient buckets (the engine's
+runtime/sync/grad_sync.py) and the tensors packed into shared broadcasts
+(runtime/sync/param_sync.py), from ``(unit, numel)`` lists in forward order. The engine calls
+these on its local tensors and planner/issued.py on the model's shapes, so the calibrated step
+model prices the collectives the engine issues. Pure Python.
+
+[Note: buckets close at unit boundaries]
+Buckets used to be filled to U regardless of units. A model smaller than U (small-llama: 12 MB of
+fp32 gradients, U = 25 MiB) then had ONE bucket, ready only when the last gradient of the backward
+arrived: the whole AllReduce ran after the backward, exposed (AMSP's replicate plan exposed all
+of its all-reduce while DDP, whose first bucket is 1 MiB, hid part of it; the MiCS config waited
+for one replica AllReduce at the flush while FSDP2's HSDP all-reduces each unit right after its
+reduce-scatter). So a bucket also closes where the backward moves to the next unit once it holds
+UNIT_BUCKET_MIN_BYTES (DDP's first-bucket size): a unit's gradients (for sp > 1, its
+reduce-scatter's output) go on the wire as soon as its backward is over, while the earlier units
+compute; units smaller than that share a bucket, so a tiny model keeps one collective per step.
+Never more than U; a tensor larger than U goes alone.
+
+[Note: bytes in flight]
+Launching a bucket first completes the oldest ones until what is in flight, this bucket included,
+is at most IN_FLIGHT_BUCKETS x U bytes: the bucket memory (D_tmp; planner/memory.py charges 2U in
+flight plus the bucket being filled) stays bounded while the backward goes on. Counting bytes,
+not buckets, keeps that bound for full buckets and lets small ones queue in the process group as
+DDP's do (counting two buckets stalled the backward on the third small one's launch). The
+calibrated step model (planner/step.py, ``ar_buckets_in_flight``) applies the same cap, which
+`amsp tune` writes into the calibration from here.
+
+[Note: packed broadcasts]
+The tensors of at most U/2 bytes, smallest first (ties in forward order), while their total fits
+in U, are broadcast in packs rather than one by one: each costs a fixed latency before a byte
+moves, and a model's norms and biases are many small tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["IN_FLIGHT_BUCKETS", "UNIT_BUCKET_MIN_BYTES", "bucket_layout", "in_flight_cap", "packable"]
+
+UNIT_BUCKET_MIN_BYTES = 2**20  # [Note: buckets close at unit boundaries]
+IN_FLIGHT_BUCKETS = 2  # [Note: bytes in flight]
+
+
+def _bucket_cap(bucket_bytes: int, elem_bytes: int) -> int:
+    return max(1, bucket_bytes // elem_bytes)
+
+
+def in_flight_cap(bucket_bytes: int, elem_bytes: int) -> int:
+    """Elements of gradient buckets that may be in flight at once ([Note: bytes in flight])."""
+    return IN_FLIGHT_BUCKETS * _bucket_cap(bucket_bytes, elem_bytes)
+
+
+def bucket_layout(tensors: Sequence[tuple[int, float]], *, bucket_bytes: int,
+                  elem_bytes: int) -> list[list[int]]:
+    """The gradient buckets of ``tensors`` (``(unit, numel)`` in forward order) in backward
+    (launch) order, each as the positions of its tensors in ``tensors``, in backward order
+    ([Note: buckets close at unit boundaries]): at most U = ``bucket_bytes`` of
+    ``elem_bytes``-byte elements, closed at a unit boundary once it holds
+    UNIT_BUCKET_MIN_BYTES."""
+    cap = _bucket_cap(bucket_bytes, elem_bytes)
+    unit_min = min(cap, max(1, UNIT_BUCKET_MIN_BYTES // elem_bytes))
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    cur_numel: float = 0
+    for pos in reversed(range(len(tensors))):
+        unit, numel = tensors[pos]
+        at_boundary = bool(cur) and unit != tensors[cur[-1]][0]
+        if cur and (cur_numel + numel > cap or (at_boundary and cur_numel >= unit_min)):
+            buckets.append(cur)
+            cur, cur_numel = [], 0
+        cur.append(pos)
+        cur_numel += numel
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def packable(sizes: Sequence[float], bucket_bytes: int) -> set[int]:
+    """Positions of the tensors (of ``sizes`` bytes, forward order) that go into packed
+    broadcasts ([Note: packed broadcasts])."""
+    cap, budget = bucket_bytes / 2, float(bucket_bytes)
+    out: set[int] = set()
+    for pos in sorted(range(len(sizes)), key=lambda j: (sizes[j], j)):
+        if sizes[pos] > cap or sizes[pos] > budget:
+            break
+        out.add(pos)
+        budget -= sizes[pos]
+    return out
