@@ -153,12 +153,18 @@ class EngineConfig:
     fp16: FP16Config = section(FP16Config)
     init_weights: str = option("broadcast", choices=INIT_WEIGHTS,
                                help="rank 0's initial weights broadcast to all (as DDP) or compared")
+    init_from: str | None = option(
+        None, metavar="PATH",
+        help="initial weights: a Hugging Face safetensors folder (model.safetensors or an index) or "
+             "an amsp checkpoint; each rank reads only the rows it keeps")
     max_bad_steps: int = option(
         3, minimum=0, help="consecutive steps with a non-finite loss or gradient norm (each skipped "
                            "on every rank) before the job stops; 0: no guard")
     # not flags: the routes fill them from their own job shape (train: --seq-len ...)
     auto: AutoPlanConfig | None = None  # needed by plan="auto"
     adaptive: AdaptiveConfig | None = None  # re-plan mid-run (planner/adaptive.py); None: off
+    # the seed of a meta-built model's weights (runtime/materialize.py); `amsp train`: its --seed
+    init_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.gpus_per_node is None:
@@ -166,6 +172,8 @@ class EngineConfig:
         check_options(self)
         check_one_of(self.reduce_dtype, reduce_dtypes(self.precision),
                      f"{name_of(self, 'reduce_dtype')} (with {name_of(self, 'precision')} {self.precision})")
+        if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int) or not 0 <= self.init_seed < 2**63:
+            raise ValueError(f"{name_of(self, 'init_seed')} must be an integer in [0, 2**63), got {self.init_seed!r}")
         auto, adaptive = name_of(self, "auto"), name_of(self, "adaptive")
         if self.auto is not None and not isinstance(self.auto, AutoPlanConfig):
             raise ValueError(f"{auto} must be an AutoPlanConfig or None, got {type(self.auto).__name__}")

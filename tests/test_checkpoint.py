@@ -203,7 +203,8 @@ def test_offline_export_from_a_checkpoint(runs, case, dtype, tmp_path):
 
     from amsp_ext.runtime.state.export import export_checkpoint
 
-    sd = export_checkpoint(runs[0] / case, tmp_path / "hf", dtype=dtype)
+    assert export_checkpoint(runs[0] / case, tmp_path / "hf", dtype=dtype) is None  # written, not held
+    sd = export_checkpoint(runs[0] / case, dtype=dtype)
     saved = torch.load(runs[0] / f"logits-{case}.pt")
     model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
     assert next(model.parameters()).dtype == (dtype or torch.float32)

@@ -225,6 +225,13 @@ def fake_tensor_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def is_fake(t) -> bool:
+    """A dry run's fake tensor (no data to inspect)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def real_tensors():
     """A context in which tensors are real again inside a FakeTensorMode (host-side bookkeeping
     such as the fingerprint all-gather); a no-op outside one."""

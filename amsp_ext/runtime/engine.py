@@ -32,6 +32,7 @@ from amsp_ext.planner.plan import Plan, PlanError, resolve_plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig, compute_dtype, planner_settings, reduce_dtype_of
+from amsp_ext.runtime.materialize import fill, materialize, to_dtype_keep_buffers
 from amsp_ext.runtime.sync.grad_sync import GradSync
 from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
@@ -342,24 +343,6 @@ def enable_recompute(model: nn.Module) -> None:
         layer.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
 
 
-def _to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
-    """Parameters to the compute dtype; buffers (e.g. rotary inv_freq) keep their precision."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2's _apply re-registers its shards
-        saved = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
-        model.to(dtype)
-        for m, n, b in saved:
-            setattr(m, n, b)  # nn.Module.__setattr__ puts a tensor back into its buffer slot
-        return
-    # plain tensors: ``p.data = ...`` is what ``model.to`` does for them; written out because
-    # ``.to`` swaps tensor subclasses (a dry run's fake tensors), failing for weak-referenced ones
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
-
-
 def _norm_group(world: World, mesh: PlanMesh, config: ShardConfig, comm: C.CollectiveContext) -> NormGroup:
     # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
     everyone = GroupHandle(pg=dist.group.WORLD, name="world", size=world.size,
@@ -375,7 +358,8 @@ def run_info(parts: EngineParts) -> dict:
 
 def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig, device: torch.device,
                  comm: C.CollectiveContext, *, optimizer_factory=None, optimizer: AMSPOptimizer | None = None,
-                 monitor: Callable[[EngineParts], Any] | None = None, previous: "Engine | None" = None) -> Engine:
+                 monitor: Callable[[EngineParts], Any] | None = None, previous: "Engine | None" = None,
+                 initial=None) -> Engine:
     """[Note: one assembly of an engine]
     ``shard`` builds the first engine of a model and ``switch_plan`` every next one, both here:
     the parts (``build_parts``), the optimizer over them, the Engine, the hooks (``install``).
@@ -383,9 +367,10 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
     passes ``optimizer_factory`` (a new AMSPOptimizer, its non-finite guard from the config, and
     ``monitor(parts)``: the adaptive run, or None); ``switch_plan`` passes the ``optimizer`` to
     keep (rebound to the new parts; its guard, loss scaler and adaptive run stay) and the engine
-    it replaces as ``previous`` (its switch record, retired meshes and state-dict mode go on)."""
+    it replaces as ``previous`` (its switch record, retired meshes and state-dict mode go on).
+    ``initial``: see ``build_parts``."""
     guard = optimizer.guard if optimizer is not None else NonFiniteGuard(max_bad_steps=config.max_bad_steps)
-    parts = build_parts(model, plan, world, config, device, comm, guard=guard)
+    parts = build_parts(model, plan, world, config, device, comm, guard=guard, initial=initial)
     wiring = dict(tensors=parts.tensors, grads=parts.grad_sync, params=parts.param_sync,
                   norm_group=parts.norm_group, run_info=run_info(parts))
     if optimizer is None:
@@ -403,12 +388,17 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
 
 
 def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
-                device: torch.device, comm: C.CollectiveContext, *, guard: NonFiniteGuard) -> EngineParts:
-    """Steps 3-6 of [Note: order of construction] on an fp32 model that every rank holds whole:
-    the mesh, the units (FSDP2 when sp > 1), the layout, the owners' fp32 masters, the model in
-    the compute dtype, GradSync and ParamSync (not yet installed), all issuing through ``comm``.
-    ``guard``: the optimizer's non-finite guard, whose verdict rides on the gradients where the
-    norm takes no all-reduce (nonfinite.py [Note: one decision, on the norm all-reduce])."""
+                device: torch.device, comm: C.CollectiveContext, *, guard: NonFiniteGuard,
+                initial=None) -> EngineParts:
+    """Steps 3-6 of [Note: order of construction]: the mesh, the units (FSDP2 when sp > 1), the
+    layout, the owners' fp32 masters, the model in the compute dtype, GradSync and ParamSync
+    (not yet installed), all issuing through ``comm``. ``guard``: the optimizer's non-finite
+    guard, whose verdict rides on the gradients where the norm takes no all-reduce (nonfinite.py
+    [Note: one decision, on the norm all-reduce]).
+
+    ``initial`` None: ``model`` is fp32 and every rank holds it whole. Else the model is on meta
+    and ``initial`` is ``(seed, source or None)``: only the local tensors are allocated and
+    filled (materialize.py [Note: starting a model larger than one device])."""
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
         mesh = build_plan_mesh(plan, world, device_type=device.type,
                                timeout=datetime.timedelta(seconds=config.timeout),
@@ -420,24 +410,33 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
                    reduce_dtype=reduce_dtype_of(config))
         refresh_params(units, model)
     rank = dist.get_rank()
+    dtype = compute_dtype(config)
+    if initial is not None:
+        materialize(model, device, dtype)
+        refresh_params(units, model)
     tensors = build_layout(units, plan=plan, world=world, rank=rank,
                            bcast_ranks=mesh.ranks["optim_bcast"],
                            shard_ranks=mesh.ranks["param_shard"], policy=config.ownership)
-    dtype = compute_dtype(config)
+    owned = [t for t in tensors if t.owner_rank == rank]
+    fp32_rows: dict[int, torch.Tensor] = {}
+    if initial is not None:
+        seed, source = initial
+        fp32_rows = fill(model, device=device, seed=seed, source=source, init_buffers=True,
+                         keep_fp32={id(t.param) for t in owned} if dtype != torch.float32 else set())
     with torch.no_grad():
         masters = {}
-        for t in tensors:
-            if t.owner_rank != rank:
-                continue
+        for t in owned:
             local = t.local()
             if dtype == torch.float32:
                 masters[t.index] = nn.Parameter(local)  # same storage: see optimizer.py
+            elif initial is not None:
+                masters[t.index] = nn.Parameter(fp32_rows.pop(id(t.param)))
             else:
                 masters[t.index] = nn.Parameter(local.detach().to(torch.float32, copy=True))
             # lets an optimizer_factory build param groups by name (e.g. no decay on norms)
             masters[t.index].amsp_name = t.name
-        if dtype != torch.float32:
-            _to_dtype_keep_buffers(model, dtype)
+        if dtype != torch.float32 and initial is None:
+            to_dtype_keep_buffers(model, dtype)
 
     norm = _norm_group(world, mesh, config, comm)
     grad_sync = GradSync(

@@ -10,6 +10,7 @@ A module of its own because the monitor switches plans (switch.py), which rebuil
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -21,7 +22,9 @@ from amsp_ext.common.faults import faults
 from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.plan import Plan, validate_plan
 from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.materialize import check_initializable, fill, model_on_meta
 from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
+from amsp_ext.runtime.state.init_source import open_init_source
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import (check_same_everywhere, engine_device, enable_recompute, run_fingerprint,
                                      resolve_engine_plan, same_initial_weights, plan_world, build_engine)
@@ -33,9 +36,16 @@ __all__ = ["shard"]
 def shard(model: nn.Module, plan: "Plan | str",
           optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
           config: ShardConfig | None = None,
+          init_from=None,
           comm: C.CollectiveContext | None = None) -> tuple[nn.Module, AMSPOptimizer]:
-    """Shard ``model`` (fp32) under ``plan``; return it and its optimizer. Rank 0's initial
-    weights are broadcast to the others (``config.init_weights``).
+    """Shard ``model`` under ``plan``; return it and its optimizer.
+
+    ``model``: fp32 and whole on every rank (rank 0's weights are broadcast to the others,
+    ``config.init_weights``), or built under ``torch.device("meta")``: then each rank allocates
+    only what its plan keeps and fills it from the model's own initializer seeded by
+    ``config.init_seed`` (the same weights under every plan and world size), or from
+    ``init_from`` (= ``config.init_from``): a Hugging Face safetensors folder or an amsp
+    checkpoint, each rank reading only its rows (runtime/materialize.py).
 
     ``plan``: a Plan, a factor string ``"p=2x1,g=2x1,os=2x2"``, a name (``ddp``, ``zero1``,
     ``zero2``, ``zero3``, ``mics:K``) or ``"auto"``. ``optimizer_factory(masters)`` builds the
@@ -45,24 +55,14 @@ def shard(model: nn.Module, plan: "Plan | str",
     a caller passes its own to count or observe the engine's collectives from the first one on
     (None: a new one with ``config.timeout``). It is ``model.amsp.comm`` afterwards.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"amsp_ext.shard: model must be a torch.nn.Module, got {type(model).__name__}")
-    if next(model.parameters(), None) is None:
-        raise ValueError(f"amsp_ext.shard: model {type(model).__name__} has no parameters; there is "
-                         f"nothing to shard or train")
-    if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
-        raise ValueError(
-            f"amsp_ext.shard: optimizer_factory must be a callable that builds the optimizer from a "
-            f"list of parameters (e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)), got "
-            f"{type(optimizer_factory).__name__}")
-    if not isinstance(plan, (str, Plan)):
-        raise ValueError(f"amsp_ext.shard: plan must be a Plan or a string ('auto', 'zero3', "
-                         f"'p=2x1,g=2x1,os=2x2', ...), got {type(plan).__name__}")
+    _check_arguments(model, plan, optimizer_factory)
     config = config or ShardConfig()
     if not isinstance(config, ShardConfig):
         raise ValueError(f"config must be a ShardConfig, got {type(config).__name__}")
     if comm is not None and not isinstance(comm, C.CollectiveContext):
         raise ValueError(f"comm must be a collectives.CollectiveContext, got {type(comm).__name__}")
+    if init_from is not None:
+        config = dataclasses.replace(config, init_from=str(init_from))
     comm = comm if comm is not None else C.CollectiveContext(timeout=config.timeout)
     check_replannable(plan, config.adaptive, flag="config.adaptive.allow_replan")
     if not dist.is_available() or not dist.is_initialized():
@@ -76,13 +76,22 @@ def shard(model: nn.Module, plan: "Plan | str",
                   structural_only=True)
     # the monitor's planner problem (reads the profile), before any collective: bad input fails here
     problem = planner_problem(model, world, config) if config.adaptive is not None else None
+    # initial values: the files are opened and checked against the model here, before any collective
+    on_meta = model_on_meta(model)
+    source = open_init_source(config.init_from, model) if config.init_from is not None else None
+    if on_meta and source is None:
+        check_initializable(model)
     C.destroy_groups_at_exit()  # collectives.py [Note: process groups torn down at exit]
     # -- first collective ------------------------------------------------------------------
     check_same_everywhere(comm, run_fingerprint(plan, config, world, model), config)
     device = engine_device(model)
-    if device.type != "cpu":
-        model.to(device)
-    same_initial_weights(comm, model, config)
+    if not on_meta:
+        if device.type != "cpu":
+            model.to(device)
+        if source is not None:  # every rank holds the model whole: it reads it whole
+            fill(model, device=device, seed=config.init_seed, source=source, init_buffers=False)
+        else:
+            same_initial_weights(comm, model, config)
     if config.recompute:
         enable_recompute(model)
     monitor = None
@@ -92,5 +101,21 @@ def shard(model: nn.Module, plan: "Plan | str",
                                comm=comm, timeout=config.timeout,
                                first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
     engine = build_engine(model, plan, world, config, device, comm, optimizer_factory=optimizer_factory,
-                          monitor=monitor)
+                          monitor=monitor, initial=(config.init_seed, source) if on_meta else None)
     return model, engine.optimizer
+
+
+def _check_arguments(model, plan, optimizer_factory) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"amsp_ext.shard: model must be a torch.nn.Module, got {type(model).__name__}")
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"amsp_ext.shard: model {type(model).__name__} has no parameters; there is "
+                         f"nothing to shard or train")
+    if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
+        raise ValueError(
+            f"amsp_ext.shard: optimizer_factory must be a callable that builds the optimizer from a "
+            f"list of parameters (e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)), got "
+            f"{type(optimizer_factory).__name__}")
+    if not isinstance(plan, (str, Plan)):
+        raise ValueError(f"amsp_ext.shard: plan must be a Plan or a string ('auto', 'zero3', "
+                         f"'p=2x1,g=2x1,os=2x2', ...), got {type(plan).__name__}")

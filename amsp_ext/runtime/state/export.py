@@ -6,10 +6,21 @@ expects).
   (collective).
 - ``model.state_dict()`` on the integration routes gives full tensors too (runtime/engine.py
   ``full_state_dict``, [Note: state dicts on the integration routes]).
-- ``save_pretrained(model, save_directory, dtype=None)``: the same, written by rank 0 as
-  ``model.safetensors`` + ``config.json`` (what ``from_pretrained`` reads).
-- ``export_checkpoint(path, save_directory=None, dtype=None)``: from a saved checkpoint, in one
-  process, no process group needed (DCP reads and stitches the chunks of any plan).
+- ``save_pretrained(model, save_directory, dtype=None, max_shard_size="5GB")``: the same,
+  written by rank 0 as Hugging Face sharded safetensors (``model-0000K-of-0000N.safetensors``
+  + ``model.safetensors.index.json``, or one ``model.safetensors``) + ``config.json``: what
+  ``from_pretrained`` and ``shard(init_from=...)`` read.
+- ``export_checkpoint(path, save_directory=None, dtype=None, max_shard_size="5GB")``: from a
+  saved checkpoint, in one process, no process group needed (DCP reads and stitches the chunks
+  of any plan).
+
+[Note: the writer holds one file]
+A consolidated model is as large as the model, which is why it was sharded; so the writers
+never hold it. The split into files is decided first, from the shapes and dtypes alone (greedy
+in state-dict order, a new file when the next tensor would pass ``max_shard_size``, as
+transformers splits), then the tensors of one file are gathered (or read from the checkpoint)
+and written, and dropped before the next file's. Peak: one file's worth (or one tensor larger
+than ``max_shard_size``, alone in its file).
 
 [Note: which weights]
 ``dtype=None`` means fp32: ``shard()`` takes an fp32 model, so that is the model's original
@@ -37,10 +48,12 @@ from amsp_ext.runtime.state.checkpoint import (MASTER, MODEL, dtype_name, hf_inf
                                          engine_of, trainable_by_id, verify_checkpoint)
 from amsp_ext.runtime.state.checkpoint_files import resolve
 from amsp_ext.runtime.config import compute_dtype
+from amsp_ext.runtime.state.safetensors_folder import INDEX_NAME, WEIGHTS_NAME
+from amsp_ext.choices import parse_size
 
-__all__ = ["consolidated_state_dict", "export_checkpoint", "save_pretrained"]
+__all__ = ["consolidated_state_dict", "export_checkpoint", "save_pretrained", "split_into_files"]
 
-WEIGHTS_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,6 +69,13 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
     ``dtype``: of floating tensors (None: fp32, see [Note: which weights]). ``rank0_only``: the
     dict is returned on rank 0 and ``{}`` elsewhere; else every rank gets it.
     """
+    return dict(_full_tensors(model, dtype=dtype, rank0_only=rank0_only))
+
+
+def _full_tensors(model: nn.Module, *, dtype: torch.dtype | None, rank0_only: bool,
+                  keys: set[str] | None = None):
+    """Yields (key, full CPU tensor) in state-dict order (rank0_only: on rank 0 only), for
+    ``keys`` (None: all); tied aliases are one tensor, gathered once."""
     e = engine_of(model)
     dtype = dtype or torch.float32
     e.wait_params()
@@ -63,12 +83,13 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
     gather = not rank0_only or 0 in e.mesh.ranks["param_shard"]
     use_masters = not e.optimizer._aliased and dtype != compute_dtype(e.config)
     by_id = trainable_by_id(e)
-    out: dict[str, torch.Tensor] = {}
     seen: dict[int, torch.Tensor | None] = {}  # tied aliases: gathered (and broadcast) once
     for k, v in model.sharded_state_dict(keep_vars=True).items():
+        if keys is not None and k not in keys:
+            continue
         if id(v) in seen:
             if keep:
-                out[k] = seen[id(v)]
+                yield k, seen[id(v)]
             continue
         t = by_id.get(id(v))
         value = v.detach()
@@ -77,8 +98,7 @@ def consolidated_state_dict(model: nn.Module, *, dtype: torch.dtype | None = Non
         full = _cast(C.full_tensor(e.comm, value, name=e.name("param_shard")), dtype) if gather else None
         seen[id(v)] = full if keep else None  # gatherers other than rank 0 drop it right away
         if keep:
-            out[k] = full
-    return out
+            yield k, full
 
 
 def _master_shard(e, t) -> torch.Tensor:
@@ -94,42 +114,99 @@ def _master_shard(e, t) -> torch.Tensor:
     return buf
 
 
-def _write_pretrained(save_directory, state: dict[str, torch.Tensor], hf_config: dict | None,
-                      dtype: torch.dtype) -> None:
-    from safetensors.torch import save_file
+def split_into_files(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Keys in order, grouped into files of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    files: list[list[str]] = []
+    used = 0
+    for key, n in sizes:
+        if not files or (used + n > max_shard_bytes and files[-1]):
+            files.append([])
+            used = 0
+        files[-1].append(key)
+        used += n
+    return files
 
-    out = Path(save_directory)
-    out.mkdir(parents=True, exist_ok=True)
-    first: dict[int, str] = {}
-    tensors = {}
+
+def _file_names(count: int) -> list[str]:
+    if count == 1:
+        return [WEIGHTS_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def _unique_sizes(state: dict[str, torch.Tensor], dtype: torch.dtype) -> list[tuple[str, int]]:
+    """(key, bytes written) of each tensor once (the first name of tied aliases)."""
+    first: set[int] = set()
+    out = []
     for k, v in state.items():
         if id(v) in first:  # safetensors refuses shared storage; from_pretrained re-ties
             continue
-        first[id(v)] = k
-        tensors[k] = v.contiguous()
-    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        first.add(id(v))
+        out.append((k, v.numel() * (dtype if v.is_floating_point() else v.dtype).itemsize))
+    return out
+
+
+def _write_files(out: Path, files: list[list[str]], tensors_of) -> None:
+    """``tensors_of(keys)`` -> {key: tensor} for one file at a time (see [Note: the writer
+    holds one file]); then the index when there are several files."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = _file_names(len(files))
+    weight_map, total = {}, 0
+    for keys, name in zip(files, names):
+        tensors = {k: v.contiguous() for k, v in tensors_of(keys).items()}
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        for k, v in tensors.items():
+            weight_map[k] = name
+            total += v.numel() * v.element_size()
+        del tensors
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _write_config(out: Path, hf_config: dict | None, dtype: torch.dtype) -> None:
     if hf_config is not None:
         cfg = {**hf_config, "dtype": dtype_name(dtype)}
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
-def save_pretrained(model: nn.Module, save_directory, *, dtype: torch.dtype | None = None) -> None:
-    """Rank 0 writes ``model.safetensors`` + ``config.json`` (``from_pretrained``-loadable).
-    Collective; returns once the files exist."""
+def _max_bytes(max_shard_size) -> int:
+    return parse_size(max_shard_size, field="max_shard_size") if isinstance(max_shard_size, str) \
+        else int(max_shard_size)
+
+
+def save_pretrained(model: nn.Module, save_directory, *, dtype: torch.dtype | None = None,
+                    max_shard_size: "int | str" = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Rank 0 writes Hugging Face sharded safetensors + ``config.json`` (``from_pretrained``-
+    loadable), one file's tensors at a time. Collective; returns once the files exist."""
     e = engine_of(model)
     dtype = dtype or torch.float32
-    state = consolidated_state_dict(model, dtype=dtype, rank0_only=True)
+    limit = _max_bytes(max_shard_size)
+    sizes = _unique_sizes(model.sharded_state_dict(keep_vars=True), dtype)
+    files = split_into_files(sizes, limit)
+    out = Path(save_directory)
+
+    def tensors_of(keys):
+        return dict(_full_tensors(model, dtype=dtype, rank0_only=True, keys=set(keys)))
+
     if e.rank == 0:
-        _write_pretrained(save_directory, state, hf_info(model)[1], dtype)
+        _write_files(out, files, tensors_of)
+        _write_config(out, hf_info(model)[1], dtype)
+    else:  # the same gathers, in the same order
+        for keys in files:
+            tensors_of(keys)
     C.barrier(e.comm, None, name="world", timeout=e.config.timeout)
 
 
 @torch.no_grad()
-def export_checkpoint(path, save_directory=None, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def export_checkpoint(path, save_directory=None, *, dtype: torch.dtype | None = None,
+                      max_shard_size: "int | str" = DEFAULT_MAX_SHARD_SIZE) -> dict[str, torch.Tensor] | None:
     """Consolidate a saved checkpoint in this process (no process group needed): full tensors
     keyed by the model's ``state_dict`` names, fp32 masters when the checkpoint has them. With
-    ``save_directory``, also write ``model.safetensors`` + ``config.json`` there. Every file is
-    checked against its checksum first."""
+    ``save_directory``, write Hugging Face sharded safetensors + ``config.json`` there instead,
+    one file's tensors in memory at a time, and return None. Every file is checked against its
+    checksum first."""
     path = resolve(Path(path))
     meta = verify_checkpoint(path)
     md = dcp_metadata(path)
@@ -138,13 +215,26 @@ def export_checkpoint(path, save_directory=None, *, dtype: torch.dtype | None = 
     for r in meta["model"]:
         name = r["param"] or r["key"]
         src_of[r["key"]] = MASTER + name if r["param"] and MASTER + name in md else MODEL + name
-    sd = {}
-    for src in set(src_of.values()):
+
+    def read(keys) -> dict[str, torch.Tensor]:
+        srcs = {src_of[k] for k in keys}
+        sd = {src: torch.empty(tuple(md[src].size), dtype=md[src].properties.dtype) for src in srcs}
+        dcp_io.read(sd, path)  # in this process alone, these keys only
+        full = {src: _cast(t, dtype) for src, t in sd.items()}
+        return {k: full[src_of[k]] for k in keys}
+
+    if save_directory is None:
+        return read(list(src_of))
+    first: dict[str, str] = {}
+    sizes = []
+    for k, src in src_of.items():  # tied aliases share a source: written once, under the first key
+        if src in first:
+            continue
+        first[src] = k
         props = md[src]
-        sd[src] = torch.empty(tuple(props.size), dtype=props.properties.dtype)
-    dcp_io.read(sd, path)  # in this process alone
-    full = {src: _cast(t, dtype) for src, t in sd.items()}
-    out = {k: full[src] for k, src in src_of.items()}
-    if save_directory is not None:
-        _write_pretrained(save_directory, out, meta.get("hf_config"), dtype)
-    return out
+        item = (dtype if props.properties.dtype.is_floating_point else props.properties.dtype).itemsize
+        sizes.append((k, int(torch.Size(props.size).numel()) * item))
+    out = Path(save_directory)
+    _write_files(out, split_into_files(sizes, _max_bytes(max_shard_size)), read)
+    _write_config(out, meta.get("hf_config"), dtype)
+    return None
