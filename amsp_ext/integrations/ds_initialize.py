@@ -11,6 +11,9 @@
    ``deepspeed.initialize`` does.
 3. Broadcast rank 0's parameters and buffers to every rank (DeepSpeed's ``_broadcast_model``):
    AMSP assumes identical replicas, and a script that seeds per rank must not diverge silently.
+   A model on meta is not broadcast: ``from_pretrained`` under an AMSP config built it there
+   and named its folder (patches/transformers_meta_load.py), which ``shard`` reads each rank's
+   share of; one the script built on meta gets the seeded initializer's values.
 4. ``amsp_ext.shard`` with the plan, the ShardConfig built from the block and the DeepSpeed
    keys, and the optimizer rebuilt over the masters (integrations.optim); then the scheduler,
    the dataloader (integrations.dataloader) and the engine. The sharded model's
@@ -194,9 +197,16 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     from amsp_ext.runtime.collectives import CollectiveContext
     from amsp_ext.runtime.shard import shard
 
+    from amsp_ext.integrations.patches.transformers_meta_load import INIT_FROM_ATTR
+    from amsp_ext.runtime.materialize import model_on_meta
+
     comm = CollectiveContext(timeout=settings.engine.timeout)  # the engine's, from the first broadcast
-    _broadcast_model(comm, model, settings.engine.timeout)
-    sharded, amsp_opt = shard(model, settings.plan, factory, config=shard_config, comm=comm)
+    on_meta = model_on_meta(model)
+    if not on_meta:  # a model on meta gets the same values everywhere from its file or seed
+        _broadcast_model(comm, model, settings.engine.timeout)
+    init_from = getattr(model, INIT_FROM_ATTR, None) if on_meta else None
+    sharded, amsp_opt = shard(model, settings.plan, factory, config=shard_config, comm=comm,
+                              init_from=init_from)
     sharded.amsp.full_state_dict = True  # engine.module saves like the user's model
     scheduler = build_scheduler(amsp_opt, client_scheduler=lr_scheduler, ds_config=cfg)
     loader = _dataloader(training_data, batch, collate_fn, cfg)

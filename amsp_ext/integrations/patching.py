@@ -31,6 +31,12 @@ def patch_deepspeed() -> dict[str, str]:
 
     done = {deepspeed_initialize.NAME: deepspeed_initialize.apply()}
     try:
+        from amsp_ext.integrations.patches import transformers_meta_load
+
+        done[transformers_meta_load.NAME] = transformers_meta_load.apply()
+    except ImportError:
+        pass
+    try:
         import accelerate  # noqa: F401
     except ImportError:
         return done

@@ -14,7 +14,10 @@ setup.py) runs one line at every interpreter start:
   ds_config that carries an ``"amsp"`` block (amsp_ext.integrations.guard): the block hidden
   from Accelerate's "auto" filling, no ZeRO-3 ``zero.Init`` under AMSP, the real world on CPU,
   ``unwrap_model`` of the AMSP engine, and a one-line stop where Accelerate would drop DeepSpeed
-  (and so AMSP) silently; ``accelerate launch`` checks the YAML's ds_config before any worker.
+  (and so AMSP) silently; ``accelerate launch`` checks the YAML's ds_config before any worker;
+- when it imports ``transformers.modeling_utils``: ``from_pretrained`` builds on meta while an
+  AMSP ds_config is in play, and each rank later reads only its share
+  (patches/transformers_meta_load.py).
 
 [Note: why always, and no environment variable]
 Whether a job runs AMSP is the ds_config's ``amsp.enabled`` and nothing else: plain DeepSpeed
@@ -54,6 +57,12 @@ def _patch_accelerate(_module) -> None:
     _say(f"accelerate {patch_accelerate()}")
 
 
+def _patch_transformers(_module) -> None:
+    from amsp_ext.integrations.patches import transformers_meta_load
+
+    _say(f"transformers from_pretrained {transformers_meta_load.apply()}")
+
+
 def activate() -> bool:
     """Install the post-import hooks (idempotent: site processes a venv's ``lib`` and its
     ``lib64`` symlink as two site directories, so .pth lines may run twice)."""
@@ -67,4 +76,5 @@ def activate() -> bool:
     _active = True
     when_imported("deepspeed", _patch_deepspeed)
     when_imported("accelerate", _patch_accelerate)
+    when_imported("transformers.modeling_utils", _patch_transformers)
     return True

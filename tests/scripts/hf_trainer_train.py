@@ -4,6 +4,7 @@ amsp_ext installed: its start-up hook), DeepSpeed is AMSP; with ``"enabled": fal
 
     torchrun --nproc-per-node 2 tests/scripts/hf_trainer_train.py \\
         --deepspeed configs/hf_trainer/ds_config.json --output-dir /tmp/run [--resume-from DIR]
+        [--from-pretrained MODEL_DIR]
 
 Prints ``LOG {json}`` for each logged step (rank 0) and ``DATA {json}`` with the sample indices
 each rank trained on.
@@ -12,6 +13,8 @@ each rank trained on.
 import argparse
 import gc
 import json
+import os
+import resource
 import sys
 
 import pydoc_data.topics as topics
@@ -46,6 +49,15 @@ def emit(line: str) -> None:
     sys.stdout.flush()
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--deepspeed", default=None, help="ds_config.json (none: the Trainer's DDP)")
@@ -53,6 +65,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--save-steps", type=int, default=2, help="0: do not save")
     ap.add_argument("--resume-from", default=None, metavar="CHECKPOINT_DIR")
+    ap.add_argument("--from-pretrained", default=None, metavar="DIR",
+                    help="load the model with from_pretrained (else from_config, seed 0)")
     args = ap.parse_args()
 
     targs = TrainingArguments(
@@ -68,14 +82,25 @@ def main() -> None:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    load = {}
+    if args.from_pretrained:
+        rss0, peak0 = _rss(), _peak_rss()
+        model = AutoModelForCausalLM.from_pretrained(args.from_pretrained, attn_implementation="eager")
+        load = {"load_rss_growth": _rss() - rss0, "load_peak_growth": max(0, _peak_rss() - rss0),
+                "peak_before_load_above_rss": peak0 - rss0,
+                "loaded_on_meta": all(p.is_meta for p in model.parameters()),
+                "loaded_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()
+                                          if not p.is_meta)}
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     zero3 = {"zero3_enabled": is_deepspeed_zero3_enabled(),
              "ds_partitioned": any(hasattr(p, "ds_id") for p in model.parameters())}
     data = ByteText(64, 32)
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Print()])
-    emit("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size, **zero3}))
+    emit("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size, **zero3,
+                                 **load}))
     trainer.train(resume_from_checkpoint=args.resume_from)
     emit("DATA " + json.dumps({"rank": targs.process_index, "engine": type(trainer.model_wrapped).__name__,
                                 "samples": data.seen}))
