@@ -35,6 +35,9 @@ What CPU machines cannot tell us, each written to ``<out>/gpu_check.json`` as it
    comparisons/results/dryrun_7b/.
 7. ``engine_large``: item 3 on LLaMA-7B's layer shape (4 layers, 1.07B parameters, seq 4096):
    the hooks' cost where kernels are long.
+8. ``big_start``: rank 0 of a 64-rank world of LLaMA-65B under zero3 (bf16, recomputation),
+   built on meta and started by ``shard()`` on the GPU: the start-up peak (allocator and
+   MemTracker) beside the step's; 65B could never be held in fp32 here (260 GB).
 """
 
 from __future__ import annotations
@@ -232,6 +235,28 @@ def check_scale(device, quick: bool) -> dict:
     return out
 
 
+def check_big_start(device, quick: bool) -> dict:
+    """Item 8: rank 0 of a 64-rank world (8 x 8) of LLaMA-65B under zero3, bf16, recomputation,
+    built on meta and started by shard() on the GPU (real tensors, the fake backend): 65B in fp32
+    is 260 GB, more than the H200 holds, so reaching the step at all is the check; the start-up
+    and step peaks are the allocator's beside MemTracker's and the planner's. ``quick``:
+    tiny-llama on 8 x 8."""
+    from amsp_ext.engine_config import EngineConfig
+    from amsp_ext.tools.dryrun import DryRunSpec, dry_run
+
+    job = (dict(model="tiny-llama", seq_len=64) if quick else dict(model="llama-65b", seq_len=4096))
+    spec = DryRunSpec(**job, num_nodes=8, gpus_per_node=8, plan="zero3", ranks=(0,), steps=1,
+                      engine=EngineConfig(precision="bf16", recompute=True), tensors="real",
+                      device=device.type)
+    r = dry_run(spec, timeout_s=420)
+    rank = r["ranks"][0]
+    return {"plan": r["plan"], "world": r["world"], "real": rank.get("real"),
+            "startup_peak_bytes": rank["startup_peak_bytes"], "startup_memory": rank["startup_memory"],
+            "memtracker_peak_bytes": rank["peak_bytes"], "memory": rank["memory"],
+            "model_state_bytes": rank["model_state_bytes"], "planner": r["planner"]["memory"],
+            "seconds": rank["seconds"]}
+
+
 def _llama_7b_layers(device, quick: bool):
     """LLaMA-7B's layer shape, 4 layers (1.07B parameters), fp32, initialised on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -332,7 +357,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a dry run on CPU)")
     ap.add_argument("--only", default=None, help="comma-separated checks to run (default: all): "
-                    "nccl, peak, engine, scale, compute, calibration, engine_large")
+                    "nccl, peak, engine, scale, compute, calibration, engine_large, big_start")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no GPU; use --device cpu --quick for a dry run",
@@ -360,7 +385,8 @@ def main(argv=None) -> int:
              ("compute", lambda: check_compute(device, torch.bfloat16,
                                                max(result["peak"].values()) * 1e12, a.quick)),
              ("calibration", lambda: check_calibration(device, a.quick)),
-             ("engine_large", lambda: check_engine(device, a.quick, large=True))]
+             ("engine_large", lambda: check_engine(device, a.quick, large=True)),
+             ("big_start", lambda: check_big_start(device, a.quick))]
     only = set(a.only.split(",")) if a.only else None
     for key, fn in steps:
         if only is not None and key not in only:

@@ -26,11 +26,13 @@ def _run(script: str, *args: str, out: Path) -> None:
 def test_gpu_check_dry_run_answers_every_check(tmp_path):
     _run("gpu_check.py", out=tmp_path)
     r = json.loads((tmp_path / "gpu_check.json").read_text())
-    keys = ("nccl", "peak", "engine", "scale", "compute", "calibration", "engine_large")
+    keys = ("nccl", "peak", "engine", "scale", "compute", "calibration", "engine_large", "big_start")
     assert [k for k in keys if k not in r or "error" in r[k]] == [], {k: r.get(k) for k in keys}
     assert all(r["nccl"][k] is True for k in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"))
     for k in ("engine", "engine_large"):  # the engine against plain PyTorch (bf16 autocast)
         assert r[k]["max_loss_rel_diff"] < 1e-3, r[k]
+    big = r["big_start"]  # built on meta, started by shard(), one step: below the step's peak
+    assert big["world"] == 64 and 0 < big["startup_peak_bytes"] <= big["memtracker_peak_bytes"], big
     for plan, v in r["scale"].items():  # one rank of 32 with real tensors: the ordinary path
         assert "error" not in v and v["real"]["steps_skipped"] == 0 and v["real"]["fake_fills_outputs"], plan
 

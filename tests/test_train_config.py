@@ -148,8 +148,9 @@ def test_every_sections_field_is_an_option_or_a_section():
                 yield cls, f
     from amsp_ext.engine_config import EngineConfig
 
-    # the two sub-configs every route fills from its own job shape (train: --seq-len ...)
-    filled = {(EngineConfig, "auto"), (EngineConfig, "adaptive")}
+    # the two sub-configs every route fills from its own job shape (train: --seq-len ...), and
+    # the meta-init seed, which amsp train fills from its --seed
+    filled = {(EngineConfig, "auto"), (EngineConfig, "adaptive"), (EngineConfig, "init_seed")}
     for cls, f in walk(TrainConfig):
         if (cls, f.name) in filled:
             continue

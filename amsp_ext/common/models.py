@@ -46,14 +46,18 @@ def model_spec(model: str | None, model_config: str | None = None):
     return load_model_spec(model, model_config)
 
 
-def build_llama(name: str = "tiny-llama", *, seed: int = 0, **overrides: Any):
-    """A freshly initialised ``LlamaForCausalLM`` (fp32, eager attention), same on every rank."""
+def build_llama(name: str = "tiny-llama", *, seed: int = 0, on_meta: bool = False, **overrides: Any):
+    """A freshly initialised ``LlamaForCausalLM`` (fp32, eager attention), same on every rank;
+    ``on_meta``: built on ``meta`` instead, for ``shard()`` to allocate and fill each rank's share."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = {**llama_config_dict(name), **overrides}
     config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     config._attn_implementation = "eager"
+    if on_meta:
+        with torch.device("meta"):
+            return LlamaForCausalLM(config)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 

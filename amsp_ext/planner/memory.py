@@ -180,10 +180,16 @@ class MemoryBreakdown:
     tmp: int  # at the peak moment
     tmp_parts: dict  # the buffers (bytes) and which moment sets the peak ("peak_phase")
     moments: dict  # moment -> {"activations": n, "tmp": n}, see [Note: temporary buffers and the peak]
+    startup: int = 0  # [Note: start-up memory]
+
+    @property
+    def step_total(self) -> int:
+        return self.params + self.grads + self.optim + self.activations + self.tmp
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optim + self.activations + self.tmp
+        """The larger of the step's peak and the start-up's: a plan fits only if it can start."""
+        return max(self.step_total, self.startup)
 
     @property
     def model_states(self) -> int:
@@ -197,6 +203,7 @@ class MemoryBreakdown:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["total"] = self.total
+        d["step_total"] = self.step_total
         return d
 
 
@@ -250,6 +257,21 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
     return parts
 
 
+def startup_bytes(spec: ModelSpec, plan: Plan, training: TrainingSpec) -> int:
+    """[Note: start-up memory]
+    A model built on meta starts (runtime/materialize.py) with its local parameters in the
+    compute dtype (e*Phi/sp), the owners' fp32 masters (4*Phi/sos under mixed precision; under
+    fp32 the masters are the parameters) and, while the initializer runs, one module's
+    parameters built whole in fp32: the largest of the embedding, the LM head and a layer's
+    linears. Loading from files needs less (one tensor's rows). No gradient or optimizer moment
+    exists yet, so this is below the step's peak for every model the planner has priced; it is
+    checked all the same, since a plan that cannot start does not fit."""
+    e = param_bytes(training.precision)
+    masters = 4 * spec.num_params // plan.sos if training.precision != "fp32" else 0
+    largest = max([_largest_layer_tensor(spec), *(n for _, n in spec.outside_params())])
+    return int(e * spec.num_params / plan.sp) + masters + 4 * largest
+
+
 def memory_breakdown(
     spec: ModelSpec, plan: Plan, training: TrainingSpec, *, gpus_per_node: int, num_nodes: int,
 ) -> MemoryBreakdown:
@@ -276,4 +298,5 @@ def memory_breakdown(
         tmp=moments[peak]["tmp"],
         tmp_parts=parts,
         moments=moments,
+        startup=startup_bytes(spec, plan, training),
     )

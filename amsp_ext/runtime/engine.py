@@ -323,9 +323,13 @@ def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: Sh
 def engine_device(model: nn.Module) -> torch.device:
     """Where the engine runs: the GPU of an NCCL rank, else the CPU (gloo). The fake backend of
     a dry run (tools/dryrun.py [Note: dry run]) moves no data, so its rank runs where
-    its model was built: on a GPU, the streams, events and allocator are a real run's."""
+    its model was built (a model on meta: the default device it is sharded under): on a GPU,
+    the streams, events and allocator are a real run's."""
     backend = dist.get_backend()
-    if backend == "nccl" or (backend == "fake" and next(model.parameters()).device.type == "cuda"):
+    where = next(model.parameters()).device
+    if backend == "fake" and where.type == "meta":  # the dry run's ``with torch.device(...)``
+        where = torch.get_default_device()
+    if backend == "nccl" or (backend == "fake" and where.type == "cuda"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -89,10 +89,26 @@ def to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Storage for what this rank keeps, in the compute dtype; values come from ``fill``."""
+    """Storage for what this rank keeps, in the compute dtype; values come from ``fill``.
+
+    FSDP2's units (sp > 1) take ``to_empty``, which re-makes their sharded parameters. Plain
+    parameters are replaced by new ones (tied aliases by one), since ``to_empty``'s in-place
+    swap fails for a dry run's fake tensors."""
+    from torch.distributed.tensor import DTensor
+
     if dtype != torch.float32:
         to_dtype_keep_buffers(model, dtype)  # still on meta: no bytes move
-    model.to_empty(device=device)
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        model.to_empty(device=device)
+        return
+    made: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for n, p in list(m.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            setattr(m, n, made[id(p)])
+        for n, b in list(m.named_buffers(recurse=False)):
+            setattr(m, n, torch.empty_like(b, device=device))  # keeps the buffer's persistence
 
 
 def _seed_of(seed: int, module_name: str) -> int:
@@ -121,16 +137,17 @@ def _rows_of(p: torch.Tensor) -> tuple[torch.Tensor, int | None, int | None]:
 def _run_initializer(init, module_name: str, m: nn.Module, seed: int,
                      device: torch.device) -> dict[str, torch.Tensor]:
     """``m``'s direct parameters built whole in fp32 by ``init`` (its buffers in place)."""
-    saved = dict(m._parameters)
+    saved = dict(m.named_parameters(recurse=False, remove_duplicate=False))
     full = {n: torch.full(tuple(p.shape), float("nan"), dtype=torch.float32, device=device)
-            for n, p in saved.items() if p is not None}
+            for n, p in saved.items()}
     try:
         for n, t in full.items():
-            m._parameters[n] = nn.Parameter(t, requires_grad=False)
+            setattr(m, n, nn.Parameter(t, requires_grad=False))
         with _seeded(seed, module_name, device):
             init(m)
     finally:
-        m._parameters.update(saved)
+        for n, p in saved.items():
+            setattr(m, n, p)
     if device.type != "meta" and not compat.is_fake(next(iter(full.values()), None)):
         for n, t in full.items():
             if t.numel() and torch.isnan(t).any():
@@ -151,8 +168,8 @@ def fill(model: nn.Module, *, device: torch.device, seed: int, source=None, init
     fp32: dict[int, torch.Tensor] = {}
     done: set[int] = set()
     for mod_name, m in model.named_modules():
-        params = {n: p for n, p in m._parameters.items() if p is not None}
-        buffers = {n: b for n, b in m._buffers.items() if b is not None}
+        params = dict(m.named_parameters(recurse=False, remove_duplicate=False))
+        buffers = dict(m.named_buffers(recurse=False, remove_duplicate=False))
         full: dict[str, torch.Tensor] = {}
         if (source is None and params) or (init_buffers and buffers):
             run = init if init is not None else (lambda mod: mod.reset_parameters())
@@ -173,6 +190,6 @@ def fill(model: nn.Module, *, device: torch.device, seed: int, source=None, init
         if source is not None:
             for n, b in buffers.items():
                 name = f"{mod_name}.{n}" if mod_name else n
-                if n not in m._non_persistent_buffers_set and name in source:
+                if name in source:  # the files' persistent buffers (init_source.expected_tensors)
                     b.copy_(source.rows(name).to(device=device, dtype=b.dtype).reshape(b.shape))
     return fp32

@@ -7,8 +7,8 @@
 Each sampled rank runs in a subprocess of its own (:func:`run_rank`, at most two at once):
 ``init_process_group("fake", FakeStore(), rank=r, world_size=R)`` (every collective returns at
 once and moves no data), then under ``FakeTensorMode`` (tensors with shapes, dtypes, devices and
-no storage) the model is built (weights never initialised: on ``meta``, then given fake storage),
-``amsp_ext.shard`` applies the plan exactly as a real run does (same groups, buckets, ownership),
+no storage) the model is built on ``meta`` and ``amsp_ext.shard`` gives each rank its share
+([Note: start-up]) and applies the plan exactly as a real run does (same groups, buckets, ownership),
 and ``steps`` full steps run (M micro-batches forward/backward, clip, optimizer step, the
 post-step broadcasts). Every collective runtime/collectives.py issues is logged by an observer
 of the collective context ``run_rank`` hands to ``shard`` (kind, group size, cross-node, bytes
@@ -43,9 +43,17 @@ What a fake run cannot be, and how it is handled:
   ``device="cuda"`` on a machine with a GPU ([Note: real tensors on a GPU]; run there with real
   tensors only: fake tensors on a GPU have not run).
 
+[Note: start-up]
+The model is built on ``meta`` and ``shard()`` makes it real (runtime/materialize.py): each
+rank allocates its share and runs the model's initializer module by module. A second tracker
+follows ``shard()`` from the meta model to the sharded one: ``startup_peak_bytes`` is its peak
+(the local parameters, the owners' fp32 masters, and one module's parameters built whole in
+fp32 for the initializer), beside the step's ``peak_bytes``.
+
 [Note: real tensors on a GPU]
 ``tensors="real", device="cuda"`` runs the sampled rank with allocated tensors on this
-machine's GPU, still on the fake backend. The model is built and initialised for real (seed 0),
+machine's GPU, still on the fake backend. The model is built on meta and initialised for real
+by ``shard()`` (seed 0),
 the engine takes the GPU as an NCCL rank would (runtime/engine.py ``engine_device``: its side
 streams, events and ``record_stream``), and the step's compute is a real rank's. What the fake
 run cannot see, this one measures: the CUDA caching allocator's peak (``max_memory_allocated``,
@@ -270,7 +278,7 @@ def _check_gpu() -> None:
 
 
 def _result(spec: DryRunSpec, plan, planner: dict, ranks: list[dict], seconds: float) -> dict:
-    fits = all(rec["peak_bytes"] <= spec.gpu_memory_bytes for rec in ranks)
+    fits = all(max(rec["peak_bytes"], rec["startup_peak_bytes"]) <= spec.gpu_memory_bytes for rec in ranks)
     return {"world": spec.world, "plan": str(plan), "model": spec.model or spec.model_config,
             "shape": {"seq_len": spec.seq_len, "micro_batch_size": spec.micro_batch_size,
                       "micro_batches": spec.micro_batches, "precision": spec.precision,
@@ -298,9 +306,11 @@ def hf_config_of(spec: DryRunSpec) -> dict:
             "max_position_embeddings": max(4096, spec.seq_len), "rms_norm_eps": 1e-5}
 
 
-def build_model(spec: DryRunSpec, device, *, real: bool):
-    """The Llama model: on ``meta`` and then given fake storage (no initialisation compute), or
-    built and initialised where it runs ([Note: real tensors on a GPU]; seconds for 7B there)."""
+def build_model(spec: DryRunSpec, device, *, real: bool, meta: bool = True):
+    """The Llama model on ``meta`` (``meta``, what the dry run shards: shard() allocates each
+    rank's share and initialises it, [Note: start-up]); else given fake storage (no
+    initialisation compute), or built and initialised where it runs ([Note: real tensors on a
+    GPU]; seconds for 7B there)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -309,13 +319,14 @@ def build_model(spec: DryRunSpec, device, *, real: bool):
     cfg = {k: v for k, v in hf_config_of(spec).items() if k not in ("architectures",)}
     config = LlamaConfig(**cfg)
     config._attn_implementation = "sdpa"  # what a GPU run uses: the fused kernel, no s x s matrix
-    if real:
+    if real and not meta:
         torch.manual_seed(0)
         with torch.device(device):
             return LlamaForCausalLM(config)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    compat.give_fake_storage(model, device)
+    if not meta:
+        compat.give_fake_storage(model, device)
     return model
 
 
@@ -420,7 +431,6 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
 
     from amsp_ext.runtime import _torch_compat as compat
     from amsp_ext.runtime import collectives as C
-    from amsp_ext.runtime.shard import shard
 
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
@@ -437,8 +447,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
             (contextlib.nullcontext() if real else compat.nominal_fake_scalars()):
         model = build_model(spec, device, real=real)
         t_build = time.perf_counter()
-        model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                           config=config, comm=comm)
+        model, opt, startup_mem, startup_allocated = _start(model, spec, config, comm, device)
         t_shard = time.perf_counter()
         moment = PeakMoment(clog)
         tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors, on_new_peak=moment)
@@ -470,6 +479,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
     last = [c for c in log if c["phase"] != "setup"]
     per_step = len(last) // steps if steps else 0
     rec = {"rank": rank, "peak_bytes": mem.pop("_total"), "memory": mem, "peak_moment": moment.name,
+           "startup_peak_bytes": startup_mem.pop("_total"), "startup_memory": startup_mem,
            "model_state_bytes": state_bytes, "collectives": last[-per_step:] if per_step else [],
            "setup_collectives": [c for c in log if c["phase"] == "setup"],
            "sdpa_kernel": _sdpa_kernel(model, spec, device),
@@ -480,10 +490,29 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
                        "untracked_step_s": untracked_s, "steps_skipped": opt.skipped_steps}
         if cuda:
             rec["real"].update(device=torch.cuda.get_device_name(device),
+                               startup_peak_allocated_bytes=startup_allocated,
                                peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
                                peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
                                allocated_after_step_bytes=torch.cuda.memory_allocated(device))
     return rec
+
+
+def _start(model, spec: DryRunSpec, config, comm, device):
+    """``shard()`` of the meta model under a tracker of its own ([Note: start-up]): the sharded
+    model, its optimizer, the start-up peak by category and (on a GPU) the allocator's peak."""
+    import torch
+
+    from amsp_ext.runtime import _torch_compat as compat
+    from amsp_ext.runtime.shard import shard
+
+    startup = compat.mem_tracker()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with startup, torch.device(device):
+        model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                           config=config, comm=comm)
+    allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return model, opt, _categories(startup.get_tracker_snapshot("peak")), allocated
 
 
 def _categories(peak: dict) -> dict:

@@ -60,6 +60,8 @@ def _rows(result: dict) -> list[str]:
         lines.append(f"rank {rank['rank']}: peak {_gib(rank['peak_bytes'])} GiB at {rank.get('peak_moment')} "
                      f"(planner: {_gib(pm['total'])} GiB at {result['planner'].get('peak_moment')}), "
                      f"{rank['seconds']['total']:.1f} s")
+        lines.append(f"  start-up (meta model to sharded): peak {_gib(rank['startup_peak_bytes'])} GiB "
+                     f"(planner: {_gib(pm['startup'])} GiB)")
         lines.append(f"  {'category':<12} {'engine GiB':>11} {'planner GiB':>12} {'ratio':>7}"
                      f"   (planner at the engine's peak moment)")
         for c in CATS:
@@ -68,6 +70,7 @@ def _rows(result: dict) -> list[str]:
         real = rank.get("real")
         if real and "peak_allocated_bytes" in real:  # [Note: real tensors on a GPU]
             lines.append(f"  {real['device']} (torch {real['torch']}): allocator peak "
+                         f"{_gib(real['startup_peak_allocated_bytes'])} GiB at start-up, "
                          f"{_gib(real['peak_allocated_bytes'])} GiB allocated, "
                          f"{_gib(real['peak_reserved_bytes'])} GiB reserved; step "
                          f"{real['untracked_step_s']:.3f} s without communication; "

@@ -92,9 +92,10 @@ def train(config: TrainConfig) -> dict | None:
     comm = collectives.CollectiveContext(timeout=e.timeout)
 
     # -- 2. model and plan -------------------------------------------------------------------
-    model = build_llama(config.model, seed=config.seed)
+    # with --init-from, on meta: each rank reads only its share of the files (runtime/materialize.py)
+    model = build_llama(config.model, seed=config.seed, on_meta=e.init_from is not None)
     num_params = sum(p.numel() for p in model.parameters())
-    engine_config = shard_config(config)
+    engine_config = dataclasses.replace(shard_config(config), init_seed=config.seed)
     model, optimizer = amsp_ext.shard(model, config.plan, optimizer_factory(config),
                                       config=engine_config, comm=comm)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))

@@ -24,17 +24,13 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple
     accepted in its place) and each persistent buffer; name -> (shape, alias names)."""
     aliases: dict[int, list[str]] = {}
     first: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[id(p)].append(name)
+    # state_dict: the parameters (tied ones under every name) and the persistent buffers
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            aliases[id(t)].append(name)
         else:
-            first[id(p)], aliases[id(p)] = (name, p), []
-    out = {name: (tuple(p.shape), tuple(aliases[i])) for i, (name, p) in first.items()}
-    for mod_name, m in model.named_modules():
-        for b_name, b in m.named_buffers(recurse=False):
-            if b is not None and b_name not in m._non_persistent_buffers_set:
-                out[f"{mod_name}.{b_name}" if mod_name else b_name] = (tuple(b.shape), ())
-    return out
+            first[id(t)], aliases[id(t)] = (name, t), []
+    return {name: (tuple(t.shape), tuple(aliases[i])) for i, (name, t) in first.items()}
 
 
 class InitSource:
