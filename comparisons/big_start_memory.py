@@ -41,6 +41,12 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _tracked_total(snapshot: dict) -> int:
+    """MemTracker's total over the devices with storage (it files a model on meta as 'meta')."""
+    return sum(v for dev, by_kind in snapshot.items() if str(dev) != "meta"
+               for k, v in by_kind.items() if str(getattr(k, "value", k)).lower() == "total")
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -65,8 +71,7 @@ def worker(args) -> None:
         num_params = sum(p.numel() for p in model.parameters())
         model, opt = amsp_ext.shard(model, args.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                     config=ShardConfig(gpus_per_node=world, init_seed=0))
-        startup_peak = sum(v for dev in tracker.get_tracker_snapshot("peak").values()
-                           for k, v in dev.items() if str(getattr(k, "value", k)).lower() == "total")
+        startup_peak = _tracked_total(tracker.get_tracker_snapshot("peak"))
         rss_startup = _peak_rss() - rss0
         t_start = time.perf_counter() - t0
         losses = []
@@ -79,8 +84,7 @@ def worker(args) -> None:
             opt.zero_grad()
             losses.append(float(loss))
         model.amsp.wait_params()
-    peak = sum(v for dev in tracker.get_tracker_snapshot("peak").values()
-               for k, v in dev.items() if str(getattr(k, "value", k)).lower() == "total")
+    peak = _tracked_total(tracker.get_tracker_snapshot("peak"))
     rec = {"rank": rank, "mode": args.mode, "num_params": num_params,
            "fp32_model_bytes": 4 * num_params, "tracker_startup_peak_bytes": startup_peak,
            "tracker_peak_bytes": peak, "rss_startup_peak_growth_bytes": rss_startup,

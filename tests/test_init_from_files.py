@@ -168,5 +168,17 @@ def test_shard_refuses_a_bad_folder_before_any_collective(tmp_path):
             mixed.lm_head.weight = torch.nn.Parameter(torch.zeros(256, 64))
             amsp_ext.shard(mixed, "zero3", lambda ps: torch.optim.AdamW(ps), comm=comm)
         assert sum(comm.counts.values()) == 0, comm.counts
+
+        class Scale(torch.nn.Module):  # a raw parameter and no reset_parameters()
+            def __init__(self):
+                super().__init__()
+                self.gain = torch.nn.Parameter(torch.ones(4))
+
+        with torch.device("meta"):
+            custom = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale())
+        with pytest.raises(ValueError, match=r"module '1' \(Scale\) holds tensors on meta but has no "
+                                             r"reset_parameters\(\)"):
+            amsp_ext.shard(custom, "ddp", lambda ps: torch.optim.AdamW(ps), comm=comm)
+        assert sum(comm.counts.values()) == 0, comm.counts
     finally:
         dist.destroy_process_group()

@@ -49,14 +49,18 @@ def _rank_results(outdir: Path, plan: str, nproc: int = 4) -> list[dict]:
     return [json.loads((outdir / _tag(plan) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def _reference_losses(weights: dict[str, torch.Tensor], world: int, steps: int = 2) -> list[float]:
-    """Plain PyTorch, one process, the global batch of every step."""
+def _reference_losses(weights: "dict[str, torch.Tensor] | Path", world: int, steps: int = 2) -> list[float]:
+    """Plain PyTorch, one process, the global batch of every step, from ``weights`` (a folder:
+    transformers' own ``from_pretrained``)."""
     from transformers import LlamaForCausalLM
 
     from amsp_ext.common.models import causal_lm_loss
 
-    model = LlamaForCausalLM(_config())
-    model.load_state_dict(weights, strict=True)
+    if isinstance(weights, Path):
+        model = LlamaForCausalLM.from_pretrained(weights, attn_implementation="eager")
+    else:
+        model = LlamaForCausalLM(_config())
+        model.load_state_dict(weights, strict=True)
     opt = adamw(list(model.parameters()))
     losses = []
     for step in range(steps):
@@ -82,8 +86,7 @@ def _eval_loss_from_pretrained(folder: Path) -> float:
         return float(causal_lm_loss(model, eval_batch()))
 
 
-def _check_losses_and_round_trip(outdir: Path, plan: str, weights: dict[str, torch.Tensor]) -> None:
-    ref = _reference_losses(weights, world=4)
+def _check_losses_and_round_trip(outdir: Path, plan: str, ref: list[float]) -> None:
     res = _rank_results(outdir, plan)
     for got, want in zip(res[0]["losses"], ref):
         assert abs(got - want) <= 1e-6 * abs(want), (plan, res[0]["losses"], ref)
@@ -99,10 +102,11 @@ def seeded(tmp_path_factory):
     out = tmp_path_factory.mktemp("meta_seeded")
     run_ranks(4, "tests.meta_init_worker", str(out / "w4"), "2", ";".join(PLANS + BF16), timeout=400)
     run_ranks(1, "tests.meta_init_worker", str(out / "w1"), "1", "ddp", timeout=200)
-    return out
+    return out, _reference_losses(_weights(out / "w1", "ddp"), world=4)
 
 
 def test_seeded_weights_are_the_same_bits_under_every_plan_and_world(seeded):
+    seeded, _ = seeded
     one_rank = _weights(seeded / "w1", "ddp")
     assert len(one_rank) == 21
     for plan in PLANS + BF16:
@@ -120,7 +124,8 @@ def test_seeded_weights_are_the_same_bits_under_every_plan_and_world(seeded):
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_seeded_training_matches_one_process_and_round_trips(seeded, plan):
-    _check_losses_and_round_trip(seeded / "w4", plan, _weights(seeded / "w1", "ddp"))
+    out, ref = seeded
+    _check_losses_and_round_trip(out / "w4", plan, ref)
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +138,23 @@ def from_files(tmp_path_factory):
     LlamaForCausalLM(_config()).save_pretrained(out / "src", max_shard_size="200KB")
     run_ranks(4, "tests.meta_init_worker", str(out / "w4"), "2", ";".join(PLANS), str(out / "src"),
               timeout=400)
+    return out, _reference_losses(out / "src", world=4)
+
+
+def _files(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(str(f)))
     return out
 
 
 def test_init_from_a_sharded_folder_reads_the_files_exactly(from_files):
-    from safetensors.torch import load_file
-
+    from_files, _ = from_files
     src = from_files / "src"
     assert len(list(src.glob("*.safetensors"))) >= 3
-    files = {}
-    for f in src.glob("*.safetensors"):
-        files.update(load_file(str(f)))
+    files = _files(src)
     for plan in PLANS:
         w = _weights(from_files / "w4", plan)
         differ = [k for k in files if not torch.equal(w[k], files[k])]
@@ -152,12 +163,8 @@ def test_init_from_a_sharded_folder_reads_the_files_exactly(from_files):
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_init_from_trains_like_from_pretrained(from_files, plan):
-    from safetensors.torch import load_file
-
-    files = {}
-    for f in (from_files / "src").glob("*.safetensors"):
-        files.update(load_file(str(f)))
-    _check_losses_and_round_trip(from_files / "w4", plan, files)
+    out, ref = from_files
+    _check_losses_and_round_trip(out / "w4", plan, ref)
 
 
 @pytest.mark.parametrize("plan", sorted(SHARDED))
@@ -165,7 +172,7 @@ def test_init_from_allocates_no_full_parameter_a_sharded_plan_does_not_keep(from
     """Every tensor any op touched during shard() lives in a storage smaller than the largest
     parameter (the (256, 64) embedding, 64 KiB in fp32), which these plans keep a shard of:
     reading it whole and cutting it (a full-tensor read) fails this."""
-    for r, res in enumerate(_rank_results(from_files / "w4", plan)):
+    for r, res in enumerate(_rank_results(from_files[0] / "w4", plan)):
         op, shape, nbytes = res["largest_storage"]
         assert res["largest_sharded_param_bytes"] == 256 * 64 * 4, (plan, r)
         assert nbytes < res["largest_sharded_param_bytes"], (plan, r, op, shape, nbytes)

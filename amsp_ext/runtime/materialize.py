@@ -54,20 +54,21 @@ def _initializer(model: nn.Module) -> Callable[[nn.Module], None] | None:
     return init if callable(init) and hasattr(model, "config") else None
 
 
-def _needs_init(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
-
-
-def check_initializable(model: nn.Module) -> None:
-    """Every module holding parameters or buffers has an initializer (before any collective)."""
+def check_initializable(model: nn.Module, *, from_files: bool = False) -> None:
+    """Every module ``fill`` will run the initializer on has one (before any collective): each
+    holding parameters or buffers, or with ``from_files`` each holding buffers (a file has no
+    non-persistent buffer, such as rotary frequencies)."""
     if _initializer(model) is not None:
         return
     for name, m in model.named_modules():
-        if _needs_init(m) and not callable(getattr(m, "reset_parameters", None)):
+        holds = any(True for _ in m.buffers(recurse=False)) or (
+            not from_files and any(True for _ in m.parameters(recurse=False)))
+        if holds and not callable(getattr(m, "reset_parameters", None)):
             raise ValueError(
                 f"amsp_ext.shard: module {name or '<root>'!r} ({type(m).__name__}) holds tensors on "
-                f"meta but has no reset_parameters(); give it one, load weights with "
-                f"config.init_from=PATH, or build the model on a device")
+                f"meta but has no reset_parameters(); give it one"
+                f"{'' if from_files else ', load weights with init_from=PATH'}, or build the model "
+                f"on a device")
 
 
 def to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:

@@ -79,8 +79,8 @@ def shard(model: nn.Module, plan: "Plan | str",
     # initial values: the files are opened and checked against the model here, before any collective
     on_meta = model_on_meta(model)
     source = open_init_source(config.init_from, model) if config.init_from is not None else None
-    if on_meta and source is None:
-        check_initializable(model)
+    if on_meta:
+        check_initializable(model, from_files=source is not None)
     C.destroy_groups_at_exit()  # collectives.py [Note: process groups torn down at exit]
     # -- first collective ------------------------------------------------------------------
     check_same_everywhere(comm, run_fingerprint(plan, config, world, model), config)

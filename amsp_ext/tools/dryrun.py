@@ -210,7 +210,8 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
         ar += e_g * phi // plan.sp                                  # T0_os
     bc = e * phi // plan.sp if size(plan.bcast_mesh()) > 1 else 0   # T1_os
     return {"memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim,
-                       "activations": mem.activations, "temporary": mem.tmp, "total": mem.total},
+                       "activations": mem.activations, "temporary": mem.tmp, "total": mem.total,
+                       "step_total": mem.step_total, "startup": mem.startup},
             "peak_moment": mem.tmp_parts["peak_phase"],
             "moments": {m: {"activations": v["activations"], "temporary": v["tmp"]}
                         for m, v in mem.moments.items()},
@@ -519,6 +520,8 @@ def _categories(peak: dict) -> dict:
     """MemTracker's peak snapshot (device -> reference type -> bytes) as our five categories."""
     out = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temporary": 0, "_total": 0}
     for dev, by_type in peak.items():
+        if str(dev) == "meta":  # MemTracker files a model built on meta too: no bytes behind it
+            continue
         for ref, n in by_type.items():
             name = str(getattr(ref, "value", ref)).lower()
             if name == "total":
