@@ -39,8 +39,12 @@ from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_GRAD_BUCKET_B
                                        DEFAULT_PRECISION, DEFAULT_REDUCE_DTYPE)
 from amsp_ext.schema import check_options, name_of, option, section
 
-__all__ = ["AdaptiveConfig", "AutoPlanConfig", "EngineConfig", "FP16Config", "OverlapConfig",
-           "planner_settings"]
+__all__ = ["AdaptiveConfig", "AutoPlanConfig", "DEFAULT_TIMEOUT_S", "EngineConfig", "FP16Config",
+           "OverlapConfig", "planner_settings"]
+
+# seconds a collective may take before it counts as hung, for every route and tool that issues
+# collectives (the engine, amsp profile's measurements); see [Note: one default per setting]
+DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +152,7 @@ class EngineConfig:
     overlap: OverlapConfig = section(OverlapConfig)
     ownership: str = option("greedy", choices=OWNERSHIPS,
                             help="inter-tensor optimizer-state ownership policy")
-    timeout: float = option(600.0, above=0, below=_MAX_TIMEOUT_S,
+    timeout: float = option(DEFAULT_TIMEOUT_S, above=0, below=_MAX_TIMEOUT_S,
                             help="seconds a collective may take before CollectiveTimeout")
     fp16: FP16Config = section(FP16Config)
     init_weights: str = option("broadcast", choices=INIT_WEIGHTS,

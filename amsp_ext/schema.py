@@ -56,15 +56,22 @@ class Option:
     below: float | None = None  # value < below
     metavar: str | None = None
     size: bool = False  # an int of bytes that may also be given as a size ("25MiB")
+    short: str | None = None  # a second spelling of the flag ("-o")
+    required: bool = False  # the command line must give it (its default is then None)
+    one_of: str | None = None  # the options sharing this name are mutually exclusive
 
 
 def option(default: Any, *, help: str = "", flag: str | None = None, choices=None,
            minimum: float | None = None, above: float | None = None,
-           below: float | None = None, metavar: str | None = None, size: bool = False) -> Any:
+           below: float | None = None, metavar: str | None = None, size: bool = False,
+           short: str | None = None, required: bool = False, one_of: str | None = None) -> Any:
     """A leaf field: one flag. ``choices`` may be any iterable of strings (kept as a tuple).
-    ``size=True`` (an ``int`` field): bytes, also given as a size with a unit, "25MiB"."""
+    ``size=True`` (an ``int`` field): bytes, also given as a size with a unit, "25MiB".
+    ``one_of``: a name shared by options of which the command line takes at most one (exactly
+    one if any of them is ``required``)."""
     meta = Option(help=help, flag=flag, choices=tuple(choices) if choices is not None else None,
-                  minimum=minimum, above=above, below=below, metavar=metavar, size=size)
+                  minimum=minimum, above=above, below=below, metavar=metavar, size=size,
+                  short=short, required=required, one_of=one_of)
     return field(default=default, metadata={_KEY: meta})
 
 
@@ -206,9 +213,12 @@ def add_arguments(parser, cls: type, *, only: tuple[str, ...] | None = None,
     command fills them when not given (a preset, a check of this machine) before it builds the
     config. ``parser`` may be an argument group."""
     seen: dict[str, str] = {}
-    for owner, f in options(cls):
-        if only is not None and f.name not in only:
-            continue
+    chosen = [(owner, f) for owner, f in options(cls) if only is None or f.name in only]
+    groups: dict[str, Any] = {}
+    for name in dict.fromkeys(_meta(f).one_of for _, f in chosen if _meta(f).one_of):
+        groups[name] = parser.add_mutually_exclusive_group(
+            required=any(_meta(f).required for _, f in chosen if _meta(f).one_of == name))
+    for owner, f in chosen:
         if f.name in seen:
             raise TypeError(f"option {f.name!r} is in both {seen[f.name]} and {owner.__name__}: "
                             f"option names must be unique across a config tree")
@@ -217,7 +227,7 @@ def add_arguments(parser, cls: type, *, only: tuple[str, ...] | None = None,
         base, _, many = _kind(owner, f.name)
         help_ = meta.help
         default = None if f.name in unset else f.default
-        if default not in (None, False, ()):
+        if default not in (None, False, (), ""):
             help_ = f"{help_} (default: %(default)s)" if help_ else "default: %(default)s"
         kw: dict[str, Any] = {"dest": f.name, "default": default, "help": help_ or None}
         if base is bool and not many:
@@ -235,7 +245,10 @@ def add_arguments(parser, cls: type, *, only: tuple[str, ...] | None = None,
                 kw["choices"] = meta.choices
             if meta.metavar:
                 kw["metavar"] = meta.metavar
-        parser.add_argument(flag_of(f), **kw)
+        if meta.required and meta.one_of is None:
+            kw["required"] = True
+        names = (meta.short, flag_of(f)) if meta.short else (flag_of(f),)
+        (groups[meta.one_of] if meta.one_of else parser).add_argument(*names, **kw)
 
 
 def from_namespace(cls: type, ns: argparse.Namespace) -> Any:

@@ -213,6 +213,12 @@ def test_each_engine_setting_is_defined_once():
         ("nodes_per_leaf", "cluster/lab.py:LabSpec"),
         # the simulated world's shape of `amsp dryrun` (its engine settings are an EngineConfig)
         ("gpus_per_node", "tools/dryrun.py:DryRunSpec"),
+        # the target cluster `amsp plan` / `amsp dryrun` plan for and `amsp simulate`'s grid
+        # (a required shape; the engine's R is the launched world's), as _CLUSTER_R says
+        ("gpus_per_node", "cli/planner_flags.py:World"), ("gpus_per_node", "cli/simulate.py:SimulateOptions"),
+        # `amsp profile`: the profiled world's leaf size, and its collective timeout, which reads
+        # the engine's default (engine_config.DEFAULT_TIMEOUT_S)
+        ("nodes_per_leaf", "cli/profile.py:ProfileFlags"), ("timeout", "cli/profile.py:ProfileFlags"),
         # DeepSpeed's precision blocks, translated to the engine's fields
         ("precision", "integrations/settings.py:PrecisionSettings"),
         ("reduce_dtype", "integrations/settings.py:PrecisionSettings"),
@@ -234,9 +240,9 @@ CLI_CONFIGS = {
 }
 _CLUSTER_R = ("the target cluster's GPUs per node the planner plans for (a required shape, default "
               "8), not the engine's logical R of the launched world (default: the world)")
+# (`amsp plan` and `amsp dryrun` generate their --gpus-per-node from cli/planner_flags.py World,
+# the same target cluster)
 NOT_THE_FIELD = {
-    ("plan.py", "--gpus-per-node"): _CLUSTER_R,
-    ("dryrun.py", "--gpus-per-node"): _CLUSTER_R,
     ("migrate.py", "--gpus-per-node"): _CLUSTER_R,
     ("migrate.py", "--precision"): "which of the ds_config's bf16/fp16 blocks an 'auto' means; "
                                    "the engine's precision comes from DeepSpeed's keys",

@@ -136,12 +136,25 @@ ONE_DEFINITION = {
     # `amsp migrate` costs a DeepSpeed job, whose settings are not an EngineConfig
     r"\bTrainingSpec\(": {"planner/specs.py", "cli/migrate.py"},
     r"\bUNIT_BUCKET_MIN_BYTES\s*=|\bIN_FLIGHT_BUCKETS\s*=": {"planner/buckets.py"},
+    # defaults read by several routes: the collective timeout (engine_config.py DEFAULT_TIMEOUT_S),
+    # the paper GPU's peak, the optimizer the planner assumes, the precision -> torch dtype map
+    # (build_paper_a800.py: the paper's 300 Gb/s and 600 GB/s links, in its generated text)
+    r"\b600(\.0)?\b(?![eE])": {"engine_config.py", "planner/profiles/build_paper_a800.py",
+                            "compare/config.py"},  # SYSTEM_TIMEOUT_S: a wall clock, not a collective's
+    r"\b300(\.0)?\b(?![eE])": {"compare/config.py",  # WORKER_TIMEOUT_S (its comment says why lower)
+                            "planner/profiles/build_paper_a800.py",
+                            "compare/launch.py"},  # a log tail's length, not a timeout
+    r"\b1800(\.0)?\b(?![eE])": {"cluster/launch.py"},  # JOB_TIMEOUT_S: the lab job's wall clock
+    r"\b312e12\b": {"planner/defaults.py"},
+    r"(?<![=!<>])=\s*\"adamw\"\s*[,)\n]": {"planner/defaults.py"},
+    r"[\"'](fp32|bf16|fp16)[\"']:\s*torch\.": {"runtime/config.py"},
 }
 
 
 def test_each_recipe_is_defined_once():
     bad = []
     for pattern, allowed in ONE_DEFINITION.items():
+        assert all((PKG / a).is_file() for a in allowed), f"{pattern}: an allowed file is gone: {allowed}"
         for path in sorted(PKG.rglob("*.py")):
             code = "\n".join(line for line in path.read_text().splitlines()
                              if not line.lstrip().startswith(("#", '"', "'", "``")))
@@ -150,3 +163,23 @@ def test_each_recipe_is_defined_once():
             if re.search(pattern, code) and rel not in allowed:
                 bad.append(f"{rel}: {pattern}")
     assert not bad, "a second definition:\n" + "\n".join(bad)
+
+
+def test_the_one_definition_patterns_find_a_second_copy():
+    planted = {"timeout_s: float = 600.0", "peak_flops=312e12", 'optimizer: str = "adamw"\n',
+               'f(x, optimizer="adamw")', '{"bf16": torch.bfloat16}', "timeout=1800", "min(300.0, t)"}
+    for text in planted:
+        assert any(re.search(p, text) for p in ONE_DEFINITION), text
+    assert not any(re.search(p, "ANCHOR = 300e9; NVLINK = 600e9") for p in ONE_DEFINITION)
+
+
+# [Note: Notes state invariants] A comment or docstring in amsp_ext says what holds and why; the
+# issue, the session or the day that taught it is history, kept in comparisons/results/.
+HISTORY = re.compile(r"issue [0-9]+|[Ss]ession [0-9]+|2026-1[12]-[0-9]{2}")
+
+
+def test_no_history_in_the_package():
+    found = [f"{path.relative_to(PKG)}:{n}: {line.strip()}"
+             for path in sorted(PKG.rglob("*")) if path.is_file() and "__pycache__" not in path.parts
+             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if HISTORY.search(line)]
+    assert not found, "history in amsp_ext (cite a comparisons/results/ file instead):\n" + "\n".join(found)

@@ -19,7 +19,8 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 #   choices; schema and planner (neither imports the other); engine_config; common (the
 #   planner and choices only); topology; runtime (the engine); tools (dry run, profiler,
 #   rendezvous); the applications: integrations, train, compare, tune; cli on top.
-# cluster (the one-machine lab) stands beside them, importing none of amsp_ext's other layers.
+# cluster (the one-machine lab) stands beside them, importing none of amsp_ext's other layers but
+# reap (the one process reaper, a leaf that the lab, train and compare share).
 _APPS = ("amsp_ext.integrations", "amsp_ext.train", "amsp_ext.compare", "amsp_ext.tune", "amsp_ext.cli")
 _ABOVE_ENGINE = ("amsp_ext.tools", *_APPS)
 _ENGINE_AND_ABOVE = ("amsp_ext.runtime", *_ABOVE_ENGINE)
@@ -28,6 +29,7 @@ _TRAIN_APP = ("amsp_ext.train.loop", "amsp_ext.train.state", "amsp_ext.train.sup
 # module prefix -> prefixes it must not import (a prefix ending in "." covers everything under it)
 FORBIDDEN = {
     "amsp_ext.choices": ("amsp_ext.",),
+    "amsp_ext.reap": ("amsp_ext.",),
     "amsp_ext.schema": ("amsp_ext.planner", "amsp_ext.engine_config", "amsp_ext.common",
                         "amsp_ext.topology", "amsp_ext.cluster", *_ENGINE_AND_ABOVE),
     "amsp_ext.planner": ("amsp_ext.schema", "amsp_ext.engine_config", "amsp_ext.common",

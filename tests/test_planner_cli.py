@@ -137,3 +137,16 @@ def test_planner_never_imports_torch():
             "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("flag,size,words", [
+    ("--mics-size", "3", "group size 3 must divide gpus_per_node=8"),
+    ("--hpz-size", "24", "group size 24 must be a multiple of gpus_per_node=8"),
+])
+def test_a_group_size_that_does_not_fit_names_its_flag_and_the_allowed_sizes(capsys, flag, size, words):
+    rc, out, err = run(capsys, BASE + [flag, size])
+    assert rc == 2 and out == ""
+    line = err.strip()
+    assert "\n" not in line and "mics:K" not in line
+    assert line.startswith(f"amsp plan: error: {flag}: {words}")
+    assert line.endswith("; allowed: 1, 2, 4, 8, 16, 32, 64, 128")

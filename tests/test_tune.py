@@ -264,3 +264,31 @@ def test_tune_end_to_end_two_ranks(tmp_path):
         capture_output=True, text=True, cwd=REPO, timeout=120)
     assert planned.returncode == 0, planned.stderr
     assert "uncalibrated" not in planned.stdout and "calibrated" in planned.stdout, planned.stdout[-2000:]
+
+
+def test_plans_are_checked_before_any_rank_starts(capsys, monkeypatch):
+    """A misspelt --plans entry fails where the config is built, in one line naming the flag and
+    what it takes, not on the ranks; one that the world cannot lay out names the sizes it can."""
+    from amsp_ext.cli.main import main
+    from amsp_ext.cli.tune import _check_plans_fit_the_world
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)  # outside a launcher: the check comes first anyway
+    assert main(["tune", "--plans", "foo;bar"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("amsp tune: error: --plans: 'foo' is not a plan to measure; give factors "
+                   "'p=S0xS1,g=S0xS1,os=S0xS1' or a baseline name (ddp, zero1, zero2, zero3, mics:K)")
+    config = schema.from_namespace(TuneConfig, _tune_args(plans="zero3;mics:3"))
+    with pytest.raises(ValueError, match=r"^--plans mics:3: group size 3 .*; allowed: 1, 2, 4$"):
+        _check_plans_fit_the_world(config, world=4, local_world=2)
+
+
+def _tune_args(**given):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    schema.add_arguments(p, TuneConfig)
+    ns = p.parse_args([])
+    for k, v in given.items():
+        setattr(ns, k, v)
+    return ns

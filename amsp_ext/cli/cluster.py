@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from amsp_ext.cluster.launch import JOB_TIMEOUT_S
+
 HELP = "multi-node lab on one machine: network namespaces joined by rate-limited links"
 
 _SPEC_FLAGS = {  # CLI dest -> LabSpec field
@@ -37,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     run = sub.add_parser("run", help="run one torchrun per node: amsp cluster run -- <command>")
     run.add_argument("--name", default="amsp")
-    run.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole job (default 1800)")
+    run.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S,
+                     help="seconds for the whole job (default %(default)g)")
     run.add_argument("--master-port", type=int, default=29500,
                      help="rendezvous port on node 0 (0: a free one, picked inside node 0's namespace)")
     run.add_argument("--log-dir", help="where torchrun keeps per-rank logs (default: a new temp dir)")

@@ -18,7 +18,7 @@ import shlex
 import sys
 
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
-from amsp_ext.compare.config import COMPARE_MISSING_MESH
+from amsp_ext.compare.config import COMPARE_MISSING_MESH, SYSTEM_TIMEOUT_S
 
 HELP = "measured side-by-side: DDP, ZeRO-1/2/3, ZeRO++, MiCS, FSDP2/HSDP and AMSP on one job"
 
@@ -67,19 +67,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every system N times, in rounds of alternating order; report the "
                    "median tokens/GPU/s, its range and ratios as the median of per-round ratios "
                    "(default 1; prefer an even N)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per system (default 600)")
+    p.add_argument("--timeout", type=float, default=SYSTEM_TIMEOUT_S,
+                   help="seconds per system (default %(default)g)")
     p.add_argument("--out", default="comparisons/results", help="report folder")
 
 
 def run_spec(args: argparse.Namespace):
     """The RunSpec of the parsed flags: the unset ones from the preset (the gpus-per-node preset
     on torchrun only; the lab says its own), the precision checked against this CPU, the
-    workers' collective timeout from --timeout (at most 300 s)."""
+    workers' collective timeout from --timeout (at most compare/config.py WORKER_TIMEOUT_S)."""
     import dataclasses
 
     from amsp_ext import schema
     from amsp_ext.cli.precision import cpu_precision
-    from amsp_ext.compare.config import RunSpec
+    from amsp_ext.compare.config import WORKER_TIMEOUT_S, RunSpec
 
     d = QUICK if args.quick else FULL
     values = {k: getattr(args, k) for k in SPEC_FLAGS}
@@ -89,7 +90,7 @@ def run_spec(args: argparse.Namespace):
     # RunSpec holds the one default; only a CPU without native bf16 changes it
     default = {f.name: f.default for f in dataclasses.fields(RunSpec)}["precision"]
     values["precision"] = cpu_precision(args.precision, default)
-    values["dist_timeout_s"] = min(300.0, args.timeout)
+    values["dist_timeout_s"] = min(WORKER_TIMEOUT_S, args.timeout)
     return schema.from_namespace(RunSpec, argparse.Namespace(**values))
 
 

@@ -14,47 +14,72 @@ import dataclasses
 import json
 import os
 
+from dataclasses import dataclass
+
 from amsp_ext import schema
-from amsp_ext.cli.plan import PLANNED_ENGINE_FIELDS
+from amsp_ext.cli.plan import add_planned_job
+from amsp_ext.cli.planner_flags import ModelChoice, World, gpu_memory_option, missing_mesh_option, profile_option
 from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS
 from amsp_ext.engine_config import EngineConfig
-from amsp_ext.cli.planner_flags import add_gpu_memory, add_missing_mesh, add_profile, check_counts
+from amsp_ext.schema import check_options, option, section
 
 HELP = ("dry-run the engine for sampled ranks of a large world (fake backend; fake tensors, "
         "or real ones on a GPU)")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from amsp_ext.planner.model_spec import MODEL_PRESETS
-    from amsp_ext.common.models import MODEL_CONFIGS
+@dataclass(frozen=True, kw_only=True)
+class DryRunCluster:
+    gpu_memory: str = gpu_memory_option()
+    profile: str = profile_option(what="bandwidth profile for --plan auto")
+    missing_mesh: str = missing_mesh_option()
 
-    model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])}")
-    model.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json of a Llama-style model")
-    c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, required=True, help="N, number of nodes")
-    c.add_argument("--gpus-per-node", type=int, required=True, help="R, GPUs per node")
-    add_gpu_memory(c)
-    add_profile(c, what="bandwidth profile for --plan auto")
-    add_missing_mesh(c)
-    t = p.add_argument_group("training")
-    t.add_argument("--seq-len", type=int, required=True)
-    t.add_argument("--micro-batch-size", type=int, default=1)
-    t.add_argument("--micro-batches", type=int, default=1, help="M per step")
-    # the engine's own flags and defaults (engine_config.py), as `amsp plan` has them
-    schema.add_arguments(t, EngineConfig, only=PLANNED_ENGINE_FIELDS)
-    d = p.add_argument_group("dry run")
-    d.add_argument("--plan", default="auto", help="auto, a name (zero3, mics:8, ...) or p=..,g=..,os=..")
-    d.add_argument("--ranks", default=None, help="comma-separated ranks (default: 0, a middle node's, the last)")
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunJob:
+    seq_len: int | None = option(None, required=True, minimum=1, help="tokens per sequence")
+    micro_batch_size: int = option(1, minimum=1, help="sequences per micro-batch")
+    micro_batches: int = option(1, minimum=1, help="M per step")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunRun:
+    plan: str = option("auto", help="auto, a name (zero3, mics:8, ...) or p=..,g=..,os=..")
+    ranks: str | None = option(None, help="comma-separated ranks (default: 0, a middle node's, the last)")
     # None: DryRunSpec's default (defined once, there; importing it here would load torch)
-    d.add_argument("--steps", type=int, default=None, help="steps to run; the last is measured")
-    d.add_argument("--tensors", default=None, choices=DRYRUN_TENSORS,
-                   help="fake: no storage (any model on any machine); real: allocated, on --device "
-                        "(tools/dryrun.py [Note: real tensors on a GPU])")
-    d.add_argument("--device", default=None, choices=DRYRUN_DEVICES,
-                   help="cuda: this machine's GPU (its streams, events and allocator; one rank at a time)")
-    d.add_argument("--json", action="store_true", help="print one JSON object")
-    d.add_argument("--out", default=None, metavar="DIR", help="write report.md, dryrun.json, memory.png")
+    steps: int | None = option(None, minimum=1, help="steps to run; the last is measured")
+    tensors: str | None = option(None, choices=DRYRUN_TENSORS,
+                                 help="fake: no storage (any model on any machine); real: allocated, on "
+                                      "--device (tools/dryrun.py [Note: real tensors on a GPU])")
+    device: str | None = option(None, choices=DRYRUN_DEVICES,
+                                help="cuda: this machine's GPU (its streams, events and allocator; one "
+                                     "rank at a time)")
+    json: bool = option(False, help="print one JSON object")
+    out: str | None = option(None, metavar="DIR", help="write report.md, dryrun.json, memory.png")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunOptions:
+    """``amsp dryrun``'s flags but the engine's (EngineConfig, only PLANNED_ENGINE_FIELDS)."""
+
+    model: ModelChoice = section(ModelChoice)
+    world: World = section(World)
+    cluster: DryRunCluster = section(DryRunCluster)
+    job: DryRunJob = section(DryRunJob)
+    run: DryRunRun = section(DryRunRun)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_planned_job(p, DryRunCluster, DryRunJob)  # the engine's flags as `amsp plan` has them
+    schema.add_arguments(p.add_argument_group("dry run"), DryRunRun)
 
 
 def _ranks(text: str | None):
@@ -73,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.tools.dryrun import DryRunSpec, dry_run
     from amsp_ext.tools.dryrun_report import format_text, write_out
 
-    check_counts(args, ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches", "steps"))
+    schema.from_namespace(DryRunOptions, args)  # one-line error naming the flag
     spec = DryRunSpec(model=args.model, model_config=args.model_config, num_nodes=args.nodes,
                       gpus_per_node=args.gpus_per_node,
                       gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),

@@ -2,6 +2,7 @@
 
     amsp migrate ds_config.json --model llama-7b [--nodes N --gpus-per-node R --gpu-memory M]
                  [--seq-len L] [--plan PLAN|auto] [-o out.json] [--json]
+    amsp migrate ds_config.json [-o out.json]    # only upgrade an amsp block of the old shape
 
 Reads the ZeRO stage, hpZ size (``zero_hpz_partition_size``), MiCS shard size, bucket size,
 bf16/fp16, gradient accumulation and clipping; writes the same config plus an ``"amsp"`` block
@@ -38,7 +39,7 @@ from amsp_ext import schema
 from amsp_ext.choices import PRECISIONS
 from amsp_ext.engine_config import EngineConfig, engine_default
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
-from amsp_ext.planner.defaults import DEFAULT_SEQ_LEN
+from amsp_ext.planner.defaults import DEFAULT_OPTIMIZER, DEFAULT_SEQ_LEN
 
 HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
 
@@ -52,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", metavar="DS_CONFIG", help="the DeepSpeed config JSON to migrate")
     p.add_argument("-o", "--output", metavar="PATH",
                    help="where to write the migrated config (default: <DS_CONFIG stem>.amsp.json)")
-    model = p.add_mutually_exclusive_group(required=True)
+    # not required by argparse: a ds_config whose amsp block has the old shape is upgraded
+    # without one (run); any other needs a model, checked there
+    model = p.add_mutually_exclusive_group()
     model.add_argument("--model", help="a preset (llama-7b ... llama-65b) or a built-in model "
                                        "(tiny-llama, small-llama)")
     model.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json")
@@ -128,11 +131,11 @@ def _training(args, cfg: dict[str, Any], world: int, precision: str, bucket_byte
     if batch_cfg.get("train_batch_size") == "auto":
         batch_cfg.pop("train_batch_size")
     batch = resolve_batch(batch_cfg, world)
-    opt_type = str((cfg.get("optimizer") or {}).get("type", "adamw")).lower()
+    opt_type = str((cfg.get("optimizer") or {}).get("type", DEFAULT_OPTIMIZER)).lower()
     optimizer = _OPTIMIZERS.get(opt_type)
     if optimizer is None:
         _err(f"optimizer.type {opt_type!r}: memory is estimated as for AdamW")
-        optimizer = "adamw"
+        optimizer = DEFAULT_OPTIMIZER
     return batch, TrainingSpec(
         seq_len=args.seq_len, micro_batch_size=batch.micro_batch_size,
         num_micro_batches=batch.gradient_accumulation_steps, recompute=args.recompute,
@@ -400,7 +403,37 @@ def format_report(r: dict[str, Any], output: str) -> str:
     return "\n".join(lines)
 
 
+def _upgrade_in_place(args: argparse.Namespace) -> bool:
+    """Without --model/--model-config, a ds_config whose ``amsp`` block has the old shape gets
+    that block rewritten in the current shape, every other key as it was (integrations/
+    settings.py [Note: renamed keys]); written to --output, else over DS_CONFIG. False: not
+    such a file."""
+    from amsp_ext.integrations.settings import AMSPSettings, upgrade_block
+
+    if args.model is not None or args.model_config is not None:
+        return False
+    path = Path(args.config)
+    cfg = json.loads(path.read_text())
+    block = cfg.get("amsp") if isinstance(cfg, dict) else None
+    moved = upgrade_block(block)[1] if isinstance(block, dict) else []
+    if not moved:
+        raise ValueError("one of --model or --model-config is required (without one, only a "
+                         "ds_config whose amsp block has the old shape is upgraded)")
+    cfg["amsp"] = upgrade_block(block)[0]
+    AMSPSettings.from_dict(cfg["amsp"])  # what we write must load
+    out = Path(args.output) if args.output else path
+    out.write_text(json.dumps(cfg, indent=2) + "\n")
+    if args.json:
+        print(json.dumps({"output": str(out), "moved": [{"from": a, "to": b} for a, b in moved]}))
+    else:
+        print(f"amsp migrate {path} -> {out}: the amsp block upgraded: "
+              + ", ".join(f"{a} -> {b}" for a, b in moved))
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
+    if _upgrade_in_place(args):
+        return 0
     out, report = build(args)
     for row in report["unmapped"]:
         _err(f"{row['key']}: {_STATUS_WORDS[row['status']]} - {row['note']}")

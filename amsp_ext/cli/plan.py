@@ -11,10 +11,15 @@ import argparse
 import dataclasses
 import json
 
+from dataclasses import dataclass
+
 from amsp_ext import schema
+from amsp_ext.choices import OBJECTIVES, OPTIMIZERS, PLANNER_OVERLAP_OF
+from amsp_ext.cli.planner_flags import (ModelChoice, World, gpu_memory_option, memory_reserve_option,
+                                        missing_mesh_option, profile_option)
 from amsp_ext.engine_config import EngineConfig, planner_settings
-from amsp_ext.cli.planner_flags import (add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile,
-                                        check_counts)
+from amsp_ext.planner.defaults import DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER, DEFAULT_PEAK_FLOPS
+from amsp_ext.schema import check_options, option, section
 
 HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
 
@@ -24,69 +29,110 @@ PLANNED_ENGINE_FIELDS = ("nodes_per_leaf", "precision", "reduce_dtype", "grad_bu
                          "granularity", "recompute", "all_reduce")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from amsp_ext.choices import OBJECTIVES, OPTIMIZERS, PLANNER_OVERLAP_OF
-    from amsp_ext.planner.model_spec import MODEL_PRESETS
+@dataclass(frozen=True, kw_only=True)
+class PlanCluster:
+    gpu_memory: str | None = gpu_memory_option(required=True)
+    memory_reserve: str = memory_reserve_option()
+    peak_tflops: float | None = option(
+        None, help="dense 16-bit peak per GPU, the MFU denominator (default: the profile's calibration "
+                   f"peak when it has one, else {DEFAULT_PEAK_FLOPS / 1e12:g}, A100/A800)")
+    profile: str = profile_option()
+    missing_mesh: str = missing_mesh_option()
 
-    model = p.add_mutually_exclusive_group(required=True)
-    from amsp_ext.common.models import MODEL_CONFIGS
+    def __post_init__(self) -> None:
+        if self.peak_tflops is not None and not 0 < self.peak_tflops < float("inf"):  # nan too
+            raise ValueError(f"--peak-tflops must be a positive number, got {self.peak_tflops}")
+        check_options(self)
 
-    model.add_argument("--model", help=f"preset: {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])} "
-                                       "(the last ones are amsp train's built-in models)")
-    model.add_argument("--model-config", metavar="PATH",
-                       help="a Hugging Face config.json of a Llama-style model")
 
+@dataclass(frozen=True, kw_only=True)
+class PlanJob:
+    seq_len: int | None = option(None, required=True, minimum=1, help="tokens per sequence")
+    micro_batch_size: int = option(1, minimum=1, help="sequences per micro-batch")
+    global_batch_tokens: int | None = option(None, one_of="batch", required=True, minimum=1)
+    global_batch_size: int | None = option(None, one_of="batch", required=True, minimum=1,
+                                           help="global batch in sequences")
+    micro_batches: int | None = option(None, one_of="batch", required=True, minimum=1,
+                                       help="M per step, directly")
+    optimizer: str = option(DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSearch:
+    objective: str = option(DEFAULT_OBJECTIVE, choices=OBJECTIVES,
+                            help="comm: the paper's Eq. 1; step: compute + unhidden communication")
+    efficiency: float | None = option(None, help="fraction of peak the compute reaches (step model; "
+                                                 "default 0.65)")
+    tie_tolerance: float = option(0.01, help="relative objective difference treated as a tie")
+    mics_size: int | None = option(None, minimum=1, help="MiCS shard group (default R)")
+    hpz_size: int | None = option(None, minimum=1, help="ZeRO++ hpZ group (default R)")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOutput:
+    pareto: bool = option(False, help="print the memory/time frontier")
+    sensitivity: float | None = option(None, metavar="F",
+                                       help="re-plan with intra- and cross-node bandwidths x (1 +- F)")
+    top: int = option(10, minimum=1, help="candidates shown in the table")
+    json: bool = option(False, help="print one JSON object")
+    verify: int | None = option(None, minimum=1, metavar="K",
+                                help="dry-run the top K fitting candidates (amsp dryrun, rank 0, 2 steps) "
+                                     "and drop those whose engine peak exceeds the usable memory")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """``amsp plan``'s flags but the engine's (EngineConfig, only PLANNED_ENGINE_FIELDS) and
+    ``--no-overlap`` (repeatable)."""
+
+    model: ModelChoice = section(ModelChoice)
+    world: World = section(World)
+    cluster: PlanCluster = section(PlanCluster)
+    job: PlanJob = section(PlanJob)
+    search: PlanSearch = section(PlanSearch)
+    output: PlanOutput = section(PlanOutput)
+
+
+def add_planned_job(p: argparse.ArgumentParser, cluster: type, job: type) -> None:
+    """The flags of a model, a cluster and a job planned for (amsp plan, amsp dryrun): the
+    command's own ``cluster`` and ``job`` options beside the shared ones."""
+    schema.add_arguments(p, ModelChoice)
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, required=True, help="N, number of nodes")
-    c.add_argument("--gpus-per-node", type=int, required=True, help="R, GPUs per node")
-    add_gpu_memory(c, required=True)
-    add_memory_reserve(c)
-    c.add_argument("--peak-tflops", type=float, default=None,
-                   help="dense 16-bit peak per GPU, the MFU denominator (default: the profile's "
-                        "calibration peak when it has one, else 312, A100/A800)")
-    add_profile(c)
-    add_missing_mesh(c)
-
+    schema.add_arguments(c, World)
+    schema.add_arguments(c, cluster)
     t = p.add_argument_group("training")
-    t.add_argument("--seq-len", type=int, required=True)
-    t.add_argument("--micro-batch-size", type=int, default=1)
-    batch = t.add_mutually_exclusive_group(required=True)
-    batch.add_argument("--global-batch-tokens", type=int)
-    batch.add_argument("--global-batch-size", type=int, help="global batch in sequences")
-    batch.add_argument("--micro-batches", type=int, help="M per step, directly")
-    t.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    schema.add_arguments(t, job)
     # the engine settings the planner charges: the engine's own flags and defaults
     # (engine_config.py), so a plan is costed for the engine that will run it
     schema.add_arguments(t, EngineConfig, only=PLANNED_ENGINE_FIELDS)
 
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_planned_job(p, PlanCluster, PlanJob)
     s = p.add_argument_group("search")
-    s.add_argument("--objective", choices=OBJECTIVES, default="comm",
-                   help="comm: the paper's Eq. 1; step: compute + unhidden communication")
-    s.add_argument("--efficiency", type=float, default=None,
-                   help="fraction of peak the compute reaches (step model; default 0.65)")
-    s.add_argument("--tie-tolerance", type=float, default=0.01,
-                   help="relative objective difference treated as a tie (default 0.01)")
+    schema.add_arguments(s, PlanSearch)
     s.add_argument("--no-overlap", action="append", choices=tuple(PLANNER_OVERLAP_OF.values()), default=[],
                    help="step model without one of the paper's overlaps (Table V ablation)")
-    s.add_argument("--mics-size", type=int, default=None, help="MiCS shard group (default R)")
-    s.add_argument("--hpz-size", type=int, default=None, help="ZeRO++ hpZ group (default R)")
-
-    o = p.add_argument_group("output")
-    o.add_argument("--pareto", action="store_true", help="print the memory/time frontier")
-    o.add_argument("--sensitivity", type=float, default=None, metavar="F",
-                   help="re-plan with intra- and cross-node bandwidths x (1 +- F)")
-    o.add_argument("--top", type=int, default=10, help="candidates shown in the table")
-    o.add_argument("--json", action="store_true", help="print one JSON object")
-    o.add_argument("--verify", type=int, default=None, metavar="K",
-                   help="dry-run the top K fitting candidates (amsp dryrun, rank 0, 2 steps) and "
-                        "drop those whose engine peak exceeds the usable memory")
+    schema.add_arguments(p.add_argument_group("output"), PlanOutput)
 
 
-def _check_positive(args: argparse.Namespace) -> None:
-    check_counts(args, ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "global_batch_tokens",
-                        "global_batch_size", "micro_batches", "mics_size", "hpz_size", "top", "verify"))
-    if args.peak_tflops is not None and not 0 < args.peak_tflops < float("inf"):
-        raise ValueError(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
+def _check_group_sizes(args: argparse.Namespace) -> None:
+    """--mics-size and --hpz-size lay out as meshes of this world, named by their flags."""
+    from amsp_ext.planner.plan import mesh_of_size
+
+    R, N = args.gpus_per_node, args.nodes
+    for flag, size in (("--mics-size", args.mics_size), ("--hpz-size", args.hpz_size)):
+        if size is not None:  # hpZ's group is clamped to the world (planner/baselines.py)
+            mesh_of_size(min(size, R * N) if flag == "--hpz-size" else size, R, N, flag)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
 
     from amsp_ext.planner.profile import load_profile
 
-    _check_positive(args)
+    schema.from_namespace(PlanOptions, args)  # one-line error naming the flag
+    _check_group_sizes(args)
     engine = schema.from_namespace(EngineConfig, args)
     settings = planner_settings(engine)
     spec = model_spec(args.model, args.model_config)
@@ -109,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if args.peak_tflops is not None:
         peak = args.peak_tflops * 1e12
     else:  # a calibrated profile's MFU peak is the device it was measured on
-        peak = profile.calibration.peak_flops if profile.calibration else 312e12
+        peak = profile.calibration.peak_flops if profile.calibration else DEFAULT_PEAK_FLOPS
     cluster = ClusterSpec(
         num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),

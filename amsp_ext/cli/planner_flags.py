@@ -1,52 +1,96 @@
-"""The planner-input flags that several commands take (``--profile``, ``--gpu-memory``,
+"""The planner-input options that several commands take (``--profile``, ``--gpu-memory``,
 ``--memory-reserve``, ``--missing-mesh``), one definition each: their names, metavars and
 defaults come from planner/defaults.py, so ``amsp plan``, ``dryrun``, ``simulate``, ``migrate``,
 ``config`` and ``compare`` cannot drift apart. A command says only what differs for it: whether
-the flag is required, a default of its own with its reason, and what the flag is for."""
+the flag is required, a default of its own with its reason, and what the flag is for.
+
+The ``*_option`` functions are fields of a command's options dataclass (schema.option); the
+``add_*`` functions give the same flags to a command whose other flags are not a dataclass."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from amsp_ext import schema
 from amsp_ext.choices import MISSING_MESH
+from amsp_ext.common.models import MODEL_CONFIGS
+from amsp_ext.planner.model_spec import MODEL_PRESETS
 from amsp_ext.planner.defaults import (DEFAULT_GPU_MEMORY, DEFAULT_MEMORY_RESERVE, DEFAULT_MISSING_MESH,
                                        DEFAULT_PROFILE)
+from amsp_ext.schema import check_options, option
 
-__all__ = ["add_gpu_memory", "add_memory_reserve", "add_missing_mesh", "add_profile", "check_counts"]
+__all__ = ["ModelChoice", "World", "add_gpu_memory", "add_memory_reserve", "add_missing_mesh", "add_profile",
+           "gpu_memory_option", "memory_reserve_option", "missing_mesh_option", "profile_option"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelChoice:
+    """The model a command plans for: a preset or a Hugging Face config.json, exactly one."""
+
+    model: str | None = option(None, one_of="model", required=True,
+                               help=f"preset: {', '.join([*MODEL_PRESETS, *MODEL_CONFIGS])} (the last "
+                                    "ones are amsp train's built-in models)")
+    model_config: str | None = option(None, one_of="model", required=True, metavar="PATH",
+                                      help="a Hugging Face config.json of a Llama-style model")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class World:
+    """The cluster a command plans for without running on it."""
+
+    nodes: int | None = option(None, required=True, minimum=1, help="N, number of nodes")
+    gpus_per_node: int | None = option(None, required=True, minimum=1, help="R, GPUs per node")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+def profile_option(*, what: str = "bandwidth profile") -> Any:
+    return option(DEFAULT_PROFILE, metavar="NAME|PATH",
+                  help=f"{what}: a bundled name or a JSON file, e.g. from `amsp profile`")
+
+
+def gpu_memory_option(*, required: bool = False, default: str | None = DEFAULT_GPU_MEMORY,
+                      what: str = "memory per GPU") -> Any:
+    """``default`` None: the command fills it (the device's memory); the help says so."""
+    unset = "" if required or default is not None else " (default: the device's)"
+    return option(None if required else default, metavar="SIZE", required=required,
+                  help=f"{what}, with a unit, e.g. 80GiB or 40GB{unset}")
+
+
+def memory_reserve_option() -> Any:
+    return option(DEFAULT_MEMORY_RESERVE, metavar="SIZE",
+                  help="memory the model cannot use per GPU: CUDA context, NCCL buffers, allocator slack")
+
+
+def missing_mesh_option(*, default: str = DEFAULT_MISSING_MESH) -> Any:
+    return option(default, choices=MISSING_MESH,
+                  help="a mesh the profile lacks: refuse (error) or estimate it by an alpha-beta fit (fit)")
+
+
+def _add(group, name: str, opt: Any) -> None:
+    """One option's flag, generated as a dataclass field's is (schema.add_arguments)."""
+    kind = str | None if opt.default is None else str
+    cls = dataclasses.make_dataclass("Flags", [(name, kind, opt)], frozen=True, kw_only=True)
+    schema.add_arguments(group, cls)
 
 
 def add_profile(group, *, what: str = "bandwidth profile") -> None:
-    group.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|PATH",
-                       help=f"{what}: a bundled name or a JSON file, e.g. from `amsp profile` "
-                            f"(default {DEFAULT_PROFILE})")
+    _add(group, "profile", profile_option(what=what))
 
 
-def add_gpu_memory(group, *, required: bool = False, default: str | None = DEFAULT_GPU_MEMORY,
-                   what: str = "memory per GPU") -> None:
-    """``default`` None: the command fills it (the device's memory); say so in ``what``."""
-    if required:
-        group.add_argument("--gpu-memory", required=True, metavar="SIZE",
-                           help=f"{what}, with a unit, e.g. 80GiB or 40GB")
-        return
-    shown = f"default {default}" if default is not None else "default: the device's"
-    group.add_argument("--gpu-memory", default=default, metavar="SIZE",
-                       help=f"{what}, with a unit, e.g. 80GiB or 40GB ({shown})")
+def add_gpu_memory(group, *, default: str | None = DEFAULT_GPU_MEMORY, what: str = "memory per GPU") -> None:
+    _add(group, "gpu_memory", gpu_memory_option(default=default, what=what))
 
 
 def add_memory_reserve(group) -> None:
-    group.add_argument("--memory-reserve", default=DEFAULT_MEMORY_RESERVE, metavar="SIZE",
-                       help="memory the model cannot use per GPU: CUDA context, NCCL buffers, "
-                            f"allocator slack (default {DEFAULT_MEMORY_RESERVE})")
+    _add(group, "memory_reserve", memory_reserve_option())
 
 
 def add_missing_mesh(group, *, default: str = DEFAULT_MISSING_MESH) -> None:
-    group.add_argument("--missing-mesh", choices=MISSING_MESH, default=default,
-                       help=f"a mesh the profile lacks: refuse (error) or estimate it by an "
-                            f"alpha-beta fit (fit) (default {default})")
-
-
-def check_counts(args, dests: tuple[str, ...]) -> None:
-    """The integer flags ``dests`` (argparse dests; None: not given) are >= 1, else the one-line
-    error names the flag as the user typed it (a config built from them would name its field)."""
-    for dest in dests:
-        v = getattr(args, dest)
-        if v is not None and v < 1:
-            raise ValueError(f"--{dest.replace('_', '-')} must be an integer >= 1, got {v}")
+    _add(group, "missing_mesh", missing_mesh_option(default=default))

@@ -10,32 +10,47 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from amsp_ext import schema
+from amsp_ext.engine_config import DEFAULT_TIMEOUT_S
+from amsp_ext.schema import option
 
 HELP = "measure allreduce/allgather/reducescatter/broadcast bandwidth per mesh; write a profile JSON"
 
 
+@dataclass(frozen=True, kw_only=True)
+class ProfileFlags:
+    """``amsp profile``'s flags. Unset (None) sizes and counts take ProfileConfig's defaults, or
+    the --quick ones; ProfileConfig (tools/profile_cases.py) checks the values, in its words."""
+
+    output: str = option("profile.json", short="-o", help="where rank 0 writes the profile")
+    name: str | None = option(None, help="profile name (default measured-<N>x<R>-<backend>)")
+    quick: bool = option(False, help="1, 4, 16 MiB, 1 warm-up + 3 repetitions (under 2 minutes on "
+                                     "the 2x2 lab)")
+    min_size: str | None = option(None, help="smallest message (default 1MiB)")
+    max_size: str | None = option(None, help="largest message (default 64MiB; quick 16MiB)")
+    size_factor: int | None = option(None, help="ratio of consecutive sizes (default 2; quick 4)")
+    ops: str | None = option(None, help="comma list, default allreduce,allgather,reducescatter,broadcast")
+    warmup: int | None = option(None, help="untimed repetitions (default 2; quick 1)")
+    reps: int | None = option(None, help="timed repetitions, median kept (default 5; quick 3)")
+    dtype: str = option("bfloat16", help="float32 | bfloat16 | float16")
+    backend: str = option("auto", help="auto | nccl | gloo (auto: nccl when CUDA is available)")
+    all_meshes: bool = option(False, help="also measure allgather/reducescatter on meshes the "
+                                          "cross-node rule (Eq. 7) excludes")
+    nodes_per_leaf: int | None = option(None, help="leaf-switch size for the group layout (default: "
+                                                   "from the lab, else one leaf)")
+    intra_link: str | None = option(None, help="describe the intra-node link in the metadata (e.g. "
+                                               "'NVLink 4')")
+    inter_link: str | None = option(None, help="describe the inter-node link in the metadata (e.g. "
+                                               "'4x200G IB')")
+    notes: str = option("", help="free text appended to metadata.notes")
+    timeout: float = option(DEFAULT_TIMEOUT_S, help="seconds before a collective counts as hung")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", "-o", default="profile.json", help="where rank 0 writes the profile (default profile.json)")
-    parser.add_argument("--name", help="profile name (default measured-<N>x<R>-<backend>)")
-    parser.add_argument("--quick", action="store_true",
-                        help="1, 4, 16 MiB, 1 warm-up + 3 repetitions (under 2 minutes on the 2x2 lab)")
-    parser.add_argument("--min-size", default=None, help="smallest message (default 1MiB)")
-    parser.add_argument("--max-size", default=None, help="largest message (default 64MiB; quick 16MiB)")
-    parser.add_argument("--size-factor", type=int, default=None, help="ratio of consecutive sizes (default 2; quick 4)")
-    parser.add_argument("--ops", default=None, help="comma list, default allreduce,allgather,reducescatter,broadcast")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed repetitions (default 2; quick 1)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions, median kept (default 5; quick 3)")
-    parser.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
-    parser.add_argument("--backend", default="auto", help="auto | nccl | gloo (auto: nccl when CUDA is available)")
-    parser.add_argument("--all-meshes", action="store_true",
-                        help="also measure allgather/reducescatter on meshes the cross-node rule (Eq. 7) excludes")
-    parser.add_argument("--nodes-per-leaf", type=int, default=None,
-                        help="leaf-switch size for the group layout (default: from the lab, else one leaf)")
-    parser.add_argument("--intra-link", default=None, help="describe the intra-node link in the metadata (e.g. 'NVLink 4')")
-    parser.add_argument("--inter-link", default=None, help="describe the inter-node link in the metadata (e.g. '4x200G IB')")
-    parser.add_argument("--notes", default="", help="free text appended to metadata.notes")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a collective counts as hung (default 600)")
+    schema.add_arguments(parser, ProfileFlags)
 
 
 def _config(args: argparse.Namespace):

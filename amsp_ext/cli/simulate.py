@@ -12,7 +12,12 @@ import json
 import shlex
 from pathlib import Path
 
-from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile, check_counts
+from dataclasses import dataclass
+
+from amsp_ext import schema
+from amsp_ext.cli.planner_flags import gpu_memory_option, profile_option
+from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
+from amsp_ext.schema import check_options, option
 
 HELP = "predict MFU and tokens/GPU/s of ZeRO-1/2/3, ZeRO++, MiCS and AMSP at 8..1024 GPUs"
 
@@ -40,23 +45,29 @@ def _names(text: str, flag: str) -> tuple[str, ...]:
     return names
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
+@dataclass(frozen=True, kw_only=True)
+class SimulateOptions:
+    profile: str = profile_option()
+    models: str = option(",".join(PAPER_MODELS), help="comma-separated presets (default: the paper's three)")
+    gpus: str = option(",".join(map(str, PAPER_GPU_COUNTS)), help="comma-separated GPU counts")
+    gpus_per_node: int = option(8, minimum=1)
+    gpu_memory: str = gpu_memory_option()
+    seq_len: int = option(4096, minimum=1)
+    global_batch_tokens: int = option(4 * 2**20, minimum=1)
+    efficiency: float | None = option(None, help="fraction of peak the compute reaches (default: the "
+                                                 "planner's 0.65)")
+    out: str = option("comparisons/results", help="folder for the report")
+    no_plot: bool = option(False, help="skip the PNG")
+    no_write: bool = option(False, help="print only; write no files")
 
-    add_profile(p)
-    p.add_argument("--models", default=",".join(PAPER_MODELS),
-                   help="comma-separated presets (default: the paper's three)")
-    p.add_argument("--gpus", default=",".join(map(str, PAPER_GPU_COUNTS)),
-                   help="comma-separated GPU counts (default 8,16,...,1024)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    add_gpu_memory(p)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch-tokens", type=int, default=4 * 2**20)
-    p.add_argument("--efficiency", type=float, default=None,
-                   help="fraction of peak the compute reaches (default: the planner's 0.65)")
-    p.add_argument("--out", default="comparisons/results", help="folder for the report")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--no-write", action="store_true", help="print only; write no files")
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:  # nan fails both
+            raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    schema.add_arguments(p, SimulateOptions)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,9 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.specs import parse_size
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY
 
-    check_counts(args, ("gpus_per_node", "seq_len", "global_batch_tokens"))
-    if args.efficiency is not None and not 0 < args.efficiency <= 1:  # nan fails both
-        raise ValueError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    schema.from_namespace(SimulateOptions, args)  # one-line error naming the flag
     settings = SimSettings(
         models=_names(args.models, "--models"),
         gpu_counts=_ints(args.gpus, "--gpus"), gpus_per_node=args.gpus_per_node,

@@ -55,7 +55,8 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
             return config.plan, all_reduce  # the ranks read their device's memory
         planned = resolve_auto(model, auto_plan_config(config), gpu_memory_bytes=memory, **shape)
         return str(planned.plan), planned.all_reduce.mode
-    plan = validate_plan(resolve_plan(config.plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes),
+    plan = validate_plan(resolve_plan(config.plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes,
+                                      field="--plan"),
                          gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=True)
     if memory is None:
         return config.plan, all_reduce

@@ -75,7 +75,8 @@ def _check_plans_fit_the_world(config: TuneConfig, *, world: int, local_world: i
         raise ValueError(f"--gpus-per-node={R} must divide the world size {world}")
     for text in config.tune.plan_list:
         try:
-            validate_plan(resolve_plan(text, gpus_per_node=R, num_nodes=world // R),
+            validate_plan(resolve_plan(text, gpus_per_node=R, num_nodes=world // R, field="--plans"),
                           gpus_per_node=R, num_nodes=world // R, structural_only=True)
-        except PlanError as e:
-            raise ValueError(f"--plans: {text!r}: {e}") from None
+        except PlanError as e:  # a mics:K names itself ("--plans mics:3: ..."); the rest do not
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("--plans") else f"--plans: {text!r}: {msg}") from None

@@ -35,11 +35,16 @@ from pathlib import Path
 from typing import Sequence, TextIO
 
 from amsp_ext.cluster.lab import Lab, LabError, LabSpec
-from amsp_ext.cluster.proctree import JOB_ENV, new_job_id, stop_job
+from amsp_ext.reap import JOB_ENV, new_job_id, stop_job
 
 __all__ = ["NodeLaunch", "node_launches", "run_on_lab"]
 
 TIMEOUT_EXIT = 124
+# `amsp cluster run`'s wall clock for a whole job (not a collective's timeout): a profile or a
+# comparison on the 2x2 lab finishes well within it, a hung one is stopped and returns 124
+JOB_TIMEOUT_S = 1800.0
+# Not the reaper's grace (reap.GRACE_S): how long the other nodes may keep running after one
+# failed, so that their own one-line errors reach the log before they are stopped.
 FAIL_FAST_GRACE_S = 10.0
 
 
@@ -101,12 +106,12 @@ def _pump(node: int, stream: TextIO, sink: TextIO, lock: threading.Lock) -> None
             sink.flush()
 
 
-def _stop(procs: list[subprocess.Popen], job_id: str, grace_s: float = 5.0) -> None:
-    """Every node's torchrun and its ranks (in sessions of their own: cluster/proctree.py)."""
+def _stop(procs: list[subprocess.Popen], job_id: str) -> None:
+    """Every node's torchrun and its ranks (in sessions of their own: amsp_ext/reap.py)."""
     running = [p for p in procs if p.poll() is None]
     for p in running[1:]:
-        stop_job(p.pid, None, grace_s=grace_s)
-    stop_job(running[0].pid if running else None, job_id, grace_s=grace_s)
+        stop_job(p.pid, None)
+    stop_job(running[0].pid if running else None, job_id)
 
 
 def free_port(namespace: str) -> int:
@@ -128,7 +133,7 @@ def _raise_stopped(signum, frame):  # noqa: ARG001 - signal handler signature
 
 
 def run_on_lab(spec: LabSpec, command: Sequence[str], *, state_file: str, master_port: int = 29500,
-               timeout_s: float = 1800.0, log_dir: str | None = None, sink: TextIO = sys.stdout) -> int:
+               timeout_s: float = JOB_TIMEOUT_S, log_dir: str | None = None, sink: TextIO = sys.stdout) -> int:
     """Start the nodes, stream their prefixed output to ``sink``, return the job's exit status."""
     if timeout_s <= 0:
         raise LabError(f"cluster run: --timeout must be > 0 seconds, got {timeout_s}")

@@ -88,5 +88,5 @@ def hang_now(fs: list[Fault], *, rank: int, step: int, system: str | None = None
         print(f"[amsp fault] hang: rank {rank} spins at step {step}, SIGTERM ignored",
               file=sys.stderr, flush=True)
         x = 0
-        while True:  # busy, not blocked in a syscall: what issue 22's stuck workers did
+        while True:  # busy, not blocked in a syscall: as a stray worker spins (amsp_ext/reap.py)
             x += 1

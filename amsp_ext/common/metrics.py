@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from amsp_ext.planner.defaults import A800_PEAK_FLOPS
+
 __all__ = ["GPU_PEAK_FLOPS", "Peak", "flops_per_token", "matmul_peak_flops", "median_after_warmup",
            "mfu", "mfu_check", "peak_memory_bytes", "table_peak"]
 
@@ -39,7 +41,7 @@ __all__ = ["GPU_PEAK_FLOPS", "Peak", "flops_per_token", "matmul_peak_flops", "me
 # Matched in order against torch.cuda.get_device_name(): more specific names first.
 GPU_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12),
-    ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12),
+    ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("A100", A800_PEAK_FLOPS), ("A800", A800_PEAK_FLOPS),
     ("A40", 149.7e12), ("A30", 165e12), ("A10G", 70e12), ("A10", 125e12), ("L40S", 362e12),
     ("L40", 181e12), ("L4", 121e12), ("V100", 125e12), ("T4", 65e12), ("MI300X", 1307e12),
     ("MI250X", 383e12),

@@ -292,8 +292,8 @@ def step_breakdown(events: list, index: int = -1) -> dict[str, Any] | None:
 
 # [Note: the median profiled step]
 # On a shared CPU one step's exposed time says more about the load during it than about the
-# engine: in issue 23's 1 Gbit rounds the replicate plan's rank 0 exposed 52 ms in one round's
-# step against a median of 1106 ms over rounds. So the worker can profile several steps
+# engine (one round's step can expose a twentieth of the median: comparisons/results/design_history.md,
+# "Comparison noise"). So the worker can profile several steps
 # (``RunSpec.trace_steps``); every step after the first is read (the first only supplies its
 # post-step broadcasts) and the one whose exposed time is the median (the lower one for an even
 # count) is kept whole: its rows add up to its totals, which per-field medians would not.

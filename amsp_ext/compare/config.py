@@ -33,6 +33,14 @@ OVERLAP_LABELS = {"all": "all on", "no_bc": "no BC", "no_bc_ar": "no BC+AR", "no
 # refused as `amsp plan` does (planner/defaults.py): a profile measured on a small lab never
 # has every mesh the systems' plans use
 COMPARE_MISSING_MESH = "fit"
+# Wall clock for one system's whole run (start-up, warm-up, steps, trace), not a collective's
+# timeout: a stuck system is stopped (compare/launch.py) and reported as failed, and the table
+# goes on with the next one.
+SYSTEM_TIMEOUT_S = 600.0
+# The workers' collective timeout, below the engine's default: a hung collective must fail
+# inside the system's wall clock (SYSTEM_TIMEOUT_S) so that the row says which
+# collective hung instead of only that the system was stopped.
+WORKER_TIMEOUT_S = 300.0
 
 
 class SpecError(ValueError):
@@ -87,7 +95,7 @@ class RunSpec:
     trace_steps: int = option(1, minimum=1,
                               help="steps profiled per round (after one more that is not read); "
                                    "the breakdown is the one whose exposed time is the median")
-    dist_timeout_s: float = option(300.0, above=0)
+    dist_timeout_s: float = option(WORKER_TIMEOUT_S, above=0)
 
     def __post_init__(self) -> None:
         try:

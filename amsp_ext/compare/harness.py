@@ -308,8 +308,8 @@ class _Comparison:
             if bar is not None:
                 bar.set_description(f"{head} {p.item.key}", refresh=True)
             # The profiled step runs in every round: it comes after the timed steps, so it does
-            # not change them, and one round's trace is one sample of a noisy machine (issue 23:
-            # round 1's breakdown and the timed steps disagreed), so the report gives the
+            # not change them, and one round's trace is one sample of a noisy machine (its
+            # breakdown can disagree with its own timed steps), so the report gives the
             # communication figures as medians over rounds (rounds.combine_rounds).
             run_spec = p.spec
             started_at = time.time()

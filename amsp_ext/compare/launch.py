@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from amsp_ext.cluster.proctree import JOB_ENV, new_job_id, stop_job
-from amsp_ext.compare.config import RunSpec
+from amsp_ext.reap import JOB_ENV, new_job_id, stop_job
+from amsp_ext.compare.config import SYSTEM_TIMEOUT_S, RunSpec
 from amsp_ext.tools.rendezvous import loopback_env, loopback_torchrun_args
 
 __all__ = ["LAUNCHERS", "LaunchConfig", "run_system", "worker_command"]
@@ -32,9 +32,9 @@ class LaunchConfig:
     launcher: str = "torchrun"
     nproc_per_node: int = 4  # torchrun only; the cluster's size comes from `amsp cluster up`
     cluster_name: str = "amsp"
-    timeout_s: float = 600.0  # per system
+    timeout_s: float = SYSTEM_TIMEOUT_S
     # cluster only: 0 picks a free port in node 0's namespace for every system, so a port a
-    # stopped system's straggler still holds is never reused (issue 22's EADDRINUSE)
+    # stopped system's straggler still holds is never reused (a reused one fails with EADDRINUSE)
     master_port: int = 0
 
     def __post_init__(self) -> None:
@@ -63,7 +63,7 @@ def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig
 
 def _env(job_id: str) -> dict[str, str]:
     env = dict(os.environ)
-    env[JOB_ENV] = job_id  # every process of this system inherits it (cluster/proctree.py)
+    env[JOB_ENV] = job_id  # every process of this system inherits it (amsp_ext/reap.py)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
@@ -112,8 +112,7 @@ def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,
         finally:
             # Timed out, failed, finished, or the harness itself stopped (SIGTERM/SIGINT arrive
             # here as an exception): nothing of this system may outlive it.
-            left = stop_job(proc.pid if proc.poll() is None else None, job_id,
-                            grace_s=10.0 if proc.poll() is None else 3.0)
+            left = stop_job(proc.pid if proc.poll() is None else None, job_id)
     base["stragglers_stopped"] = left  # pids still alive when the system ended (normally none)
     wall = time.perf_counter() - t0
     base["wall_s"] = wall

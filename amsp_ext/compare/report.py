@@ -223,7 +223,7 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     hsdp = _row(rows, "hsdp")
     if amsp_mics and hsdp:
         add(amsp_mics, hsdp, "AMSP (MiCS config) / FSDP2 HSDP",
-            "engine only: the same sharding on torch's engine (issue 23)")
+            "engine only: the same sharding on torch's engine")
     if amsp_mics and planned:
         add(planned, amsp_mics, f"{planned['label']} / AMSP (MiCS config)",
             "sharding strategy only: same engine")

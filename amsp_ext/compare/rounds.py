@@ -4,8 +4,8 @@ system from its rounds, and ratios as the median of per-round ratios.
 [Note: why rounds, and why ratios are taken per round]
 One comparison runs its systems one after another on a shared machine. Load from other jobs
 that changes between two systems lands in their throughput ratio (0.69-2.20x for the same
-engine-only pair over four runs on the 2x2 lab, comparisons/results/
-tiny-llama_cpu-2x2-lab_2026-11-30_engine-only-repeats.md). With ``--repeats N`` the harness runs
+engine-only pair over four runs on the 2x2 lab: comparisons/results/design_history.md,
+"Comparison noise"). With ``--repeats N`` the harness runs
 every system N times, in N rounds. Two systems of one round run minutes apart, two rounds
 further apart still, so the ratio of two systems is taken *within* each round (they saw about
 the same load) and the report gives the median of those per-round ratios and their range - not

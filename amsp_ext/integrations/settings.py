@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import dataclasses
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -64,12 +65,14 @@ __all__ = [
     "BatchSettings",
     "ConfigError",
     "ENGINE_KEYS",
+    "OLD_KEYS_UNTIL",
     "PrecisionSettings",
     "amsp_enabled",
     "check_optimizer_block",
     "ds_bucket_bytes",
     "load_ds_config",
     "resolve_batch",
+    "upgrade_block",
 ]
 
 
@@ -139,9 +142,41 @@ _FROM_DEEPSPEED = {"precision": "bf16.enabled / fp16.enabled",
                    "fp16": "the fp16 block (initial_scale_power, loss_scale_window, min_loss_scale)"}
 ENGINE_KEYS = tuple(f.name for f in fields(EngineConfig)
                     if f.name not in _FROM_DEEPSPEED and f.name not in ("auto", "adaptive"))
-_RENAMED = {"cluster": "give amsp.gpus_per_node, amsp.nodes_per_leaf and amsp.gpu_memory at the top "
-                       "of the block",
-            "bucket_size": "it is amsp.grad_bucket_bytes (a size such as '25MiB', or bytes)"}
+# [Note: renamed keys]
+# A file the project wrote keeps loading: a key of the block's old shape (the one `amsp migrate`
+# wrote before the engine had one config) is read at its new place with one DeprecationWarning
+# naming that place, as DeepSpeed reads its renamed keys, until OLD_KEYS_UNTIL; `amsp migrate`
+# rewrites such a block in the new shape (upgrade_block). Giving a key at both places is an
+# error: which one was meant is not for the loader to guess.
+OLD_KEYS_UNTIL = "0.2"  # the minor version that stops reading them
+_OLD_CLUSTER_KEYS = ("gpus_per_node", "nodes_per_leaf", "gpu_memory")  # amsp.cluster.<k> -> amsp.<k>
+_RENAMED_KEYS = {"bucket_size": "grad_bucket_bytes"}
+
+
+def upgrade_block(block: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The ``"amsp"`` block in the current shape, and ``(old key, new key)`` of each key moved
+    (key paths, ``amsp.cluster.gpus_per_node``). A block already in the current shape comes back
+    equal, with no moves."""
+    out = dict(block)
+    moved: list[tuple[str, str]] = []
+
+    def move(old_path: str, key: str, value: Any) -> None:
+        if key in block:
+            raise ConfigError(f"{old_path} and amsp.{key} are the same setting; give only amsp.{key}")
+        out[key] = value
+        moved.append((old_path, f"amsp.{key}"))
+
+    if "cluster" in out:
+        cluster = out.pop("cluster")
+        if not isinstance(cluster, Mapping):
+            raise ConfigError(f"amsp.cluster must be an object, got {type(cluster).__name__}")
+        _check_keys(cluster, _OLD_CLUSTER_KEYS, "amsp.cluster")
+        for key, value in cluster.items():
+            move(f"amsp.cluster.{key}", key, value)
+    for old, new in _RENAMED_KEYS.items():
+        if old in out:
+            move(f"amsp.{old}", new, out.pop(old))
+    return out, moved
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,9 +247,11 @@ class AMSPSettings:
             return cls()
         if not isinstance(block, Mapping):
             raise ConfigError(f"amsp must be an object, got {type(block).__name__}")
+        block, moved = upgrade_block(block)
+        for old, new in moved:  # stacklevel 2: the line that loaded the config
+            warnings.warn(f"{old} is deprecated, read as {new} until amsp_ext {OLD_KEYS_UNTIL}; run "
+                          f"`amsp migrate` to upgrade the file", DeprecationWarning, stacklevel=2)
         for k in block:
-            if k in _RENAMED:
-                raise ConfigError(f"amsp.{k} is no longer a key: {_RENAMED[k]}")
             if k in _FROM_DEEPSPEED:
                 raise ConfigError(f"amsp.{k}: set by DeepSpeed's own {_FROM_DEEPSPEED[k]}, not in "
                                   f"the amsp block")

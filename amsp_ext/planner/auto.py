@@ -17,7 +17,7 @@ from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.search import Problem, SearchResult, evaluate, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, job_spec
-from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE,
+from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER,
                                       DEFAULT_PROFILE, DEFAULT_REDUCE_DTYPE)
 
 __all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choose_all_reduce", "plan_auto",
@@ -35,7 +35,7 @@ class AutoPlanConfig:
     profile: str = DEFAULT_PROFILE  # bundled profile name or a path to an amsp-profile/1 JSON
     objective: str = DEFAULT_OBJECTIVE  # "comm" (Eq. 1) or "step"
     missing: str = DEFAULT_MISSING_MESH  # profile meshes the table lacks: "error" or "fit"
-    optimizer: str = "adamw"
+    optimizer: str = DEFAULT_OPTIMIZER
     gpu_memory_bytes: int | None = None  # None: the device's (CPU: RAM / gpus_per_node)
     memory_reserve_bytes: int | None = None  # None: the planner's default reserve
 
@@ -88,7 +88,7 @@ def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, 
 # as one collective (flat, DDP's) or as three (two_level: reduce-scatter in the node, all-reduce
 # across, all-gather in the node; runtime/collectives.py). Which is faster depends on the link:
 # on the 2x2 lab the replicate plan ran 0.915x with two-level at 1 Gbit/s and 1.11-1.17x at
-# 100 Mbit/s (comparisons/results/two_level_allreduce_lab_2026-12-03.md). "auto" runs the one
+# 100 Mbit/s (comparisons/results/design_history.md, "Flat or two-level all-reduce"). "auto" runs the one
 # the planner's step model (objective "step") prices lower for the plan, whatever objective chose
 # the factors: Eq. 1 (objective "comm") prices bytes only, and on the lab's 1 Gbit profile it
 # prices two-level 7 % cheaper (0.144 vs 0.154 s) where the step model, whose calibration charges

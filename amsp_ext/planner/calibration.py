@@ -12,7 +12,7 @@ Schema (one object, every field validated; an error is one line naming the field
 
     "calibration": {
       "source": "amsp tune on ...",            # what was measured, non-empty
-      "date": "2026-12-01",                    # YYYY-MM-DD
+      "date": "2025-06-30",                    # YYYY-MM-DD
       "device": "cpu",                         # the device it was measured on
       "peak_flops": 3.1e10,                    # MFU denominator of that run (common/metrics.py)
       "forward_flops_per_s": 2.0e10,           # model FLOPs / forward time, per GPU

@@ -21,8 +21,8 @@ from __future__ import annotations
 __all__ = [
     "DEFAULT_ALL_REDUCE", "DEFAULT_GPU_MEMORY", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_GRANULARITY",
     "DEFAULT_PRECISION", "DEFAULT_REDUCE_DTYPE", "DEFAULT_GPU_MEMORY_BYTES", "DEFAULT_MEMORY_RESERVE",
-    "DEFAULT_MISSING_MESH", "DEFAULT_OBJECTIVE", "DEFAULT_PROFILE", "DEFAULT_RESERVE_BYTES", "DEFAULT_SEQ_LEN",
-    "GiB",
+    "DEFAULT_MISSING_MESH", "DEFAULT_OBJECTIVE", "DEFAULT_OPTIMIZER", "DEFAULT_PEAK_FLOPS", "DEFAULT_PROFILE",
+    "DEFAULT_RESERVE_BYTES", "DEFAULT_SEQ_LEN", "A800_PEAK_FLOPS", "GiB",
 ]
 
 GiB = 2**30
@@ -34,6 +34,11 @@ DEFAULT_MEMORY_RESERVE = "2GiB"
 DEFAULT_RESERVE_BYTES = 2 * GiB
 DEFAULT_MISSING_MESH = "error"  # a mesh the profile lacks: refuse ("fit": alpha-beta estimate)
 DEFAULT_OBJECTIVE = "comm"  # the paper's Eq. 1 ("step": compute + unhidden communication)
+DEFAULT_OPTIMIZER = "adamw"  # what the engine's training routes build (choices.OPTIMIZERS)
+# dense 16-bit tensor-core FLOP/s of the paper's A800 (an A100's too): the MFU denominator of a
+# plan made for the paper's GPU; a calibrated profile or a detected device says its own
+A800_PEAK_FLOPS = 312e12
+DEFAULT_PEAK_FLOPS = A800_PEAK_FLOPS
 DEFAULT_ALL_REDUCE = "flat"  # one collective per gradient all-reduce, as DDP (choices.ALL_REDUCES)
 # the job's settings the engine runs with and the planner prices (EngineConfig's fields and
 # TrainingSpec's): engine_config.py [Note: one default per setting] says why these values

@@ -159,27 +159,35 @@ def parse_plan(text: str) -> Plan:
     )
 
 
+def group_sizes(gpus_per_node: int, num_nodes: int) -> tuple[int, ...]:
+    """Every group size :func:`mesh_of_size` lays out, ascending: the divisors of a node, then
+    whole nodes in counts that divide the node count."""
+    R, N = gpus_per_node, num_nodes
+    return (*(d for d in range(1, R + 1) if R % d == 0), *(R * k for k in range(2, N + 1) if N % k == 0))
+
+
 def mesh_of_size(size: int, gpus_per_node: int, num_nodes: int, field: str) -> tuple[int, int]:
     """Lay ``size`` GPUs out as a node-filling mesh (Eq. 7): inside one node when it fits."""
     world = gpus_per_node * num_nodes
+    allowed = f"; allowed: {', '.join(map(str, group_sizes(gpus_per_node, num_nodes)))}"
     if size < 1 or size > world:
-        raise PlanError(f"{field}: group size must be in 1..{world} (world size), got {size}")
+        raise PlanError(f"{field}: group size must be in 1..{world} (world size), got {size}{allowed}")
     if size <= gpus_per_node:
         if gpus_per_node % size:
             raise PlanError(
                 f"{field}: group size {size} must divide gpus_per_node={gpus_per_node} "
-                f"or be a multiple of it"
+                f"or be a multiple of it{allowed}"
             )
         return size, 1
     if size % gpus_per_node or num_nodes % (size // gpus_per_node):
         raise PlanError(
             f"{field}: group size {size} must be a multiple of gpus_per_node={gpus_per_node} "
-            f"whose node count divides num_nodes={num_nodes}"
+            f"whose node count divides num_nodes={num_nodes}{allowed}"
         )
     return gpus_per_node, size // gpus_per_node
 
 
-def named_plan(name: str, *, gpus_per_node: int, num_nodes: int) -> Plan:
+def named_plan(name: str, *, gpus_per_node: int, num_nodes: int, field: str = "plan") -> Plan:
     """The classic systems as AMSP plans: ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``mics:K``.
 
     ZeRO++ is not an AMSP plan (it keeps a second, smaller parameter mesh for the backward
@@ -199,7 +207,7 @@ def named_plan(name: str, *, gpus_per_node: int, num_nodes: int) -> Plan:
         _, _, k = key.partition(":")
         if not k.isdigit():
             raise PlanError(f"plan: 'mics' needs a shard group size, e.g. 'mics:{R}', got {name!r}")
-        s0, s1 = mesh_of_size(int(k), R, N, "plan mics:K")
+        s0, s1 = mesh_of_size(int(k), R, N, f"{field} mics:{k}")  # named as the user wrote it
         return Plan(s0_p=s0, s1_p=s1, s0_g=s0, s1_g=s1, s0_os=s0, s1_os=s1)
     raise PlanError(
         f"plan: unknown name {name!r}; use one of {', '.join(NAMED_PLANS)}, 'auto', "
@@ -227,8 +235,9 @@ def check_plan_text(text: str, field: str) -> None:
         raise PlanError(f"{field}: {str(e).removeprefix('plan: ')}") from None
 
 
-def resolve_plan(spec: "Plan | str", *, gpus_per_node: int, num_nodes: int) -> Plan:
-    """A Plan, a factor string or a baseline name -> Plan. ``auto`` is the planner's job."""
+def resolve_plan(spec: "Plan | str", *, gpus_per_node: int, num_nodes: int, field: str = "plan") -> Plan:
+    """A Plan, a factor string or a baseline name -> Plan. ``auto`` is the planner's job.
+    ``field``: what an error calls the plan (the flag or key it came from)."""
     if isinstance(spec, Plan):
         return spec
     if not isinstance(spec, str):
@@ -237,7 +246,7 @@ def resolve_plan(spec: "Plan | str", *, gpus_per_node: int, num_nodes: int) -> P
         raise PlanError("plan 'auto' must be resolved by the planner (amsp_ext.planner.search)")
     if "=" in spec:
         return parse_plan(spec)
-    return named_plan(spec, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
+    return named_plan(spec, gpus_per_node=gpus_per_node, num_nodes=num_nodes, field=field)
 
 
 # [Note: the plan rules, stated once]

@@ -51,7 +51,7 @@ engine issues: gloo's work waiting for a core, on a CPU. The two-level all-reduc
 over 2v + v/p0 bytes, so it is charged that much (``CommTimer.issued``): priced as one
 all-reduce of v, the model predicted DDP's plan 1 % faster with it than with the flat one at
 1 Gbit on the 2x2 lab, where the engine's paired run measured 0.915x the flat one's throughput
-(comparisons/results/two_level_allreduce_lab_2026-12-03.md).
+(comparisons/results/design_history.md, "Flat or two-level all-reduce").
 
 Pure Python + NumPy.
 """

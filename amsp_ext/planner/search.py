@@ -54,7 +54,7 @@ __all__ = [
 # communicator buffers (NCCL_BUFFSIZE = 4 MiB per channel and peer, for up to five process
 # groups) and some caching-allocator slack. Plans must fit in the GPU's memory minus this.
 # (the default, DEFAULT_RESERVE_BYTES, is defined in defaults.py)
-# The slack, measured once (comparisons/results/gpu_h200_2026-12-04.md): for three LLaMA-7B
+# The slack, measured once (comparisons/results/design_history.md, "Memory reserve slack"): for three LLaMA-7B
 # plans of one rank of 1,024, the CUDA caching allocator reserved 3.0-8.7 GiB above its
 # allocated peak (5.3 GiB with expandable segments), while the allocated peak was within 0.5 %
 # of the memory model for two plans and 8.5 % under it for the third. Cached blocks are freed

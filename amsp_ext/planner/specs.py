@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from amsp_ext.choices import ALL_REDUCES, GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, reduce_dtypes
 from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_GRANULARITY,
-                                       DEFAULT_PRECISION, DEFAULT_REDUCE_DTYPE)
+                                       DEFAULT_OPTIMIZER, DEFAULT_PEAK_FLOPS, DEFAULT_PRECISION,
+                                       DEFAULT_REDUCE_DTYPE)
 from amsp_ext.choices import parse_size as _parse_size
 
 __all__ = [
@@ -68,7 +69,7 @@ class ClusterSpec:
     num_nodes: int
     gpus_per_node: int
     gpu_memory_bytes: int
-    peak_flops: float = 312e12  # A100/A800 dense BF16
+    peak_flops: float = DEFAULT_PEAK_FLOPS
     memory_bandwidth: float = 2.039e12  # A800 80GB HBM2e
     nodes_per_leaf: int | None = None
 
@@ -111,7 +112,7 @@ class TrainingSpec:
     num_micro_batches: int | None = None
     recompute: bool = False
     precision: str = DEFAULT_PRECISION
-    optimizer: str = "adamw"
+    optimizer: str = DEFAULT_OPTIMIZER
     bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES
     granularity: str = DEFAULT_GRANULARITY
     reduce_dtype: str | None = DEFAULT_REDUCE_DTYPE
@@ -191,9 +192,8 @@ def job_spec(settings: Mapping[str, Any], *, seq_len: int, micro_batch_size: int
 # bucket U of 128 MB (review section 3: "U of typically 64-128 MB"). TrainingSpec's defaults
 # are the engine's instead (planner/defaults.py: fp32, fp32 reduction, a unit per layer, DDP's
 # 25 MiB), as every entry point that plans a run of the engine needs; what reproduces the
-# paper asks for the paper's job by name. (Until 2026-12-03 these were TrainingSpec's own
-# defaults, so `amsp migrate` costed per-Linear units and 2-byte gradients for jobs the engine
-# then ran with layer units and fp32 gradients.)
+# paper asks for the paper's job by name: a plan costed for a job the engine does not run is
+# wrong (comparisons/results/design_history.md, "TrainingSpec's defaults").
 PAPER_JOB = MappingProxyType({"precision": "bf16", "reduce_dtype": None, "granularity": "module",
                               "bucket_bytes": 128 * 2**20})
 

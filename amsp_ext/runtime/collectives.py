@@ -53,15 +53,16 @@ all-gather / reduce-scatter stream; the post-step broadcasts run on the step's s
 
 [Note: process groups torn down at exit]
 A rank that had finished cleanly now and then died in interpreter teardown with "terminate
-called without an active exception" (SIGABRT), and torchrun failed the job. The cause, read
-off a core dump (2026-12-04, a 4-rank script that called ``shard`` and then
-``destroy_process_group()`` itself): a gloo worker thread (``ProcessGroupGloo::runLoop``)
-dropped its reference to a finished collective (``~AsyncAllgatherWork``) after the main thread
-had begun finalizing. The work held the last reference to a tensor whose Python object had
-already gone, so releasing it must take the GIL; a thread that asks for the GIL during
-finalization is ended by ``pthread_exit``, and its forced unwind through a ``noexcept``
-destructor calls ``std::terminate``. Any collective can be that one, a user's or ours: the
-worker drops its reference a moment after the waiting thread saw the work complete.
+called without an active exception" (SIGABRT), and torchrun failed the job. The cause, read off
+a core dump (a 4-rank script that called ``shard`` and then ``destroy_process_group()`` itself;
+comparisons/results/design_history.md, "Teardown abort"): a gloo worker thread
+(``ProcessGroupGloo::runLoop``) dropped its reference to a finished collective
+(``~AsyncAllgatherWork``) after the main thread had begun finalizing. The work held the last
+reference to a tensor whose Python object had already gone, so releasing it must take the GIL; a
+thread that asks for the GIL during finalization is ended by ``pthread_exit``, and its forced
+unwind through a ``noexcept`` destructor calls ``std::terminate``. Any collective can be that
+one, a user's or ours: the worker drops its reference a moment after the waiting thread saw the
+work complete.
 ``destroy_process_group()`` does not stop gloo's workers (``shutdown``/``abort`` are no-ops for
 gloo in torch 2.13): a group's threads are joined only when its last reference goes (the
 call joined the world group's three threads, but not those of a subgroup the script still
@@ -263,8 +264,8 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, group: dist.Process
 # at the first that cannot move). At the end of backward GradSync calls ``issue_gathers`` on
 # the chains in flight before it waits for any: each bucket's in-node all-gather then runs
 # while the next bucket's cross-node all-reduce is still on the link, where waiting chain by
-# chain had left them end to end (issue 23's breakdown: 499 ms of rank 0's step in
-# ``wait::all_gather::param_replica_local`` at 100 Mbit).
+# chain had left them end to end (comparisons/results/design_history.md,
+# "Two-level all-reduce chains").
 # On gloo the first phase is an all-reduce of the whole tensor inside the node, and the shard
 # is this rank's slice of it: gloo runs a reduce-scatter as that all-reduce anyway (its trace
 # shows ``gloo:all_reduce`` of the whole input), and its reduce-scatter's Work never reports

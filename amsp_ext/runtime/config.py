@@ -14,7 +14,8 @@ __all__ = ["AdaptiveConfig", "AutoPlanConfig", "EngineConfig", "FP16Config", "Ov
 
 ShardConfig = EngineConfig  # the name the engine's API has always used
 
-# the torch dtype of each precision name (amsp_ext.choices.PRECISIONS)
+# the torch dtype of each precision name (amsp_ext.choices.PRECISIONS): the one map; the tools
+# and the applications read PRECISIONS
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISIONS = {name: _DTYPES[name] for name in choices.PRECISIONS}
 

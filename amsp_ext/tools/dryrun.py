@@ -65,7 +65,7 @@ all-gather's output with copies of this rank's input and a reduce-scatter's with
 so values stay finite and the step takes the ordinary path; ``fake_fills_outputs`` says whether
 this torch does (where it does not, outputs hold stale memory and a non-finite verdict may skip
 a step: ``steps_skipped``). Filling costs one copy per rank of the group, so at 1,024 ranks a
-ZeRO-3 step's time is mostly the simulation's (comparisons/results/gpu_h200_2026-12-04.md).
+ZeRO-3 step's time is mostly the simulation's (comparisons/results/design_history.md, "Memory reserve slack").
 One rank runs at a time (the GPU is shared). ``tensors="real"`` on ``cpu`` is the same run on
 the CPU (the tests' check of this path).
 """
@@ -350,7 +350,9 @@ def _sdpa_kernel(model, spec: DryRunSpec, device) -> str:
     """Which fused SDPA kernel torch would pick on a GPU for this attention's shape and dtype."""
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.precision, torch.float32)
+    from amsp_ext.runtime.config import PRECISIONS
+
+    dtype = PRECISIONS[spec.precision]
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     flash_ok = dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256

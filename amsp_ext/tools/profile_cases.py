@@ -41,6 +41,7 @@ import datetime as _dt
 import math
 from dataclasses import dataclass, field
 
+from amsp_ext.engine_config import DEFAULT_TIMEOUT_S
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.prefilter import divisors
 from amsp_ext.planner.profile import OPS, SCHEMA
@@ -76,7 +77,7 @@ class ProfileConfig:
     num_reps: int = 5
     dtype: str = "bfloat16"
     all_meshes: bool = False
-    timeout_s: float = 600.0  # per collective
+    timeout_s: float = DEFAULT_TIMEOUT_S  # per collective: the engine's
 
     def __post_init__(self) -> None:
         if self.min_bytes < 1024:

@@ -28,6 +28,7 @@ __all__ = ["BOUND_BACKEND", "LOOPBACK", "bound_static_handler", "bound_torchrun_
            "loopback_env", "loopback_torchrun_args", "main", "register"]
 
 LOOPBACK = "127.0.0.1"
+_JOIN_TIMEOUT_S = 900  # torchrun's own default rendezvous join timeout, when the config names none
 
 
 def _listening_fd(host: str, port: int) -> tuple[int, int]:
@@ -132,7 +133,7 @@ def bound_static_handler(params):
     if port == -1:
         raise ValueError(f"amsp-static rendezvous: no port in endpoint {params.endpoint!r}")
     rank, world = int(params.config["rank"]), int(params.max_nodes)
-    timeout = datetime.timedelta(seconds=int(params.config.get("timeout", 900)))
+    timeout = datetime.timedelta(seconds=int(params.config.get("timeout", _JOIN_TIMEOUT_S)))
     run_id = params.run_id
 
     class BoundStatic(RendezvousHandler):

@@ -13,7 +13,7 @@ levels of a two-level all-reduce), with ``dist.new_group``, and none for the res
   connections and a TCP loop thread per rank, and each NCCL group a communicator. On the CPU
   lab (4 ranks, DDP's plan as separate jobs), going from 12 groups to 1 cut the CPU outside the
   training threads from 172 to 94 ms a step (DDP: 75) and raised core use from 0.94 to 0.98
-  (comparisons/results/two_level_allreduce_lab_2026-12-03.md, "Session 6").
+  (comparisons/results/design_history.md, "Gradient bucket views and per-kind groups").
 - FSDP2 takes a DeviceMesh: for sp > 1 the ``param_shard`` group becomes a 1-D mesh with
   ``DeviceMesh.from_group``, which builds no further group.
 - ``new_group`` is collective over the default group: every rank walks every group of every kind

@@ -367,8 +367,8 @@ def exit_rank(code: int) -> None:
 
     [Note: a rank that finished exits at once]
     A torchrun rank that trained, wrote its summary and destroyed its process group has
-    nothing left to do, but a normal interpreter exit still finalizes: in one of the two full
-    test-suite runs of 2026-12-02, a 2-rank `amsp train` rank died there with SIGABRT
+    nothing left to do, but a normal interpreter exit still finalizes, and a 2-rank `amsp train`
+    rank has died there with SIGABRT
     ("terminate called without an active exception"; the cause, a gloo worker releasing a
     finished collective during finalization, is runtime/collectives.py [Note: process groups
     torn down at exit]), and the launcher reported a failed job for a run that had finished.

@@ -12,9 +12,10 @@
 - torchrun starts every rank in a session of its own, so signals to the agent's group do not
   reach them; each rank sets its own parent-death signal (SIGKILL) first thing
   (:func:`die_with_parent`), so a rank never outlives the agent, even one killed with -9.
-- The launcher forwards SIGINT/SIGTERM/SIGHUP to the agent's group, waits up to
-  ``GRACE_S`` for it, then SIGKILLs the group; on any exit it kills the group and removes the
-  temp directory. torchrun's own temp files (``torchelastic_*``) live inside it (TMPDIR).
+- The launcher forwards SIGINT/SIGTERM/SIGHUP to the agent's group, then the one reaper
+  (amsp_ext/reap.py) gives the agent's tree ``GRACE_S`` and SIGKILLs what is left; on any exit
+  it stops the tree the same way and removes the temp directory. torchrun's own temp files
+  (``torchelastic_*``) live inside it (TMPDIR).
 - Each check against a lost race: a child that finds its parent already gone when it
   installs the parent-death signal exits at once.
 
@@ -37,12 +38,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from amsp_ext.reap import stop_job
 
 __all__ = ["Job", "die_with_parent", "report_error"]
 
-GRACE_S = 6.0  # SIGTERM -> SIGKILL for the agent's group: the job is gone within 10 s
 _PR_SET_PDEATHSIG = 1
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 JOB_DIR_ENV, LAUNCHER_ENV, AGENT_ENV = "AMSP_JOB_DIR", "AMSP_LAUNCHER_PID", "AMSP_AGENT_PID"
@@ -109,17 +110,16 @@ class Job:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "amsp_ext.train.supervise", *torchrun_args], env=env, stdout=stdout,
             process_group=0, preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM))
-        deadline = None
         while True:
             try:
                 rc = self.proc.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if self.signal is not None:
-                deadline = deadline or time.monotonic() + GRACE_S
-                if time.monotonic() > deadline:
-                    self._kill()
+            if self.signal is not None:  # _forward already sent it: the grace, then SIGKILL
+                stop_job(self.proc.pid, signalled=True)
+                rc = self.proc.wait()
+                break
         return 128 + self.signal if self.signal is not None else rc
 
     def output(self) -> str | None:
@@ -145,9 +145,8 @@ class Job:
         return "; ".join(killed or stopped) or f"ranks exited with status {rc}"
 
     def _kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None and self.proc.poll() is None:  # leaving on an error: no grace
+            stop_job(self.proc.pid, grace_s=0)
             self.proc.wait()
 
     def __exit__(self, *exc) -> None:

@@ -38,6 +38,7 @@ def run_tune(config, *, command: str) -> int:
 
     from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
+    from amsp_ext.runtime.config import PRECISIONS
     from amsp_ext.tools.profiler import pick_device
     from amsp_ext.tune.candidates import choose_plans, make_problems
     from amsp_ext.tune.worker import run_rounds
@@ -60,7 +61,7 @@ def run_tune(config, *, command: str) -> int:
     load_start = list(os.getloadavg())
     comm = C.CollectiveContext(timeout=config.engine.timeout)  # the run's, every plan's engine too
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.engine.precision]
+    dtype = PRECISIONS[config.engine.precision]
     peak = device_peak(device, dtype, comm=comm,
                        override_flops=t.peak_tflops * 1e12 if t.peak_tflops else None)
     gpu_memory = config.planner.gpu_memory_bytes or _device_memory(device, R)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from amsp_ext.common.models import MODEL_CONFIGS, llama_config_dict
-from amsp_ext.schema import check_options, option, section
+from amsp_ext.planner.plan import NAMED_PLANS, check_plan_text
+from amsp_ext.schema import check_options, name_of, option, section
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.train.config import BatchOptions, PlannerOptions, check_seq_len
 
@@ -46,6 +47,15 @@ class TuneOptions:
 
     def __post_init__(self) -> None:
         check_options(self)
+        # spelling here, where the config is built (before any rank starts); whether a plan
+        # fits the world is checked where the world is known (cli/tune.py)
+        name = name_of(self, "plans")
+        for text in self.plan_list:
+            low = text.lower()
+            if "=" not in low and not low.startswith("mics") and low not in NAMED_PLANS:
+                raise ValueError(f"{name}: {text!r} is not a plan to measure; give factors "
+                                 f"'p=S0xS1,g=S0xS1,os=S0xS1' or a baseline name ({', '.join(NAMED_PLANS)})")
+            check_plan_text(text, name)
 
     @property
     def plan_list(self) -> tuple[str, ...]:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.config import PRECISIONS
 from amsp_ext.runtime.measure.comm_trace import CommTrace
 from amsp_ext.train.loop import adamw_factory, engine_shard_config
 from amsp_ext.train.config import OptimOptions
@@ -48,8 +49,6 @@ from amsp_ext.tune.candidates import Candidate
 from amsp_ext.tune.spec import TuneConfig
 
 __all__ = ["build_model", "compute_probe", "measure_plan", "run_rounds"]
-
-_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_model(config: TuneConfig):
@@ -90,7 +89,7 @@ def compute_probe(config: TuneConfig, device, comm: C.CollectiveContext) -> dict
     if e.recompute:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = model.to(_PRECISIONS[e.precision]) if e.precision != "fp32" else model
+    model = model.to(PRECISIONS[e.precision]) if e.precision != "fp32" else model
     opt = adamw_factory(OptimOptions())(list(model.parameters()))
     fwd, bwd, step_t = [], [], []
     world_group = dist.group.WORLD

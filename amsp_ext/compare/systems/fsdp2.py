@@ -14,8 +14,8 @@ documented HSDP accumulation idiom). Clipping is ``clip_grad_norm_`` on the DTen
 [Note: gloo and sum-only reductions]
 FIELD_NOTES records that ``set_gradient_divide_factor`` on gloo fails (``PREMUL_SUM``) unless
 ``set_force_sum_reduction_for_comms(True)``. We do not set a divide factor, and with FSDP2's
-defaults both meshes train on gloo (checked 2026-11-30, torch 2.13, 4 ranks, fsdp2 and hsdp
-2x2), so neither knob is touched: the rows run FSDP2 exactly as its users would.
+defaults both meshes train on gloo (checked with torch 2.13, 4 ranks, fsdp2 and hsdp 2x2), so
+neither knob is touched: the rows run FSDP2 exactly as its users would.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ what FIELD_NOTES records) sends MiCS to its fallback, the stage-3 ``all_gather_c
 MiCS partitioned each parameter over the *shard* group. That only works when
 ``mics_shard_size`` equals the world size (MiCS degenerated to ZeRO-3); with a real shard group
 (4 ranks, ``mics_shard_size=2``) it fails with ``ProcessGroupGloo::allgather: invalid tensor
-size at index 0 (expected (8192), got (4096))`` (measured 2026-11-30).
+size at index 0 (expected (8192), got (4096))``.
 
 So this patch keeps MiCS's own code path and groups, and changes only how
 ``TorchBackend.all_gather_coalesced`` issues the batch when the group's backend cannot coalesce:

@@ -1,13 +1,12 @@
 """Is bf16 fast on this CPU? A capability check, confirmed by a short timed matmul.
 
 [Note: why the flags alone do not decide]
-Without AVX512_BF16 or AMX-BF16, oneDNN emulates bf16 matmuls through fp32 conversions: issue 22
-measured a 512^3 matmul at 62 ms in fp32 and 674 ms in bf16 on an AMD EPYC of the lab machine,
-so the default bf16 job ran about 10x slower than fp32 without a word. The CPU flags say whether
-the instructions exist, not whether the torch build in use reaches them (and a VM may hide or
-show flags the host lacks), so the answer is the flags *and* a timing of both dtypes: 256^3,
-best of 3, single thread - about 50 ms on an emulating CPU, a few ms on a native one. The
-measured ratio is what a warning quotes.
+Without AVX512_BF16 or AMX-BF16, oneDNN emulates bf16 matmuls through fp32 conversions, about
+10x slower than fp32 (comparisons/results/design_history.md, "CPU bf16"): a bf16 job must not
+run that slowly without a word. The CPU flags say whether the instructions exist, not whether
+the torch build in use reaches them (and a VM may hide or show flags the host lacks), so the
+answer is the flags *and* a timing of both dtypes: 256^3, best of 3, single thread - about 50 ms
+on an emulating CPU, a few ms on a native one. The measured ratio is what a warning quotes.
 """
 
 from __future__ import annotations

@@ -297,8 +297,8 @@ class GradSync:
     # its slices are the owned gradients, as DDP's ``gradient_as_bucket_view`` keeps them. That
     # saves an allocation and a pass over the bucket per step, and the bucket's bytes are held
     # once, not twice, while it is selected. The slices stay until ``zero_grad`` drops them.
-    # No step-time change was measurable on the CPU lab (comparisons/results/
-    # two_level_allreduce_lab_2026-12-03.md, "Session 6").
+    # No step-time change was measurable on the CPU lab (comparisons/results/design_history.md,
+    # "Gradient bucket views and per-kind groups").
     def _complete(self, b: int, pending) -> None:
         C.wait(pending)  # with its group's timeout, given at issue
         buf = self.buffers.pop(b)

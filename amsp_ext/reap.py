@@ -1,11 +1,16 @@
-"""Stop a launched job and everything it started, wherever it ran.
+"""The one process reaper: stop a launched job and everything it started, wherever it ran.
+
+A leaf module (psutil only): the lab (cluster/), ``amsp train``'s supervisor (train/supervise.py)
+and the comparison harness (compare/launch.py) all stop their jobs with :func:`stop_job` and
+give them the same :data:`GRACE_S`, so no two launchers disagree on how long a rank may take to
+clean up.
 
 [Note: why a process group is not enough]
 torchrun starts every worker with ``start_new_session=True`` (torch's elastic subprocess
 handler), so the workers are *not* in the launcher's process group: ``killpg`` on the launcher
 stops torchrun alone, and a SIGKILLed torchrun leaves its workers running, re-parented to init
-(issue 22: DDP's four workers kept computing inside the lab's namespaces and held the master
-port, so every later system failed with EADDRINUSE). Two nets catch them:
+(a stray DDP worker that keeps computing inside the lab's namespaces holds the master port,
+and every later job fails with EADDRINUSE). Two nets catch them:
 - the tree: every descendant of the launcher, snapshotted *before* the first signal (after it,
   a dead torchrun's workers are no longer its children) and again while waiting;
 - a marker: the launcher's environment carries ``AMSP_JOB_ID=<unique id>``, which torchrun,
@@ -24,9 +29,14 @@ import uuid
 
 import psutil
 
-__all__ = ["JOB_ENV", "marked", "new_job_id", "stop_job"]
+__all__ = ["GRACE_S", "JOB_ENV", "marked", "new_job_id", "stop_job"]
 
 JOB_ENV = "AMSP_JOB_ID"
+# SIGTERM -> SIGKILL. Long enough for torchrun to pass SIGTERM on and for a rank to write its
+# one-line error (train/supervise.py [Note: one line on failure]); short enough that an
+# interrupted job is gone within 10 s.
+GRACE_S = 6.0
+_REAP_WAIT_S = 5.0  # after SIGKILL: the kernel frees a killed process at once; only a D-state one waits
 
 
 def new_job_id() -> str:
@@ -73,9 +83,12 @@ def _signal(procs, sig: int) -> None:
             pass
 
 
-def stop_job(pid: int | None, job_id: str | None = None, *, grace_s: float = 10.0) -> list[int]:
+def stop_job(pid: int | None, job_id: str | None = None, *, grace_s: float = GRACE_S,
+             signalled: bool = False) -> list[int]:
     """Stop ``pid``'s whole tree and every process marked with ``job_id``; return the pids that
-    were still alive when asked to stop (SIGTERM, then SIGKILL after ``grace_s``)."""
+    were still alive when asked to stop (SIGTERM, then SIGKILL after ``grace_s``).
+    ``signalled``: the caller already sent the first signal (amsp train forwards the user's
+    SIGINT as it is), so only the grace and the SIGKILL remain."""
     known: dict[int, psutil.Process] = {}
 
     def collect() -> None:
@@ -84,7 +97,8 @@ def stop_job(pid: int | None, job_id: str | None = None, *, grace_s: float = 10.
 
     collect()
     stopped = sorted(known)
-    _signal(list(known.values()), signal.SIGTERM)
+    if not signalled:
+        _signal(list(known.values()), signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         collect()  # a launcher may start a child between snapshot and signal
@@ -93,5 +107,5 @@ def stop_job(pid: int | None, job_id: str | None = None, *, grace_s: float = 10.
         time.sleep(0.1)
     collect()
     _signal([p for p in known.values() if _alive(p)], signal.SIGKILL)
-    psutil.wait_procs(list(known.values()), timeout=5)
+    psutil.wait_procs(list(known.values()), timeout=_REAP_WAIT_S)
     return stopped
