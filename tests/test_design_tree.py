@@ -1,6 +1,7 @@
 """docs/DESIGN.md's tree is the source tree: every package and module of amsp_ext is named
 there, and every path the tree names exists."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -183,3 +184,49 @@ def test_no_history_in_the_package():
              for path in sorted(PKG.rglob("*")) if path.is_file() and "__pycache__" not in path.parts
              for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if HISTORY.search(line)]
     assert not found, "history in amsp_ext (cite a comparisons/results/ file instead):\n" + "\n".join(found)
+
+
+_MUTATORS = {"append", "extend", "update", "add", "pop", "popitem", "clear", "setdefault", "remove",
+             "discard", "insert", "appendleft"}
+
+
+def _module_state_writes(tree: ast.Module) -> set[str]:
+    """What functions of a module do to its module-level names: ``global`` rebinds, mutating
+    calls (``_seen.append(...)``), item and attribute assignments (``_cache[k] = ...``)."""
+    top = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        top.update(t.id for t in targets if isinstance(t, ast.Name))
+    writes = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Global):
+                writes.update(f"global {x}" for x in n.names)
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _MUTATORS \
+                    and isinstance(n.func.value, ast.Name) and n.func.value.id in top:
+                writes.add(f"{n.func.value.id}.{n.func.attr}()")
+            elif isinstance(n, (ast.Assign, ast.AugAssign)):
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                    if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(t.value, ast.Name) \
+                            and t.value.id in top:
+                        writes.add(f"{t.value.id}[...] =")
+    return writes
+
+
+def test_no_module_level_mutable_state_outside_the_integrations():
+    """A module's functions never change its module-level names, except in integrations/ (the
+    start-up hook and the patches, which must remember what they applied in one interpreter)."""
+    found = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("integrations/"):
+            continue
+        writes = _module_state_writes(ast.parse(path.read_text()))
+        if writes:
+            found[rel] = sorted(writes)
+    assert not found, f"module-level state written by functions: {found}"
+    planted = ast.parse("_seen = []\nX = {}\ndef f():\n    global Y\n    _seen.append(1)\n    X['k'] = 2\n")
+    assert _module_state_writes(planted) == {"global Y", "_seen.append()", "X[...] ="}
