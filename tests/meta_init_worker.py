@@ -6,7 +6,9 @@ Per plan: ``shard()`` the meta model (seed 0, or ``init_from``); with ``init_fro
 mode notes the largest storage of any tensor an op reads or writes meanwhile; gather the
 full fp32 weights (the owners' fp32 masters under bf16; rank 0 writes OUTDIR/<plan>/weights.safetensors); train 2 steps of M
 micro-batches; write the losses (averaged over the ranks), an eval loss, the counts and the
-trained model with ``save_pretrained`` (OUTDIR/<plan>/hf, 200 KB files). pytest compares.
+trained model with ``save_pretrained`` (OUTDIR/<plan>/hf, 200 KB files); the seeded run of
+``CHECKPOINTED`` also saves an amsp checkpoint (OUTDIR/<plan>/ckpt) and its trained full weights
+(trained.safetensors). pytest compares.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tests.dist_utils import end_worker, free_plan_groups
 from tests.parity_check import M, MBS, SEQ, adamw
 
 STEPS = 2
+CHECKPOINTED = "p=2x1,g=2x1,os=2x2"  # the seeded run of this plan also saves an amsp checkpoint
 
 
 def eval_batch():
@@ -112,6 +115,13 @@ def main() -> None:
         with torch.no_grad():  # the same batch on every rank
             eval_loss = float(causal_lm_loss(model, eval_batch()))
         amsp_ext.save_pretrained(model, outdir / tag / "hf", max_shard_size="200KB")
+        if case == CHECKPOINTED and init_from is None:  # an amsp checkpoint to init_from
+            amsp_ext.save_checkpoint(model, opt, outdir / tag / "ckpt")
+            trained = amsp_ext.consolidated_state_dict(model)
+            if rank == 0:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in trained.items()}, str(outdir / tag / "trained.safetensors"))
         (outdir / tag / f"rank{rank}.json").write_text(json.dumps(
             {"losses": losses, "eval_loss": eval_loss, "largest_storage": list(largest),
              "largest_sharded_param_bytes": largest_sharded_bytes(model)}))

@@ -116,7 +116,7 @@ def test_amsp_mics_config_is_compared_with_hsdp_round_by_round():
                                      "tokens_per_gpu_per_s_rounds": rounds}
     rows = [mk("hsdp", "FSDP2 HSDP", [100.0, 400.0, 250.0]), mk("amsp-mics", "AMSP MiCS", [150.0, 200.0, 300.0])]
     assert ratios(rows) == ["- AMSP (MiCS config) / FSDP2 HSDP: 1.20x (median of 3 per-round ratios, range "
-                            "0.50–1.50x; engine only: the same sharding on torch's engine (issue 23))"]
+                            "0.50–1.50x; engine only: the same sharding on torch's engine)"]
 
 def test_an_all_amsp_mode_does_not_say_its_rows_did_not_run():
     """Ablation rows are all AMSP, so there is no AMSP/baseline ratio; the ratios section used to

@@ -176,3 +176,23 @@ def test_init_from_allocates_no_full_parameter_a_sharded_plan_does_not_keep(from
         op, shape, nbytes = res["largest_storage"]
         assert res["largest_sharded_param_bytes"] == 256 * 64 * 4, (plan, r)
         assert nbytes < res["largest_sharded_param_bytes"], (plan, r, op, shape, nbytes)
+
+
+def test_init_from_an_amsp_checkpoint_of_another_plan_and_world(seeded, tmp_path):
+    """The 4-rank p=2x1,g=2x1,os=2x2 run's checkpoint starts a 2-rank zero3 run: its initial
+    weights are the first run's trained ones, gathered there with collectives."""
+    from meta_init_worker import CHECKPOINTED
+
+    out, _ = seeded
+    src = out / "w4" / _tag(CHECKPOINTED)
+    run_ranks(2, "tests.meta_init_worker", str(tmp_path), "2", "zero3", str(src / "ckpt"), timeout=200)
+    got, want = _weights(tmp_path, "zero3"), _weights_file(src / "trained.safetensors")
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    assert not torch.equal(want["lm_head.weight"], _weights(out / "w1", "ddp")["lm_head.weight"])  # trained
+
+
+def _weights_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
