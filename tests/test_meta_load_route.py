@@ -69,7 +69,7 @@ def _logs(proc):
 @pytest.mark.slow  # conftest.py [Note: test tiers]; the default tier has the patch in-process above and
 # shard(init_from=...) on 4 ranks in test_meta_init.py
 def test_hf_trainer_from_pretrained_reads_shares_and_trains_like_ddp(tmp_path):
-    """2 ranks, a 26.6M-parameter Llama (106 MB in fp32) in 200 KB files: under AMSP each rank's
+    """2 ranks, a 26.4M-parameter Llama (105 MB in fp32) in 200 KB files: under AMSP each rank's
     from_pretrained holds no weight and its peak memory grows by less than half the model (the
     loading code's own imports and buffers), while the DDP run of the same script holds the
     whole model; the Trainer's losses are equal."""
