@@ -41,12 +41,6 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _tracked_total(snapshot: dict) -> int:
-    """MemTracker's total over the devices with storage (it files a model on meta as 'meta')."""
-    return sum(v for dev, by_kind in snapshot.items() if str(dev) != "meta"
-               for k, v in by_kind.items() if str(getattr(k, "value", k)).lower() == "total")
-
-
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -56,6 +50,7 @@ def worker(args) -> None:
     from amsp_ext.common.models import build_llama, causal_lm_loss
     from amsp_ext.runtime import _torch_compat as compat
     from amsp_ext.runtime.config import ShardConfig
+    from amsp_ext.tools.dryrun import memory_categories  # MemTracker's snapshot, meta left out
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -71,7 +66,7 @@ def worker(args) -> None:
         num_params = sum(p.numel() for p in model.parameters())
         model, opt = amsp_ext.shard(model, args.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                     config=ShardConfig(gpus_per_node=world, init_seed=0))
-        startup_peak = _tracked_total(tracker.get_tracker_snapshot("peak"))
+        startup_peak = memory_categories(tracker.get_tracker_snapshot("peak"))["_total"]
         rss_startup = _peak_rss() - rss0
         t_start = time.perf_counter() - t0
         losses = []
@@ -84,7 +79,7 @@ def worker(args) -> None:
             opt.zero_grad()
             losses.append(float(loss))
         model.amsp.wait_params()
-    peak = _tracked_total(tracker.get_tracker_snapshot("peak"))
+    peak = memory_categories(tracker.get_tracker_snapshot("peak"))["_total"]
     rec = {"rank": rank, "mode": args.mode, "num_params": num_params,
            "fp32_model_bytes": 4 * num_params, "tracker_startup_peak_bytes": startup_peak,
            "tracker_peak_bytes": peak, "rss_startup_peak_growth_bytes": rss_startup,

@@ -87,7 +87,7 @@ def run_case(case: str, quick: bool, device_type: str, profile_step: bool = True
     out: dict = {"case": case, "world": spec.world, "model": spec.model, "seq_len": spec.seq_len,
                  "torch": torch.__version__}
     t0 = time.perf_counter()
-    model = build_model(spec, device, real=True, meta=False)
+    model = build_model(spec, device, on_meta=False)
     out["build_s"] = time.perf_counter() - t0
     fake_s = [0.0]
     started: dict = {}

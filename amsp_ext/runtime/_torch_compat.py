@@ -31,7 +31,7 @@ __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
     "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors",
-    "fake_store", "fake_tensor_mode", "give_fake_storage", "nominal_fake_scalars", "fsdp_all_gather_streams",
+    "fake_store", "fake_tensor_mode", "nominal_fake_scalars", "fsdp_all_gather_streams",
     "live_process_groups", "local_chunk_offset", "mem_tracker", "real_tensors", "optimizer_hooks",
     "queue_backward_callback",
     "set_fsdp_unshard_async_op", "start_coalescing",
@@ -280,19 +280,6 @@ def mem_tracker(grads_of: Callable[[], list] | None = None,
             super()._pre_fw_hook(module, args)
 
     return _StepMemTracker()
-
-
-def give_fake_storage(model: nn.Module, device) -> None:
-    """Replace every (meta) parameter and buffer of ``model`` by an uninitialised tensor on
-    ``device``, in place; under FakeTensorMode these are fake (no storage)."""
-    for m in model.modules():
-        for n, p in list(m._parameters.items()):
-            if p is not None:
-                m._parameters[n] = nn.Parameter(torch.empty_like(p, device=device),
-                                                requires_grad=p.requires_grad)
-        for n, b in list(m._buffers.items()):
-            if b is not None:
-                m._buffers[n] = torch.zeros_like(b, device=device)
 
 
 class nominal_fake_scalars:

@@ -85,7 +85,7 @@ from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS, MISSING_MESH, check
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
-__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "build_model", "dry_step", "dry_run",
+__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "build_model", "dry_step", "dry_run", "memory_categories",
            "dry_run_many", "planner_numbers", "run_rank", "hf_config_of"]
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,28 +307,20 @@ def hf_config_of(spec: DryRunSpec) -> dict:
             "max_position_embeddings": max(4096, spec.seq_len), "rms_norm_eps": 1e-5}
 
 
-def build_model(spec: DryRunSpec, device, *, real: bool, meta: bool = True):
-    """The Llama model on ``meta`` (``meta``, what the dry run shards: shard() allocates each
-    rank's share and initialises it, [Note: start-up]); else given fake storage (no
-    initialisation compute), or built and initialised where it runs ([Note: real tensors on a
-    GPU]; seconds for 7B there)."""
+def build_model(spec: DryRunSpec, device=None, *, on_meta: bool = True):
+    """The Llama model on ``meta``, which the dry run shards (shard() allocates each rank's share
+    and initialises it, [Note: start-up]); ``on_meta=False``: built and initialised on ``device``
+    (seconds for 7B on a GPU), for a caller that shards it by other means."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from amsp_ext.runtime import _torch_compat as compat
 
     cfg = {k: v for k, v in hf_config_of(spec).items() if k not in ("architectures",)}
     config = LlamaConfig(**cfg)
     config._attn_implementation = "sdpa"  # what a GPU run uses: the fused kernel, no s x s matrix
-    if real and not meta:
+    if not on_meta:
         torch.manual_seed(0)
-        with torch.device(device):
-            return LlamaForCausalLM(config)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    if not meta:
-        compat.give_fake_storage(model, device)
-    return model
+    with torch.device("meta" if on_meta else device):
+        return LlamaForCausalLM(config)
 
 
 def fake_fills_outputs() -> bool:
@@ -448,7 +440,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with (contextlib.nullcontext() if real else compat.fake_tensor_mode()), \
             (contextlib.nullcontext() if real else compat.nominal_fake_scalars()):
-        model = build_model(spec, device, real=real)
+        model = build_model(spec)
         t_build = time.perf_counter()
         model, opt, startup_mem, startup_allocated = _start(model, spec, config, comm, device)
         t_shard = time.perf_counter()
@@ -470,7 +462,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
                 step_s.append(time.perf_counter() - t_step)
         state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
         peak = tracker.get_tracker_snapshot("peak")
-        mem = _categories(peak)
+        mem = memory_categories(peak)
         if real:  # one more step outside the tracker: its dispatch hooks slow every op
             t_step = time.perf_counter()
             dry_step(model, opt, spec, device, clog)
@@ -515,10 +507,10 @@ def _start(model, spec: DryRunSpec, config, comm, device):
         model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                            config=config, comm=comm)
     allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return model, opt, _categories(startup.get_tracker_snapshot("peak")), allocated
+    return model, opt, memory_categories(startup.get_tracker_snapshot("peak")), allocated
 
 
-def _categories(peak: dict) -> dict:
+def memory_categories(peak: dict) -> dict:
     """MemTracker's peak snapshot (device -> reference type -> bytes) as our five categories."""
     out = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "temporary": 0, "_total": 0}
     for dev, by_type in peak.items():

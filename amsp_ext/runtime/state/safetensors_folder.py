@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointFolderError", "SafetensorsFolder", "TensorEntry", "is_safetensors_folder",
+__all__ = ["CheckpointFolderError", "SafetensorsFolder", "TensorEntry",
            "INDEX_NAME", "WEIGHTS_NAME"]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -53,11 +53,6 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int  # of its first byte in the file
-
-
-def is_safetensors_folder(path: Path) -> bool:
-    return path.is_dir() and ((path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file()) or (
-        path.is_file() and path.suffix == ".safetensors")
 
 
 def _inside(folder: Path, name: str, what: str) -> Path:
