@@ -132,3 +132,36 @@ def test_broadcast_items_pack_the_smallest_tensors_per_owner_within_the_budget()
     assert [[t.index for t in it.tensors] for it in items] == [[0, 1], [2, 3], [4]]
     # 0 = one broadcast per tensor
     assert len(broadcast_items(_local_tensors([4, 4, 4], [0, 0, 0]), 0)) == 3
+
+
+class _HalfInit(torch.nn.Module):
+    """An initializer that writes ``weight`` and forgets ``bias`` (or writes +-inf and 1s)."""
+
+    def __init__(self, overflow: bool = False):
+        super().__init__()
+        self.overflow = overflow
+        self.weight = torch.nn.Parameter(torch.empty(4, 3))
+        self.bias = torch.nn.Parameter(torch.empty(4))
+
+    def reset_parameters(self):
+        if self.overflow:  # sums to inf - inf = NaN, yet holds no NaN
+            self.weight.copy_(torch.tensor([float("inf"), float("-inf"), 0.0]).expand(4, 3))
+            self.bias.fill_(1.0)
+        else:
+            self.weight.fill_(0.5)
+
+
+def test_fill_names_a_parameter_the_initializer_leaves_unset():
+    from amsp_ext.runtime.materialize import fill
+
+    with pytest.raises(ValueError, match=r"module '<root>' \(_HalfInit\) left parameter 'bias' unset"):
+        fill(_HalfInit(), device=torch.device("cpu"), seed=0, init_buffers=False)
+
+
+def test_fill_accepts_values_whose_sum_is_nan_but_hold_none():
+    from amsp_ext.runtime.materialize import fill
+
+    m = _HalfInit(overflow=True)
+    fill(m, device=torch.device("cpu"), seed=0, init_buffers=False)
+    assert torch.isnan(m.weight.sum()) and not torch.isnan(m.weight).any()
+    assert torch.equal(m.bias, torch.ones(4))
