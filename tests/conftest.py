@@ -1,8 +1,9 @@
 """[Note: test tiers]
-``python -m pytest -q`` (README's test command; README gives the measured times) runs the
-default tier: every test but those marked ``slow``. Most of the suite's time is process
-start-up: a rank spends about 5 s of CPU importing torch and transformers (``import deepspeed``
-alone: 9 s), and a launch through torchrun or `amsp train` pays that once per rank plus its
+``python -m pytest -q`` (README's test command; README gives its budget, and
+comparisons/results/design_history.md "Test tier timings" the measured times) runs the default
+tier: every test but those marked ``slow``. Most of the suite's time is process start-up: a
+rank spends about 5 s of CPU importing torch and transformers (``import deepspeed`` alone: 9 s),
+and a launch through torchrun or `amsp train` pays that once per rank plus its
 agent (tests/fork_launch.py already forks the ranks of every test that does not test the launch
 path itself).
 

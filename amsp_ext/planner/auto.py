@@ -86,20 +86,18 @@ def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, 
 # [Note: all_reduce "auto"]
 # The engine runs a gradient all-reduce over a group with several ranks on each of several nodes
 # as one collective (flat, DDP's) or as three (two_level: reduce-scatter in the node, all-reduce
-# across, all-gather in the node; runtime/collectives.py). Which is faster depends on the link:
-# on the 2x2 lab the replicate plan ran 0.915x with two-level at 1 Gbit/s and 1.11-1.17x at
-# 100 Mbit/s (comparisons/results/design_history.md, "Flat or two-level all-reduce"). "auto" runs the one
-# the planner's step model (objective "step") prices lower for the plan, whatever objective chose
-# the factors: Eq. 1 (objective "comm") prices bytes only, and on the lab's 1 Gbit profile it
-# prices two-level 7 % cheaper (0.144 vs 0.154 s) where the step model, whose calibration charges
-# each issued collective (profile.py [Note: a two-level all-reduce's time]), prices it 17 %
-# dearer (1.570 vs 1.341 s), the sign the engine measured. Two-level must win by more than the
-# problem's tie tolerance: it issues three collectives where flat issues one, and the model's
-# price of the extra ones is right in sign, not in size. With plan "auto" the factors are
-# searched under each mode (the best plan can differ: at 100 Mbit/s Eq. 1 picks MiCS's factors
-# under flat, `os=2x1` under two-level) and the step model picks between the two (plan, mode)
-# pairs. A plan none of whose all-reduce groups has several ranks on each of several nodes runs
-# flat, unpriced: both modes issue the same collective there.
+# across, all-gather in the node; runtime/collectives.py). Which is faster depends on the link,
+# so "auto" runs the one the planner's step model (objective "step") prices lower for the plan,
+# whatever objective chose the factors: Eq. 1 (objective "comm") prices bytes only and can rank
+# two-level cheaper where the engine, which pays for every issued collective, runs it slower;
+# the step model's calibration charges each issued collective (profile.py [Note: a two-level
+# all-reduce's time]). Two-level must win by more than the problem's tie tolerance: it issues
+# three collectives where flat issues one, and the model's price of the extra ones is right in
+# sign, not in size. With plan "auto" the factors are searched under each mode (the best plan
+# can differ between them) and the step model picks between the two (plan, mode) pairs. A plan
+# none of whose all-reduce groups has several ranks on each of several nodes runs flat,
+# unpriced: both modes issue the same collective there. The measurements and the model's prices
+# behind this: comparisons/results/design_history.md, "Flat or two-level all-reduce".
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,9 +49,9 @@ R groups that share the node's links, as for any 1 x p1 mesh).
 A calibration (calibration.py) adds a cost per collective and per byte to each collective the
 engine issues: gloo's work waiting for a core, on a CPU. The two-level all-reduce issues three,
 over 2v + v/p0 bytes, so it is charged that much (``CommTimer.issued``): priced as one
-all-reduce of v, the model predicted DDP's plan 1 % faster with it than with the flat one at
-1 Gbit on the 2x2 lab, where the engine's paired run measured 0.915x the flat one's throughput
-(comparisons/results/design_history.md, "Flat or two-level all-reduce").
+all-reduce of v, the model got the sign wrong on the 2x2 lab at 1 Gbit, predicting DDP's plan
+faster with two-level where the engine ran it slower (comparisons/results/design_history.md,
+"Flat or two-level all-reduce").
 
 Pure Python + NumPy.
 """

@@ -245,12 +245,11 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, group: dist.Process
 # twice per ring, each time with 2(p-1)/p of the tensor: 1.5x the tensor each way for a 2x2
 # group. Reduce-scatter inside the node, all-reduce of the 1/p0 shard across nodes (p0 such
 # all-reduces share the link) and all-gather inside the node send the tensor once each way:
-# 2/3 of the ring's bytes on the slow link, for two extra collectives on the fast one. On the
-# 2x2 lab (comparisons/lab_two_level.py, 11.6 MiB) it took 1157 ms against the ring's 1581 at
-# 100 Mbit and 157 against 175 at 1 Gbit; in training (paired steps, small-llama) the
-# replicate plan ran 1.11-1.17x DDP at 100 Mbit but 0.92x at 1 Gbit, where the extra
-# collectives' CPU time outweighs the link time saved. Hence a setting, EngineConfig.all_reduce,
-# that the planner prices (planner/profile.py [Note: a two-level all-reduce's time]).
+# 2/3 of the ring's bytes on the slow link, for two extra collectives on the fast one. Whether
+# that wins depends on the link: where the link is fast, the extra collectives' CPU time can
+# outweigh the link time saved (comparisons/results/design_history.md, "Flat or two-level
+# all-reduce"). Hence a setting, EngineConfig.all_reduce, that the planner prices
+# (planner/profile.py [Note: a two-level all-reduce's time]).
 # On an accelerator the three are issued at once, each after its stream was made to wait for
 # the phase before (``Work.wait`` is stream-ordered there). On gloo a phase can only be issued
 # once the one before has finished, so the chain is moved on by the caller: ``advance`` issues the
