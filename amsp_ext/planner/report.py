@@ -193,7 +193,9 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
             f"  {c['rank']:>3}  {c['plan']:<26}{c['objective_s']:>10.3f} {tc['t_p']:>8.3f} "
             f"{tc['t_g']:>8.3f} {tc['t0_os']:>8.3f} {tc['t1_os']:>8.3f} "
             f"{_gib(c['memory_bytes']):>8}  {c['reason'] or 'chosen'}")
-    lines += ["", "baselines (same formulas):",
+    on_world = (f", each with TP {report['tensor_parallel']['degree']} on the data-parallel world"
+                if "tensor_parallel" in report else "")
+    lines += ["", f"baselines (same formulas{on_world}):",
               f"  {'name':<16} {'plan':<29}{'comm s':>9} {'mem GiB':>8} {'fits':>4} {'MFU':>6}  "
               f"the chosen plan, against this baseline"]
     for b in report["baselines"]:

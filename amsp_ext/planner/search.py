@@ -305,7 +305,7 @@ def _nothing_fits(problem: Problem, cands: list[Candidate]) -> str:
     reserve = problem.memory_reserve_bytes
     msg = (f"no plan fits in {format_size(limit)} per GPU ({format_size(problem.cluster.gpu_memory_bytes)}"
            f" less a {format_size(reserve)} reserve) on {problem.cluster.num_nodes} x "
-           f"{problem.cluster.gpus_per_node} GPUs: the least memory any legal plan needs is "
+           f"{problem.cluster.gpus_per_node} GPUs{_tp_world(problem)}: the least memory any legal plan needs is "
            f"{format_size(least.memory.total)} ({least.plan}), i.e. GPUs of at least "
            f"{format_size(least.memory.total + reserve)}")
     nodes = _nodes_that_fit(problem)
@@ -316,6 +316,11 @@ def _nothing_fits(problem: Problem, cands: list[Candidate]) -> str:
     if not problem.training.recompute:
         msg += f" (activations alone need {format_size(least.memory.kept_activations)}; try --recompute)"
     return msg
+
+
+def _tp_world(problem: Problem) -> str:
+    t = problem.tensor_parallel
+    return "" if t == 1 else f" (the data-parallel world of TP {t} on {problem.node_gpus} GPUs per node)"
 
 
 def _nodes_that_fit(problem: Problem, max_factor: int = 64) -> int | None:
