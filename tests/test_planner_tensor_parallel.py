@@ -69,14 +69,18 @@ def test_tp_shard_memory_by_hand():
     assert activation_bytes(prob.spec, tr) == 16 * (2 * (136 + 96) + 100)
 
 
-def test_tp_on_the_critical_path_of_a_world_without_amsp_traffic():
+@pytest.mark.parametrize("granularity,tied", [("layer", False), ("module", False), ("module", True)])
+def test_tp_on_the_critical_path_of_a_world_without_amsp_traffic(granularity, tied):
     """2 GPUs, TP 2: one data-parallel rank, so no AMSP collective; the step is compute + TP
     all-reduces + optimizer, and the TP time is (4L + 2) all-reduces of s*h*2 B + 3 of s*4 B."""
+    from dataclasses import replace
+
     s, W = 64, 10.0
     cl = ClusterSpec(num_nodes=1, gpus_per_node=2, gpu_memory_bytes=80 * GiB)
-    tr = TrainingSpec(seq_len=s, num_micro_batches=3, precision="bf16")
+    tr = TrainingSpec(seq_len=s, num_micro_batches=3, precision="bf16", granularity=granularity)
     prof = constant_profile(2, 1, dict.fromkeys(("allreduce", "allgather", "reducescatter", "broadcast"), W))
-    prob = make_problem(TOY, cl, tr, prof, objective="step", tensor_parallel=2)
+    model = replace(TOY, tie_word_embeddings=tied)
+    prob = make_problem(model, cl, tr, prof, objective="step", tensor_parallel=2)
     c = evaluate(prob, search(prob).best.plan, with_step=True)
     per_mb = ((4 * TOY.num_layers + 2) * s * 8 * 2 + 3 * s * 4) / (W * 1e9)
     assert c.comm.t_tp == pytest.approx(3 * per_mb, rel=1e-12)
@@ -194,3 +198,32 @@ def test_plan_auto_under_tp_plans_the_data_parallel_world():
     assert (prob.cluster.gpus_per_node, prob.node_gpus, prob.tensor_parallel) == (2, 8, 4)
     planned = resolve_auto("llama-7b", auto, all_reduce="auto", **settings)
     assert all(2 % s0 == 0 for s0 in (planned.plan.s0_p, planned.plan.s0_g, planned.plan.s0_os))
+
+
+@pytest.mark.parametrize("t2_seconds,chosen", [(1.995, 1), (1.90, 2)])
+def test_joint_choice_is_per_token_with_ties_to_the_smaller_degree(t2_seconds, chosen):
+    """T=1: 4 s per 4M tokens (1.0 us/token). T=2: 2M tokens in 1.995 s (0.9975 us, within the
+    1% tie: T=1 kept) or 1.90 s (0.95 us: T=2). T=4 fits nowhere, T=8 is over the cap."""
+    from types import SimpleNamespace
+
+    from amsp_ext.planner.joint import search_tensor_parallel
+    from amsp_ext.planner.search import NoFeasiblePlan
+
+    tokens = {1: 4 * 2**20, 2: 2 * 2**20, 4: 2**20, 8: 8 * 2**20}
+    seconds = {1: 4.0, 2: t2_seconds}
+
+    def problem_for(t):
+        return SimpleNamespace(global_batch_tokens=tokens[t], tie_tolerance=0.01)
+
+    def search_for(t):
+        if t == 4:
+            raise NoFeasiblePlan("no plan fits")
+        best = SimpleNamespace(plan=f"plan{t}")
+        return SimpleNamespace(best=best, objective=lambda c, t=t: seconds[t], problem=problem_for(t)), t
+
+    result, extra, choice = search_tensor_parallel((1, 2, 4, 8), problem_for, search_for,
+                                                   max_global_batch_tokens=4 * 2**20)
+    assert choice.degree == extra == chosen and result.best.plan == f"plan{chosen}"
+    reasons = {o.degree: o.reason for o in choice.options}
+    assert reasons[1] == reasons[2] == "" and reasons[4] == "no plan fits"
+    assert reasons[8] == "global batch of 8388608 tokens exceeds --max-global-batch-tokens 4194304"
