@@ -105,7 +105,8 @@ def test_a_batch_cap_pure_dp_exceeds_makes_auto_pick_tp(capsys):
     assert d["tensor_parallel"]["global_batch_tokens"] == 32 // t * 2048 <= 32768
     assert d["memory_bytes"]["total"] <= d["memory_bytes"]["limit"]
     opts = {o["tensor_parallel"]: o for o in d["tensor_parallel_choice"]["options"]}
-    assert opts[1]["global_batch_tokens"] == 65536 and "exceeds --max-global-batch-tokens 32768" in opts[1]["reason"]
+    assert opts[1]["global_batch_tokens"] == 65536
+    assert "exceeds --max-global-batch-tokens 32768" in opts[1]["reason"]
     assert d["step"]["tp_comm_s"] > 0 and d["t_comm_s"]["t_tp"] > 0
 
 

@@ -305,7 +305,8 @@ def _nothing_fits(problem: Problem, cands: list[Candidate]) -> str:
     reserve = problem.memory_reserve_bytes
     msg = (f"no plan fits in {format_size(limit)} per GPU ({format_size(problem.cluster.gpu_memory_bytes)}"
            f" less a {format_size(reserve)} reserve) on {problem.cluster.num_nodes} x "
-           f"{problem.cluster.gpus_per_node} GPUs{_tp_world(problem)}: the least memory any legal plan needs is "
+           f"{problem.cluster.gpus_per_node} GPUs{_tp_world(problem)}: the least memory any legal plan "
+           f"needs is "
            f"{format_size(least.memory.total)} ({least.plan}), i.e. GPUs of at least "
            f"{format_size(least.memory.total + reserve)}")
     nodes = _nodes_that_fit(problem)
