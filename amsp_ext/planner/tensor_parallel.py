@@ -10,6 +10,10 @@ Eq. 1-7 and the step model then holds as written, the six factors' s0 divide R/T
 follows from the data-parallel world (global batch = (R/T) x N x micro-batch x M x seq).
 What TP adds on top is its own communication (``TPComm``), on the critical path.
 Invariant: at T = 1 the shard is the model and the world the cluster, so nothing changes.
+This is the review's "serving as the data-parallel backend" reading of AMSP (sdp the
+data-parallel group size) and its joint search of stp with the six factors (planner/joint.py).
+Not modelled: sequence parallelism (reduce-scatter/all-gather instead of the all-reduces, and
+the replicated activations divided by T too) and pipeline parallelism.
 
 The shard, per TP rank (h hidden, i MLP width, a heads, kv KV heads, V vocabulary):
 * q/k/v and gate/up are column-parallel, o and down row-parallel: a/T heads, kv/T KV heads and
