@@ -22,6 +22,7 @@ __all__ = [
     "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
     "parse_size", "reduce_dtypes",
+    "TENSOR_PARALLEL_DEGREES",
 ]
 
 # compute dtype of parameters and gradients (masters and optimizer states are always fp32)
@@ -54,6 +55,10 @@ ALL_REDUCE_SETTINGS = (*ALL_REDUCES, "auto")
 OVERLAP_OPS = ("allgather", "allreduce", "broadcast")
 # the same switches in the planner's step model (planner/step.py OverlapRules, `amsp plan`)
 PLANNER_OVERLAP_OF = {"allgather": "ag_rs", "allreduce": "ar", "broadcast": "bc"}
+
+# tensor-parallel degrees `amsp plan --tensor-parallel` takes and "auto" searches: inside one
+# node of up to 8 GPUs (planner/tensor_parallel.py)
+TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
 
 
 def is_int(v: Any) -> bool:

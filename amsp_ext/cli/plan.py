@@ -19,6 +19,7 @@ from amsp_ext.cli.planner_flags import (ModelChoice, World, gpu_memory_option, m
                                         missing_mesh_option, profile_option)
 from amsp_ext.engine_config import EngineConfig, planner_settings
 from amsp_ext.planner.defaults import DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER, DEFAULT_PEAK_FLOPS
+from amsp_ext.choices import TENSOR_PARALLEL_DEGREES
 from amsp_ext.schema import check_options, option, section
 
 HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
@@ -55,6 +56,13 @@ class PlanJob:
     micro_batches: int | None = option(None, one_of="batch", required=True, minimum=1,
                                        help="M per step, directly")
     optimizer: str = option(DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
+    tensor_parallel: str = option("1", choices=(*map(str, TENSOR_PARALLEL_DEGREES), "auto"),
+                                  help="TP degree inside the node (Megatron layout, no sequence "
+                                       "parallel); AMSP plans the data-parallel world (R/T) x N; "
+                                       "auto: searched with the six factors (docs/usage.md)")
+    max_global_batch_tokens: int | None = option(None, minimum=1, metavar="N",
+                                                 help="the largest global batch accepted: a TP degree "
+                                                      "whose batch exceeds it is out")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -138,11 +146,8 @@ def _check_group_sizes(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from amsp_ext.common.models import model_spec
     from amsp_ext.planner.report import build_report, format_text
-    from amsp_ext.choices import ALL_REDUCES
-    from amsp_ext.planner.auto import search_all_reduce
-    from amsp_ext.planner.search import make_problem, search
-    from amsp_ext.planner.specs import ClusterSpec, job_spec, parse_size
-    from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
+    from amsp_ext.planner.tensor_parallel import parse_tensor_parallel
+    from amsp_ext.planner.specs import ClusterSpec, parse_size
 
     from amsp_ext.planner.profile import load_profile
 
@@ -162,33 +167,19 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
         peak_flops=peak, nodes_per_leaf=settings["nodes_per_leaf"],
     )
-    off = set(args.no_overlap)
-
-    def problem_for(all_reduce: str):
-        training = job_spec(
-            settings, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-            global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
-            num_micro_batches=args.micro_batches, optimizer=args.optimizer, all_reduce=all_reduce)
-        return make_problem(
-            spec, cluster, training, profile, objective=args.objective,
-            missing=args.missing_mesh,
-            efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
-            tie_tolerance=args.tie_tolerance,
-            overlap=OverlapRules(ag_rs="ag_rs" not in off, ar="ar" not in off, bc="bc" not in off),
-            memory_reserve_bytes=parse_size(args.memory_reserve, field="--memory-reserve",
-                                            allow_zero=True),
-        )
-
-    choice = None
-    if settings["all_reduce"] == "auto":  # planner/auto.py [Note: all_reduce "auto"]
-        result, choice = search_all_reduce({m: problem_for(m) for m in ALL_REDUCES})
-    else:
-        result = search(problem_for(settings["all_reduce"]))
+    asked = parse_tensor_parallel(args.tensor_parallel)
+    if args.verify and asked != 1:
+        raise ValueError("--verify dry-runs the plan without tensor parallelism; "
+                         f"use --tensor-parallel 1 with it, got {args.tensor_parallel}")
+    result, choice, tp_choice = _search(args, settings, spec, cluster, profile, asked)
     problem, training = result.problem, result.problem.training
     report = build_report(result, with_pareto=args.pareto,
                           sensitivity_factor=args.sensitivity, mics_size=args.mics_size,
                           hpz_size=args.hpz_size)
     lines = []
+    if asked != 1 or args.max_global_batch_tokens is not None:
+        report["tensor_parallel_choice"] = tp_choice.as_dict()
+        lines.append(tp_choice.describe())
     if choice is not None:
         report["all_reduce"] = choice.as_dict()
         lines.append(f"{choice.describe()}: --all-reduce {choice.mode} runs this plan")
@@ -211,6 +202,49 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join([format_text(report, top=args.top), *lines]))
     return 0
+
+
+def _search(args: argparse.Namespace, settings: dict, spec, cluster, profile, asked: int | None):
+    """The search under --all-reduce (auto: each mode, planner/auto.py) at each TP degree asked
+    for (auto: every degree the node and the model allow, planner/joint.py [Note: choosing T]):
+    (result, all-reduce choice or None, TP choice)."""
+    from amsp_ext.choices import ALL_REDUCES
+    from amsp_ext.planner.auto import search_all_reduce
+    from amsp_ext.planner.joint import search_tensor_parallel
+    from amsp_ext.planner.search import make_problem, search
+    from amsp_ext.planner.specs import job_spec, parse_size
+    from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
+    from amsp_ext.planner.tensor_parallel import tp_degrees
+
+    off = set(args.no_overlap)
+
+    def problem_for(all_reduce: str, tensor_parallel: int):
+        training = job_spec(
+            settings, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+            global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
+            num_micro_batches=args.micro_batches, optimizer=args.optimizer, all_reduce=all_reduce)
+        return make_problem(
+            spec, cluster, training, profile, objective=args.objective,
+            missing=args.missing_mesh,
+            efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
+            tie_tolerance=args.tie_tolerance,
+            overlap=OverlapRules(ag_rs="ag_rs" not in off, ar="ar" not in off, bc="bc" not in off),
+            memory_reserve_bytes=parse_size(args.memory_reserve, field="--memory-reserve",
+                                            allow_zero=True),
+            tensor_parallel=tensor_parallel,
+        )
+
+    def search_for(tensor_parallel: int):
+        if settings["all_reduce"] == "auto":  # planner/auto.py [Note: all_reduce "auto"]
+            return search_all_reduce({m: problem_for(m, tensor_parallel) for m in ALL_REDUCES})
+        return search(problem_for(settings["all_reduce"], tensor_parallel)), None
+
+    # planner/joint.py [Note: choosing T]
+    degrees = tp_degrees(spec, args.gpus_per_node) if asked is None else (asked,)
+    any_mode = "flat" if settings["all_reduce"] == "auto" else settings["all_reduce"]
+    return search_tensor_parallel(
+        degrees, lambda t: problem_for(any_mode, t), search_for,
+        max_global_batch_tokens=args.max_global_batch_tokens, auto=asked is None)
 
 
 def _verify(result, args, engine, training, usable: int) -> list[dict]:

@@ -61,10 +61,12 @@ def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
                  num_nodes: int, gpus_per_node: int, gpu_memory_bytes: int,
                  nodes_per_leaf: int | None = None, precision: str, grad_bucket_bytes: int,
                  granularity: str, recompute: bool, reduce_dtype: str | None = DEFAULT_REDUCE_DTYPE,
-                 all_reduce: str = DEFAULT_ALL_REDUCE) -> Problem:
+                 all_reduce: str = DEFAULT_ALL_REDUCE, tensor_parallel: int = 1) -> Problem:
     """The planner's Problem for ``model`` trained as ``auto`` says on ``num_nodes`` x
     ``gpus_per_node``, by an engine with these settings (ShardConfig's names): what
-    ``plan_auto`` searches and what adaptive AMSP (runtime/replan/adaptive.py) predicts steps with."""
+    ``plan_auto`` searches and what adaptive AMSP (runtime/replan/adaptive.py) predicts steps with.
+    ``tensor_parallel`` T > 1: the model runs TP T inside the node and the plan's factors are
+    over the data-parallel world, gpus_per_node / T per node (tensor_parallel.py)."""
     cluster = ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                           gpu_memory_bytes=gpu_memory_bytes, nodes_per_leaf=nodes_per_leaf)
     settings = dict(precision=precision, grad_bucket_bytes=grad_bucket_bytes, granularity=granularity,
@@ -73,7 +75,7 @@ def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
                         num_micro_batches=auto.num_micro_batches, optimizer=auto.optimizer)
     reserve = {} if auto.memory_reserve_bytes is None else {"memory_reserve_bytes": auto.memory_reserve_bytes}
     return make_problem(model, cluster, training, auto.profile, objective=auto.objective,
-                        missing=auto.missing, **reserve)
+                        missing=auto.missing, tensor_parallel=tensor_parallel, **reserve)
 
 
 def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, **settings: Any) -> Plan:
@@ -179,8 +181,8 @@ def resolve_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
     ``settings``: auto_problem's keywords. Raises NoFeasiblePlan or another one-line ValueError."""
     requested = settings.pop("all_reduce", DEFAULT_ALL_REDUCE)
     if plan is not None:
-        unpriced = unpriced_choice(plan, requested, gpus_per_node=settings["gpus_per_node"],
-                                   num_nodes=settings["num_nodes"])
+        dp_gpus = settings["gpus_per_node"] // settings.get("tensor_parallel", 1)  # the plan's world
+        unpriced = unpriced_choice(plan, requested, gpus_per_node=dp_gpus, num_nodes=settings["num_nodes"])
         if unpriced is not None:
             return Planned(plan=plan, all_reduce=unpriced)
     elif requested != "auto":

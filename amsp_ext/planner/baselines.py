@@ -60,9 +60,10 @@ def _zeropp(problem: Problem, hpz: int) -> Baseline:
     step = step_estimate(plan, spec, training, problem.cluster, timer, comm,
                          num_micro_batches=M, efficiency=problem.efficiency,
                          overlap=problem.overlap, bwd_gather_mesh=hpz_mesh,
-                         calibration=problem.calibration)
+                         calibration=problem.calibration, tensor_parallel=problem.tp_comm)
+    growth = per_mb + (problem.tp_comm.per_micro_batch_s if problem.tp_comm else 0.0)
     cand = Candidate(plan=plan, comm=comm, memory=mem,
-                     feasible=mem.total <= problem.memory_limit, growth_s=per_mb, step=step)
+                     feasible=mem.total <= problem.memory_limit, growth_s=growth, step=step)
     return Baseline(key="zero++", label=f"ZeRO++ (hpZ {hpz})", plan=plan, candidate=cand,
                     note=f"ZeRO-3 + secondary parameter shard over {hpz_mesh[0]}x{hpz_mesh[1]}")
 

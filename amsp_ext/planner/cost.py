@@ -9,7 +9,8 @@ bucket size, and t(op, v, p0 x p1) from the profile (contention-aware, see profi
     Tg    = (M - 1) * e_g*Phi / (U*sp) * t(AR, U, (s0_g/s0_p) x (s1_g/s1_p))
     T0_os = e_g*Phi / (U*sp) * t(AR, U, (R/s0_p) x (N/s1_p))
     T1_os = (sos/sp) * t(BC, e*Phi/sos, (s0_os/s0_p) x (s1_os/s1_p))
-    Tcomm = Tp + Tg + T0_os + T1_os
+    Tcomm = Tp + Tg + T0_os + T1_os (+ Ttp, the tensor-parallel all-reduces of M micro-batches
+                                      when the job runs TP inside the node, tensor_parallel.py)
 
 [Note: the units Tp sums over]
 The paper writes Tp as M * L * sum over the K modules of a layer. The engine also shards the
@@ -40,14 +41,15 @@ class CommCost:
     t_g: float
     t0_os: float
     t1_os: float
+    t_tp: float = 0.0  # tensor parallelism's all-reduces (tensor_parallel.py), 0 without TP
 
     @property
     def total(self) -> float:
-        return self.t_p + self.t_g + self.t0_os + self.t1_os
+        return self.t_p + self.t_g + self.t0_os + self.t1_os + self.t_tp
 
     def as_dict(self) -> dict[str, float]:
         return {"total": self.total, "t_p": self.t_p, "t_g": self.t_g,
-                "t0_os": self.t0_os, "t1_os": self.t1_os}
+                "t0_os": self.t0_os, "t1_os": self.t1_os, "t_tp": self.t_tp}
 
 
 def param_gather_time(

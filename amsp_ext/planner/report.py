@@ -59,11 +59,11 @@ def build_report(result: SearchResult, *, with_pareto: bool = False,
     best = result.best
     if best.step is None:
         best = evaluate(prob, best.plan, with_step=True)
-    spec, cl, tr = prob.spec, prob.cluster, prob.training
+    spec, cl, tr = prob.model, prob.cluster, prob.training
     prof = prob.timer.profile
     pf = result.prefiltered
     out: dict[str, Any] = {
-        "plan": best.plan.as_dict(),
+        "plan": {**best.plan.as_dict(), "tensor_parallel": prob.tensor_parallel},
         "plan_text": str(best.plan),
         "feasible": True,
         "objective": prob.objective,
@@ -76,7 +76,7 @@ def build_report(result: SearchResult, *, with_pareto: bool = False,
         "inputs": {
             "model": {"name": spec.name, "num_params": spec.num_params,
                       "num_layers": spec.num_layers, "hidden_size": spec.hidden_size},
-            "cluster": {"num_nodes": cl.num_nodes, "gpus_per_node": cl.gpus_per_node,
+            "cluster": {"num_nodes": cl.num_nodes, "gpus_per_node": prob.node_gpus,
                         "gpu_memory_bytes": cl.gpu_memory_bytes, "peak_flops": cl.peak_flops,
                         "nodes_per_leaf": cl.nodes_per_leaf},
             "training": {k: getattr(tr, k) for k in (
@@ -98,6 +98,13 @@ def build_report(result: SearchResult, *, with_pareto: bool = False,
         "baselines": [_baseline_json(best, b)
                       for b in baselines(prob, mics_size=mics_size, hpz_size=hpz_size)],
     }
+    if prob.tp_comm is not None:
+        out["tensor_parallel"] = {"degree": prob.tensor_parallel,
+                                  "data_parallel_world": {"num_nodes": cl.num_nodes,
+                                                          "gpus_per_node": cl.gpus_per_node},
+                                  "shard_params": prob.spec.num_params,
+                                  "global_batch_tokens": prob.global_batch_tokens,
+                                  "all_reduces": prob.tp_comm.as_dict()}
     if cl.nodes_per_leaf:
         out["cross_leaf"] = [c for c in ("p", "g", "os")
                              if best.plan.mesh(c)[1] > cl.nodes_per_leaf]
@@ -155,7 +162,8 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
         f"plan     {report['plan_text']}   (sp={_s(report['plan'], 'p')}, "
         f"sg={_s(report['plan'], 'g')}, sos={_s(report['plan'], 'os')})",
         f"  comm     {t['total']:.3f} s = Tp {t['t_p']:.3f} + Tg {t['t_g']:.3f} "
-        f"+ T0_os {t['t0_os']:.3f} + T1_os {t['t1_os']:.3f}",
+        f"+ T0_os {t['t0_os']:.3f} + T1_os {t['t1_os']:.3f}"
+        + (f" + Ttp {t['t_tp']:.3f}" if t.get("t_tp") else ""),
         f"  memory   {_gib(mem['total'])} GiB = params {_gib(mem['params'])} + grads "
         f"{_gib(mem['grads'])} + optim {_gib(mem['optim'])} + activations "
         f"{_gib(mem['activations'])} + tmp {_gib(mem['tmp'])}  (usable {_gib(mem['limit'])} of "
@@ -164,6 +172,8 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
         f"communication; MFU {st['mfu']:.1%}, {st['tokens_per_gpu_per_s']:.0f} tokens/GPU/s "
         f"(compute efficiency {st['efficiency']:.2f})",
     ]
+    if "tensor_parallel" in report:
+        lines += _tp_lines(report)
     lines.append(f"  step model: {inp['step_model']}")
     ext = report["extrapolated"]
     if ext:
@@ -183,7 +193,9 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
             f"  {c['rank']:>3}  {c['plan']:<26}{c['objective_s']:>10.3f} {tc['t_p']:>8.3f} "
             f"{tc['t_g']:>8.3f} {tc['t0_os']:>8.3f} {tc['t1_os']:>8.3f} "
             f"{_gib(c['memory_bytes']):>8}  {c['reason'] or 'chosen'}")
-    lines += ["", "baselines (same formulas):",
+    on_world = (f", each with TP {report['tensor_parallel']['degree']} on the data-parallel world"
+                if "tensor_parallel" in report else "")
+    lines += ["", f"baselines (same formulas{on_world}):",
               f"  {'name':<16} {'plan':<29}{'comm s':>9} {'mem GiB':>8} {'fits':>4} {'MFU':>6}  "
               f"the chosen plan, against this baseline"]
     for b in report["baselines"]:
@@ -204,6 +216,22 @@ def format_text(report: dict[str, Any], *, top: int = 10) -> str:
                          + (f"  (chosen plan {c['nominal_plan_regret_s']:+.3f} s slower there)"
                             if c["changed"] else ""))
     return "\n".join(lines)
+
+
+def _tp_lines(report: dict[str, Any]) -> list[str]:
+    """The TP lines of the chosen plan: its world and the TP share of the step beside AMSP's."""
+    tp, st, t = report["tensor_parallel"], report["step"], report["t_comm_s"]
+    dp, ar = tp["data_parallel_world"], tp["all_reduces"]
+    step = st["step_s"]
+    return [
+        f"tensor   TP {tp['degree']} inside the node; AMSP over the data-parallel world "
+        f"{dp['num_nodes']} x {dp['gpus_per_node']} ({_count(tp['shard_params'])} parameters per TP "
+        f"rank), global batch {tp['global_batch_tokens']} tokens",
+        f"  TP       {ar['layer_bytes'] / 2**20:.1f} MiB of all-reduces per layer and micro-batch; "
+        f"{st['tp_comm_s']:.3f} s per step on the critical path ({st['tp_comm_s'] / step:.1%} of the "
+        f"step) beside AMSP's {st['exposed_comm_s']:.3f} s exposed ({st['exposed_comm_s'] / step:.1%})"
+        f"; comm (Eq. 1 + TP) {t['total']:.3f} s, {t['t_tp']:.3f} s of it TP",
+    ]
 
 
 def _s(plan: dict[str, int], c: str) -> int:

@@ -34,6 +34,7 @@ from amsp_ext.planner.prefilter import Prefiltered, legal_plans, prefilter
 from amsp_ext.planner.profile import BandwidthProfile, CommTimer, load_profile
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, format_size
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
+from amsp_ext.planner.tensor_parallel import TPComm, check_tensor_parallel, tp_comm, tp_shard_spec
 from amsp_ext.planner.defaults import (DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PROFILE,
                                        DEFAULT_RESERVE_BYTES, GiB)
 
@@ -68,7 +69,11 @@ class NoFeasiblePlan(PlanError):
 
 @dataclass(frozen=True, kw_only=True)
 class Problem:
-    """Everything one search needs; build it with ``make_problem``."""
+    """Everything one search needs; build it with ``make_problem``.
+
+    With tensor parallelism (``tensor_parallel`` T > 1; tensor_parallel.py [Note: a TP job is an
+    AMSP job of TP shards]) ``spec`` is one TP rank's shard and ``cluster`` the data-parallel
+    world, R/T GPUs per node; ``model`` and ``node_gpus`` keep the whole model and the node."""
 
     spec: ModelSpec
     cluster: ClusterSpec
@@ -80,6 +85,8 @@ class Problem:
     overlap: OverlapRules = OverlapRules()
     tie_tolerance: float = 0.01
     memory_reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    tensor_parallel: int = 1
+    whole_model: ModelSpec | None = None  # the model before TP sharding (None: ``spec``)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +114,31 @@ class Problem:
     def with_timer(self, timer: CommTimer) -> "Problem":
         return replace(self, timer=timer, _cache={})
 
+    @property
+    def model(self) -> ModelSpec:
+        """The whole model (``spec`` is one TP rank's shard of it)."""
+        return self.whole_model or self.spec
+
+    @property
+    def node_gpus(self) -> int:
+        """GPUs per node (the data-parallel ``cluster`` has R/T of them)."""
+        return self.cluster.gpus_per_node * self.tensor_parallel
+
+    @property
+    def global_batch_tokens(self) -> int:
+        """Tokens of one step: data-parallel world x micro-batch x M x seq."""
+        tr = self.training
+        return self.cluster.world_size * tr.micro_batch_size * self.num_micro_batches * tr.seq_len
+
+    @property
+    def tp_comm(self) -> TPComm | None:
+        """One micro-batch's TP all-reduces (None without TP), priced by this problem's timer."""
+        if self.tensor_parallel == 1:
+            return None
+        if "tp" not in self._cache:
+            self._cache["tp"] = tp_comm(self.model, self.training, self.timer, self.tensor_parallel)
+        return self._cache["tp"]
+
 
 def make_problem(
     model: ModelSpec | Mapping[str, Any] | str,
@@ -120,22 +152,32 @@ def make_problem(
     tie_tolerance: float = 0.01,
     overlap: OverlapRules = OverlapRules(),
     memory_reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+    tensor_parallel: int = 1,
 ) -> Problem:
     """Resolve the inputs: a ModelSpec, an HF config dict or a preset name; a profile or its
-    name/path. Raises a one-line ValueError for bad input."""
+    name/path; ``tensor_parallel`` T, the TP degree inside the node (the six factors are then
+    searched over the data-parallel world, tensor_parallel.py). Raises a one-line ValueError
+    for bad input."""
     if isinstance(model, ModelSpec):
         spec = model
     elif isinstance(model, str):
         spec = ModelSpec.preset(model)
     else:
         spec = ModelSpec.from_hf_config(model)
+    check_tensor_parallel(tensor_parallel, spec, cluster.gpus_per_node)
     prof = profile if isinstance(profile, BandwidthProfile) else load_profile(profile)
+    # the node's GPUs: every group of a shape is active at once on all R of them, TP or not
     timer = CommTimer(prof, cluster.gpus_per_node, missing, all_reduce=training.all_reduce)
+    tp = {}
+    if tensor_parallel > 1:
+        tp = {"tensor_parallel": tensor_parallel, "whole_model": spec}
+        spec = tp_shard_spec(spec, tensor_parallel)
+        cluster = replace(cluster, gpus_per_node=cluster.gpus_per_node // tensor_parallel)
     M = training.micro_batches(cluster.world_size)
     return Problem(spec=spec, cluster=cluster, training=training, timer=timer,
                    num_micro_batches=M, objective=objective, efficiency=efficiency,
                    tie_tolerance=tie_tolerance, overlap=overlap,
-                   memory_reserve_bytes=memory_reserve_bytes)
+                   memory_reserve_bytes=memory_reserve_bytes, **tp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +214,10 @@ def evaluate(problem: Problem, plan: Plan, *, with_step: bool | None = None) -> 
     U = training.bucket_bytes
     buckets = grad_bytes(training) * spec.num_params / (U * plan.sp)
     growth = per_mb_gather + buckets * timer.time("allreduce", U, *plan.grad_mesh())
+    tp = problem.tp_comm
+    if tp is not None:
+        comm = replace(comm, t_tp=M * tp.per_micro_batch_s)
+        growth += tp.per_micro_batch_s
     feasible = mem.total <= problem.memory_limit
     if with_step is None:
         with_step = problem.objective == "step" and feasible
@@ -179,7 +225,8 @@ def evaluate(problem: Problem, plan: Plan, *, with_step: bool | None = None) -> 
     if with_step:
         step = step_estimate(plan, spec, training, problem.cluster, timer, comm,
                              num_micro_batches=M, efficiency=problem.efficiency,
-                             overlap=problem.overlap, calibration=problem.calibration)
+                             overlap=problem.overlap, calibration=problem.calibration,
+                             tensor_parallel=tp)
     return Candidate(plan=plan, comm=comm, memory=mem, feasible=feasible, growth_s=growth,
                      step=step)
 
@@ -258,7 +305,8 @@ def _nothing_fits(problem: Problem, cands: list[Candidate]) -> str:
     reserve = problem.memory_reserve_bytes
     msg = (f"no plan fits in {format_size(limit)} per GPU ({format_size(problem.cluster.gpu_memory_bytes)}"
            f" less a {format_size(reserve)} reserve) on {problem.cluster.num_nodes} x "
-           f"{problem.cluster.gpus_per_node} GPUs: the least memory any legal plan needs is "
+           f"{problem.cluster.gpus_per_node} GPUs{_tp_world(problem)}: the least memory any legal plan "
+           f"needs is "
            f"{format_size(least.memory.total)} ({least.plan}), i.e. GPUs of at least "
            f"{format_size(least.memory.total + reserve)}")
     nodes = _nodes_that_fit(problem)
@@ -269,6 +317,11 @@ def _nothing_fits(problem: Problem, cands: list[Candidate]) -> str:
     if not problem.training.recompute:
         msg += f" (activations alone need {format_size(least.memory.kept_activations)}; try --recompute)"
     return msg
+
+
+def _tp_world(problem: Problem) -> str:
+    t = problem.tensor_parallel
+    return "" if t == 1 else f" (the data-parallel world of TP {t} on {problem.node_gpus} GPUs per node)"
 
 
 def _nodes_that_fit(problem: Problem, max_factor: int = 64) -> int | None:

@@ -236,7 +236,7 @@ def _zero12_allgather(problem: Problem, plan: Plan) -> tuple[StepEstimate, dict[
     est = step_estimate(plan, problem.spec, problem.training, problem.cluster, problem.timer, comm,
                         num_micro_batches=problem.num_micro_batches,
                         efficiency=problem.efficiency, overlap=problem.overlap,
-                        calibration=problem.calibration)
+                        calibration=problem.calibration, tensor_parallel=problem.tp_comm)
     return _with_blocking(est, t_ag), {**_terms(comm), "t_allgather": t_ag}
 
 

@@ -72,6 +72,7 @@ from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.profile import CommTimer
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.planner.tensor_parallel import TPComm
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -127,6 +128,7 @@ class StepEstimate:
     mfu: float
     tokens_per_gpu_per_s: float
     efficiency: float
+    tp_comm_s: float = 0.0  # tensor parallelism's all-reduces, all on the critical path
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -382,12 +384,14 @@ def step_estimate(
     timer: CommTimer, comm: CommCost, *, num_micro_batches: int,
     efficiency: float = DEFAULT_EFFICIENCY, overlap: OverlapRules = OverlapRules(),
     bwd_gather_mesh: tuple[int, int] | None = None, calibration: Calibration | None = None,
-    drop_kind: str | None = None,
+    drop_kind: str | None = None, tensor_parallel: TPComm | None = None,
 ) -> StepEstimate:
     """Time one step of ``plan`` (see the module notes). ``comm`` supplies T0_os and T1_os.
     ``bwd_gather_mesh`` gathers for backward on another mesh (ZeRO++'s secondary shard).
     ``calibration`` replaces the free constants by measured ones ([Note: calibrated constants]);
-    ``drop_kind`` (AG, RS, AR or BC) prices that kind's collectives at zero (``kind_times``)."""
+    ``drop_kind`` (AG, RS, AR or BC) prices that kind's collectives at zero (``kind_times``).
+    ``tensor_parallel``: the TP all-reduces of a job whose ``spec`` is one TP rank's shard
+    ([Note: tensor parallelism on the compute thread])."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     M = num_micro_batches
@@ -395,6 +399,15 @@ def step_estimate(
     on = _switches(overlap)
     price = _Pricer(timer, calibration, on, drop_kind)
     c_f, c_b = _compute_times(training.tokens_per_micro_batch * flops, cluster, calibration, efficiency)
+    compute = M * (c_f.sum() + c_b.sum())
+    if training.recompute:
+        compute += M * c_f[layer_of >= 0].sum()
+    compute = float(compute)
+    tp_s = 0.0
+    if tensor_parallel is not None and tensor_parallel.degree > 1:
+        tp_f, tp_b = _tp_unit_times(spec, training.granularity, tensor_parallel)
+        c_f, c_b = c_f + tp_f, c_b + tp_b
+        tp_s = M * tensor_parallel.per_micro_batch_s
     unit = _unit_collectives(price, params, plan, training, bwd_gather_mesh)
     t1_os, h1_os, bc_end = _broadcast_schedule(price, params, plan, spec, training, comm, calibration,
                                                on, drop_kind)
@@ -407,10 +420,6 @@ def step_estimate(
     t_opt = optimizer_step_time(spec, plan, training, cluster, calibration)
     overhead = calibration.step_overhead_s if calibration else 0.0
     step = float(max(compute_end, rs_tail, ar_tail) + t_opt + overhead)
-    compute = M * (c_f.sum() + c_b.sum())
-    if training.recompute:
-        compute += M * c_f[layer_of >= 0].sum()
-    compute = float(compute)
     tokens = M * training.tokens_per_micro_batch
     useful = model_flops_per_token(spec, training.seq_len) * tokens
     peak = cluster.peak_flops
@@ -418,11 +427,38 @@ def step_estimate(
         step_s=step,
         compute_s=compute,
         optimizer_s=t_opt,
-        exposed_comm_s=max(0.0, step - compute - t_opt - overhead),
+        exposed_comm_s=max(0.0, step - compute - tp_s - t_opt - overhead),
         mfu=useful / (step * peak),
-        tokens_per_gpu_per_s=tokens / step,
+        tokens_per_gpu_per_s=tokens / step / (tensor_parallel.degree if tensor_parallel else 1),
         efficiency=useful / (compute * peak) if calibration else efficiency,
+        tp_comm_s=tp_s,
     )
+
+
+def _tp_unit_times(spec: ModelSpec, granularity: str, tp: TPComm) -> tuple[np.ndarray, np.ndarray]:
+    """[Note: tensor parallelism on the compute thread]
+    Per unit of ``_units`` (forward order), the seconds of TP all-reduces its forward and its
+    backward wait for (tensor_parallel.py): each all-reduce's result is the next operator's
+    input, so it is added to its unit's compute task and nothing overlaps it; AMSP's gathers
+    and reduce-scatters still run on their own streams beside it. A layer's forward all-reduces
+    follow o and down (the row-parallel outputs), its backward ones q and gate (the last of the
+    column-parallel inputs' gradients in backward order); the recompute forward re-runs the
+    forward's. Outside the layers: the embedding's output in forward, and on the last unit (the
+    head) the loss's three in forward and lm_head's input gradient in backward. Summed over a
+    micro-batch this is ``tp.per_micro_batch_s``."""
+    a = tp.activation_s
+    if granularity == "layer":
+        fwd_layer, bwd_layer = [2 * a], [2 * a]
+    else:
+        kinds = [k for k, _ in spec.layer_units(granularity)]
+        fwd_layer = [a if k in ("o", "down") else 0.0 for k in kinds]
+        bwd_layer = [a if k in ("q", "gate") else 0.0 for k in kinds]
+    n_out = len(spec.outside_params())
+    fwd = [a] + fwd_layer * spec.num_layers + [0.0] * (n_out - 1)
+    bwd = [0.0] + bwd_layer * spec.num_layers + [0.0] * (n_out - 1)
+    fwd[-1] += 3 * tp.loss_s
+    bwd[-1] += a
+    return np.asarray(fwd), np.asarray(bwd)
 
 
 def _compute_times(flops_per_unit: np.ndarray, cluster: ClusterSpec, calibration: Calibration | None,
