@@ -15,7 +15,8 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from amsp_ext import schema
-from amsp_ext.cli.planner_flags import gpu_memory_option, profile_option
+from amsp_ext.choices import TENSOR_PARALLEL_DEGREES
+from amsp_ext.cli.planner_flags import gpu_memory_option, missing_mesh_option, profile_option
 from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
 from amsp_ext.schema import check_options, option
 
@@ -54,6 +55,17 @@ class SimulateOptions:
     gpu_memory: str = gpu_memory_option()
     seq_len: int = option(4096, minimum=1)
     global_batch_tokens: int = option(4 * 2**20, minimum=1)
+    missing_mesh: str = missing_mesh_option()
+    tensor_parallel: str = option("1", choices=(*map(str, TENSOR_PARALLEL_DEGREES), "auto"),
+                                  help="TP degree of the joint pick (auto: searched with the six "
+                                       "factors); not 1, or either flag below, gives the TP rows "
+                                       "(planner/simulate_tp.py) instead of the paper's grid")
+    max_global_batch_tokens: int | None = option(None, minimum=1, metavar="N",
+                                                 help="the largest global batch accepted: a row "
+                                                      "over it says so")
+    micro_batches: int | None = option(None, minimum=1, help="M per data-parallel rank (the global "
+                                                             "batch shrinks as T grows); default: "
+                                                             "--global-batch-tokens fixes the batch")
     efficiency: float | None = option(None, help="fraction of peak the compute reaches (default: the "
                                                  "planner's 0.65)")
     out: str = option("comparisons/results", help="folder for the report")
@@ -76,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.specs import parse_size
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY
 
+    from amsp_ext.planner.tensor_parallel import parse_tensor_parallel
+
     schema.from_namespace(SimulateOptions, args)  # one-line error naming the flag
     settings = SimSettings(
         models=_names(args.models, "--models"),
@@ -83,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
         seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens, profile=args.profile,
         efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
+        missing_mesh=args.missing_mesh, tensor_parallel=parse_tensor_parallel(args.tensor_parallel),
+        max_global_batch_tokens=args.max_global_batch_tokens, micro_batches=args.micro_batches,
     )
+    if settings.tp_mode:
+        return _run_tp(args, settings)
     cells = simulate(settings)
     rows = side_by_side(cells)
     command = _command(args)
@@ -100,6 +118,25 @@ def run(args: argparse.Namespace) -> int:
     (out / f"{stem}.md").write_text(format_markdown(cells, rows, settings, command=command,
                                                     plot=plot, versions=_versions()))
     (out / f"{stem}.json").write_text(_dumps(to_json(cells, rows, settings, command=command)))
+    print(f"\nreport: {out / (stem + '.md')}")
+    return 0
+
+
+def _run_tp(args: argparse.Namespace, settings) -> int:
+    """The TP rows (planner/simulate_tp.py [Note: the TP rows]): a table, its markdown and JSON."""
+    from amsp_ext.planner.simulate_report import format_tp_markdown, format_tp_table, tp_to_json
+    from amsp_ext.planner.simulate_tp import simulate_tp
+
+    rows = simulate_tp(settings)
+    command = _command(args)
+    print(format_tp_table(rows, markdown=False))
+    if args.no_write:
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"simulate_tp_{Path(settings.profile).stem}"
+    (out / f"{stem}.md").write_text(format_tp_markdown(rows, settings, command=command))
+    (out / f"{stem}.json").write_text(_dumps(tp_to_json(rows, settings, command=command)))
     print(f"\nreport: {out / (stem + '.md')}")
     return 0
 

@@ -54,7 +54,7 @@ from amsp_ext.planner.search import (
 )
 from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
-from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_PROFILE
+from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
 __all__ = [
     "ENGINES",
@@ -142,6 +142,17 @@ class SimSettings:
     efficiency: float = DEFAULT_EFFICIENCY
     mics_size: int | None = None  # one node
     hpz_size: int | None = None  # one node
+    missing_mesh: str = DEFAULT_MISSING_MESH
+    # tensor parallelism (simulate_tp.py): any of these set makes the run the TP comparison
+    tensor_parallel: int | None = 1  # the joint pick's degrees: T, or None for auto
+    max_global_batch_tokens: int | None = None
+    micro_batches: int | None = None  # M per data-parallel rank (replaces global_batch_tokens)
+
+    @property
+    def tp_mode(self) -> bool:
+        """The TP rows (simulate_tp.py) rather than the paper's Fig. 11 grid."""
+        return (self.tensor_parallel != 1 or self.max_global_batch_tokens is not None
+                or self.micro_batches is not None)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -276,7 +287,7 @@ def _scale(model: str, gpus: int, engine: str, settings: SimSettings,
     cluster = _cluster(gpus, settings)
     problem = make_problem(model, cluster, paper_training(model, settings), profile,
                            objective="comm", efficiency=settings.efficiency,
-                           overlap=_RULES[engine], missing="error")
+                           overlap=_RULES[engine], missing=settings.missing_mesh)
     R, N = cluster.gpus_per_node, cluster.num_nodes
     where = dict(model=model, gpus=gpus, engine=engine)
     cells: dict[str, SimCell] = {}

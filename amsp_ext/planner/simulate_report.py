@@ -271,3 +271,77 @@ def to_json(cells: list[SimCell], rows: list[dict[str, Any]], settings: SimSetti
         "side_by_side": [{**r, "why": explain(r, cells)} for r in rows],
         "cells": [c.as_dict() for c in cells],
     }
+
+
+# -- tensor parallelism side by side (simulate_tp.py) -------------------------------------------
+
+TP_COLUMNS = ("model", "GPUs", "configuration", "plan (data-parallel world)", "recompute",
+              "global batch tokens", "M", "MFU %", "tokens/GPU/s", "step s", "TP s (share)",
+              "AMSP exposed s", "memory GiB/GPU")
+
+
+def _tp_cells(r) -> list[str]:
+    head = [r.model, str(r.gpus), r.label]
+    tokens = "—" if r.global_batch_tokens is None else f"{r.global_batch_tokens:,}"
+    if r.reason:
+        return head + [f"— ({r.reason})", "—", tokens] + ["—"] * 7
+    return head + [
+        f"{r.plan} on {r.data_parallel_world}", "yes" if r.recompute else "no", tokens,
+        str(r.num_micro_batches), f"{r.mfu * 100:.1f}", f"{r.tokens_per_gpu_per_s:.0f}",
+        f"{r.step_s:.3f}", f"{r.tp_comm_s:.3f} ({r.tp_share:.1%})", f"{r.exposed_comm_s:.3f}",
+        f"{r.memory_gib:.1f}"]
+
+
+def format_tp_table(rows, *, markdown: bool = True) -> str:
+    """One line per configuration; a row that cannot run keeps its line and says why."""
+    body = [_tp_cells(r) for r in rows]
+    if markdown:
+        return "\n".join(["| " + " | ".join(TP_COLUMNS) + " |",
+                          "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+                          *("| " + " | ".join(c) + " |" for c in body)])
+    lines = []
+    for r, c in zip(rows, body):
+        if r.reason:
+            lines.append(f"{r.model:<10} {r.gpus:>6}  {r.label:<34} out: {r.reason}")
+        else:
+            lines.append(f"{r.model:<10} {r.gpus:>6}  {r.label:<34} MFU {c[7]:>5}%  step {c[9]:>8} s  "
+                         f"TP {c[10]:<17} mem {c[12]:>6} GiB  batch {c[5]} tokens  {c[3]}"
+                         + ("  (recompute)" if r.recompute else ""))
+    return "\n".join(lines)
+
+
+def _tp_settings(settings: SimSettings) -> dict[str, Any]:
+    d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()}
+    d["models"] = [m if isinstance(m, str) else m.name for m in settings.models]
+    return d
+
+
+def tp_to_json(rows, settings: SimSettings, *, command: str) -> dict[str, Any]:
+    return {"schema": "amsp-simulate-tp/1", "command": command, "settings": _tp_settings(settings),
+            "engine": "ideal", "objective": "step", "rows": [r.as_dict() for r in rows]}
+
+
+def format_tp_markdown(rows, settings: SimSettings, *, command: str) -> str:
+    s = settings
+    batch = (f"M = {s.micro_batches} micro-batch(es) per data-parallel rank, so the global batch is "
+             f"(R/T) x N x {s.micro_batch_size} x M x {s.seq_len} tokens"
+             if s.micro_batches is not None else f"global batch {s.global_batch_tokens:,} tokens (M grows with T)")
+    cap = ("no cap" if s.max_global_batch_tokens is None
+           else f"capped at {s.max_global_batch_tokens:,} tokens (`--max-global-batch-tokens`)")
+    asked = "auto" if s.tensor_parallel is None else str(s.tensor_parallel)
+    return "\n".join([
+        f"# `amsp simulate --tensor-parallel {asked}`: TP layouts side by side (profile `{s.profile}`)",
+        "",
+        "Planner predictions (memory, cost and step-time models), not measurements. "
+        f"{s.gpus_per_node} GPUs per node, {s.gpu_memory_bytes / GiB:g} GiB per GPU "
+        f"({DEFAULT_RESERVE_BYTES / GiB:g} GiB reserve), seq {s.seq_len}, micro-batch "
+        f"{s.micro_batch_size}, {batch}, {cap}; {s.precision}, AdamW; missing meshes: "
+        f"`{s.missing_mesh}`. Rows are on AMSP's engine as the step model has it (ideal), planned "
+        "for the step time, with recomputation only where nothing fits without it "
+        "(amsp_ext/planner/simulate_tp.py [Note: the TP rows]).",
+        "",
+        f"Command: `{command}`",
+        "",
+        format_tp_table(rows),
+        "",
+    ]) + "\n"
