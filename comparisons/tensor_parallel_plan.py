@@ -63,8 +63,8 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         tokens = _f(r["global_batch_tokens"], ",")
         if r["reason"]:
-            out.append(f"| {r['gpus']:,} | {r['label']} | out: {r['reason']} | — | {tokens} | — | — | — "
-                       f"| — | — | — |")
+            out.append(f"| {r['gpus']:,} | {r['label']} | out: {r['reason']} | — | {tokens} "
+                       + "| — " * 6 + "|")
             continue
         out.append(
             f"| {r['gpus']:,} | {r['label']} | `{r['plan']}` on {r['data_parallel_world']} | "

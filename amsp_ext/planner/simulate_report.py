@@ -325,7 +325,8 @@ def format_tp_markdown(rows, settings: SimSettings, *, command: str) -> str:
     s = settings
     batch = (f"M = {s.micro_batches} micro-batch(es) per data-parallel rank, so the global batch is "
              f"(R/T) x N x {s.micro_batch_size} x M x {s.seq_len} tokens"
-             if s.micro_batches is not None else f"global batch {s.global_batch_tokens:,} tokens (M grows with T)")
+             if s.micro_batches is not None
+             else f"global batch {s.global_batch_tokens:,} tokens (M grows with T)")
     cap = ("no cap" if s.max_global_batch_tokens is None
            else f"capped at {s.max_global_batch_tokens:,} tokens (`--max-global-batch-tokens`)")
     asked = "auto" if s.tensor_parallel is None else str(s.tensor_parallel)

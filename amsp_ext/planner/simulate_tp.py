@@ -139,15 +139,21 @@ class _Scale:
         return TPRow(model=self.spec.name, gpus=self.gpus, system=system, label=label,
                      tensor_parallel=t, global_batch_tokens=tokens, reason=reason)
 
-    def searched(self, system: str, label: str, t: int) -> TPRow:
-        """The planner's best plan at T, or the one line why there is none."""
+    def admit(self, system: str, label: str, t: int) -> Problem | TPRow:
+        """T's problem without recomputation, or the row saying why T cannot run at all."""
         try:
             check_tensor_parallel(t, self.spec, self.cluster.gpus_per_node)
             problem = self.problem(t)
         except ValueError as e:
             return self.out(system, label, t, str(e))
-        if self.over_cap(problem):
-            return self.out(system, label, t, self.over_cap(problem), problem.global_batch_tokens)
+        over = self.over_cap(problem)
+        return self.out(system, label, t, over, problem.global_batch_tokens) if over else problem
+
+    def searched(self, system: str, label: str, t: int) -> TPRow:
+        """The planner's best plan at T, or the one line why there is none."""
+        problem = self.admit(system, label, t)
+        if isinstance(problem, TPRow):
+            return problem
         try:
             res = self.search(t)
         except ValueError as e:
@@ -156,13 +162,9 @@ class _Scale:
 
     def zero3(self, system: str, label: str, t: int) -> TPRow:
         """ZeRO-3 over T's data-parallel world (recomputation only if it does not fit without)."""
-        try:
-            check_tensor_parallel(t, self.spec, self.cluster.gpus_per_node)
-            problem = self.problem(t)
-        except ValueError as e:
-            return self.out(system, label, t, str(e))
-        if self.over_cap(problem):
-            return self.out(system, label, t, self.over_cap(problem), problem.global_batch_tokens)
+        problem = self.admit(system, label, t)
+        if isinstance(problem, TPRow):
+            return problem
         dp = problem.cluster
         plan = named_plan("zero3", gpus_per_node=dp.gpus_per_node, num_nodes=dp.num_nodes)
         cand = evaluate(problem, plan, with_step=True)
