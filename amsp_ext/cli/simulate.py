@@ -3,6 +3,8 @@ planner's models, with the paper's reported numbers side by side (torch-free).
 
     amsp simulate                                    # paper-a800, 8..1024 GPUs, 3 models
     amsp simulate --profile my-cluster.json --gpus 16,32,64 --models llama-7b
+    amsp simulate --models llama-65b --gpus 1024,8192 --missing-mesh fit --micro-batches 1 \
+                  --tensor-parallel auto --max-global-batch-tokens 16777216   # TP layouts side by side
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from amsp_ext.cli.planner_flags import gpu_memory_option, missing_mesh_option, p
 from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
 from amsp_ext.schema import check_options, option
 
-HELP = "predict MFU and tokens/GPU/s of ZeRO-1/2/3, ZeRO++, MiCS and AMSP at 8..1024 GPUs"
+HELP = ("predict MFU and tokens/GPU/s of ZeRO-1/2/3, ZeRO++, MiCS and AMSP at 8..1024 GPUs, or of "
+        "tensor-parallel layouts side by side (--tensor-parallel)")
 
 # Plotted series: (system, colour, marker). The tables have every system.
 _SERIES = (("zero1", "tab:blue", "o"), ("zero3", "tab:orange", "s"), ("zero++", "tab:green", "^"),
