@@ -33,7 +33,7 @@ FULL = dict(model="small-llama", seq_len=256, micro_batch_size=2, num_micro_batc
 # fixed for a comparison (optimizer) or set by the command (amsp_overlap by the ablation mode,
 # dist_timeout_s from --timeout)
 SPEC_FLAGS = ("model", "seq_len", "micro_batch_size", "num_micro_batches", "num_steps",
-              "num_warmup_steps", "seed", "precision", "gpus_per_node", "mics_shard_size",
+              "num_warmup_steps", "seed", "precision", "reduce_dtype", "gpus_per_node", "mics_shard_size",
               "hpz_partition_size", "amsp_plan", "amsp_granularity", "amsp_all_reduce", "trace",
               "trace_steps")
 # unset on the command line: --quick's or the full table's value; precision: cpu_precision's

@@ -86,6 +86,9 @@ class SystemRun:
     train_step: Callable[[int], float]
     # How the system was configured (e.g. the DeepSpeed config), for the report.
     settings: dict[str, Any] = field(default_factory=dict)
+    # How the compute dtype is reached (autocast over fp32 parameters, bf16 parameters with fp32
+    # masters, ...): two bf16 rows may run different recipes; the report says which per row.
+    mixed_precision: str = "fp32"
     # Waits for the collectives a step leaves in flight (AMSP's post-step broadcasts); the
     # others leave none. worker.py [Note: no collective in flight across a profiler boundary]
     drain: Callable[[], None] = lambda: None
