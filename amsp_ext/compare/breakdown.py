@@ -176,9 +176,9 @@ def _outermost(issues: list[dict]) -> list[dict]:
     """Issues (sorted by start) less those inside another issue on the same thread: a
     functional collective (``_c10d_functional::all_reduce``, DTensor's clip norm) issues its
     ``c10d::allreduce_`` inside itself, and the pair is one collective with one run. Kept
-    twice, the inner one - of unknown numel - stayed unmatched and was later paired with the
-    next step's first all-reduce, shifting every later match by one (HSDP lost a replica
-    all-reduce of the step it read)."""
+    twice, the inner one - of unknown numel - would stay unmatched and be paired with the next
+    step's first all-reduce, shifting every later match by one (a step would lose one of its
+    all-reduces to the step before)."""
     out: list[dict] = []
     open_by_thread: dict[Any, list[tuple[float, float]]] = defaultdict(list)
     for i in issues:

@@ -73,8 +73,8 @@ class RunSpec:
     # The gradient reduction dtype is set for every row the way that system's users set it (DDP:
     # the bf16 compression comm hook; FSDP2/HSDP: MixedPrecisionPolicy(reduce_dtype); DeepSpeed:
     # communication_data_type; AMSP: EngineConfig.reduce_dtype), so that a throughput ratio
-    # compares engines and plans, not 4-byte against 2-byte gradients (issue 37: every bf16
-    # comparison before it had AMSP and DeepSpeed reduce bf16 against DDP's and FSDP2's fp32).
+    # compares engines and plans, not 4-byte against 2-byte gradients: left to their defaults,
+    # AMSP and DeepSpeed would reduce bf16 where DDP and FSDP2 reduce fp32.
     # Default fp32, the engine's default. bf16 needs --precision bf16: a bf16 wire under fp32
     # compute is a configuration the AMSP engine does not offer (EngineConfig refuses it), so no
     # like-for-like AMSP row could exist; refused here before any launch. What each row really

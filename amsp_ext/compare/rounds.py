@@ -37,8 +37,8 @@ __all__ = ["CLAIM_AGREE", "CLAIM_MIN_ROUNDS", "CLAIM_MIN_TIMED_STEPS", "TARGET",
            "overloaded_rounds", "paired_ratio", "timed_steps", "round_order", "validate_repeats", "verdict"]
 
 # [Note: what a claim needs]
-# On the shared machines these comparisons run on, one configuration's median ratio swung
-# 1.02-1.25x and 0.76-1.16x between runs of 2 timed steps and 3-4 rounds (issue 37). So a ratio
+# On the shared machines these comparisons run on, one configuration's median ratio swings by
+# tenths between runs of a few timed steps and 3-4 rounds. So a ratio
 # is a *claim* only with at least CLAIM_MIN_TIMED_STEPS timed steps per job (after the warm-up)
 # and CLAIM_MIN_ROUNDS paired rounds in alternated order; anything less is reported with its
 # numbers but labelled "not a claim". A claim's target (AMSP faster than the peer: ratio above

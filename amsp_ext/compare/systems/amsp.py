@@ -12,9 +12,9 @@ Both run the engine contract of docs/DESIGN.md unchanged: ``no_sync()`` on micro
 ablation mode runs ``amsp-plan`` once per setting.
 
 Gradients are reduced in ``RunSpec.reduce_dtype`` (fp32 by default, the engine's default), as
-every other row is (config.py [Note: one wire dtype for every system]). Before issue 37 these rows
-reduced in the compute dtype while DDP and FSDP2 reduced in fp32, so bf16 ratios measured the
-dtype as much as the engine; comparisons/results/reduce_dtype.md measures what fp32 costs.
+every other row is (config.py [Note: one wire dtype for every system]), so a bf16 ratio measures
+the engine and the plan, not the dtype; comparisons/results/reduce_dtype.md measures what fp32
+reduction costs.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every stage has ``overlap_comm`` on, and DeepSpeed's defaults otherwise (contigu
 round-robin off, prefetching on), except the three size knobs below. bf16 is DeepSpeed's own ``"bf16": {"enabled": true}`` (bf16
 parameters and compute, fp32 master weights in the optimizer); gradients are reduced in
 ``communication_data_type`` = ``RunSpec.reduce_dtype`` (config.py [Note: one wire dtype for every
-system]; absent, DeepSpeed reduces in the compute dtype, which is what the rows before issue 37 did); clipping is DeepSpeed's
+system]; absent, DeepSpeed would reduce in the compute dtype); clipping is DeepSpeed's
 ``gradient_clipping``; accumulation is ``gradient_accumulation_steps`` with
 ``engine.backward(loss); engine.step()`` per micro-batch, which scales the loss by 1/M itself.
 The optimizer is the same client ``torch.optim.AdamW`` every system gets.
