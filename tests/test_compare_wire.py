@@ -88,20 +88,25 @@ def _crafted(tmp_path, ddp_wire, amsp_wire):
     return rec, line
 
 
-def _wire(nbytes, dtype):
+def _wire(nbytes, dtype, asked="fp32"):
     return {"grad_dtype": dtype, "param_dtype": None, "grad_bytes_per_step": nbytes,
-            "param_bytes_per_step": 0, "bytes_per_step": {"all_reduce": nbytes}, "reduce_dtype_asked": "fp32"}
+            "param_bytes_per_step": 0, "bytes_per_step": {"all_reduce": nbytes}, "reduce_dtype_asked": asked}
 
 
 def test_report_refuses_a_ratio_of_rows_that_sent_different_bytes(tmp_path):
-    # what the run really sent (issue 37): DDP fp32, AMSP bf16 - a ratio of dtypes
-    rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32"), _wire(6_066_688, "bf16"))
+    # what the run really sent (issue 37; no --reduce-dtype then): DDP fp32, AMSP bf16
+    rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32", None), _wire(6_066_688, "bf16", None))
     assert rec["refused"] == ("gradients on the wire differ: AMSP (plan ddp) bf16, DDP fp32")
     assert line == "- AMSP (plan ddp) / DDP: no ratio: gradients on the wire differ: AMSP (plan ddp) bf16, DDP fp32"
     # the same dtype, half the bytes for the same plan shape: refused, with both figures
     rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32"), _wire(6_066_688, "fp32"))
     assert line == ("- AMSP (plan ddp) / DDP: no ratio: same plan shape (ddp) but gradient bytes per step "
                     "differ by more than 5%: AMSP (plan ddp) 6,066,688 B, DDP 12,133,376 B")
+    # a row that did not send the asked dtype is left out of ratios, and its wire row says so
+    rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32", "bf16"), _wire(6_066_688, "bf16", "bf16"))
+    assert line == "- AMSP (plan ddp) / DDP: no ratio: DDP reduced gradients in fp32, not the asked bf16"
+    text = (tmp_path / "crafted.md").read_text()
+    assert "| fp32 (bf16) **not as asked: no ratios** |" in text
     # within 5 %: the ratio, its spread and its verdict (2 timed steps, 4 rounds: not a claim)
     rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32"), _wire(12_500_000, "fp32"))
     assert rec["refused"] is None and line.startswith(f"- AMSP (plan ddp) / DDP: {rec['median']:.2f}x (median of 4")

@@ -8,7 +8,7 @@ from typing import Any
 
 from amsp_ext.compare.rounds import (CLAIM_AGREE, CLAIM_MIN_ROUNDS, CLAIM_MIN_TIMED_STEPS, TARGET,
                                     paired_ratio, timed_steps, verdict)
-from amsp_ext.compare.wire import BYTES_TOLERANCE, wire_mismatch
+from amsp_ext.compare.wire import BYTES_TOLERANCE, not_as_asked, wire_mismatch
 
 __all__ = ["breakdown_table", "format_table", "ratio_records", "ratios", "wire_table", "write_plots",
            "write_report", "write_timeline"]
@@ -272,7 +272,7 @@ def wire_table(rows: list[dict[str, Any]]) -> list[str]:
         w = r.get("wire") or {}
         ops = ", ".join(f"{op} {n:,}" for op, n in (w.get("bytes_per_step") or {}).items()) or "—"
         grad = (f"{w.get('grad_dtype') or '—'} ({w.get('reduce_dtype_asked', '?')})" if w
-                else "not measured (no trace)")
+                else "not measured (no trace)") + (" **not as asked: no ratios**" if not_as_asked(r) else "")
         nbytes = f"{w['grad_bytes_per_step']:,}" if w else "—"
         out.append(f"| {r['label']} | {r.get('mixed_precision') or '—'} | {grad} | "
                    f"{w.get('param_dtype') or '—'} | {nbytes} | {ops} |")

@@ -171,7 +171,8 @@ def verdict(rec: dict[str, Any], steps: int | None) -> dict[str, Any]:
     n = rec["num_paired_rounds"]
     above = rec["rounds_above_target"]
     if steps is None or steps < CLAIM_MIN_TIMED_STEPS or n < CLAIM_MIN_ROUNDS:
-        got = f"{'?' if steps is None else steps} timed steps, {n} round{'s' if n != 1 else ''}"
+        got = (f"{'?' if steps is None else steps} timed step{'' if steps == 1 else 's'}, "
+               f"{n} round{'' if n == 1 else 's'}")
         return {"claim": False, "met": None,
                 "text": f"not a claim ({got}; a claim needs >= {CLAIM_MIN_TIMED_STEPS} timed steps "
                         f"and >= {CLAIM_MIN_ROUNDS} rounds)"}

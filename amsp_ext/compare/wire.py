@@ -23,6 +23,8 @@ and broadcasts (kinds AG/BC): their dtype is the parameters' wire dtype.
 [Note: which ratios are refused]
 A ratio of two rows is the engine's or the plan's only if both moved the same gradient bytes in
 the same dtype. The report refuses it (one line saying which rows and why, no number) when
+- either row did not reduce in the asked ``--reduce-dtype`` (a system that cannot, or ignored
+  the setting: its row in the wire table says so), or
 - their measured gradient dtypes differ (any plan shapes: 2-byte against 4-byte gradients), or
 - they run the same plan shape (``SHAPE_OF``: DDP and AMSP's ``ddp``, HSDP / DeepSpeed-MiCS and
   AMSP's ``mics:K``, ...) and their gradient bytes per step differ by more than ``BYTES_TOLERANCE``
@@ -35,7 +37,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-__all__ = ["BYTES_TOLERANCE", "GRAD_KINDS", "PARAM_KINDS", "plan_shape", "wire_mismatch", "wire_of"]
+__all__ = ["BYTES_TOLERANCE", "GRAD_KINDS", "PARAM_KINDS", "not_as_asked", "plan_shape", "wire_mismatch",
+           "wire_of"]
 
 GRAD_KINDS = ("AR", "RS")
 PARAM_KINDS = ("AG", "BC")
@@ -84,8 +87,22 @@ def plan_shape(row: dict[str, Any]) -> str | None:
     return plan if plan in SHAPE_OF.values() else None
 
 
+def not_as_asked(row: dict[str, Any]) -> str | None:
+    """Why ``row`` did not reduce its gradients in the asked ``--reduce-dtype`` (a system that
+    cannot, or ignored the setting), or None: such a row is left out of every ratio."""
+    w = row.get("wire") or {}
+    asked, got = w.get("reduce_dtype_asked"), w.get("grad_dtype")
+    if asked and got and got != asked:
+        return f"{row['label']} reduced gradients in {got}, not the asked {asked}"
+    return None
+
+
 def wire_mismatch(num: dict[str, Any], den: dict[str, Any]) -> str | None:
     """Why the ratio ``num / den`` is refused ([Note: which ratios are refused]), or None."""
+    for row in (num, den):
+        why = not_as_asked(row)
+        if why:
+            return why
     a, b = num.get("wire"), den.get("wire")
     if not a or not b:
         return None
