@@ -9,6 +9,9 @@ HSDP and AMSP on the same model, data, batch and steps.
     amsp compare --quick --mode dissociation --repeats 5 --no-trace
                                                            # 5 rounds, alternating order: medians
                                                            # and per-round ratios
+    amsp compare --reduce-dtype bf16 --steps 13 --warmup-steps 3 --repeats 5
+                                                           # bf16 gradients for every row; enough
+                                                           # steps and rounds for a claim
 """
 
 from __future__ import annotations
