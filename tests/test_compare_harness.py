@@ -60,7 +60,8 @@ def test_table_shows_reason_and_ratios():
     table = format_table(rows)
     assert "skipped: CUDA only: not implemented \\| on CPU" in table
     assert "| ZeRO-3 | 100 | 10.00% | 3.000 | — | 0.0 | 500.0 | 250.0 | 5.0000 → 4.1000 | ok |" in table
-    assert ratios(rows) == ["- AMSP (plan) / ZeRO-3: 3.00x"]
+    assert ratios(rows) == ["- AMSP (plan) / ZeRO-3: 3.00x (wire bytes not measured (no trace): not checked); "
+                            "not a claim (? timed steps, 1 round; a claim needs >= 10 timed steps and >= 5 rounds)"]
 
 
 def test_failed_run_becomes_a_one_line_reason(tmp_path):

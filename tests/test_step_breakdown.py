@@ -120,3 +120,26 @@ def test_median_step_is_read_whole_with_its_predecessor_skipped():
     assert b["exposed_s_per_step"] == pytest.approx([400e-6, 300e-6, 200e-6])
     assert b["totals"]["exposed_s"] == pytest.approx(300e-6) and b["totals"]["count"] == 1
     assert median_step(events[:7]) is None  # one step: nothing after the first to read
+
+
+def test_functional_collective_is_one_collective_and_the_next_step_keeps_its_all_reduce():
+    """DTensor's clip norm issues ``_c10d_functional::all_reduce`` with a ``c10d::allreduce_``
+    inside it, one gloo run. Counted as two issues, the inner one (no shape) was left over and
+    taken by the next step's bucket all-reduce, which then fell out of its step. Hand-made: step
+    1 ends with the nested pair; step 2 all-reduces a 1000-element bf16 bucket."""
+    s1 = ev("phase::step", 1, 0, 1000)
+    opt = ev("phase::optimizer", 1, 800, 1000, s1)
+    fn = ev("_c10d_functional::all_reduce", 1, 810, 830, opt, shapes=[[21]])
+    inner = ev("c10d::allreduce_", 1, 812, 828, fn, shapes=[[]])
+    worker_norm = ev("gloo:all_reduce", 7, 815, 900, shapes=[[21]], dtypes=["float"])
+    s2 = ev("phase::step", 1, 1000, 2000)
+    bwd = ev("phase::backward", 1, 1000, 2000, s2)
+    ar = ev("c10d::allreduce_", 1, 1500, 1510, bwd, shapes=[[]])
+    worker_ar = ev("gloo:all_reduce", 8, 1520, 1700, shapes=[[1000]], dtypes=["c10::BFloat16"])
+    events = [s1, opt, fn, inner, worker_norm, s2, bwd, ar, worker_ar]
+    first = step_breakdown(events, index=0)
+    assert [(r["phase"], r["kind"], r["count"]) for r in first["rows"]] == [("optimizer", "other", 1)]
+    second = step_breakdown(events, index=1)
+    assert [(r["phase"], r["kind"], r["count"], r["bytes"]) for r in second["rows"]] == [
+        ("backward", "AR", 1, 2000)]
+    assert second["wire"]["grad_bytes_per_step"] == 2000 and second["wire"]["grad_dtype"] == "bf16"

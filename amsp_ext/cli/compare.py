@@ -9,6 +9,9 @@ HSDP and AMSP on the same model, data, batch and steps.
     amsp compare --quick --mode dissociation --repeats 5 --no-trace
                                                            # 5 rounds, alternating order: medians
                                                            # and per-round ratios
+    amsp compare --reduce-dtype bf16 --steps 13 --warmup-steps 3 --repeats 5
+                                                           # bf16 gradients for every row; enough
+                                                           # steps and rounds for a claim
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ FULL = dict(model="small-llama", seq_len=256, micro_batch_size=2, num_micro_batc
 # fixed for a comparison (optimizer) or set by the command (amsp_overlap by the ablation mode,
 # dist_timeout_s from --timeout)
 SPEC_FLAGS = ("model", "seq_len", "micro_batch_size", "num_micro_batches", "num_steps",
-              "num_warmup_steps", "seed", "precision", "gpus_per_node", "mics_shard_size",
+              "num_warmup_steps", "seed", "precision", "reduce_dtype", "gpus_per_node", "mics_shard_size",
               "hpz_partition_size", "amsp_plan", "amsp_granularity", "amsp_all_reduce", "trace",
               "trace_steps")
 # unset on the command line: --quick's or the full table's value; precision: cpu_precision's

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from amsp_ext.compare.trace import COMM_WORKER_PREFIXES, subtract, total, union
+from amsp_ext.compare.wire import wire_of
 from amsp_ext.topology.groups import ALL_REDUCE_KINDS, group_kind
 
 __all__ = ["KINDS", "PHASES", "Collective", "median_step", "overlap_windows", "step_breakdown", "timeline"]
@@ -65,10 +66,14 @@ _ISSUE_OPS = {
     "reduce_scatter_": ("reduce_scatter", ("all_reduce", "reduce_scatter")),
     "reduce_scatter_tensor": ("reduce_scatter", ("all_reduce", "reduce_scatter")),
     "broadcast_": ("broadcast", ("broadcast",)),
+    "reduce_": ("reduce", ("reduce",)),  # DeepSpeed ZeRO-1/2: each partition to its owner
     "broadcast": ("broadcast", ("broadcast",)),
 }
 _API_NAMESPACES = ("c10d::", "_c10d_functional::", "c10d_functional::")
-_OP_KIND = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
+# a reduce to one owner is one piece of a reduce-scatter (DeepSpeed reduces each rank's
+# partition with ``dist.reduce``)
+_OP_KIND = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
+            "reduce": "RS"}
 _DTYPE_BYTES = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8,
                 "int": 4, "unsigned char": 1, "signed char": 1, "bool": 1}
 
@@ -83,11 +88,18 @@ class Collective:
     issued: float  # seconds
     ended: float
     worker_start: float
+    # the bytes of its full-size tensor: a reduction's input (the whole gradient a reduce-scatter
+    # takes, not the shard it returns), an all-gather's output; and of one element
+    # (compare/wire.py [Note: bytes on the wire])
+    full_bytes: int = 0
+    elem_bytes: int = 4
+    dtype: str = "?"
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "phase": self.phase, "op": self.op, "label": self.label,
                 "bytes": self.nbytes, "issued": self.issued, "ended": self.ended,
-                "worker_start": self.worker_start}
+                "worker_start": self.worker_start, "full_bytes": self.full_bytes,
+                "elem_bytes": self.elem_bytes, "dtype": self.dtype}
 
 
 def _span(e) -> tuple[float, float]:
@@ -142,11 +154,41 @@ def _numel(shape) -> int | None:
     return n
 
 
+_DTYPE_NAMES = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "double": "fp64"}
+
+
 def _elem_bytes(dtypes) -> int:
     for d in dtypes or ():
         if d in _DTYPE_BYTES:
             return _DTYPE_BYTES[d]
     return 4
+
+
+def _dtype_name(dtypes) -> str:
+    """The first recognised dtype of a profiler event's inputs ("fp32", "bf16", ...; "?")."""
+    for d in dtypes or ():
+        if d in _DTYPE_BYTES:
+            return _DTYPE_NAMES.get(d, d)
+    return "?"
+
+
+def _outermost(issues: list[dict]) -> list[dict]:
+    """Issues (sorted by start) less those inside another issue on the same thread: a
+    functional collective (``_c10d_functional::all_reduce``, DTensor's clip norm) issues its
+    ``c10d::allreduce_`` inside itself, and the pair is one collective with one run. Kept
+    twice, the inner one - of unknown numel - would stay unmatched and be paired with the next
+    step's first all-reduce, shifting every later match by one (a step would lose one of its
+    all-reduces to the step before)."""
+    out: list[dict] = []
+    open_by_thread: dict[Any, list[tuple[float, float]]] = defaultdict(list)
+    for i in issues:
+        e = i["event"]
+        spans = open_by_thread[e.thread]
+        if any(a <= e.time_range.start and e.time_range.end <= b for a, b in spans):
+            continue
+        spans.append((e.time_range.start, e.time_range.end))
+        out.append(i)
+    return out
 
 
 def collectives(events: list) -> tuple[list[Collective], set]:
@@ -173,14 +215,19 @@ def collectives(events: list) -> tuple[list[Collective], set]:
                  else set())
         issues.append({"event": e, "op": op, "accepts": accepts, "phase": phase, "label": label,
                        "numels": known, "first_numel": numels[0] if numels else None,
+                       "full_numel": (numels[1] if op == "reduce_scatter" and len(numels) > 1
+                                      else max([n for n in numels[:2] if n], default=None)
+                                      if op == "all_gather" else None),
                        "used": False})
     issues.sort(key=lambda i: i["event"].time_range.start)
+    issues = _outermost(issues)
     out: list[Collective] = []
     for w in sorted(workers, key=lambda e: e.time_range.start):
         wop = w.name.split(":", 1)[1]
         shapes = list(getattr(w, "input_shapes", None) or [])
         wnumel = _numel(shapes[0]) if shapes else None
         elem = _elem_bytes(getattr(w, "input_dtypes", None))
+        dtype = _dtype_name(getattr(w, "input_dtypes", None))
         exact = fallback = None  # the earliest issue of this numel; else of an unknown one
         for i in issues:
             if i["event"].time_range.start > w.time_range.start:
@@ -197,14 +244,17 @@ def collectives(events: list) -> tuple[list[Collective], set]:
         ws, we = _span(w)
         if match is None:  # issued before the profile started
             out.append(Collective(kind=_OP_KIND.get(wop, "other"), phase="outside", op=wop, label="",
-                                  nbytes=(wnumel or 0) * elem, issued=ws, ended=we, worker_start=ws))
+                                  nbytes=(wnumel or 0) * elem, issued=ws, ended=we, worker_start=ws,
+                                  full_bytes=(wnumel or 0) * elem, elem_bytes=elem, dtype=dtype))
             continue
         match["used"] = True
         api = match["event"].name
         numel = match["first_numel"] or wnumel or 0
         out.append(Collective(kind=_kind(match["op"], api, match["label"]), phase=match["phase"],
                               op=match["op"], label=match["label"], nbytes=numel * elem,
-                              issued=_span(match["event"])[0], ended=we, worker_start=ws))
+                              issued=_span(match["event"])[0], ended=we, worker_start=ws,
+                              full_bytes=(match["full_numel"] or numel) * elem, elem_bytes=elem,
+                              dtype=dtype))
     return out, worker_threads
 
 
@@ -285,7 +335,7 @@ def step_breakdown(events: list, index: int = -1) -> dict[str, Any] | None:
               "comm_s": total(all_spans), "exposed_s": total(subtract(all_spans, compute_in)),
               "count": len(chosen), "bytes": sum(c.nbytes for c in chosen)}
     step_events = [e for e in events if e.time_range.end > t0 * 1e6 and e.time_range.start < t1 * 1e6]
-    return {"rows": rows, "kinds": kinds, "totals": totals,
+    return {"rows": rows, "kinds": kinds, "totals": totals, "wire": wire_of(chosen),
             "overlap_windows": overlap_windows(step_events),
             "timeline": timeline(chosen, compute_in, origin=t0)}
 

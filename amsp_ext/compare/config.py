@@ -18,10 +18,11 @@ from amsp_ext.engine_config import engine_default
 from amsp_ext.schema import check_options, name_of, option
 from amsp_ext.common.models import MODEL_CONFIGS
 
-__all__ = ["GRANULARITIES", "OVERLAPS", "OVERLAP_LABELS", "OVERLAP_SWITCHES", "PRECISIONS", "RunSpec", "SpecError"]
+__all__ = ["GRANULARITIES", "OVERLAPS", "OVERLAP_LABELS", "OVERLAP_SWITCHES", "PRECISIONS", "REDUCE_DTYPES", "RunSpec", "SpecError"]
 
 # no fp16: the comparison's training steps (systems/*.py) do no loss scaling
 PRECISIONS = tuple(p for p in choices.PRECISIONS if p != "fp16")
+REDUCE_DTYPES = ("fp32", "bf16")
 # The paper's Table V, cumulative: all on, no Broadcast overlap, no Broadcast and no AllReduce
 # overlap, no overlap at all (AG/RS too), as the engine's OverlapConfig switches.
 _OFF = {"all": (), "no_bc": ("broadcast",), "no_bc_ar": ("broadcast", "allreduce"),
@@ -68,6 +69,19 @@ class RunSpec:
     precision: str = option("bf16", choices=PRECISIONS,
                             help="compute dtype of every system (default bf16, or fp32 on a CPU "
                                  "without native bf16, which says so before the run)")
+    # [Note: one wire dtype for every system]
+    # The gradient reduction dtype is set for every row the way that system's users set it (DDP:
+    # the bf16 compression comm hook; FSDP2/HSDP: MixedPrecisionPolicy(reduce_dtype); DeepSpeed:
+    # communication_data_type; AMSP: EngineConfig.reduce_dtype), so that a throughput ratio
+    # compares engines and plans, not 4-byte against 2-byte gradients: left to their defaults,
+    # AMSP and DeepSpeed would reduce bf16 where DDP and FSDP2 reduce fp32.
+    # Default fp32, the engine's default. bf16 needs --precision bf16: a bf16 wire under fp32
+    # compute is a configuration the AMSP engine does not offer (EngineConfig refuses it), so no
+    # like-for-like AMSP row could exist; refused here before any launch. What each row really
+    # sent is measured from its trace (compare/wire.py), not taken from this setting.
+    reduce_dtype: str = option(engine_default("reduce_dtype"), choices=REDUCE_DTYPES,
+                               help="gradient reduction dtype of every system (default fp32; bf16 "
+                                    "needs --precision bf16)")
     lr: float = option(1e-3, above=0)
     weight_decay: float = option(0.1, minimum=0)
     grad_clip: float = option(1.0, above=0)
@@ -104,6 +118,9 @@ class RunSpec:
             if self.seq_len > max_pos:
                 raise SpecError(f"{name_of(self, 'seq_len')} must be in 1..{max_pos} for {self.model}, "
                                 f"got {self.seq_len}")
+            if self.reduce_dtype != "fp32" and self.reduce_dtype != self.precision:
+                raise SpecError(f"{name_of(self, 'reduce_dtype')} must be fp32 with precision "
+                                f"{self.precision} (bf16 needs precision bf16), got {self.reduce_dtype}")
             if self.num_warmup_steps >= self.num_steps:
                 raise SpecError(f"{name_of(self, 'num_warmup_steps')} must be in 0..num_steps-1 "
                                 f"({self.num_steps - 1}), got {self.num_warmup_steps}")

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from amsp_ext.compare.config import COMPARE_MISSING_MESH, OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
 from amsp_ext.compare.launch import LaunchConfig, run_system
-from amsp_ext.compare.rounds import combine_rounds, round_order, validate_repeats
+from amsp_ext.compare.rounds import combine_rounds, overloaded_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS
 from amsp_ext.common.metrics import mfu
@@ -150,11 +150,14 @@ def _hardware(launch: LaunchConfig, nodes: int, gpn: int) -> str:
     return f"cpu-{nodes}x{gpn}" + ("-lab" if launch.launcher == "cluster" else "")
 
 
-def _precision_note(precision: str) -> str:
+def _precision_note(precision: str, reduce_dtype: str = "fp32") -> str:
     if precision == "bf16":
         return ("bf16 for every system, in each system's own mixed-precision form (DDP: autocast "
-                "over fp32 params; FSDP2: MixedPrecisionPolicy bf16/fp32-reduce; DeepSpeed: "
-                "`bf16.enabled`; AMSP: bf16 compute, fp32 masters): the paper trains in mixed "
+                "over fp32 params; FSDP2: MixedPrecisionPolicy param_dtype bf16; DeepSpeed: "
+                "`bf16.enabled`; AMSP: bf16 parameters, fp32 masters; per row below), gradients "
+                f"reduced in **{reduce_dtype}** by every system (`--reduce-dtype`; DDP: bf16 "
+                "compression hook, FSDP2: reduce_dtype, DeepSpeed: communication_data_type, AMSP: "
+                "reduce_dtype; what each sent is measured below): the paper trains in mixed "
                 "precision and it is what these systems' users run. fp32 runs too "
                 "(`--precision fp32`) - DeepSpeed 0.18.9 ZeRO-1/2 fail on gloo in *both* "
                 "precisions with LlamaForCausalLM unless patches/deepspeed_zero12_flat_buffer.py "
@@ -289,8 +292,9 @@ class _Comparison:
         if not final or stopped:
             meta["incomplete"] = (f"stopped ({stopped})" if stopped else "in progress") + \
                 f": {self.num_reported()} of {self.total} runs reported"
+        meta["round_loads"] = self.round_loads
+        meta.update(overloaded_rounds(self.round_loads))
         if self.repeats > 1:
-            meta["round_loads"] = self.round_loads
             meta["order_scheme"] = ORDER_SCHEME
         self.rows = rows
         return write_report(rows=rows, meta=meta, out_dir=self.out_dir, stem=self.stem, plots=final)
@@ -413,7 +417,7 @@ def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak
         "launch": dataclasses.asdict(launch), "topology": topology, "cluster_link": link,
         "versions": versions, "patches": patches,
         "peak_flops": peak, "compute_dtype": spec.precision,
-        "precision_note": _precision_note(spec.precision),
+        "precision_note": _precision_note(spec.precision, spec.reduce_dtype),
         "num_params": num_params,
         "flops_per_token": flops_per_token(llama_config_dict(spec.model), spec.seq_len),
         "global_batch_sequences": spec.micro_batch_size * spec.num_micro_batches * world,

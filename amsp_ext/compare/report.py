@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from amsp_ext.compare.rounds import paired_ratio
+from amsp_ext.compare.rounds import (CLAIM_AGREE, CLAIM_MIN_ROUNDS, CLAIM_MIN_TIMED_STEPS, TARGET,
+                                    paired_ratio, timed_steps, verdict)
+from amsp_ext.compare.wire import BYTES_TOLERANCE, not_as_asked, wire_mismatch
 
-__all__ = ["breakdown_table", "format_table", "ratio_records", "ratios", "write_plots",
+__all__ = ["breakdown_table", "format_table", "ratio_records", "ratios", "wire_table", "write_plots",
            "write_report", "write_timeline"]
 
 MIB = 2**20
@@ -208,8 +210,13 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def add(num: dict[str, Any], den: dict[str, Any], text: str, note: str = "") -> None:
         rec = paired_ratio(num, den)
         if rec:
+            steps = [s for s in (timed_steps(num), timed_steps(den)) if s is not None]
+            wire_note = ("" if num.get("wire") and den.get("wire")
+                         else "wire bytes not measured (no trace): not checked")
             out.append({"numerator": num["key"], "denominator": den["key"], "text": text,
-                        "note": note, **rec})
+                        "note": "; ".join(n for n in (note, wire_note) if n), **rec,
+                        "refused": wire_mismatch(num, den),
+                        "verdict": verdict(rec, min(steps) if steps else None)})
 
     planned = _row(rows, "amsp-plan")
     if planned:
@@ -239,16 +246,56 @@ def _no_ratio_line(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "- no AMSP row and baseline both ran (see their status)."
 
 
+RATIO_RULES = (
+    f"Per ratio: the median of the per-round ratios, their interquartile range and how many rounds "
+    f"were above {TARGET:.1f}x. A *claim* needs >= {CLAIM_MIN_TIMED_STEPS} timed steps per job and "
+    f">= {CLAIM_MIN_ROUNDS} rounds; its target is met only when the median is above {TARGET:.1f}x "
+    f"and >= {CLAIM_AGREE:.0%} of the rounds are (amsp_ext/compare/rounds.py). A ratio between rows "
+    "that sent gradients in different dtypes, or, for the same plan shape, gradient bytes per step "
+    f"differing by more than {BYTES_TOLERANCE:.0%}, is refused (amsp_ext/compare/wire.py).")
+WIRE_TEXT = (
+    "Measured from each row's trace, not its settings: gradient bytes = the input bytes of every "
+    "gradient reduction (all-reduce, reduce-scatter, reduce; scalars left out), per collective op "
+    "the bytes of its full-size tensor (a reduce-scatter's input, an all-gather's output). "
+    "`asked` is `--reduce-dtype`.")
+
+
+def wire_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per row: how its compute dtype is reached, and its measured wire (compare/wire.py)."""
+    out = []
+    for r in rows:
+        if r.get("status") != "ok" or not (r.get("wire") or r.get("mixed_precision")):
+            continue
+        if not out:
+            out = ["| System | mixed precision | gradients (asked) | parameters | gradient bytes / step "
+                   "| bytes / step by op |", "|---|---|---|---|---:|---|"]
+        w = r.get("wire") or {}
+        ops = ", ".join(f"{op} {n:,}" for op, n in (w.get("bytes_per_step") or {}).items()) or "—"
+        grad = (f"{w.get('grad_dtype') or '—'} ({w.get('reduce_dtype_asked', '?')})" if w
+                else "not measured (no trace)") + (" **not as asked: no ratios**" if not_as_asked(r) else "")
+        nbytes = f"{w['grad_bytes_per_step']:,}" if w else "—"
+        out.append(f"| {r['label']} | {r.get('mixed_precision') or '—'} | {grad} | "
+                   f"{w.get('param_dtype') or '—'} | {nbytes} | {ops} |")
+    return out
+
+
 def _ratio_line(rec: dict[str, Any]) -> str:
+    """One ratio: its median with the spread and verdict (rounds.py [Note: what a claim needs]),
+    or, refused (wire.py [Note: which ratios are refused]), which rows and why, no number."""
+    if rec.get("refused"):
+        return f"- {rec['text']}: no ratio: {rec['refused']}"
     notes = []
     if rec["num_rounds"] > 1:
         paired = rec["num_paired_rounds"]
         notes.append(f"median of {paired} per-round ratios" + ("" if paired == rec["num_rounds"]
                                                                 else f" ({rec['num_rounds']} rounds)")
-                     + f", range {rec['min']:.2f}–{rec['max']:.2f}x")
+                     + f", IQR {rec['q1']:.2f}–{rec['q3']:.2f}x, range {rec['min']:.2f}–{rec['max']:.2f}x, "
+                       f"{rec['rounds_above_target']} of {paired} above {TARGET:.1f}x")
     if rec["note"]:
         notes.append(rec["note"])
-    return f"- {rec['text']}: {rec['median']:.2f}x" + (f" ({'; '.join(notes)})" if notes else "")
+    v = rec.get("verdict")
+    return (f"- {rec['text']}: {rec['median']:.2f}x" + (f" ({'; '.join(notes)})" if notes else "")
+            + (f"; {v['text']}" if v else ""))
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[str]:
@@ -384,10 +431,12 @@ def rounds_section(rows: list[dict[str, Any]], ratio_recs: list[dict[str, Any]],
            "the first successful round's rank 0, their step line gives the medians over "
            "rounds. Loss and memory are from each system's first successful round.", "",
            "| round | order (first → last, row keys) | load at start (1 min) |", "|---|---|---:|"]
+    busy = set(meta.get("overloaded_rounds") or ())
     for i, order in enumerate(meta["round_orders"], 1):
         load = loads[i - 1]
+        flag = f" **above 2x the {meta.get('cpu_count')} cores**" if i in busy else ""
         out.append(f"| {i} | {' → '.join(order)} | "
-                   f"{'n/a' if not load else f'{load[0]:.1f}'} |")
+                   f"{'n/a' if not load else f'{load[0]:.1f}'}{flag} |")
     out += ["", f"| tokens/GPU/s (position in round) | {cols} |", sep]
     for r in rows:
         cells = []
@@ -400,7 +449,8 @@ def rounds_section(rows: list[dict[str, Any]], ratio_recs: list[dict[str, Any]],
         out += ["", f"| ratio | {cols} |", sep]
         for rec in ratio_recs:
             out.append(f"| {rec['text']} | "
-                       + " | ".join("—" if v is None else f"{v:.2f}x" for v in rec["per_round"]) + " |")
+                       + " | ".join("—" if v is None else "refused" if rec.get("refused") else f"{v:.2f}x"
+                                    for v in rec["per_round"]) + " |")
     return out + [""]
 
 
@@ -429,7 +479,9 @@ def _header_lines(meta: dict[str, Any]) -> list[str]:
         f"# amsp compare: {spec['model']} on {meta['hardware']}, {meta['date']}",
         "",
         *([f"**Incomplete: {meta['incomplete']}.**", ""] if meta.get("incomplete") else []),
-        f"Machine: {meta['cpu']}." + _load_text(meta.get("load")),
+        f"Machine: {meta['cpu']}." + _load_text(meta.get("load"))
+        + (f" **Round(s) {', '.join(map(str, meta['overloaded_rounds']))} started with the load above "
+           f"2x the {meta.get('cpu_count')} cores.**" if meta.get("overloaded_rounds") else ""),
         "",
         f"Mode: **{meta['mode']}**. Command:",
         "",
@@ -446,7 +498,10 @@ def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str,
     """The results table, the ratios, the rounds, the overlap ablation, the loss agreement."""
     lines = ["## Results", "", format_table(rows), ""]
     rat = [_ratio_line(rec) for rec in ratio_recs] or [_no_ratio_line(rows, meta)]
-    lines += ["### Ratios (tokens/GPU/s)", "", *rat, ""]
+    lines += ["### Ratios (tokens/GPU/s)", "", RATIO_RULES, "", *rat, ""]
+    wire = wire_table(rows)
+    if wire:
+        lines += ["### What each row sent (one profiled step, rank 0)", "", WIRE_TEXT, "", *wire, ""]
     lines += rounds_section(rows, ratio_recs, meta)
     abl = ablation_table(rows)
     if abl:

@@ -27,12 +27,29 @@ N.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Sequence
 
 from amsp_ext.compare.config import SpecError
 
-__all__ = ["combine_rounds", "paired_ratio", "round_order", "validate_repeats"]
+__all__ = ["CLAIM_AGREE", "CLAIM_MIN_ROUNDS", "CLAIM_MIN_TIMED_STEPS", "TARGET", "combine_rounds",
+           "overloaded_rounds", "paired_ratio", "timed_steps", "round_order", "validate_repeats", "verdict"]
+
+# [Note: what a claim needs]
+# On the shared machines these comparisons run on, one configuration's median ratio swings by
+# tenths between runs of a few timed steps and 3-4 rounds. So a ratio
+# is a *claim* only with at least CLAIM_MIN_TIMED_STEPS timed steps per job (after the warm-up)
+# and CLAIM_MIN_ROUNDS paired rounds in alternated order; anything less is reported with its
+# numbers but labelled "not a claim". A claim's target (AMSP faster than the peer: ratio above
+# TARGET) is *met* only when the median of the per-round ratios is above it and at least
+# CLAIM_AGREE of the paired rounds are too (4 of 5); otherwise it is *not met*, whatever the
+# median says. The report gives the interquartile range of the per-round ratios beside the
+# median, so a reader sees the spread the verdict was taken over.
+CLAIM_MIN_TIMED_STEPS = 10
+CLAIM_MIN_ROUNDS = 5
+CLAIM_AGREE = 0.8
+TARGET = 1.0
 
 
 def validate_repeats(num_repeats: Any) -> int:
@@ -122,8 +139,53 @@ def _comm_over_rounds(row: dict[str, Any], ok: list[dict[str, Any]]) -> None:
                             "num_profiled_rounds": len(per_round)}
 
 
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def overloaded_rounds(round_loads: list, cpu_count: int | None = None) -> dict[str, Any]:
+    """``{"cpu_count", "overloaded_rounds"}``: the rounds (1-based) whose 1-minute load average at
+    the start was above twice the core count: their timings are flagged in the report (a
+    busier machine than the run itself makes)."""
+    import os
+
+    cores = cpu_count or os.cpu_count() or 1
+    return {"cpu_count": cores,
+            "overloaded_rounds": [i for i, load in enumerate(round_loads, 1) if load and load[0] > 2 * cores]}
+
+
+def timed_steps(row: dict[str, Any]) -> int | None:
+    """Timed steps per job of a row (its spec's steps less warm-up), None if it has no spec."""
+    spec = row.get("spec") or {}
+    if "num_steps" not in spec:
+        return None
+    return spec["num_steps"] - spec.get("num_warmup_steps", 0)
+
+
+def verdict(rec: dict[str, Any], steps: int | None) -> dict[str, Any]:
+    """[Note: what a claim needs]: ``{"claim": bool, "met": bool | None, "text": ...}`` of a
+    paired ratio (``paired_ratio``) whose jobs timed ``steps`` steps each."""
+    n = rec["num_paired_rounds"]
+    above = rec["rounds_above_target"]
+    if steps is None or steps < CLAIM_MIN_TIMED_STEPS or n < CLAIM_MIN_ROUNDS:
+        got = (f"{'?' if steps is None else steps} timed step{'' if steps == 1 else 's'}, "
+               f"{n} round{'' if n == 1 else 's'}")
+        return {"claim": False, "met": None,
+                "text": f"not a claim ({got}; a claim needs >= {CLAIM_MIN_TIMED_STEPS} timed steps "
+                        f"and >= {CLAIM_MIN_ROUNDS} rounds)"}
+    need = math.ceil(CLAIM_AGREE * n - 1e-9)
+    met = rec["median"] > TARGET and above >= need
+    why = (f"median {rec['median']:.2f}x, {above} of {n} rounds above {TARGET:.1f}x; "
+           f"met needs the median and >= {need} rounds above it")
+    return {"claim": True, "met": met, "text": f"target {'met' if met else 'not met'} ({why})"}
+
+
 def paired_ratio(num: dict[str, Any], den: dict[str, Any]) -> dict[str, Any] | None:
-    """tokens/GPU/s of ``num`` over ``den``: per round where both ran ok, then median and range.
+    """tokens/GPU/s of ``num`` over ``den``: per round where both ran ok, then median, range,
+    interquartile range and how many rounds were above ``TARGET``.
 
     Rows without rounds (N = 1, or a row that never ran) count as one round."""
     a = num.get("tokens_per_gpu_per_s_rounds") or [num.get("tokens_per_gpu_per_s")]
@@ -132,5 +194,7 @@ def paired_ratio(num: dict[str, Any], den: dict[str, Any]) -> dict[str, Any] | N
     vals = [v for v in per_round if v is not None]
     if not vals:
         return None
+    q1, q3 = _quartiles(vals)
     return {"per_round": per_round, "num_rounds": len(per_round), "num_paired_rounds": len(vals),
-            **_spread(vals)}
+            **_spread(vals), "q1": q1, "q3": q3, "iqr": q3 - q1,
+            "rounds_above_target": sum(v > TARGET for v in vals)}

@@ -47,6 +47,16 @@ def _breakdown(ranks: list[dict]) -> dict[str, Any] | None:
     return {**got[0], "rank": ranks[0]["rank"], "median_over_ranks": med}
 
 
+def _wire(ranks: list[dict], spec: RunSpec) -> dict[str, Any] | None:
+    """Rank 0's wire record of its profiled step (compare/wire.py [Note: bytes on the wire]) and
+    every rank's gradient bytes; None without a trace."""
+    got = [(r["rank"], (r.get("breakdown") or {}).get("wire")) for r in ranks]
+    if not got or got[0][1] is None:
+        return None
+    return {**got[0][1], "rank": got[0][0], "reduce_dtype_asked": spec.reduce_dtype,
+            "grad_bytes_per_step_ranks": [w["grad_bytes_per_step"] if w else None for _, w in got]}
+
+
 def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict[str, Any]:
     row = {k: result.get(k) for k in ("key", "system", "label", "status", "reason", "command", "wall_s",
                                       "spec", "plan_source")}
@@ -74,6 +84,8 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
         "breakdown": _breakdown(ranks),
         "setup_s": max(r["setup_s"] for r in ranks),
         "settings": result.get("settings"),
+        "mixed_precision": result.get("mixed_precision"),
+        "wire": _wire(ranks, spec),
         "patches": result.get("patches"),
         "world_size": result.get("world_size"),
         "num_nodes": result.get("num_nodes"),

@@ -172,6 +172,7 @@ def run(system: str, spec, out: Path, coll) -> dict:
         "num_nodes": num_nodes,
         "gpus_per_node": gpus_per_node,
         "settings": sysrun.settings,
+        "mixed_precision": sysrun.mixed_precision,
         "patches": patches_applied,
         "ranks": records,
     }

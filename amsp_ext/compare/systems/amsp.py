@@ -11,10 +11,10 @@ Both run the engine contract of docs/DESIGN.md unchanged: ``no_sync()`` on micro
 ``RunSpec.amsp_overlap`` maps to the engine's Table V switches (``OverlapConfig``); the
 ablation mode runs ``amsp-plan`` once per setting.
 
-Gradients are reduced in the compute dtype (``reduce_dtype=spec.precision``), not the engine's
-fp32 default: the DeepSpeed rows reduce in their compute dtype (DeepSpeed's default
-``communication_data_type``), and the paper's comparison is of the same bytes moved by two
-engines. comparisons/results/reduce_dtype.md measures what fp32 reduction costs on top.
+Gradients are reduced in ``RunSpec.reduce_dtype`` (fp32 by default, the engine's default), as
+every other row is (config.py [Note: one wire dtype for every system]), so a bf16 ratio measures
+the engine and the plan, not the dtype; comparisons/results/reduce_dtype.md measures what fp32
+reduction costs.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ __all__ = ["engine_config", "mics_plan", "plan_text", "setup"]
 
 def engine_config(spec, gpus_per_node: int | None = None) -> EngineConfig:
     """The engine configuration of the AMSP rows: the engine's defaults (engine_config.py) but
-    what the comparison holds fixed across systems (precision, the reduce dtype the DeepSpeed
-    rows use, the sharding unit) and the ablation's overlap switches. Torch-free: the launcher
+    what the comparison holds fixed across systems (precision, the reduce dtype every row uses,
+    the sharding unit) and the ablation's overlap switches. Torch-free: the launcher
     plans "auto" with ``planner_settings`` of it."""
     return EngineConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
-                        reduce_dtype=spec.precision, granularity=spec.amsp_granularity,
+                        reduce_dtype=spec.reduce_dtype, granularity=spec.amsp_granularity,
                         all_reduce=spec.amsp_all_reduce,
                         overlap=OverlapConfig(**OVERLAP_SWITCHES[spec.amsp_overlap]))
 
@@ -66,7 +66,9 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
         losses = [loss.item() for loss in done.losses]
         return sum(losses) / len(losses)
 
-    return SystemRun(train_step=train_step, drain=model.amsp.wait_params, settings={
+    return SystemRun(train_step=train_step, drain=model.amsp.wait_params, mixed_precision=(
+        "bf16 parameters and compute, fp32 masters of the owned shards (EngineConfig precision)"
+        if ctx.spec.precision == "bf16" else "fp32"), settings={
         "plan": str(model.amsp.plan),
         "overlap": OVERLAP_SWITCHES[ctx.spec.amsp_overlap],
         "shard_config": repr(config),

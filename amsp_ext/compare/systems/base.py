@@ -81,11 +81,25 @@ class Context:
         return torch.bfloat16 if self.spec.precision == "bf16" else torch.float32
 
 
+# [Note: mixed precision of the same kind]
+# Two bf16 rows can reach bf16 by different recipes, and a ratio of them then measures the
+# recipe too. Each runner states its own in ``SystemRun.mixed_precision`` and the report prints
+# it beside the measured wire dtypes (compare/wire.py). With --precision bf16: FSDP2/HSDP
+# (MixedPrecisionPolicy param_dtype=bf16 over fp32 sharded parameters), DeepSpeed
+# (bf16.enabled) and AMSP (EngineConfig precision) all compute on bf16 parameters with fp32
+# masters in the optimizer - the same kind. DDP alone is autocast over fp32 parameters (fp32
+# gradients, cast per op), because that is how DDP users run bf16: DDP has no bf16-parameter
+# mode of its own, and a hand-made bf16 model with fp32 master copies under DDP would be a
+# recipe of ours, not DDP's. Its gradient wire is still the asked dtype (the bf16 hook), so the
+# bytes match and the remaining difference - autocast's per-op casts and fp32 gradient
+# buffers - is named in its row, not hidden.
 @dataclass(kw_only=True)
 class SystemRun:
     train_step: Callable[[int], float]
     # How the system was configured (e.g. the DeepSpeed config), for the report.
     settings: dict[str, Any] = field(default_factory=dict)
+    # How the compute dtype is reached: [Note: mixed precision of the same kind]
+    mixed_precision: str = "fp32"
     # Waits for the collectives a step leaves in flight (AMSP's post-step broadcasts); the
     # others leave none. worker.py [Note: no collective in flight across a profiler boundary]
     drain: Callable[[], None] = lambda: None

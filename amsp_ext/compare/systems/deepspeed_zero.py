@@ -2,7 +2,9 @@
 
 Every stage has ``overlap_comm`` on, and DeepSpeed's defaults otherwise (contiguous gradients,
 round-robin off, prefetching on), except the three size knobs below. bf16 is DeepSpeed's own ``"bf16": {"enabled": true}`` (bf16
-parameters and compute, fp32 master weights in the optimizer); clipping is DeepSpeed's
+parameters and compute, fp32 master weights in the optimizer); gradients are reduced in
+``communication_data_type`` = ``RunSpec.reduce_dtype`` (config.py [Note: one wire dtype for every
+system]; absent, DeepSpeed would reduce in the compute dtype); clipping is DeepSpeed's
 ``gradient_clipping``; accumulation is ``gradient_accumulation_steps`` with
 ``engine.backward(loss); engine.step()`` per micro-batch, which scales the loss by 1/M itself.
 The optimizer is the same client ``torch.optim.AdamW`` every system gets.
@@ -66,6 +68,7 @@ def ds_config(name: str, ctx: Context) -> dict[str, Any]:
         "gradient_clipping": s.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": s.precision == "bf16"},
+        "communication_data_type": s.reduce_dtype,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -115,7 +118,9 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
                 raise SystemUnavailable(reason) from e
             raise
 
-    return SystemRun(train_step=guarded_step, settings={
+    return SystemRun(train_step=guarded_step, mixed_precision=(
+        "bf16 parameters and compute, fp32 masters in the optimizer (DeepSpeed bf16.enabled)"
+        if ctx.spec.precision == "bf16" else "fp32"), settings={
         "deepspeed": deepspeed.__version__,
         "ds_config": config,
         "optimizer": "client torch.optim.AdamW",

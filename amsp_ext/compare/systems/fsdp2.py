@@ -2,7 +2,9 @@
 
 As torchtitan applies it: one ``fully_shard`` per decoder layer, then the root;
 ``reshard_after_forward=True``; bf16 is ``MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)`` over fp32 sharded parameters. Gradient accumulation keeps the default
+reduce_dtype=...)`` over fp32 sharded parameters (bf16 parameters gathered for compute, fp32
+masters), the reduce dtype ``RunSpec.reduce_dtype`` (config.py [Note: one wire dtype for every
+system]; fp32 by default, as torchtitan does). Gradient accumulation keeps the default
 reduce-scatter on every micro-batch (gradients stay sharded, the point of FSDP); HSDP skips the
 cross-replica all-reduce on all but the last micro-batch (``set_requires_all_reduce``, the
 documented HSDP accumulation idiom). Clipping is ``clip_grad_norm_`` on the DTensor gradients.
@@ -38,10 +40,9 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
                                 mesh_dim_names=("replicate", "shard"))
     else:
         raise ValueError(f"FSDP2 system must be one of fsdp2, hsdp, got {name!r}")
-    if ctx.spec.precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp = MixedPrecisionPolicy()
+    bf16 = ctx.spec.precision == "bf16"
+    reduce_dtype = torch.bfloat16 if ctx.spec.reduce_dtype == "bf16" else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
@@ -64,10 +65,12 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
             optimizer.zero_grad(set_to_none=True)
         return sum(losses) / len(losses)
 
-    return SystemRun(train_step=train_step, settings={
+    return SystemRun(train_step=train_step, mixed_precision=(
+        "bf16 parameters gathered from fp32 sharded masters (MixedPrecisionPolicy param_dtype=bf16)"
+        if bf16 else "fp32"), settings={
         "mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)),
         "wrap": "fully_shard per decoder layer + root, reshard_after_forward=True",
-        "mixed_precision": "param_dtype=bf16, reduce_dtype=fp32" if ctx.spec.precision == "bf16" else "fp32",
+        "mp_policy": f"param_dtype={'bf16' if bf16 else 'fp32'}, reduce_dtype={ctx.spec.reduce_dtype}",
         "accumulation": "reduce-scatter every micro-batch" + (
             "; replica all-reduce on the last only (set_requires_all_reduce)" if name == "hsdp" else ""),
     })
