@@ -23,7 +23,7 @@ HELP = "measure allreduce/allgather/reducescatter/broadcast bandwidth per mesh; 
 @dataclass(frozen=True, kw_only=True)
 class ProfileFlags:
     """``amsp profile``'s flags. Unset (None) sizes and counts take ProfileConfig's defaults, or
-    the --quick ones; ProfileConfig (tools/profile_cases.py) checks the values, in its words."""
+    the --quick ones; ProfileConfig (runtime/measure/profile_cases.py) checks the values, in its words."""
 
     output: str = option("profile.json", short="-o", help="where rank 0 writes the profile")
     name: str | None = option(None, help="profile name (default measured-<N>x<R>-<backend>)")
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace):
     from amsp_ext.planner.specs import parse_size
-    from amsp_ext.tools.profile_cases import ProfileConfig
+    from amsp_ext.runtime.measure.profile_cases import ProfileConfig
 
     given = {}
     if args.min_size is not None:
@@ -78,7 +78,7 @@ def _config(args: argparse.Namespace):
 
 def _launch_env():
     """(rank, world size, local world size, local rank) from torchrun's environment."""
-    from amsp_ext.tools.profile_cases import ProfileError
+    from amsp_ext.runtime.measure.profile_cases import ProfileError
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     missing = [k for k in keys if k not in os.environ]
@@ -98,7 +98,7 @@ def _lab_link() -> dict | None:
 
 
 def _print_fits(measurements, out) -> None:
-    from amsp_ext.tools.profile_cases import alpha_beta_fit
+    from amsp_ext.runtime.measure.profile_cases import alpha_beta_fit
 
     print(f"{'op':<14}{'mesh':>6}  {'alpha (us)':>11}  {'1/beta (GB/s)':>13}  {'GB/s at max':>11}", file=out)
     for m in measurements:
@@ -109,7 +109,7 @@ def _print_fits(measurements, out) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from amsp_ext.tools.profile_cases import ProfileError
+    from amsp_ext.runtime.measure.profile_cases import ProfileError
 
     config = _config(args)  # bad flags fail here, before any rank talks to another
     rank, world_size, local_world, local_rank = _launch_env()
@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from amsp_ext.tools.profile_cases import profile_document
-    from amsp_ext.tools.profiler import measure, pick_device
+    from amsp_ext.runtime.measure.profile_cases import profile_document
+    from amsp_ext.runtime.measure.profiler import measure, pick_device
     from amsp_ext.topology.groups import World
 
     backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")

@@ -88,6 +88,8 @@ class Engine:
         # (runtime/replan/switch.py [Note: the old plan's groups stay alive])
         self.switches: list[dict] = list(switches or [])
         self.retired_meshes: list[PlanMesh] = list(retired_meshes or [])
+        # where the profile that planned the job came from (shard() sets it; topology/profile_cache.py)
+        self.profile_source = None
 
     def group(self, kind: str) -> dist.ProcessGroup:
         return self.mesh.group(kind)
@@ -212,6 +214,21 @@ def plan_world(config: ShardConfig) -> World:
         )
     return World.with_leaves(num_nodes=world_size // R, gpus_per_node=R,
                              nodes_per_leaf=config.nodes_per_leaf)
+
+
+def needs_profile(plan, world: World, config: ShardConfig) -> bool:
+    """Whether running ``plan`` needs the planner's profile: plan "auto", an ``all_reduce``
+    "auto" that the plan's groups leave a choice to, or an adaptive run's monitor."""
+    if config.auto is None:
+        return False
+    if config.adaptive is not None or (isinstance(plan, str) and plan.strip().lower() == "auto"):
+        return True
+    try:
+        resolved = resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
+        return unpriced_choice(resolved, config.all_reduce, gpus_per_node=world.gpus_per_node,
+                               num_nodes=world.num_nodes) is None
+    except ValueError:  # resolve_engine_plan says why, before any collective
+        return False
 
 
 def resolve_engine_plan(plan, model: nn.Module, world: World,

@@ -39,7 +39,7 @@ def run_tune(config, *, command: str) -> int:
     from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
     from amsp_ext.runtime.config import PRECISIONS
-    from amsp_ext.tools.profiler import pick_device
+    from amsp_ext.runtime.measure.profiler import pick_device
     from amsp_ext.tune.candidates import choose_plans, make_problems
     from amsp_ext.tune.worker import run_rounds
 
