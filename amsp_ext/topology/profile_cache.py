@@ -186,7 +186,7 @@ def format_age(seconds: float) -> str:
 @dataclass(frozen=True, kw_only=True)
 class ProfileSource:
     """Where the profile a job planned with came from: the start line and ``"profile"`` of
-    ``amsp train --json`` (issue 40: say which cluster planned the job)."""
+    ``amsp train --json``: which cluster planned the job."""
 
     source: str  # "measured" | "cache" | "bundled" | "file"
     path: str | None
