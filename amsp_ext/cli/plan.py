@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
 
     from amsp_ext.planner.profile import load_profile
+    from amsp_ext.topology.profile_cache import named_source
 
     schema.from_namespace(PlanOptions, args)  # one-line error naming the flag
     _check_group_sizes(args)
@@ -188,7 +189,12 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(result, with_pareto=args.pareto,
                           sensitivity_factor=args.sensitivity, mics_size=args.mics_size,
                           hpz_size=args.hpz_size)
-    lines = []
+    # off the cluster: say which cluster the profile describes (it may be no cluster of yours)
+    source = named_source(args.profile, profile.metadata)
+    stored = profile.metadata.get("cluster_fingerprint")
+    report["profile"] = {**source.as_dict(), "fingerprint": stored}
+    lines = [f"profile: {source.source} {source.path}; "
+             + (f"measured on the cluster {stored}" if stored else f"describes {source.describes or 'a cluster its metadata does not name'}")]
     if choice is not None:
         report["all_reduce"] = choice.as_dict()
         lines.append(f"{choice.describe()}: --all-reduce {choice.mode} runs this plan")

@@ -47,6 +47,11 @@ class ProfileFlags:
                                                "'4x200G IB')")
     notes: str = option("", help="free text appended to metadata.notes")
     timeout: float = option(DEFAULT_TIMEOUT_S, help="seconds before a collective counts as hung")
+    cache: bool = option(False, help="what plan 'auto' does: use this cluster's cached profile, or "
+                                     "measure the meshes the planner prices (quick sizes) and cache "
+                                     "it (runtime/measure/cluster.py); --output gets where it came from")
+    gpus_per_node: int | None = option(None, minimum=1, help="ranks per node of the layout (default: "
+                                                             "LOCAL_WORLD_SIZE)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,11 +113,24 @@ def _print_fits(measurements, out) -> None:
         print(f"{m.op:<14}{f'{m.p0}x{m.p1}':>6}  {alpha * 1e6:>11.1f}  {bw_text:>13}  {v / t / 1e9:>11.3f}", file=out)
 
 
+def _cached(comm, world, args: argparse.Namespace, rank: int) -> int:
+    """--cache: the profile plan 'auto' would use here; rank 0 writes where it came from."""
+    from amsp_ext.runtime.measure.cluster import cluster_profile
+
+    _, source = cluster_profile(comm, world, timeout=args.timeout)
+    if rank == 0:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(source.as_dict(), indent=1) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from amsp_ext.runtime.measure.profile_cases import ProfileError
 
     config = _config(args)  # bad flags fail here, before any rank talks to another
     rank, world_size, local_world, local_rank = _launch_env()
+    local_world = args.gpus_per_node or local_world
     if world_size % local_world:
         raise ProfileError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world}; "
                            f"every node must run the same number of ranks")
@@ -141,8 +159,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from amsp_ext.runtime.collectives import CollectiveContext
 
-        measurements = measure(config, world, device, progress=True,
-                               comm=CollectiveContext(timeout=config.timeout_s))
+        comm = CollectiveContext(timeout=config.timeout_s)
+        if args.cache:
+            return _cached(comm, world, args, rank)
+        measurements = measure(config, world, device, progress=True, comm=comm)
     finally:
         dist.destroy_process_group()
     if rank != 0:
