@@ -145,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
 
     from amsp_ext.planner.profile import load_profile
-    from amsp_ext.topology.profile_cache import named_source
 
     schema.from_namespace(PlanOptions, args)  # one-line error naming the flag
     _check_group_sizes(args)
@@ -189,12 +188,7 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(result, with_pareto=args.pareto,
                           sensitivity_factor=args.sensitivity, mics_size=args.mics_size,
                           hpz_size=args.hpz_size)
-    # off the cluster: say which cluster the profile describes (it may be no cluster of yours)
-    source = named_source(args.profile, profile.metadata)
-    stored = profile.metadata.get("cluster_fingerprint")
-    report["profile"] = {**source.as_dict(), "fingerprint": stored}
-    lines = [f"profile: {source.source} {source.path}; "
-             + (f"measured on the cluster {stored}" if stored else f"describes {source.describes or 'a cluster its metadata does not name'}")]
+    lines = [_profile_line(args.profile, profile, report)]
     if choice is not None:
         report["all_reduce"] = choice.as_dict()
         lines.append(f"{choice.describe()}: --all-reduce {choice.mode} runs this plan")
@@ -217,6 +211,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join([format_text(report, top=args.top), *lines]))
     return 0
+
+
+def _profile_line(name: str, profile, report: dict) -> str:
+    """Off the cluster, which cluster the profile describes (it may be no cluster of yours);
+    recorded in ``report["profile"]`` too."""
+    from amsp_ext.topology.profile_cache import named_source
+
+    source = named_source(name, profile.metadata)
+    stored = profile.metadata.get("cluster_fingerprint")  # a profile plan "auto" measured and cached
+    report["profile"] = {**source.as_dict(), "fingerprint": stored}
+    describes = (f"measured on the cluster {stored}" if stored
+                 else f"describes {source.describes or 'a cluster its metadata does not name'}")
+    return f"profile: {source.source} {source.path}; {describes}"
 
 
 def _verify(result, args, engine, training, usable: int) -> list[dict]:

@@ -50,7 +50,7 @@ class ProfileFlags:
     cache: bool = option(False, help="what plan 'auto' does: use this cluster's cached profile, or "
                                      "measure the meshes the planner prices (quick sizes) and cache "
                                      "it (runtime/measure/cluster.py); --output gets where it came from")
-    gpus_per_node: int | None = option(None, minimum=1, help="ranks per node of the layout (default: "
+    ranks_per_node: int | None = option(None, minimum=1, help="ranks per node of the layout (default: "
                                                              "LOCAL_WORLD_SIZE)")
 
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = _config(args)  # bad flags fail here, before any rank talks to another
     rank, world_size, local_world, local_rank = _launch_env()
-    local_world = args.gpus_per_node or local_world
+    local_world = args.ranks_per_node or local_world
     if world_size % local_world:
         raise ProfileError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world}; "
                            f"every node must run the same number of ranks")

@@ -99,7 +99,7 @@ def find_cluster_profile(launch: LaunchConfig, *, gpus_per_node: int, out: Path)
     out.mkdir(parents=True, exist_ok=True)
     result = out / "cluster-profile.json"
     result.unlink(missing_ok=True)
-    cmd = on_ranks(["-m", "amsp_ext.cli", "profile", "--cache", "--gpus-per-node", str(gpus_per_node),
+    cmd = on_ranks(["-m", "amsp_ext.cli", "profile", "--cache", "--ranks-per-node", str(gpus_per_node),
                     "--output", str(result)], launch)
     job_id = new_job_id()
     env = loopback_env(_env(job_id)) if launch.launcher == "torchrun" else _env(job_id)
