@@ -19,17 +19,24 @@ JOB = ("--steps", "1", "--seq-len", "32", "--micro-batch-size", "1", "--micro-ba
 
 def _train(tmp_path, nproc: int):
     proc = amsp("train", "--plan", "auto", "--json", "--nproc-per-node", str(nproc),
-                "--gpus-per-node", "2", *JOB, env={"XDG_CACHE_HOME": str(tmp_path)})
+                "--gpus-per-node", "2", *JOB,
+                env={"XDG_CACHE_HOME": str(tmp_path), "AMSP_PROFILE_CACHE": ""})  # the XDG route
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-def _planned_by_amsp_plan(profile: str, *, nodes: int) -> str:
-    proc = amsp("plan", "--model", "tiny-llama", "--nodes", str(nodes), "--gpus-per-node", "2",
-                "--profile", profile, "--seq-len", "32", "--micro-batch-size", "1",
-                "--micro-batches", "2", "--gpu-memory", "64MiB", "--memory-reserve", "0B", "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)["plan_text"]
+def _planned_by_amsp_plan(capsys, profile: str, *, nodes: int) -> str:
+    """`amsp plan --json` (in this process: no ranks, no cache) for the job JOB describes."""
+    from amsp_ext.cli.main import main
+
+    capsys.readouterr()
+    assert main(["plan", "--model", "tiny-llama", "--nodes", str(nodes), "--gpus-per-node", "2",
+                 "--profile", profile, "--seq-len", "32", "--micro-batch-size", "1",
+                 "--micro-batches", "2", "--gpu-memory", "64MiB", "--memory-reserve", "0B",
+                 "--missing-mesh", "fit", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["profile"]["source"] == "file" and report["profile"]["fingerprint"]["world_size"] == 2 * nodes
+    return report["plan_text"]
 
 
 def _planted_damaged(tmp_path, nproc: int):
@@ -51,7 +58,7 @@ def _measured_again(out: dict, err: str, path) -> None:
 
 
 @pytest.mark.distributed
-def test_auto_measures_once_caches_and_says_which_cluster(tmp_path):
+def test_auto_measures_once_caches_and_says_which_cluster(tmp_path, capsys):
     # the cache holds a damaged entry of this very cluster: never trusted, measured again
     damaged = _planted_damaged(tmp_path, 4)
     first, err = _train(tmp_path, 4)
@@ -61,7 +68,7 @@ def test_auto_measures_once_caches_and_says_which_cluster(tmp_path):
     fingerprint = json.loads(damaged.read_text())["metadata"]["cluster_fingerprint"]
     assert (fingerprint["world_size"], fingerprint["ranks_per_node"], fingerprint["backend"]) == (4, 2, "gloo")
     # the plan chosen equals the off-cluster planner's with that file
-    assert first["plan_str"] == _planned_by_amsp_plan(str(damaged), nodes=2)
+    assert first["plan_str"] == _planned_by_amsp_plan(capsys, str(damaged), nodes=2)
 
     second, err = _train(tmp_path, 4)
     assert second["profile"]["source"] == "cache" and second["profile"]["path"] == str(damaged)
@@ -69,7 +76,7 @@ def test_auto_measures_once_caches_and_says_which_cluster(tmp_path):
     assert f"amsp: profile cache {damaged}" in err
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the default tier's test_auto_measures_once_caches_and_says_which_cluster runs this path
 @pytest.mark.distributed
 def test_another_world_size_is_another_cluster(tmp_path):
     four = _planted_damaged(tmp_path, 4)
@@ -92,6 +99,11 @@ def _stored(tmp_path, fp, now=None):
 
 
 def test_cache_hit_and_every_reason_to_measure_again(tmp_path):
+    from pathlib import Path
+
+    assert pc.cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/amsp_ext/profiles")
+    assert pc.cache_dir({}) == Path.home() / ".cache" / "amsp_ext" / "profiles"
+    assert pc.cache_dir({"XDG_CACHE_HOME": "/x", "AMSP_PROFILE_CACHE": "/shared"}) == Path("/shared")
     fp = _fingerprint()
     assert pc.lookup(fp, directory=tmp_path).doc is None  # empty: no reason, just nothing
     path = _stored(tmp_path, fp)

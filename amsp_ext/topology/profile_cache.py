@@ -19,7 +19,8 @@ matches a 1 Gbit one. Limitation: a link slowed by something the system does not
 the maximum age below bounds how long such a change goes unmeasured.
 
 [Note: the cache]
-``$XDG_CACHE_HOME/amsp_ext/profiles/`` (else ``~/.cache/amsp_ext/profiles/``) holds one
+``$XDG_CACHE_HOME/amsp_ext/profiles/`` (else ``~/.cache/amsp_ext/profiles/``; ``$AMSP_PROFILE_CACHE``
+when set, e.g. a directory the nodes share, or the test suite's own) holds one
 amsp-profile/1 JSON per fingerprint, named by the fingerprint's hash, with the fingerprint and the
 measuring time in its metadata: a file ``amsp plan --profile`` reads as it is. JSON only (nothing
 executable, nothing unpickled). A file is trusted only when it parses as a profile, its
@@ -115,8 +116,13 @@ def merge_facts(facts: list[Mapping[str, Any]], *, ranks_per_node: int, backend:
         lab=" | ".join(sorted({f["lab"] for f in facts if f["lab"]})) or None)
 
 
+CACHE_ENV = "AMSP_PROFILE_CACHE"  # a directory used instead (a shared one, or a test's own)
+
+
 def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV])
     base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "amsp_ext" / "profiles"
 
