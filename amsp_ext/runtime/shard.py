@@ -105,8 +105,8 @@ def shard(model: nn.Module, plan: "Plan | str",
                                comm=comm, timeout=config.timeout,
                                first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
     engine = build_engine(model, plan, world, config, device, comm, optimizer_factory=optimizer_factory,
-                          monitor=monitor, initial=(config.init_seed, init) if on_meta else None)
-    engine.profile_source = profile_source  # which cluster planned the job (None: not planned)
+                          monitor=monitor, initial=(config.init_seed, init) if on_meta else None,
+                          profile_source=profile_source)
     return model, engine.optimizer
 
 
