@@ -189,11 +189,11 @@ def run(args: argparse.Namespace) -> int:
 
     warn_if_slow_bf16(config.engine.precision)  # decided (the default is fp32): bf16 only warns
     config, profile_source = _launcher_profile(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
-    if profile_source is not None:
-        print(profile_source.line(), file=sys.stderr)
     plan, all_reduce = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
     _check_save_dir(config)
     _check_resume(config)
+    if profile_source is not None:  # checked: bad input stays one line (the error's)
+        print(profile_source.line(), file=sys.stderr)
     config = dataclasses.replace(
         config, plan=plan, engine=dataclasses.replace(config.engine, gpus_per_node=gpus,
                                                       all_reduce=all_reduce))
