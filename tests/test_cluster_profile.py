@@ -161,3 +161,31 @@ def test_measuring_at_1024_ranks_stays_under_a_minute():
                              + timer.time("allreduce", 4, 8, 128))  # its barrier
         total += len(message_sizes(cfg)) * timer.time("allreduce", 8 * cfg.num_reps, 8, 128)  # MAX
     assert total < 60, total
+
+
+def test_compare_plans_with_the_profile_its_launcher_found(monkeypatch, tmp_path):
+    """amsp compare asks its launcher's ranks (amsp profile --cache, compare/launch.py) only when
+    a row plans, and plans with the file they name."""
+    from amsp_ext.compare import harness
+    from amsp_ext.compare.config import RunSpec
+    from amsp_ext.compare.launch import LaunchConfig
+
+    asked, said = [], []
+
+    def fake_find(launch, *, gpus_per_node, out):
+        asked.append(gpus_per_node)
+        return {"source": "cache", "path": "/cache/abc.json", "fingerprint_key": "abc"}
+
+    monkeypatch.setattr(harness, "find_cluster_profile", fake_find)
+    items = harness.plan_runs("baselines", RunSpec(amsp_plan="auto"), ["ddp", "amsp-plan"], None)
+    got = harness._planner_profile(harness.PlannerInputs(), items, RunSpec(amsp_plan="auto"),
+                                   LaunchConfig(), 2, tmp_path, said.append)
+    assert got.profile == "/cache/abc.json" and asked == [2] and said == [
+        "amsp compare: profile cache /cache/abc.json (cluster abc)"]
+    ddp_only = harness.plan_runs("baselines", RunSpec(amsp_plan="auto"), ["ddp"], None)
+    named = harness.PlannerInputs(profile="paper-a800")
+    assert harness._planner_profile(harness.PlannerInputs(), ddp_only, RunSpec(amsp_plan="auto"),
+                                    LaunchConfig(), 2, tmp_path, said.append).profile == "cluster"
+    assert harness._planner_profile(named, items, RunSpec(amsp_plan="auto"), LaunchConfig(), 2,
+                                    tmp_path, said.append) is named
+    assert asked == [2]
