@@ -224,7 +224,8 @@ def launch(config: TrainConfig, *, nproc_per_node: int, profile_source=None) -> 
             return rc
         if config.output.json:
             result = json.loads(result_file.read_text())
-            if result.get("profile") is None and profile_source is not None:
-                result["profile"] = profile_source.as_dict()  # the launcher planned with it
+            # the launcher's word where it planned, or found the cache entry the ranks read as a file
+            if profile_source is not None and (result.get("profile") is None or profile_source.source == "cache"):
+                result["profile"] = profile_source.as_dict()
             print(json.dumps(result))
     return 0
