@@ -36,7 +36,7 @@ def loop_case(cfg) -> dict:
         gpus_per_node=2, granularity="layer", timeout=120,
         adaptive=AdaptiveConfig(**ADAPTIVE),
         auto=AutoPlanConfig(seq_len=SEQ, micro_batch_size=1, num_micro_batches=1,
-                            gpu_memory_bytes=4 << 30))
+                            gpu_memory_bytes=4 << 30, profile="paper-a800"))
     model, opt = amsp_ext.shard(
         build_llama("tiny-llama", seed=0), "zero3",
         lambda params: torch.optim.AdamW(params, lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],

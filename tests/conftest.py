@@ -13,8 +13,24 @@ cheaply; each mark names the default-tier test that does (``python -m pytest -q 
 nothing leaves CI.
 """
 
+import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_profile_cache(tmp_path_factory):
+    """Plan "auto" caches the profiles it measures (topology/profile_cache.py): the suite's go to
+    a directory of its own, never the user's cache, and no test sees a profile a user's job left."""
+    before = os.environ.get("AMSP_PROFILE_CACHE")
+    os.environ["AMSP_PROFILE_CACHE"] = str(tmp_path_factory.mktemp("amsp-profile-cache"))
+    yield
+    if before is None:
+        os.environ.pop("AMSP_PROFILE_CACHE")
+    else:
+        os.environ["AMSP_PROFILE_CACHE"] = before

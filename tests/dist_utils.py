@@ -56,7 +56,9 @@ def script_env(site_dir: Path) -> dict:
     copy of its line - what site.py does with an installed .pth."""
     import site
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMSP_", "ACCELERATE_"))}
+    # the suite's own profile cache stays (conftest.py): a user's is never written by a test
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AMSP_", "ACCELERATE_")) or k == "AMSP_PROFILE_CACHE"}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     paths = [str(REPO)]
     dirs = site.getsitepackages() + [site.getusersitepackages()]

@@ -388,7 +388,7 @@ def suite_guards(world, R):
     from amsp_ext.runtime.config import AutoPlanConfig
 
     auto = AutoPlanConfig(seq_len=SEQ, micro_batch_size=MBS, num_micro_batches=M,
-                          gpu_memory_bytes=4 * 2**30)
+                          gpu_memory_bytes=4 * 2**30, profile="paper-a800")
     try:
         shard(build_llama("tiny-llama"), "auto", adamw, config=ShardConfig(gpus_per_node=R))
         missing_err = None

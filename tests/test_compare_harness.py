@@ -150,12 +150,14 @@ def test_auto_plan_comes_from_the_planner_or_says_why():
 
     spec = RunSpec(amsp_plan="auto")
     resolved, why, source = _resolve_planned(spec, "auto", num_nodes=2, gpus_per_node=2,
-                                             planner=PlannerInputs(gpu_memory_bytes=4 * 2**20,
+                                             planner=PlannerInputs(profile="paper-a800",
+                                                                   gpu_memory_bytes=4 * 2**20,
                                                                    memory_reserve_bytes=0))
     assert why is None and source.startswith("planner (profile paper-a800")
     validate_plan(parse_plan(resolved.amsp_plan), gpus_per_node=2, num_nodes=2)
     _, why, _ = _resolve_planned(spec, "auto", num_nodes=2, gpus_per_node=2,
-                                 planner=PlannerInputs(gpu_memory_bytes=2**10, memory_reserve_bytes=0))
+                                 planner=PlannerInputs(profile="paper-a800", gpu_memory_bytes=2**10,
+                                                       memory_reserve_bytes=0))
     assert why.startswith("planner: no plan fits")
     given, why, source = _resolve_planned(spec.replace(amsp_plan="zero1"), "zero1", num_nodes=2,
                                           gpus_per_node=2, planner=PlannerInputs())

@@ -148,7 +148,7 @@ def test_plan_auto_on_the_launcher_plans_with_the_engine_reduce_dtype(monkeypatc
     p = argparse.ArgumentParser()
     cli_train.add_arguments(p)
     config = schema.from_namespace(TrainConfig, p.parse_args(
-        ["--plan", "auto", "--precision", "bf16", "--gpu-memory", "1GiB"]))
+        ["--plan", "auto", "--profile", "paper-a800", "--precision", "bf16", "--gpu-memory", "1GiB"]))
     assert cli_train._plan_before_launch(config, gpus_per_node=2, num_nodes=2) == ("ddp", "flat")
     assert seen["reduce_dtype"] == "fp32" and seen["precision"] == "bf16"
     assert {k: seen[k] for k in planner_settings(config.engine)} == planner_settings(config.engine)

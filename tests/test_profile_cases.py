@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from amsp_ext.tools.profile_cases import (
+from amsp_ext.runtime.measure.profile_cases import (
     MiB,
     Measurement,
     ProfileConfig,

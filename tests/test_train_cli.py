@@ -16,9 +16,9 @@ from amsp_ext.common.data import global_batch
 from amsp_ext.common.models import build_llama, causal_lm_loss
 
 
-def amsp(*args, timeout=300):
+def amsp(*args, timeout=300, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     return subprocess.run([sys.executable, "-m", "amsp_ext.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

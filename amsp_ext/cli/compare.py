@@ -20,6 +20,7 @@ import argparse
 import shlex
 import sys
 
+from amsp_ext.planner.defaults import CLUSTER_PROFILE
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
 from amsp_ext.compare.config import COMPARE_MISSING_MESH, SYSTEM_TIMEOUT_S
 
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", default="torchrun", choices=("torchrun", "cluster"))
     p.add_argument("--nproc-per-node", type=int, help="ranks (torchrun launcher)")
     p.add_argument("--cluster-name", default="amsp", help="lab name for --launcher cluster")
-    add_profile(p, what="planner profile for --amsp-plan auto")
+    add_profile(p, what="planner profile for --amsp-plan auto", default=CLUSTER_PROFILE)
     add_gpu_memory(p, what="memory per GPU the planner plans for (--amsp-plan auto)")
     add_memory_reserve(p)
     add_missing_mesh(p, default=COMPARE_MISSING_MESH)  # compare's own (compare/config.py)
@@ -110,7 +111,8 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         raise ValueError(f"--systems {args.systems!r} names no system (comma-separated, e.g. ddp,zero1,amsp-plan)")
     if args.amsp_plan is not None:
         check_plan_text(args.amsp_plan, "--amsp-plan")
-    load_profile(args.profile)
+    if args.profile != CLUSTER_PROFILE:
+        load_profile(args.profile)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")

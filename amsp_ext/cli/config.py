@@ -27,6 +27,7 @@ from amsp_ext import schema
 from amsp_ext.choices import PRECISIONS, check_int
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile
+from amsp_ext.planner.defaults import CLUSTER_PROFILE
 from amsp_ext.planner.defaults import DEFAULT_SEQ_LEN
 
 HELP = "write a ready Accelerate YAML + ds_config pair (accelerate) or a ds_config (deepspeed) that runs AMSP"
@@ -52,7 +53,7 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
                    help=f"tokens per sequence, for the planner (plan auto; default {DEFAULT_SEQ_LEN})")
     schema.add_arguments(p, EngineConfig, only=("gpus_per_node",))  # the amsp block's, as it is
     add_gpu_memory(p, default=None, what="memory per GPU for the planner")
-    add_profile(p, what="bandwidth profile for the planner")
+    add_profile(p, what="bandwidth profile for the planner", default=CLUSTER_PROFILE)
     p.add_argument("--precision", choices=(_AUTO, *PRECISIONS), default=_AUTO,
                    help="'auto' (default): the Trainer / Accelerate fill it from their own flags")
     p.add_argument("--gradient-clipping", default="auto", metavar="X|auto",

@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(result, with_pareto=args.pareto,
                           sensitivity_factor=args.sensitivity, mics_size=args.mics_size,
                           hpz_size=args.hpz_size)
-    lines = []
+    lines = [_profile_line(args.profile, profile, report)]
     if asked != 1 or args.max_global_batch_tokens is not None:
         report["tensor_parallel_choice"] = tp_choice.as_dict()
         lines.append(tp_choice.describe())
@@ -245,6 +245,19 @@ def _search(args: argparse.Namespace, settings: dict, spec, cluster, profile, as
     return search_tensor_parallel(
         degrees, lambda t: problem_for(any_mode, t), search_for,
         max_global_batch_tokens=args.max_global_batch_tokens, auto=asked is None)
+
+
+def _profile_line(name: str, profile, report: dict) -> str:
+    """Off the cluster, which cluster the profile describes (it may be no cluster of yours);
+    recorded in ``report["profile"]`` too."""
+    from amsp_ext.topology.profile_cache import named_source
+
+    source = named_source(name, profile.metadata)
+    stored = profile.metadata.get("cluster_fingerprint")  # a profile plan "auto" measured and cached
+    report["profile"] = {**source.as_dict(), "fingerprint": stored}
+    describes = (f"measured on the cluster {stored}" if stored
+                 else f"describes {source.describes or 'a cluster its metadata does not name'}")
+    return f"profile: {source.source} {source.path}; {describes}"
 
 
 def _verify(result, args, engine, training, usable: int) -> list[dict]:

@@ -17,8 +17,8 @@ from amsp_ext import schema
 from amsp_ext.choices import MISSING_MESH
 from amsp_ext.common.models import MODEL_CONFIGS
 from amsp_ext.planner.model_spec import MODEL_PRESETS
-from amsp_ext.planner.defaults import (DEFAULT_GPU_MEMORY, DEFAULT_MEMORY_RESERVE, DEFAULT_MISSING_MESH,
-                                       DEFAULT_PROFILE)
+from amsp_ext.planner.defaults import (CLUSTER_PROFILE, DEFAULT_GPU_MEMORY, DEFAULT_MEMORY_RESERVE,
+                                       DEFAULT_MISSING_MESH, DEFAULT_PROFILE)
 from amsp_ext.schema import check_options, option
 
 __all__ = ["ModelChoice", "World", "add_gpu_memory", "add_memory_reserve", "add_missing_mesh", "add_profile",
@@ -50,9 +50,13 @@ class World:
         check_options(self)
 
 
-def profile_option(*, what: str = "bandwidth profile") -> Any:
-    return option(DEFAULT_PROFILE, metavar="NAME|PATH",
-                  help=f"{what}: a bundled name or a JSON file, e.g. from `amsp profile`")
+def profile_option(*, what: str = "bandwidth profile", default: str = DEFAULT_PROFILE) -> Any:
+    """``default``: DEFAULT_PROFILE where the command plans off the cluster, CLUSTER_PROFILE
+    where the job it plans runs on the cluster (defaults.py [Note: which profile auto plans with])."""
+    here = (f"'{CLUSTER_PROFILE}' (default: the cluster's own, cached or measured in the job), "
+            if default == CLUSTER_PROFILE else "")
+    return option(default, metavar="NAME|PATH",
+                  help=f"{what}: {here}a bundled name or a JSON file, e.g. from `amsp profile`")
 
 
 def gpu_memory_option(*, required: bool = False, default: str | None = DEFAULT_GPU_MEMORY,
@@ -80,8 +84,8 @@ def _add(group, name: str, opt: Any) -> None:
     schema.add_arguments(group, cls)
 
 
-def add_profile(group, *, what: str = "bandwidth profile") -> None:
-    _add(group, "profile", profile_option(what=what))
+def add_profile(group, *, what: str = "bandwidth profile", default: str = DEFAULT_PROFILE) -> None:
+    _add(group, "profile", profile_option(what=what, default=default))
 
 
 def add_gpu_memory(group, *, default: str | None = DEFAULT_GPU_MEMORY, what: str = "memory per GPU") -> None:

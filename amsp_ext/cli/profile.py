@@ -23,7 +23,7 @@ HELP = "measure allreduce/allgather/reducescatter/broadcast bandwidth per mesh; 
 @dataclass(frozen=True, kw_only=True)
 class ProfileFlags:
     """``amsp profile``'s flags. Unset (None) sizes and counts take ProfileConfig's defaults, or
-    the --quick ones; ProfileConfig (tools/profile_cases.py) checks the values, in its words."""
+    the --quick ones; ProfileConfig (runtime/measure/profile_cases.py) checks the values, in its words."""
 
     output: str = option("profile.json", short="-o", help="where rank 0 writes the profile")
     name: str | None = option(None, help="profile name (default measured-<N>x<R>-<backend>)")
@@ -47,6 +47,11 @@ class ProfileFlags:
                                                "'4x200G IB')")
     notes: str = option("", help="free text appended to metadata.notes")
     timeout: float = option(DEFAULT_TIMEOUT_S, help="seconds before a collective counts as hung")
+    cache: bool = option(False, help="what plan 'auto' does: use this cluster's cached profile, or "
+                                     "measure the meshes the planner prices (quick sizes) and cache "
+                                     "it (runtime/measure/cluster.py); --output gets where it came from")
+    ranks_per_node: int | None = option(None, minimum=1, help="ranks per node of the layout (default: "
+                                                             "LOCAL_WORLD_SIZE)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace):
     from amsp_ext.planner.specs import parse_size
-    from amsp_ext.tools.profile_cases import ProfileConfig
+    from amsp_ext.runtime.measure.profile_cases import ProfileConfig
 
     given = {}
     if args.min_size is not None:
@@ -78,7 +83,7 @@ def _config(args: argparse.Namespace):
 
 def _launch_env():
     """(rank, world size, local world size, local rank) from torchrun's environment."""
-    from amsp_ext.tools.profile_cases import ProfileError
+    from amsp_ext.runtime.measure.profile_cases import ProfileError
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
     missing = [k for k in keys if k not in os.environ]
@@ -98,7 +103,7 @@ def _lab_link() -> dict | None:
 
 
 def _print_fits(measurements, out) -> None:
-    from amsp_ext.tools.profile_cases import alpha_beta_fit
+    from amsp_ext.runtime.measure.profile_cases import alpha_beta_fit
 
     print(f"{'op':<14}{'mesh':>6}  {'alpha (us)':>11}  {'1/beta (GB/s)':>13}  {'GB/s at max':>11}", file=out)
     for m in measurements:
@@ -108,11 +113,24 @@ def _print_fits(measurements, out) -> None:
         print(f"{m.op:<14}{f'{m.p0}x{m.p1}':>6}  {alpha * 1e6:>11.1f}  {bw_text:>13}  {v / t / 1e9:>11.3f}", file=out)
 
 
+def _cached(comm, world, args: argparse.Namespace, rank: int) -> int:
+    """--cache: the profile plan 'auto' would use here; rank 0 writes where it came from."""
+    from amsp_ext.runtime.measure.cluster import cluster_profile
+
+    _, source = cluster_profile(comm, world, timeout=args.timeout)
+    if rank == 0:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(source.as_dict(), indent=1) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    from amsp_ext.tools.profile_cases import ProfileError
+    from amsp_ext.runtime.measure.profile_cases import ProfileError
 
     config = _config(args)  # bad flags fail here, before any rank talks to another
     rank, world_size, local_world, local_rank = _launch_env()
+    local_world = args.ranks_per_node or local_world
     if world_size % local_world:
         raise ProfileError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world}; "
                            f"every node must run the same number of ranks")
@@ -126,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from amsp_ext.tools.profile_cases import profile_document
-    from amsp_ext.tools.profiler import measure, pick_device
+    from amsp_ext.runtime.measure.profile_cases import profile_document
+    from amsp_ext.runtime.measure.profiler import measure, pick_device
     from amsp_ext.topology.groups import World
 
     backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
@@ -141,8 +159,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from amsp_ext.runtime.collectives import CollectiveContext
 
-        measurements = measure(config, world, device, progress=True,
-                               comm=CollectiveContext(timeout=config.timeout_s))
+        comm = CollectiveContext(timeout=config.timeout_s)
+        if args.cache:
+            return _cached(comm, world, args, rank)
+        measurements = measure(config, world, device, progress=True, comm=comm)
     finally:
         dist.destroy_process_group()
     if rank != 0:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from amsp_ext import schema
+from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_PROFILE
 from amsp_ext.train.config import TrainConfig
 
 HELP = "train a Llama with AMSP on real text (default: tiny-llama, 4 ranks as 2 nodes x 2)"
@@ -31,6 +32,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     schema.add_arguments(p, TrainConfig)
 
 
+def _launcher_profile(config: TrainConfig, *, gpus_per_node: int, num_nodes: int):
+    """``(config, source)``: a named --profile checked and described; the profile "cluster"
+    looked up in the cache with the fingerprint the ranks will compute (they run on this host:
+    runtime/measure/cluster.py [Note: where the measurement runs]) and, when found, named by its
+    path; when not, left to the ranks, which measure it (source None)."""
+    from amsp_ext.planner.profile import load_profile
+    from amsp_ext.topology.profile_cache import ProfileSource, host_facts, lookup, merge_facts, named_source
+
+    name = config.planner.profile
+    if name != CLUSTER_PROFILE:
+        return config, named_source(name, load_profile(name).metadata)  # a bad --profile: refused here
+    import torch
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"
+    fingerprint = merge_facts([host_facts()] * (gpus_per_node * num_nodes), ranks_per_node=gpus_per_node,
+                              backend=backend, device=device)
+    found = lookup(fingerprint)
+    if found.doc is None:
+        return config, None  # the ranks measure (and say why the cached file, if any, was not used)
+    planner = dataclasses.replace(config.planner, profile=str(found.path))
+    return (dataclasses.replace(config, planner=planner),
+            ProfileSource(source="cache", path=str(found.path), fingerprint=fingerprint, age_s=found.age_s))
+
+
 def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: int) -> tuple[str, str]:
     """``(plan, all_reduce)`` the ranks will run, checked against this world before any rank
     starts: a plan that cannot run, and every ``--plan auto`` error (a bad profile, nothing
@@ -39,11 +65,9 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
     from amsp_ext.engine_config import planner_settings
     from amsp_ext.planner.auto import auto_problem, resolve_auto
     from amsp_ext.planner.plan import resolve_plan, validate_plan
-    from amsp_ext.planner.profile import load_profile
     from amsp_ext.train.config import auto_plan_config
     from amsp_ext.common.models import llama_config_dict
 
-    load_profile(config.planner.profile)  # a bad --profile is refused whatever the plan
     memory = _rank_memory(config, gpus_per_node)
     # the same settings the ranks' engine plans with (engine_config.planner_settings): the
     # launcher once planned without reduce_dtype, i.e. for half the gradient bytes under bf16
@@ -51,7 +75,7 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
     model = llama_config_dict(config.model)
     all_reduce = config.engine.all_reduce
     if config.plan.strip().lower() == "auto":
-        if memory is None:
+        if memory is None or config.planner.profile == CLUSTER_PROFILE:
             return config.plan, all_reduce  # the ranks read their device's memory
         planned = resolve_auto(model, auto_plan_config(config), gpu_memory_bytes=memory, **shape)
         return str(planned.plan), planned.all_reduce.mode
@@ -64,6 +88,12 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
     # only what the memory model says cannot fit at all
     auto = dataclasses.replace(auto_plan_config(config),
                                memory_reserve_bytes=config.planner.memory_reserve_bytes or 0)
+    if auto.profile == CLUSTER_PROFILE:  # not measured yet: the ranks price an all_reduce "auto";
+        # the memory check reads no bandwidth, any profile serves it
+        mode = "flat" if all_reduce == "auto" else all_reduce
+        _check_fits(auto_problem(model, dataclasses.replace(auto, profile=DEFAULT_PROFILE),
+                                 gpu_memory_bytes=memory, **{**shape, "all_reduce": mode}), plan, memory)
+        return config.plan, all_reduce
     planned = resolve_auto(model, auto, plan=plan, gpu_memory_bytes=memory, **shape)
     _check_fits(auto_problem(model, auto, gpu_memory_bytes=memory,
                              **{**shape, "all_reduce": planned.all_reduce.mode}), plan, memory)
@@ -158,16 +188,19 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.cli.precision import warn_if_slow_bf16
 
     warn_if_slow_bf16(config.engine.precision)  # decided (the default is fp32): bf16 only warns
+    config, profile_source = _launcher_profile(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
     plan, all_reduce = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
     _check_save_dir(config)
     _check_resume(config)
+    if profile_source is not None:  # checked: bad input stays one line (the error's)
+        print(profile_source.line(), file=sys.stderr)
     config = dataclasses.replace(
         config, plan=plan, engine=dataclasses.replace(config.engine, gpus_per_node=gpus,
                                                       all_reduce=all_reduce))
-    return launch(config, nproc_per_node=args.nproc_per_node)
+    return launch(config, nproc_per_node=args.nproc_per_node, profile_source=profile_source)
 
 
-def launch(config: TrainConfig, *, nproc_per_node: int) -> int:
+def launch(config: TrainConfig, *, nproc_per_node: int, profile_source=None) -> int:
     """Run the ranks under torchrun (amsp_ext/train/supervise.py: no orphans, one line on
     failure), each reading ``config`` from one JSON file; under ``--json``, print rank 0's
     summary."""
@@ -190,5 +223,9 @@ def launch(config: TrainConfig, *, nproc_per_node: int) -> int:
             print(f"amsp train: error: {job.error_line(rc)}", file=sys.stderr)
             return rc
         if config.output.json:
-            print(json.dumps(json.loads(result_file.read_text())))
+            result = json.loads(result_file.read_text())
+            # the launcher's word where it planned, or found the cache entry the ranks read as a file
+            if profile_source is not None and (result.get("profile") is None or profile_source.source == "cache"):
+                result["profile"] = profile_source.as_dict()
+            print(json.dumps(result))
     return 0

@@ -29,11 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from amsp_ext.planner.defaults import CLUSTER_PROFILE
     from amsp_ext.planner.profile import load_profile
 
     config = schema.from_namespace(TuneConfig, args)  # one-line error before any rank talks
     config.hf_config()  # an unreadable --model-config too
-    load_profile(config.planner.profile)  # and a bad profile
+    if config.planner.profile != CLUSTER_PROFILE:  # "cluster": found or measured on the ranks
+        load_profile(config.planner.profile)  # and a bad profile
     _check_outputs(config)
     missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR") if k not in os.environ]
     if missing:

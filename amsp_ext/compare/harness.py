@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from amsp_ext.compare.config import COMPARE_MISSING_MESH, OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
-from amsp_ext.compare.launch import LaunchConfig, run_system
+from amsp_ext.compare.launch import LaunchConfig, find_cluster_profile, run_system
 from amsp_ext.compare.rounds import combine_rounds, overloaded_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS
 from amsp_ext.common.metrics import mfu
 from amsp_ext.planner.specs import format_size
-from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_PROFILE, DEFAULT_RESERVE_BYTES
+from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_GPU_MEMORY_BYTES, DEFAULT_RESERVE_BYTES
 
 __all__ = ["MODES", "PlannerInputs", "RunItem", "plan_runs", "resolve_world", "run_comparison"]
 
@@ -79,7 +79,8 @@ def _amsp_plan_label(spec: RunSpec) -> str:
 class PlannerInputs:
     """What ``amsp-plan`` with ``amsp_plan="auto"`` hands the planner (as ``amsp plan`` takes it)."""
 
-    profile: str = DEFAULT_PROFILE  # bundled name or a JSON path (e.g. from `amsp profile` on the lab)
+    # "cluster": the launcher's cluster's (find_cluster_profile), a bundled name or a JSON path
+    profile: str = CLUSTER_PROFILE
     gpu_memory_bytes: int = DEFAULT_GPU_MEMORY_BYTES
     memory_reserve_bytes: int = DEFAULT_RESERVE_BYTES
     missing: str = COMPARE_MISSING_MESH
@@ -198,6 +199,19 @@ def _prepare(index: int, item: RunItem, spec: RunSpec, *, nodes: int, gpn: int,
     return _Prepared(index=index, item=item, spec=item_spec, base=base, why=why)
 
 
+def _planner_profile(planner: PlannerInputs, items: list[RunItem], spec: RunSpec, launch: LaunchConfig,
+                     gpn: int, out_dir: Path, progress: Callable[[str], None]) -> PlannerInputs:
+    """``planner`` with the profile "cluster" made the path of the launcher's cluster's profile
+    (found in the cache or measured by its ranks, launch.find_cluster_profile), when a row plans."""
+    plans = any(i.system in ("amsp-plan", "amsp-mics") for i in items) and (
+        spec.amsp_plan.strip().lower() == "auto" or spec.amsp_all_reduce == "auto")
+    if planner.profile != CLUSTER_PROFILE or not plans:
+        return planner
+    found = find_cluster_profile(launch, gpus_per_node=gpn, out=out_dir / "cluster-profile")
+    progress(f"amsp compare: profile {found['source']} {found['path']} (cluster {found['fingerprint_key']})")
+    return dataclasses.replace(planner, profile=found["path"])
+
+
 def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: Path,
                    command: str, systems: list[str] | None = None,
                    ablation_micro_batches: list[int] | None = None,
@@ -210,8 +224,9 @@ def run_comparison(*, mode: str, spec: RunSpec, launch: LaunchConfig, out_dir: P
     repeats = validate_repeats(repeats)
     items = plan_runs(mode, spec, systems, ablation_micro_batches)
     nodes, gpn = resolve_world(spec, launch)
+    planner = _planner_profile(planner or PlannerInputs(), items, spec, launch, gpn, out_dir, progress)
     c = _Comparison(mode=mode, spec=spec, launch=launch, out_dir=out_dir, command=command,
-                    planner=planner or PlannerInputs(), repeats=repeats,
+                    planner=planner, repeats=repeats,
                     hardware=_hardware(launch, nodes, gpn), num_items=len(items))
     c.prepared = [_prepare(i, item, spec, nodes=nodes, gpn=gpn, planner=c.planner)
                   for i, item in enumerate(items, 1)]

@@ -50,9 +50,13 @@ class LaunchConfig:
 
 
 def worker_command(system: str, spec_path: Path, out: Path, launch: LaunchConfig) -> list[str]:
-    """On torchrun: node 0 of 1, its store on 127.0.0.1 only (tools/rendezvous.py)."""
-    worker = ["-m", "amsp_ext.compare.worker", "--spec", str(spec_path), "--system", system,
-              "--out", str(out)]
+    return on_ranks(["-m", "amsp_ext.compare.worker", "--spec", str(spec_path), "--system", system,
+                     "--out", str(out)], launch)
+
+
+def on_ranks(worker: list[str], launch: LaunchConfig) -> list[str]:
+    """``worker`` (python arguments) run on every rank of ``launch``. On torchrun: node 0 of 1,
+    its store on 127.0.0.1 only (tools/rendezvous.py)."""
     if launch.launcher == "torchrun":
         return [sys.executable, "-m", "amsp_ext.tools.rendezvous", *loopback_torchrun_args(),
                 f"--nproc-per-node={launch.nproc_per_node}", *worker]
@@ -85,6 +89,35 @@ def _failure(out: Path, proc_rc: int | None, log_tail: str, timeout_s: float) ->
         return {"status": "failed", "reason": f"timed out after {timeout_s:.0f} s (no rank reported an error)"}
     last = next((line for line in reversed(log_tail.splitlines()) if line.strip()), "")
     return {"status": "failed", "reason": f"exited {proc_rc} before any rank reported: {last[:300]}"}
+
+
+def find_cluster_profile(launch: LaunchConfig, *, gpus_per_node: int, out: Path) -> dict[str, Any]:
+    """The profile plan "auto" uses on this launcher's cluster (runtime/measure/cluster.py
+    [Note: where the measurement runs]): ``amsp profile --cache`` run on its ranks, which find it
+    in the cache or measure it there. Returns its ProfileSource as a dict; a failed job raises
+    one line."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / "cluster-profile.json"
+    result.unlink(missing_ok=True)
+    cmd = on_ranks(["-m", "amsp_ext.cli", "profile", "--cache", "--ranks-per-node", str(gpus_per_node),
+                    "--output", str(result)], launch)
+    job_id = new_job_id()
+    env = loopback_env(_env(job_id)) if launch.launcher == "torchrun" else _env(job_id)
+    with open(out / "cluster-profile.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=launch.timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            stop_job(proc.pid if proc.poll() is None else None, job_id)
+    if rc != 0 or not result.exists():
+        tail = (out / "cluster-profile.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        raise ValueError(f"--amsp-profile cluster: measuring this cluster's profile failed "
+                         f"({'timed out' if rc is None else f'exit {rc}'}): {tail[0][:300]}; see "
+                         f"{out / 'cluster-profile.log'}, or name a profile")
+    return json.loads(result.read_text())
 
 
 def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,

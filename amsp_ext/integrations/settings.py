@@ -11,7 +11,7 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
       "seq_len": 4096,                      # the planner's sequence length (plan "auto" and
                                             #   adaptive need it)
       "gpu_memory": "80GiB",                # plan "auto"'s memory per GPU; default: the device's
-      "profile": "paper-a800",              # bundled bandwidth profile name or a JSON path
+      "profile": "cluster",                 # this cluster's (cached or measured), a bundled name or a JSON path
       "missing_mesh": "error",              # a mesh the profile lacks: "error" or "fit"
       "objective": "comm",                  # "comm" (paper Eq. 1) or "step"
       "adaptive": {"band": [0.67, 1.5], "window": 20, "min_steps_between_switches": 50,
@@ -57,7 +57,7 @@ from amsp_ext.choices import (MISSING_MESH, OBJECTIVES, check_bool, check_int, c
                               reduce_dtypes)
 from amsp_ext.engine_config import AutoPlanConfig, EngineConfig, FP16Config
 from amsp_ext.planner.adaptive import AdaptiveConfig, check_replannable
-from amsp_ext.planner.defaults import (DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PRECISION, DEFAULT_PROFILE,
+from amsp_ext.planner.defaults import (DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PRECISION, CLUSTER_PROFILE,
                                        DEFAULT_REDUCE_DTYPE)
 
 __all__ = [
@@ -188,7 +188,7 @@ class AMSPSettings:
     plan: str = "auto"
     seq_len: int | None = None
     gpu_memory: str | int | None = None
-    profile: str = DEFAULT_PROFILE
+    profile: str = CLUSTER_PROFILE
     missing_mesh: str = DEFAULT_MISSING_MESH
     objective: str = DEFAULT_OBJECTIVE
     adaptive: AdaptiveConfig | None = None

@@ -17,8 +17,9 @@ from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.search import Problem, SearchResult, evaluate, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, job_spec
-from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER,
-                                      DEFAULT_PROFILE, DEFAULT_REDUCE_DTYPE)
+from amsp_ext.planner.defaults import (CLUSTER_PROFILE, DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE,
+                                      DEFAULT_OPTIMIZER, DEFAULT_REDUCE_DTYPE)
+from amsp_ext.planner.profile import BandwidthProfile
 
 __all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choose_all_reduce", "plan_auto",
            "resolve_auto", "search_all_reduce", "two_level_applies", "unpriced_choice"]
@@ -32,7 +33,9 @@ class AutoPlanConfig:
     seq_len: int
     micro_batch_size: int = 1
     num_micro_batches: int = 1
-    profile: str = DEFAULT_PROFILE  # bundled profile name or a path to an amsp-profile/1 JSON
+    # "cluster" (defaults.py [Note: which profile auto plans with]; the job resolves it to the
+    # profile it found or measured, a BandwidthProfile), a bundled name or an amsp-profile/1 path
+    profile: str | BandwidthProfile = CLUSTER_PROFILE
     objective: str = DEFAULT_OBJECTIVE  # "comm" (Eq. 1) or "step"
     missing: str = DEFAULT_MISSING_MESH  # profile meshes the table lacks: "error" or "fit"
     optimizer: str = DEFAULT_OPTIMIZER

@@ -19,7 +19,7 @@ Pure Python.
 from __future__ import annotations
 
 __all__ = [
-    "DEFAULT_ALL_REDUCE", "DEFAULT_GPU_MEMORY", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_GRANULARITY",
+    "CLUSTER_PROFILE", "DEFAULT_ALL_REDUCE", "DEFAULT_GPU_MEMORY", "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_GRANULARITY",
     "DEFAULT_PRECISION", "DEFAULT_REDUCE_DTYPE", "DEFAULT_GPU_MEMORY_BYTES", "DEFAULT_MEMORY_RESERVE",
     "DEFAULT_MISSING_MESH", "DEFAULT_OBJECTIVE", "DEFAULT_OPTIMIZER", "DEFAULT_PEAK_FLOPS", "DEFAULT_PROFILE",
     "DEFAULT_RESERVE_BYTES", "DEFAULT_SEQ_LEN", "A800_PEAK_FLOPS", "GiB",
@@ -28,6 +28,13 @@ __all__ = [
 GiB = 2**30
 
 DEFAULT_PROFILE = "paper-a800"  # a bundled bandwidth profile (planner/profiles/)
+# [Note: which profile auto plans with] Where the job runs (amsp train, amsp compare, amsp tune,
+# shard(), the ds_config block), ``auto`` prices plans with a profile of that cluster: "cluster"
+# is a cached profile whose fingerprint matches, else one measured in the job
+# (topology/profile_cache.py, runtime/measure/cluster.py); a bundled profile only when named.
+# The commands that plan for a cluster they do not run on (amsp plan, dryrun, simulate, config,
+# migrate) cannot measure it: they default to DEFAULT_PROFILE and print what it describes.
+CLUSTER_PROFILE = "cluster"
 DEFAULT_GPU_MEMORY = "80GiB"  # as a command line or a ds_config gives it
 DEFAULT_GPU_MEMORY_BYTES = 80 * GiB
 DEFAULT_MEMORY_RESERVE = "2GiB"

@@ -29,7 +29,7 @@ import numpy as np
 
 from amsp_ext.planner.plan import COMPONENTS, RULES, Plan, rule_masks
 
-__all__ = ["Prefiltered", "divisors", "legal_plans", "prefilter"]
+__all__ = ["Prefiltered", "divisors", "legal_plans", "prefilter", "priced_meshes"]
 
 _RULE_BITS = {rule: 1 << i for i, rule in enumerate(RULES)}
 
@@ -101,3 +101,23 @@ def legal_plans(gpus_per_node: int, num_nodes: int) -> Iterator[Plan]:
                      "s0_os": os_[0], "s1_os": os_[1]}
                 if not any(rule_masks(f, R, N).values()):
                     yield Plan(**f)
+
+
+def priced_meshes(gpus_per_node: int, num_nodes: int) -> dict[str, set[tuple[int, int]]]:
+    """Per collective, the meshes of more than one GPU the planner prices for some plan the
+    pre-filter keeps (cost.py's four terms, a two-level all-reduce's three phases, the world
+    broadcast and all-gather of adaptive.py and simulate.py): what a profile measured for
+    ``auto`` needs (runtime/measure/cluster.py), and no more."""
+    R, N = gpus_per_node, num_nodes
+    shard = {(d, 1) for d in divisors(R)} | {(R, d) for d in divisors(N)}  # Eq. 7's meshes
+    out: dict[str, set[tuple[int, int]]] = {"allgather": set(shard), "reducescatter": set(shard),
+                                            "allreduce": set(), "broadcast": {(R, N)}}
+    for plan in legal_plans(R, N):
+        for p0, p1 in (plan.replica_mesh(R, N), plan.grad_mesh()):
+            out["allreduce"].add((p0, p1))
+            if p0 > 1 and p1 > 1:  # runs two-level under all_reduce "two_level"/"auto"
+                out["reducescatter"].add((p0, 1))
+                out["allgather"].add((p0, 1))
+                out["allreduce"].add((1, p1))
+        out["broadcast"].add(plan.bcast_mesh())
+    return {op: {m for m in meshes if m[0] * m[1] > 1} for op, meshes in out.items()}

@@ -71,7 +71,7 @@ import numpy as np
 
 from amsp_ext.choices import ALL_REDUCES, MISSING_MESH
 from amsp_ext.planner.calibration import Calibration, CalibrationError, parse_calibration
-from amsp_ext.planner.defaults import DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH
+from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH
 
 __all__ = [
     "CONCURRENCY",
@@ -199,6 +199,12 @@ def load_profile(name_or_path: str | Path) -> BandwidthProfile:
     """A bundled profile by name (``paper-a800``) or a JSON file by path."""
     text = str(name_or_path)
     path = Path(text)
+    if text == CLUSTER_PROFILE and not path.exists():
+        raise ProfileError(
+            f"profile {CLUSTER_PROFILE!r} is the profile of the cluster a job runs on, found or "
+            f"measured by the job itself (amsp train, amsp compare, shard()); a command that "
+            f"plans off the cluster needs a bundled name ({', '.join(bundled_profiles())}) or a "
+            f"JSON file path")
     if not (text.endswith(".json") or path.exists()):
         if text not in bundled_profiles():
             raise ProfileError(

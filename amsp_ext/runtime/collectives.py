@@ -103,6 +103,7 @@ __all__ = [
     "all_gather_bytes",
     "all_gather_objects",
     "all_gather_into_tensor",
+    "broadcast_bytes",
     "advance",
     "issue_gathers",
     "all_reduce",
@@ -432,6 +433,24 @@ def all_gather_bytes(ctx: CollectiveContext, payload: bytes, group: dist.Process
         data = out.cpu().numpy().tobytes()
     rows = [data[i * (width + 4): (i + 1) * (width + 4)] for i in range(size)]
     return [r[4: 4 + int.from_bytes(r[:4], "little")] for r in rows]
+
+
+def broadcast_bytes(ctx: CollectiveContext, payload: bytes | None, src: int, *, name: str,
+                    timeout=None) -> bytes:
+    """Global rank ``src``'s ``payload`` (any length; the others pass None) on every rank: its
+    length, then its bytes, each one broadcast over the world (so a large payload, such as a
+    profile, is not padded to every rank's row as ``all_gather_bytes`` would)."""
+    from amsp_ext.runtime._torch_compat import real_tensors
+
+    device = _host_device(None)
+    with real_tensors():
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=device)
+        broadcast(ctx, size, src, None, name=name, stream=None, async_op=False, timeout=timeout)
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if payload is not None
+                else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+        if data.numel():
+            broadcast(ctx, data, src, None, name=name, stream=None, async_op=False, timeout=timeout)
+        return payload if payload is not None else data.cpu().numpy().tobytes()
 
 
 def all_gather_objects(ctx: CollectiveContext, obj: Any, group: dist.ProcessGroup | None, *,

@@ -76,7 +76,8 @@ class Engine:
     complete when constructed."""
 
     def __init__(self, parts: EngineParts, optimizer: AMSPOptimizer, *, full_state_dict: bool = False,
-                 switches: list[dict] | None = None, retired_meshes: list[PlanMesh] | None = None) -> None:
+                 switches: list[dict] | None = None, retired_meshes: list[PlanMesh] | None = None,
+                 profile_source=None) -> None:
         self.plan, self.world, self.mesh, self.config = parts.plan, parts.world, parts.mesh, parts.config
         self.units, self.tensors, self.device = parts.units, parts.tensors, parts.device
         self.grad_sync, self.param_sync, self.optimizer = parts.grad_sync, parts.param_sync, optimizer
@@ -88,6 +89,9 @@ class Engine:
         # (runtime/replan/switch.py [Note: the old plan's groups stay alive])
         self.switches: list[dict] = list(switches or [])
         self.retired_meshes: list[PlanMesh] = list(retired_meshes or [])
+        # where the profile that planned the job came from (a ProfileSource of
+        # topology/profile_cache.py; None: no profile, or the launcher planned)
+        self.profile_source = profile_source
 
     def group(self, kind: str) -> dist.ProcessGroup:
         return self.mesh.group(kind)
@@ -212,6 +216,21 @@ def plan_world(config: ShardConfig) -> World:
         )
     return World.with_leaves(num_nodes=world_size // R, gpus_per_node=R,
                              nodes_per_leaf=config.nodes_per_leaf)
+
+
+def needs_profile(plan, world: World, config: ShardConfig) -> bool:
+    """Whether running ``plan`` needs the planner's profile: plan "auto", an ``all_reduce``
+    "auto" that the plan's groups leave a choice to, or an adaptive run's monitor."""
+    if config.auto is None:
+        return False
+    if config.adaptive is not None or (isinstance(plan, str) and plan.strip().lower() == "auto"):
+        return True
+    try:
+        resolved = resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
+        return unpriced_choice(resolved, config.all_reduce, gpus_per_node=world.gpus_per_node,
+                               num_nodes=world.num_nodes) is None
+    except ValueError:  # resolve_engine_plan says why, before any collective
+        return False
 
 
 def resolve_engine_plan(plan, model: nn.Module, world: World,
@@ -363,7 +382,7 @@ def run_info(parts: EngineParts) -> dict:
 def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig, device: torch.device,
                  comm: C.CollectiveContext, *, optimizer_factory=None, optimizer: AMSPOptimizer | None = None,
                  monitor: Callable[[EngineParts], Any] | None = None, previous: "Engine | None" = None,
-                 initial=None) -> Engine:
+                 initial=None, profile_source=None) -> Engine:
     """[Note: one assembly of an engine]
     ``shard`` builds the first engine of a model and ``switch_plan`` every next one, both here:
     the parts (``build_parts``), the optimizer over them, the Engine, the hooks (``install``).
@@ -372,7 +391,8 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
     ``monitor(parts)``: the adaptive run, or None); ``switch_plan`` passes the ``optimizer`` to
     keep (rebound to the new parts; its guard, loss scaler and adaptive run stay) and the engine
     it replaces as ``previous`` (its switch record, retired meshes and state-dict mode go on).
-    ``initial``: see ``build_parts``."""
+    ``initial``: see ``build_parts``. ``profile_source``: where the first plan's profile came
+    from (runtime/measure/cluster.py), kept by every switch."""
     guard = optimizer.guard if optimizer is not None else NonFiniteGuard(max_bad_steps=config.max_bad_steps)
     parts = build_parts(model, plan, world, config, device, comm, guard=guard, initial=initial)
     wiring = dict(tensors=parts.tensors, grads=parts.grad_sync, params=parts.param_sync,
@@ -383,9 +403,9 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
                                   adaptive=monitor(parts) if monitor is not None else None, **wiring)
     else:
         optimizer.rebind(parts.masters, **wiring)
-    kept = {} if previous is None else dict(
+    kept = dict(profile_source=profile_source) if previous is None else dict(
         full_state_dict=previous.full_state_dict, switches=previous.switches,
-        retired_meshes=[*previous.retired_meshes, previous.mesh])
+        retired_meshes=[*previous.retired_meshes, previous.mesh], profile_source=previous.profile_source)
     engine = Engine(parts, optimizer, **kept)
     install(model, engine)
     return engine

@@ -22,11 +22,12 @@ from amsp_ext.common.faults import faults
 from amsp_ext.planner.adaptive import check_replannable
 from amsp_ext.planner.plan import Plan, validate_plan
 from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.measure.cluster import resolve_cluster_profile
 from amsp_ext.runtime.materialize import check_initializable, fill, model_on_meta
 from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
 from amsp_ext.runtime.state.init_source import open_init_source
 from amsp_ext.runtime.config import ShardConfig
-from amsp_ext.runtime.engine import (check_same_everywhere, engine_device, enable_recompute, run_fingerprint,
+from amsp_ext.runtime.engine import (check_same_everywhere, needs_profile, engine_device, enable_recompute, run_fingerprint,
                                      resolve_engine_plan, same_initial_weights, plan_world, build_engine)
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
@@ -71,6 +72,9 @@ def shard(model: nn.Module, plan: "Plan | str",
         raise ValueError("model is already sharded by amsp_ext.shard")
     t_start = time.perf_counter()
     world = plan_world(config)
+    profile_source = None
+    if needs_profile(plan, world, config):  # measure/cluster.py [Note: where the measurement runs]
+        config, profile_source = resolve_cluster_profile(comm, config, world)
     plan, config = resolve_engine_plan(plan, model, world, config)  # all_reduce "auto" decided
     validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
                   structural_only=True)
@@ -78,9 +82,9 @@ def shard(model: nn.Module, plan: "Plan | str",
     problem = planner_problem(model, world, config) if config.adaptive is not None else None
     # initial values: the files are opened and checked against the model here, before any collective
     on_meta = model_on_meta(model)
-    source = open_init_source(config.init_from, model) if config.init_from is not None else None
+    init = open_init_source(config.init_from, model) if config.init_from is not None else None
     if on_meta:
-        check_initializable(model, from_files=source is not None)
+        check_initializable(model, from_files=init is not None)
     C.destroy_groups_at_exit()  # collectives.py [Note: process groups torn down at exit]
     # -- first collective ------------------------------------------------------------------
     check_same_everywhere(comm, run_fingerprint(plan, config, world, model), config)
@@ -88,8 +92,8 @@ def shard(model: nn.Module, plan: "Plan | str",
     if not on_meta:
         if device.type != "cpu":
             model.to(device)
-        if source is not None:  # every rank holds the model whole: it reads it whole
-            fill(model, device=device, seed=config.init_seed, source=source, init_buffers=False)
+        if init is not None:  # every rank holds the model whole: it reads it whole
+            fill(model, device=device, seed=config.init_seed, source=init, init_buffers=False)
         else:
             same_initial_weights(comm, model, config)
     if config.recompute:
@@ -101,7 +105,8 @@ def shard(model: nn.Module, plan: "Plan | str",
                                comm=comm, timeout=config.timeout,
                                first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
     engine = build_engine(model, plan, world, config, device, comm, optimizer_factory=optimizer_factory,
-                          monitor=monitor, initial=(config.init_seed, source) if on_meta else None)
+                          monitor=monitor, initial=(config.init_seed, init) if on_meta else None,
+                          profile_source=profile_source)
     return model, engine.optimizer
 
 

@@ -26,7 +26,7 @@ from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size
 from amsp_ext.schema import check_options, option, section
-from amsp_ext.planner.defaults import DEFAULT_OBJECTIVE, DEFAULT_PROFILE
+from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_OBJECTIVE
 
 __all__ = ["auto_plan_config", "DEFAULT_PLAN", "AdaptiveOptions", "BatchOptions", "CheckpointOptions",
            "EngineConfig", "OptimOptions", "OutputOptions", "PlannerOptions", "TrainConfig"]
@@ -39,8 +39,9 @@ class PlannerOptions:
     """The planner's inputs for ``--plan auto`` besides the model, the world and the step."""
 
     profile: str = option(
-        DEFAULT_PROFILE, help="bandwidth profile for --plan auto: a bundled name or an amsp-profile "
-                           "JSON (e.g. one written by `amsp profile`)")
+        CLUSTER_PROFILE, help="bandwidth profile for --plan auto: 'cluster' (default: this cluster's, "
+                           "from the cache or measured before planning), a bundled name or an "
+                           "amsp-profile JSON (e.g. one written by `amsp profile`)")
     gpu_memory: str | None = option(
         None, metavar="SIZE",
         help="memory per rank for --plan auto, with a unit (e.g. 4MiB); default: the device's")

@@ -44,7 +44,7 @@ from amsp_ext.runtime.config import ShardConfig, compute_dtype
 from amsp_ext.runtime.optim.nonfinite import NonFiniteError
 from amsp_ext.runtime.measure.peak import device_peak
 from amsp_ext.runtime.step import train_step
-from amsp_ext.tools.profiler import pick_device
+from amsp_ext.runtime.measure.profiler import pick_device
 from amsp_ext.train.config import (BatchOptions, OptimOptions, PlannerOptions, TrainConfig,
                                     auto_plan_config_of)
 from amsp_ext.train.state import checkpoint_name, prune, resolve_resume
@@ -266,6 +266,11 @@ def _summary(config: TrainConfig, model, start: _Start, *, history: list, sample
         "all_reduce": model.amsp.config.all_reduce,  # as run ("auto" is decided by then)
         "loss": [h["loss"] for h in history],
         "switches": list(model.amsp.switches),
+        # which cluster planned the job (None here: the launcher planned it and fills this in)
+        "profile": model.amsp.profile_source.as_dict() if model.amsp.profile_source else None,
+        # collectives the cluster profile's look-up and measurement issued (collectives.py counters)
+        "profile_collectives": sum(n for (_, kind), n in model.amsp.comm.counts.items()
+                                   if kind.startswith(("profile_", "cluster_"))),
         "adaptive_decisions": ([{**dataclasses.asdict(d), "line": d.line()} for d in adaptive.decisions]
                                if adaptive is not None else None),
         "adaptive_ratios": list(adaptive.ratios) if adaptive is not None else None,

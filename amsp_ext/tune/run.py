@@ -31,6 +31,20 @@ def _progress(total: int):
                 mininterval=0, dynamic_ncols=False, ncols=100)
 
 
+def _cluster_profile(config, comm, *, num_nodes: int, gpus_per_node: int):
+    """This cluster's profile when --profile is "cluster" (runtime/measure/cluster.py), else None
+    (make_problems loads the named one)."""
+    from amsp_ext.planner.defaults import CLUSTER_PROFILE
+    from amsp_ext.runtime.measure.cluster import cluster_profile
+    from amsp_ext.topology.groups import World
+
+    if config.planner.profile != CLUSTER_PROFILE:
+        return None
+    world = World.with_leaves(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                              nodes_per_leaf=config.engine.nodes_per_leaf)
+    return cluster_profile(comm, world, timeout=config.engine.timeout)[0]
+
+
 def run_tune(config, *, command: str) -> int:
     """Every rank: measure; rank 0 also analyses and writes (see the module doc)."""
     import torch
@@ -39,7 +53,7 @@ def run_tune(config, *, command: str) -> int:
     from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
     from amsp_ext.runtime.config import PRECISIONS
-    from amsp_ext.tools.profiler import pick_device
+    from amsp_ext.runtime.measure.profiler import pick_device
     from amsp_ext.tune.candidates import choose_plans, make_problems
     from amsp_ext.tune.worker import run_rounds
 
@@ -66,7 +80,8 @@ def run_tune(config, *, command: str) -> int:
                        override_flops=t.peak_tflops * 1e12 if t.peak_tflops else None)
     gpu_memory = config.planner.gpu_memory_bytes or _device_memory(device, R)
     problems = make_problems(config, num_nodes=num_nodes, gpus_per_node=R,
-                             gpu_memory_bytes=gpu_memory, peak_flops=peak.flops)
+                             gpu_memory_bytes=gpu_memory, peak_flops=peak.flops,
+                             profile=_cluster_profile(config, comm, num_nodes=num_nodes, gpus_per_node=R))
     candidates = choose_plans(config, problems)
     if rank == 0:
         print(f"amsp tune: {len(candidates)} plans x {t.repeats} rounds on {num_nodes} x {R} "

@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the mesh list, the rank layout of each mesh, the message sizes, the
 alpha-beta fit and the profile document are all unit-tested without launching ranks.
-:mod:`amsp_ext.tools.profiler` runs the collectives.
+:mod:`amsp_ext.runtime.measure.profiler` runs the collectives.
 
 [Note: which meshes]
 The planner costs four collectives on these meshes (DESIGN.md, group table), with ``a | R`` and
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from amsp_ext.engine_config import DEFAULT_TIMEOUT_S
 from amsp_ext.planner.plan import Plan
-from amsp_ext.planner.prefilter import divisors
+from amsp_ext.planner.prefilter import divisors, priced_meshes
 from amsp_ext.planner.profile import OPS, SCHEMA
 from amsp_ext.topology.groups import World, rank_groups
 
@@ -77,6 +77,7 @@ class ProfileConfig:
     num_reps: int = 5
     dtype: str = "bfloat16"
     all_meshes: bool = False
+    priced_only: bool = False  # only the meshes the planner prices (prefilter.priced_meshes)
     timeout_s: float = DEFAULT_TIMEOUT_S  # per collective: the engine's
 
     def __post_init__(self) -> None:
@@ -153,6 +154,7 @@ def mesh_layout(op: str, p0: int, p1: int, world: World) -> tuple[str, list[list
 def cases(world: World, config: ProfileConfig) -> list[Case]:
     """Every (op, mesh) to measure, in a deterministic order every rank follows."""
     R, N = world.gpus_per_node, world.num_nodes
+    priced = priced_meshes(R, N) if config.priced_only else None
     out = []
     for op in config.ops:
         for p1 in divisors(N):
@@ -161,6 +163,8 @@ def cases(world: World, config: ProfileConfig) -> list[Case]:
                     continue  # a group of one moves nothing
                 if op in SHARD_OPS and not config.all_meshes and p1 > 1 and p0 != R:
                     continue  # Eq. 7: the planner never shards across nodes with part of a node
+                if priced is not None and (p0, p1) not in priced[op]:
+                    continue
                 kind, groups = mesh_layout(op, p0, p1, world)
                 out.append(Case(op=op, p0=p0, p1=p1, kind=kind, groups=tuple(tuple(g) for g in groups)))
     return out

@@ -1,7 +1,7 @@
 """The measurement loop of ``amsp profile``: times each (op, mesh, size) with all groups at once.
 
 Run by every rank (torchrun or ``amsp cluster run``). What is measured and why is in
-:mod:`amsp_ext.tools.profile_cases`; every collective goes through
+:mod:`amsp_ext.runtime.measure.profile_cases`; every collective goes through
 :mod:`amsp_ext.runtime.collectives`. The same code serves NCCL (one GPU per local rank) and gloo
 (CPU tensors); only the device differs.
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from amsp_ext.runtime import collectives as C
-from amsp_ext.tools.profile_cases import (
+from amsp_ext.runtime.measure.profile_cases import (
     Case,
     Measurement,
     ProfileConfig,
@@ -112,7 +112,7 @@ def measure(config: ProfileConfig, world: World, device: torch.device, *,
     flag = torch.zeros(1, device=device)
 
     def barrier() -> None:
-        C.all_reduce(comm, flag, None, name="world", stream=None, async_op=False,
+        C.all_reduce(comm, flag, None, name="profile_world", stream=None, async_op=False,
                      timeout=config.timeout_s)
         _sync(device)
 
@@ -142,7 +142,7 @@ def measure(config: ProfileConfig, world: World, device: torch.device, *,
                     if rep >= config.num_warmup:
                         times.append(time.perf_counter() - t0)
                 slowest = torch.tensor(times, dtype=torch.float64, device=device)
-                C.all_reduce(comm, slowest, None, name="world", stream=None, op=dist.ReduceOp.MAX,
+                C.all_reduce(comm, slowest, None, name="profile_world", stream=None, op=dist.ReduceOp.MAX,
                              async_op=False, timeout=config.timeout_s)
                 m.points.append((moved, statistics.median(slowest.cpu().tolist())))
                 del run_once
