@@ -194,7 +194,7 @@ def test_plan_auto_under_tp_plans_the_data_parallel_world():
 
     settings = dict(num_nodes=2, gpus_per_node=8, gpu_memory_bytes=80 * GiB, precision="bf16",
                     grad_bucket_bytes=25 * 2**20, granularity="layer", recompute=True, tensor_parallel=4)
-    auto = AutoPlanConfig(seq_len=2048)
+    auto = AutoPlanConfig(seq_len=2048, profile="paper-a800")
     prob = auto_problem("llama-7b", auto, **settings)
     assert (prob.cluster.gpus_per_node, prob.node_gpus, prob.tensor_parallel) == (2, 8, 4)
     planned = resolve_auto("llama-7b", auto, all_reduce="auto", **settings)
