@@ -117,9 +117,11 @@ def test_the_same_settings_agree_on_every_route(monkeypatch):
               "accelerate": via_accelerate(block, ds)}
     for name, engine in routes.items():
         assert _json(engine) == _json(want), name
-    # amsp plan has the planner's part of it; amsp compare holds precision and unit fixed per row
+    # amsp plan has the planner's part of it; amsp compare holds precision, reduce dtype and unit
+    # fixed per row
     assert planner_settings(via_plan(flags)) == planner_settings(want)
-    compare = via_compare(precision="bf16", amsp_granularity="module", amsp_all_reduce="two_level")
+    compare = via_compare(precision="bf16", reduce_dtype="bf16", amsp_granularity="module",
+                          amsp_all_reduce="two_level")
     assert (compare.precision, compare.reduce_dtype, compare.granularity, compare.all_reduce) == \
         ("bf16", "bf16", "module", "two_level")
 
