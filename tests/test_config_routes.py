@@ -173,10 +173,11 @@ def test_compare_plans_auto_with_the_rows_engine(monkeypatch):
     planner = harness.PlannerInputs(profile="paper-a800")
     harness._resolve_planned(spec, spec.amsp_plan, num_nodes=2, gpus_per_node=2, planner=planner)
     assert {k: seen[k] for k in planner_settings(engine_config(spec))} == planner_settings(engine_config(spec))
-    # what the AMSP rows run with, by the comparison's rule: the compute dtype's 2-byte
-    # gradients (as the DeepSpeed rows), the engine's unit and bucket
+    # what the AMSP rows run with, by the comparison's rule: the --reduce-dtype every row sends
+    # (default fp32, the engine's default; compare/config.py [Note: one wire dtype for every
+    # system]), the engine's unit and bucket
     assert (seen["precision"], seen["reduce_dtype"], seen["granularity"], seen["grad_bucket_bytes"]) == \
-        ("bf16", "bf16", "layer", 25 * 2**20)
+        ("bf16", "fp32", "layer", 25 * 2**20)
 
 
 def _defined_defaults() -> dict[str, list[str]]:
@@ -210,6 +211,9 @@ def test_each_engine_setting_is_defined_once():
         ("nodes_per_leaf", "planner/specs.py:ClusterSpec"), ("gpus_per_node", "planner/specs.py:ClusterSpec"),
         # the comparison's settings shared by every system (not only the AMSP rows)
         ("precision", "compare/config.py:RunSpec"), ("gpus_per_node", "compare/config.py:RunSpec"),
+        # the wire dtype every system of the comparison reduces in; its default is read from
+        # the engine's (engine_default), not restated
+        ("reduce_dtype", "compare/config.py:RunSpec"),
         # `amsp simulate`'s grid and the lab's shape: their own job, not an engine setting
         ("precision", "planner/simulate.py:SimSettings"), ("gpus_per_node", "planner/simulate.py:SimSettings"),
         ("nodes_per_leaf", "cluster/lab.py:LabSpec"),
