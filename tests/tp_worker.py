@@ -1,0 +1,71 @@
+"""Worker of tests/test_tensor_parallel.py: tiny-llama made tensor-parallel (T = 2, the standard
+Llama layout) on a ``(dp, tp)`` mesh, sharded by ``shard`` under each plan of the data-parallel
+world, trained ``STEPS`` steps with clipping. Rank 0 writes, per plan, the per-step losses and clip
+norms and the full weights after the last step (DTensors gathered with ``full_tensor``) to
+OUTDIR/<plan>.pt; pytest compares them with a single-process run (tests/parity_check.reference).
+
+Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
+from amsp_ext.runtime.config import ShardConfig
+from amsp_ext.runtime.shard import shard
+from amsp_ext.runtime.tensor_parallel import parallelize_llama, tensor_parallel_mesh
+from tests.dist_utils import end_worker
+from tests.engine_worker import release
+from tests.parity_check import M, MBS, SEQ, adamw
+
+
+def run_plan(plan, tp_mesh, T, steps, clip, outdir):
+    model = parallelize_llama(build_llama("tiny-llama", seed=0), tp_mesh)
+    model, opt = shard(model, plan, adamw, config=ShardConfig(tensor_parallel=T, gpus_per_node=dist.get_world_size()))
+    dp_rank, dp_world = dist.get_rank() // T, dist.get_world_size() // T
+    losses, norms = [], []
+    for step in range(steps):
+        total = torch.zeros(1)
+        for m in range(M):
+            b = micro_batch(step, m, dp_rank, world_size=dp_world, num_micro_batches=M,
+                            micro_batch_size=MBS, seq_len=SEQ)
+            with contextlib.nullcontext() if m == M - 1 else model.no_sync():
+                loss = causal_lm_loss(model, b) / M
+                opt.backward(loss)
+            total += loss.detach()
+        dist.all_reduce(total)  # every TP rank of a data-parallel slot has the same loss
+        losses.append(float(total) / dist.get_world_size())
+        norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad()
+    model.amsp.wait_params()
+    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+               for n, p in model.named_parameters()}
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "norms": norms, "weights": weights},
+                   os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", plan) + ".pt"))
+    release(model)
+
+
+def main():
+    T, outdir, steps, clip, plans = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo")
+    tp_mesh = tensor_parallel_mesh(T, "cpu")["tp"]
+    for plan in plans.split(";"):
+        run_plan(plan, tp_mesh, T, steps, clip, outdir)
+    end_worker(t0)
+
+
+if __name__ == "__main__":
+    main()
