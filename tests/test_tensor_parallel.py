@@ -26,8 +26,10 @@ STEPS, CLIP = 2, 0.1
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    run_ranks(4, "tests.tp_worker", "2", str(out), str(STEPS), str(CLIP), ";".join(PLANS), timeout=300)
-    return {plan: torch.load(out / (plan.replace(",", "_") + ".pt"), weights_only=True) for plan in PLANS}
+    run_ranks(4, "tests.tp_worker", "2", str(out), str(STEPS), str(CLIP), ";".join((*PLANS, "guards")),
+              timeout=300)
+    return {plan: torch.load(out / (plan.replace(",", "_") + ".pt"), weights_only=True)
+            for plan in (*PLANS, "guards")}
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -42,3 +44,26 @@ def test_tp2_matches_single_process(tp_runs, plan):
     assert set(got["weights"]) == set(final)
     worst = max(float((got["weights"][n] - final[n]).abs().max()) for n in final)
     assert worst <= 1e-5, (plan, worst)
+
+
+@pytest.mark.parametrize("case,want", [
+    ("T does not divide the node", "config.tensor_parallel=3 must divide the GPUs per node (4); allowed: 1, 2, 4"),
+    ("T without a TP model", "config.tensor_parallel=2 but the model has no tensor-parallel (DTensor) parameter"),
+    ("TP model without T", "set ShardConfig(tensor_parallel=T)"),
+])
+def test_tp_bad_input_is_one_line(tp_runs, case, want):
+    msg = tp_runs["guards"][case]
+    assert want in msg and "\n" not in msg, msg
+
+
+def test_llama_layout_checks():
+    """parallelize_llama refuses, before touching the model, a T that does not divide the heads
+    (tiny-llama: 4 heads, 2 key/value heads) and a model without a Llama layout."""
+    from amsp_ext.common.models import build_llama
+    from amsp_ext.runtime.tensor_parallel import check_llama_layout
+
+    with pytest.raises(ValueError, match=r"tensor_parallel=4 must divide the model's num_key_value_heads \(2\)"):
+        check_llama_layout(build_llama("tiny-llama"), 4)
+    with pytest.raises(ValueError, match="has no tensor-parallel layout"):
+        check_llama_layout(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
+    assert len(check_llama_layout(build_llama("tiny-llama"), 2)) == 2

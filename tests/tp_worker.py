@@ -4,7 +4,7 @@ world, trained ``STEPS`` steps with clipping. Rank 0 writes, per plan, the per-s
 norms and the full weights after the last step (DTensors gathered with ``full_tensor``) to
 OUTDIR/<plan>.pt; pytest compares them with a single-process run (tests/parity_check.reference).
 
-Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]
+Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]  (PLAN ``guards``: the bad-input cases)
 """
 
 from __future__ import annotations
@@ -57,13 +57,38 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir):
     release(model)
 
 
+def guards(tp_mesh, T, outdir):
+    """Bad input under TP: each must be one ValueError line on every rank, before any collective
+    (the barrier after each proves no rank was left inside one)."""
+    cases = {
+        "T does not divide the node": (lambda: parallelize_llama(build_llama("tiny-llama"), tp_mesh),
+                                       dict(tensor_parallel=3)),
+        "T without a TP model": (lambda: build_llama("tiny-llama"), dict(tensor_parallel=T)),
+        "TP model without T": (lambda: parallelize_llama(build_llama("tiny-llama"), tp_mesh), {}),
+    }
+    got = {}
+    for name, (make, cfg) in cases.items():
+        model = make()
+        try:
+            shard(model, "ddp", adamw, config=ShardConfig(gpus_per_node=dist.get_world_size(), **cfg))
+            got[name] = "no error"
+        except ValueError as e:
+            got[name] = str(e)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        torch.save(got, os.path.join(outdir, "guards.pt"))
+
+
 def main():
     T, outdir, steps, clip, plans = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
     t0 = time.perf_counter()
     dist.init_process_group("gloo")
     tp_mesh = tensor_parallel_mesh(T, "cpu")["tp"]
     for plan in plans.split(";"):
-        run_plan(plan, tp_mesh, T, steps, clip, outdir)
+        if plan == "guards":
+            guards(tp_mesh, T, outdir)
+        else:
+            run_plan(plan, tp_mesh, T, steps, clip, outdir)
     end_worker(t0)
 
 
