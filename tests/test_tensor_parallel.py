@@ -67,3 +67,30 @@ def test_llama_layout_checks():
     with pytest.raises(ValueError, match="has no tensor-parallel layout"):
         check_llama_layout(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
     assert len(check_llama_layout(build_llama("tiny-llama"), 2)) == 2
+
+
+@pytest.mark.slow  # two `amsp train` launches (~1 min on 2 cores); the engine path: test_tp2_matches_single_process
+def test_amsp_train_tensor_parallel_matches_ddp():
+    """``amsp train --nproc-per-node 4 --tensor-parallel 2 --plan zero3`` (TP 2 x FSDP2 over the
+    data-parallel 2) gives the per-step losses of ``--nproc-per-node 2 --plan ddp``: the same
+    global batch, read by data-parallel rank (clipping at 1.0 on, as by default)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import REPO
+
+    def train(*args):
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "amsp_ext.cli", "train", "--steps", "3", "--json", *args],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout)
+
+    tp = train("--nproc-per-node", "4", "--tensor-parallel", "2", "--plan", "zero3")
+    ddp = train("--nproc-per-node", "2", "--plan", "ddp")
+    assert tp["tensor_parallel"] == 2 and tp["plan_str"] == "p=2x1,g=2x1,os=2x1", tp["plan_str"]
+    for a, b in zip(tp["loss"], ddp["loss"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (tp["loss"], ddp["loss"])

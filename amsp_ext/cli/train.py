@@ -150,15 +150,21 @@ def run(args: argparse.Namespace) -> int:
         return run_worker(config)
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    gpus = config.engine.gpus_per_node or min(args.nproc_per_node, 2)
+    T = config.engine.tensor_parallel
+    # a virtual node holds 2 data-parallel ranks by default (T ranks each under --tensor-parallel)
+    gpus = config.engine.gpus_per_node or min(args.nproc_per_node, 2 * T)
     if args.nproc_per_node % gpus:
         raise ValueError(
             f"--gpus-per-node={gpus} must divide --nproc-per-node={args.nproc_per_node}"
         )
+    if gpus % T:
+        raise ValueError(f"--tensor-parallel {T} must divide the GPUs per node ({gpus}); allowed: "
+                         f"{', '.join(str(t) for t in range(1, gpus + 1) if gpus % t == 0)}")
     from amsp_ext.cli.precision import warn_if_slow_bf16
 
     warn_if_slow_bf16(config.engine.precision)  # decided (the default is fp32): bf16 only warns
-    plan, all_reduce = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
+    # the plan shards the data-parallel ranks (topology/groups.py [Note: the data-parallel world of a 2-D mesh])
+    plan, all_reduce = _plan_before_launch(config, gpus_per_node=gpus // T, num_nodes=args.nproc_per_node // gpus)
     _check_save_dir(config)
     _check_resume(config)
     config = dataclasses.replace(
