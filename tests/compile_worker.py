@@ -3,7 +3,7 @@
 of M micro-batches. Rank 0 writes the per-step losses and dynamo's graph-break and graph counters
 to OUTDIR/<case>.pt; pytest compares the losses with a single-process eager run.
 
-Usage: python -m tests.compile_worker OUTDIR STEPS PLAN WHEN [recompute]
+Usage: python -m tests.compile_worker OUTDIR STEPS PLAN:WHEN[:recompute][;...]
   WHEN: ``before`` (blocks compiled, then shard) or ``after`` (shard, then blocks compiled)
 """
 
@@ -24,17 +24,15 @@ from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.sync.units import decoder_layers
 from tests.dist_utils import end_worker
+from tests.engine_worker import release
 from tests.parity_check import M, MBS, SEQ, adamw
 
 
-def main():
-    outdir, steps, plan, when = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    recompute = "recompute" in sys.argv[5:]
-    t0 = time.perf_counter()
-    dist.init_process_group("gloo")
+def run_case(outdir, steps, plan, when, recompute):
     from torch._dynamo.utils import counters
 
     counters.clear()
+    t0 = time.perf_counter()
     model = build_llama("tiny-llama", seed=0)
     compile_blocks = lambda: [layer.compile(backend="inductor") for layer in decoder_layers(model)]  # noqa: E731
     if when == "before":
@@ -59,9 +57,20 @@ def main():
         opt.zero_grad()
     if rank == 0:
         breaks = dict(counters["graph_break"])
+        name = f"{plan}.{when}{'.recompute' if recompute else ''}"
         torch.save({"losses": losses, "graph_breaks": breaks, "graph_break_count": sum(breaks.values()),
                     "graphs": int(counters["stats"]["unique_graphs"]), "seconds": time.perf_counter() - t0},
-                   os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", f"{plan}.{when}") + ".pt"))
+                   os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", name) + ".pt"))
+    release(model)
+
+
+def main():
+    outdir, steps, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo")
+    for case in cases.split(";"):
+        plan, when, *rest = case.split(":")
+        run_case(outdir, steps, plan, when, recompute="recompute" in rest)
     end_worker(t0)
 
 

@@ -32,9 +32,7 @@ def tp_runs(tmp_path_factory):
             for plan in (*PLANS, "guards")}
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_tp2_matches_single_process(tp_runs, plan):
-    got = tp_runs[plan]
+def check_against_reference(got, plan):
     ref = reference(2, clip=CLIP, num_steps=STEPS)  # the data-parallel world: 2 ranks' batches
     for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (plan, got["losses"], ref["losses"])
@@ -44,6 +42,21 @@ def test_tp2_matches_single_process(tp_runs, plan):
     assert set(got["weights"]) == set(final)
     worst = max(float((got["weights"][n] - final[n]).abs().max()) for n in final)
     assert worst <= 1e-5, (plan, worst)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_tp2_matches_single_process(tp_runs, plan):
+    check_against_reference(tp_runs[plan], plan)
+
+
+@pytest.mark.slow  # inductor's cold compile (~1 min); the eager TP path: test_tp2_matches_single_process
+def test_tp2_with_compiled_blocks(tmp_path):
+    """torchtitan's order under TP: TP, then ``block.compile()`` per decoder block, then shard
+    (ddp): the same losses, norms and weights as the single-process run, and no graph break."""
+    run_ranks(4, "tests.tp_worker", "2", str(tmp_path), str(STEPS), str(CLIP), "ddp+compile", timeout=900)
+    got = torch.load(tmp_path / "ddp_compile.pt", weights_only=True)
+    check_against_reference(got, "ddp+compile")
+    assert got["graph_breaks"] == 0
 
 
 @pytest.mark.parametrize("case,want", [

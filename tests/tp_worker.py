@@ -4,7 +4,8 @@ world, trained ``STEPS`` steps with clipping. Rank 0 writes, per plan, the per-s
 norms and the full weights after the last step (DTensors gathered with ``full_tensor``) to
 OUTDIR/<plan>.pt; pytest compares them with a single-process run (tests/parity_check.reference).
 
-Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]  (PLAN ``guards``: the bad-input cases)
+Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]  (PLAN ``guards``: the bad-input cases;
+PLAN+compile: each decoder block compiled after TP, before shard)
 """
 
 from __future__ import annotations
@@ -23,14 +24,21 @@ from amsp_ext.common.data import micro_batch
 from amsp_ext.common.models import build_llama, causal_lm_loss
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.shard import shard
+from amsp_ext.runtime.sync.units import decoder_layers
 from amsp_ext.runtime.tensor_parallel import parallelize_llama, tensor_parallel_mesh
 from tests.dist_utils import end_worker
 from tests.engine_worker import release
 from tests.parity_check import M, MBS, SEQ, adamw
 
 
-def run_plan(plan, tp_mesh, T, steps, clip, outdir):
+def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     model = parallelize_llama(build_llama("tiny-llama", seed=0), tp_mesh)
+    if compiled:  # torchtitan's order: TP, then compile each block, then the data-parallel wrapper
+        for layer in decoder_layers(model):
+            layer.compile(backend="inductor")
     model, opt = shard(model, plan, adamw, config=ShardConfig(tensor_parallel=T, gpus_per_node=dist.get_world_size()))
     dp_rank, dp_world = dist.get_rank() // T, dist.get_world_size() // T
     losses, norms = [], []
@@ -52,8 +60,10 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir):
     weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                for n, p in model.named_parameters()}
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "norms": norms, "weights": weights},
-                   os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", plan) + ".pt"))
+        torch.save({"losses": losses, "norms": norms, "weights": weights,
+                    "graph_breaks": sum(counters["graph_break"].values())},
+                   os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", plan + ("+compile" if compiled else ""))
+                                + ".pt"))
     release(model)
 
 
@@ -88,7 +98,8 @@ def main():
         if plan == "guards":
             guards(tp_mesh, T, outdir)
         else:
-            run_plan(plan, tp_mesh, T, steps, clip, outdir)
+            compiled = plan.endswith("+compile")
+            run_plan(plan.removesuffix("+compile"), tp_mesh, T, steps, clip, outdir, compiled)
     end_worker(t0)
 
 
