@@ -107,3 +107,18 @@ def test_amsp_train_tensor_parallel_matches_ddp():
     assert tp["tensor_parallel"] == 2 and tp["plan_str"] == "p=2x1,g=2x1,os=2x1", tp["plan_str"]
     for a, b in zip(tp["loss"], ddp["loss"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (tp["loss"], ddp["loss"])
+
+
+def test_data_parallel_groups_of_a_2d_mesh():
+    """2 nodes x 4 ranks, T = 2 (TP groups {0,1}, {2,3}, ... inside the nodes): the plan's groups
+    hold the ranks of one TP coordinate only, laid out over the 2 x 2 data-parallel world."""
+    from amsp_ext.planner.plan import resolve_plan
+    from amsp_ext.topology.groups import World, rank_groups
+
+    world = World(num_nodes=2, gpus_per_node=2, tensor_parallel=2)
+    assert (world.size, world.global_size, world.node_of(3), world.node_of(4)) == (4, 8, 0, 1)
+    zero3 = rank_groups(resolve_plan("zero3", gpus_per_node=2, num_nodes=2), world)
+    assert zero3["param_shard"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    mics = rank_groups(resolve_plan("p=2x1,g=2x1,os=2x1", gpus_per_node=2, num_nodes=2), world)
+    assert mics["param_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mics["param_replica"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
