@@ -1,7 +1,7 @@
 """Tensor parallelism inside the node with AMSP over the data-parallel ranks (issue 38, item 1).
 
 tiny-llama on 4 gloo ranks as T = 2 (the standard Llama layout, runtime/tensor_parallel.py) x
-data-parallel 2, under ddp, zero3 and ``p=1x1,g=1x1,os=2x1``: two steps with gradient clipping
+data-parallel 2, under ddp, zero3, ``p=1x1,g=1x1,os=2x1`` (= zero1 there) and zero2: two steps with gradient clipping
 at 0.1 (below the gradient norm, so every step clips and a norm counted wrong on either mesh
 dimension changes the weights). Per step the loss and the clip norm, and after the last step
 the gathered full weights, must equal a plain single-process run on the same global batch
@@ -19,7 +19,7 @@ from parity_check import reference
 
 pytestmark = pytest.mark.distributed
 
-PLANS = ("ddp", "zero3", "p=1x1,g=1x1,os=2x1")
+PLANS = ("ddp", "zero3", "p=1x1,g=1x1,os=2x1", "zero2")
 STEPS, CLIP = 2, 0.1
 
 
