@@ -1,7 +1,7 @@
 """Worker of tests/test_tensor_parallel.py: tiny-llama made tensor-parallel (T = 2, the standard
 Llama layout) on a ``(dp, tp)`` mesh, sharded by ``shard`` under each plan of the data-parallel
 world, trained ``STEPS`` steps with clipping. Rank 0 writes, per plan, the per-step losses and clip
-norms and the full weights after the last step (DTensors gathered with ``full_tensor``) to
+norms and the full weights after the last step (``consolidated_state_dict``) to
 OUTDIR/<plan>.pt; pytest compares them with a single-process run (tests/parity_check.reference).
 
 Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]  (PLAN ``guards``: the bad-input cases;
@@ -18,11 +18,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from amsp_ext.common.data import micro_batch
 from amsp_ext.common.models import build_llama, causal_lm_loss
 from amsp_ext.runtime.config import ShardConfig
+from amsp_ext.runtime.state.export import consolidated_state_dict
 from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.sync.units import decoder_layers
 from amsp_ext.runtime.tensor_parallel import parallelize_llama, tensor_parallel_mesh
@@ -57,8 +57,7 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False):
         opt.step()
         opt.zero_grad()
     model.amsp.wait_params()
-    weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-               for n, p in model.named_parameters()}
+    weights = consolidated_state_dict(model)  # rank 0: full tensors (TP and data-parallel gathers)
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "norms": norms, "weights": weights,
                     "graph_breaks": sum(counters["graph_break"].values())},

@@ -188,8 +188,7 @@ class TrainConfig:
                              f"--no-adaptive-allow-replan, or drop --adaptive")
         T = self.engine.tensor_parallel
         if T > 1:  # what the engine does not yet run on a 2-D mesh (runtime/tensor_parallel.py)
-            for flag, used in (("--save-dir", self.checkpoint.save_dir), ("--resume", self.checkpoint.resume),
-                               ("--adaptive", self.adaptive.adaptive), ("--init-from", self.engine.init_from)):
+            for flag, used in (("--adaptive", self.adaptive.adaptive), ("--init-from", self.engine.init_from)):
                 if used:
                     raise ValueError(f"--tensor-parallel {T} does not support {flag} yet (allowed: "
                                      f"--tensor-parallel 1)")

@@ -123,9 +123,6 @@ def engine_of(model: nn.Module, optimizer=None) -> "Engine":
         raise CheckpointError("amsp checkpoint: the model is not sharded by amsp_ext.shard")
     if optimizer is not None and optimizer is not e.optimizer:
         raise CheckpointError("amsp checkpoint: optimizer is not the one amsp_ext.shard returned for this model")
-    if e.world.tensor_parallel > 1:  # its files would hold TP shards as if they were whole tensors
-        raise CheckpointError(f"amsp checkpoint: not supported yet under config.tensor_parallel="
-                              f"{e.world.tensor_parallel} (allowed: 1)")
     return e
 
 
