@@ -1,7 +1,7 @@
 """Tensor parallelism inside the node with AMSP over the data-parallel ranks (issue 38, item 1).
 
 tiny-llama on 4 gloo ranks as T = 2 (the standard Llama layout, runtime/tensor_parallel.py) x
-data-parallel 2, under ddp, zero3, ``p=1x1,g=1x1,os=2x1`` (= zero1 there) and zero2: two steps with gradient clipping
+data-parallel 2, under ddp, zero3, ``p=1x1,g=1x1,os=2x1`` (= zero1 there) and zero2, and zero3 with activation checkpointing: two steps with gradient clipping
 at 0.1 (below the gradient norm, so every step clips and a norm counted wrong on either mesh
 dimension changes the weights). Per step the loss and the clip norm, and after the last step
 the gathered full weights, must equal a plain single-process run on the same global batch
@@ -11,6 +11,8 @@ the gathered full weights, must equal a plain single-process run on the same glo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from parity_check import reference
 
 pytestmark = pytest.mark.distributed
 
-PLANS = ("ddp", "zero3", "p=1x1,g=1x1,os=2x1", "zero2")
+PLANS = ("ddp", "zero3", "p=1x1,g=1x1,os=2x1", "zero2", "zero3+recompute")  # +recompute: ShardConfig.recompute
 STEPS, CLIP = 2, 0.1
 
 
@@ -28,7 +30,7 @@ def tp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     run_ranks(4, "tests.tp_worker", "2", str(out), str(STEPS), str(CLIP), ";".join((*PLANS, "guards")),
               timeout=300)
-    return {plan: torch.load(out / (plan.replace(",", "_") + ".pt"), weights_only=True)
+    return {plan: torch.load(out / (re.sub(r"[^A-Za-z0-9_.=-]", "_", plan) + ".pt"), weights_only=True)
             for plan in (*PLANS, "guards")}
 
 

@@ -5,7 +5,8 @@ norms and the full weights after the last step (``consolidated_state_dict``) to
 OUTDIR/<plan>.pt; pytest compares them with a single-process run (tests/parity_check.reference).
 
 Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]  (PLAN ``guards``: the bad-input cases;
-PLAN+compile: each decoder block compiled after TP, before shard)
+PLAN+compile: each decoder block compiled after TP, before shard; PLAN+recompute:
+activation checkpointing)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.engine_worker import release
 from tests.parity_check import M, MBS, SEQ, adamw
 
 
-def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False):
+def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=False):
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -39,7 +40,8 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False):
     if compiled:  # torchtitan's order: TP, then compile each block, then the data-parallel wrapper
         for layer in decoder_layers(model):
             layer.compile(backend="inductor")
-    model, opt = shard(model, plan, adamw, config=ShardConfig(tensor_parallel=T, gpus_per_node=dist.get_world_size()))
+    model, opt = shard(model, plan, adamw, config=ShardConfig(tensor_parallel=T, gpus_per_node=dist.get_world_size(),
+                                                                 recompute=recompute))
     dp_rank, dp_world = dist.get_rank() // T, dist.get_world_size() // T
     losses, norms = [], []
     for step in range(steps):
@@ -61,8 +63,8 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False):
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "norms": norms, "weights": weights,
                     "graph_breaks": sum(counters["graph_break"].values())},
-                   os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", plan + ("+compile" if compiled else ""))
-                                + ".pt"))
+                   os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", plan + ("+compile" if compiled else "")
+                                               + ("+recompute" if recompute else "")) + ".pt"))
     release(model)
 
 
@@ -97,8 +99,8 @@ def main():
         if plan == "guards":
             guards(tp_mesh, T, outdir)
         else:
-            compiled = plan.endswith("+compile")
-            run_plan(plan.removesuffix("+compile"), tp_mesh, T, steps, clip, outdir, compiled)
+            base, *extras = plan.split("+")
+            run_plan(base, tp_mesh, T, steps, clip, outdir, "compile" in extras, "recompute" in extras)
     end_worker(t0)
 
 
