@@ -34,8 +34,8 @@ def tp_runs(tmp_path_factory):
             for plan in (*PLANS, "guards")}
 
 
-def check_against_reference(got, plan):
-    ref = reference(2, clip=CLIP, num_steps=STEPS)  # the data-parallel world: 2 ranks' batches
+def check_against_reference(got, plan, world=2):
+    ref = reference(world, clip=CLIP, num_steps=STEPS)  # the data-parallel world's batches
     for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (plan, got["losses"], ref["losses"])
     for a, b in zip(got["norms"], ref["norms"], strict=True):
@@ -116,6 +116,20 @@ def test_amsp_train_tensor_parallel_matches_ddp_and_its_checkpoint_loads_under_t
     for run in (tp, resumed):
         for a, b in zip(run["loss"], ddp["loss"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (run["loss"], ddp["loss"])
+
+
+@pytest.mark.slow  # 8 ranks (~25 s on 2 cores); the 4-rank cases above are the default tier's
+def test_tp2_on_two_nodes_every_shard_group_size(tmp_path):
+    """8 ranks as 2 nodes x 4, T = 2: the data-parallel world is 2 nodes x 2. Shard groups smaller
+    than it (inside the node, across the nodes, mics:2) are cut from the (dp, tp) mesh
+    (tensor_parallel.py [Note: FSDP2's mesh under TP]); with zero3 and ddp, each equals the
+    single-process run on the 4 data-parallel ranks' batches."""
+    plans = ("p=2x1,g=2x1,os=2x2", "p=1x2,g=1x2,os=2x2", "mics:2", "zero3", "ddp")
+    run_ranks(8, "tests.tp_worker", "2", str(tmp_path), str(STEPS), str(CLIP), ";".join(plans), timeout=400,
+              env={"TP_WORKER_GPUS_PER_NODE": "4"})
+    for plan in plans:
+        got = torch.load(tmp_path / (re.sub(r"[^A-Za-z0-9_.=-]", "_", plan) + ".pt"), weights_only=True)
+        check_against_reference(got, plan, world=4)
 
 
 def test_data_parallel_groups_of_a_2d_mesh():

@@ -32,6 +32,9 @@ from tests.engine_worker import release
 from tests.parity_check import M, MBS, SEQ, adamw
 
 
+GPUS_PER_NODE = int(os.environ.get("TP_WORKER_GPUS_PER_NODE", "0"))  # 0: one node
+
+
 def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=False):
     from torch._dynamo.utils import counters
 
@@ -40,7 +43,7 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=Fa
     if compiled:  # torchtitan's order: TP, then compile each block, then the data-parallel wrapper
         for layer in decoder_layers(model):
             layer.compile(backend="inductor")
-    model, opt = shard(model, plan, adamw, config=ShardConfig(tensor_parallel=T, gpus_per_node=dist.get_world_size(),
+    model, opt = shard(model, plan, adamw, config=ShardConfig(tensor_parallel=T, gpus_per_node=GPUS_PER_NODE or dist.get_world_size(),
                                                                  recompute=recompute))
     dp_rank, dp_world = dist.get_rank() // T, dist.get_world_size() // T
     losses, norms = [], []

@@ -425,7 +425,7 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         mesh = build_plan_mesh(plan, world, device_type=device.type,
                                timeout=datetime.timedelta(seconds=config.timeout),
                                two_level=config.all_reduce == "two_level",
-                               tp_shard_mesh=data_parallel_mesh(model) if tp and plan.sp > 1 else None)
+                               tp_shard_mesh=data_parallel_mesh(model, plan, world) if tp and plan.sp > 1 else None)
     units = list_units(model, config.granularity)
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.shard_mesh, comm, name=mesh.name("param_shard"),

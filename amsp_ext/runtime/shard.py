@@ -25,7 +25,7 @@ from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.materialize import check_initializable, fill, model_on_meta
 from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
 from amsp_ext.runtime.state.init_source import open_init_source
-from amsp_ext.runtime.tensor_parallel import check_tensor_parallel
+from amsp_ext.runtime.tensor_parallel import check_tensor_parallel, check_tp_plan
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import (check_same_everywhere, engine_device, enable_recompute, run_fingerprint,
                                      resolve_engine_plan, same_initial_weights, plan_world, build_engine)
@@ -80,10 +80,7 @@ def shard(model: nn.Module, plan: "Plan | str",
     # initial values: the files are opened and checked against the model here, before any collective
     on_meta = model_on_meta(model)
     check_tensor_parallel(model, world, on_meta=on_meta, init_from=config.init_from, adaptive=config.adaptive)
-    if world.tensor_parallel > 1 and plan.sp not in (1, world.size):
-        raise ValueError(f"plan {plan}: with config.tensor_parallel={world.tensor_parallel} the parameter shard "
-                         f"group (p) must be 1x1 or the whole data-parallel world ({world.size} ranks, "
-                         f"FSDP2 over the (dp, tp) mesh's dp dimension); got sp={plan.sp}")
+    check_tp_plan(plan, world)
     source = open_init_source(config.init_from, model) if config.init_from is not None else None
     if on_meta:
         check_initializable(model, from_files=source is not None)

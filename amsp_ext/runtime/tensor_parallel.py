@@ -31,9 +31,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from amsp_ext.topology.groups import World
+from amsp_ext.planner.plan import Plan
+from amsp_ext.topology.groups import World, axis_sizes, node_order
 
-__all__ = ["check_tensor_parallel", "data_parallel_mesh", "parallelize_llama", "tensor_parallel_mesh",
+__all__ = ["check_llama_layout", "check_tensor_parallel", "check_tp_plan", "data_parallel_mesh", "parallelize_llama", "tensor_parallel_mesh",
            "tp_sharded_names"]
 
 
@@ -78,9 +79,23 @@ def check_tensor_parallel(model: nn.Module, world: World, *, on_meta: bool, init
                 f"supports Shard-placed TP parameters only (no sequence-parallel Replicate parameters)")
 
 
-def data_parallel_mesh(model: nn.Module) -> DeviceMesh:
-    """FSDP2's mesh under TP (sp > 1): the data-parallel dimension of the root mesh of the TP
-    DTensors (FSDP2 joins the two into its 2-D spec, which needs one root)."""
+def check_tp_plan(plan: Plan, world: World) -> None:
+    """What ``data_parallel_mesh`` cannot cut, refused before any collective."""
+    if world.tensor_parallel > 1 and 1 < plan.sp < world.size and node_order(world) != list(range(world.num_nodes)):
+        raise ValueError(f"plan {plan}: with tensor_parallel > 1, a parameter shard group smaller than the "
+                         f"data-parallel world needs nodes in rank order (config.nodes_per_leaf=None); "
+                         f"allowed there: sp = 1 or the whole data-parallel world")
+
+
+def data_parallel_mesh(model: nn.Module, plan: Plan, world: World) -> DeviceMesh:
+    """[Note: FSDP2's mesh under TP]
+    FSDP2 (sp > 1) joins its mesh with the TP DTensors' mesh into one 2-D spec, which needs one
+    root: its mesh must be cut from the model's own ``(dp, tp)`` mesh, not built from the plan's
+    group. ZeRO-3's shard group is the whole ``dp`` dimension. A smaller one (``mics:K``,
+    ``p=2x1`` ...) is ``dp`` unflattened into (other nodes, node_p, other local ranks, local_p),
+    the order topology/groups.py lays data-parallel ranks out in, with its two ``_p`` dimensions
+    flattened: one more group per dimension of size > 1, built only here. build_plan_mesh checks
+    the result against the plan's param_shard group."""
     tp = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
     root = tp._get_root_mesh()
     names = root.mesh_dim_names or ()
@@ -88,7 +103,22 @@ def data_parallel_mesh(model: nn.Module) -> DeviceMesh:
     if root.ndim != 2 or len(others) != 1:
         raise ValueError(f"amsp_ext.shard: with tensor_parallel > 1 and sharded parameters (sp > 1) the TP "
                          f"mesh must be one dimension of a named 2-D (dp, tp) mesh, got {root}")
-    return root[others[0]]
+    if plan.sp == world.size:
+        return root[others[0]]
+    a = axis_sizes(plan, world)
+    sizes = (a["node_outer"] * a["node_os"] * a["node_g"], a["node_p"],
+             a["local_outer"] * a["local_os"] * a["local_g"], a["local_p"])
+    key = (id(root), sizes)  # DeviceMesh refuses a second flatten of one name: one cut per shape
+    if key not in _CUTS:
+        tag = "x".join(map(str, sizes))
+        cut = root._unflatten(others[0], sizes, tuple(f"amsp_{d}_{tag}" for d in ("node_rest", "node_p",
+                                                                                  "local_rest", "local_p")))
+        _CUTS[key] = (root, cut[f"amsp_node_p_{tag}", f"amsp_local_p_{tag}"]._flatten(f"amsp_param_shard_{tag}"))
+    return _CUTS[key][1]
+
+
+# (id(root mesh), sizes) -> (root mesh, kept alive so its id stays unique; FSDP2's shard mesh)
+_CUTS: dict[tuple, tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def tensor_parallel_mesh(tensor_parallel: int, device_type: str) -> DeviceMesh:
