@@ -108,17 +108,15 @@ def data_parallel_mesh(model: nn.Module, plan: Plan, world: World) -> DeviceMesh
     a = axis_sizes(plan, world)
     sizes = (a["node_outer"] * a["node_os"] * a["node_g"], a["node_p"],
              a["local_outer"] * a["local_os"] * a["local_g"], a["local_p"])
-    key = (id(root), sizes)  # DeviceMesh refuses a second flatten of one name: one cut per shape
-    if key not in _CUTS:
-        tag = "x".join(map(str, sizes))
-        cut = root._unflatten(others[0], sizes, tuple(f"amsp_{d}_{tag}" for d in ("node_rest", "node_p",
-                                                                                  "local_rest", "local_p")))
-        _CUTS[key] = (root, cut[f"amsp_node_p_{tag}", f"amsp_local_p_{tag}"]._flatten(f"amsp_param_shard_{tag}"))
-    return _CUTS[key][1]
-
-
-# (id(root mesh), sizes) -> (root mesh, kept alive so its id stays unique; FSDP2's shard mesh)
-_CUTS: dict[tuple, tuple[DeviceMesh, DeviceMesh]] = {}
+    tag = "x".join(map(str, sizes))
+    flat = f"amsp_param_shard_{tag}"
+    try:  # DeviceMesh refuses a second flatten of one name: a later shard() of this shape reuses it
+        return root[flat]
+    except KeyError:
+        pass
+    cut = root._unflatten(others[0], sizes, tuple(f"amsp_{d}_{tag}" for d in ("node_rest", "node_p",
+                                                                              "local_rest", "local_p")))
+    return cut[f"amsp_node_p_{tag}", f"amsp_local_p_{tag}"]._flatten(flat)
 
 
 def tensor_parallel_mesh(tensor_parallel: int, device_type: str) -> DeviceMesh:
