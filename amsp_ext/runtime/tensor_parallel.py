@@ -10,14 +10,18 @@ standard layout). The engine does not guess T from the parameters: a model whose
 match the config is refused with one line, before any collective, either way round
 (``check_tensor_parallel``). The layout is torchtitan's ``("dp", "tp")`` mesh: the T ranks of a
 TP group are consecutive global ranks inside one node (topology/groups.py [Note: the
-data-parallel world of a 2-D mesh]); the check compares the DTensors' mesh with that.
+data-parallel world of a 2-D mesh]); the check compares the DTensors' mesh with that. Every plan
+of the data-parallel world runs: with sp = 1 the TP shards are the engine's local tensors; with
+sp > 1 FSDP2 shards them further ([Note: FSDP2's mesh under TP]).
 
 [Note: TP shards and replicated parameters]
 AMSP treats each rank's local TP shard as its parameter: ``to_local()`` of a ``Shard``-placed
 DTensor is sharded, reduced and stepped over the data-parallel ranks of its TP coordinate only.
 Parameters outside the TP plan (norms, embedding, lm_head in ``parallelize_llama``) are plain
 tensors, whole and equal on every TP rank: their gradients are equal too, since every input
-they see is the output of a TP all-reduce. So a global gradient norm sums each TP shard's
+they see is the output of a TP all-reduce (bit for bit where that all-reduce hands every rank the
+same sum, as gloo's and NCCL's do; the engine does not re-synchronise these copies, as
+torchtitan's FSDP2 + TP does not). So a global gradient norm sums each TP shard's
 squares once over the TP group, but a replicated parameter's T times: its squares are divided by
 T (``LocalTensor.tp_replicas``). Parameters placed ``Replicate`` on the TP mesh (sequence
 parallel norms) would get ``Partial`` gradients, which the engine does not reduce over TP: they
