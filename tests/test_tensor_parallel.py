@@ -28,10 +28,10 @@ STEPS, CLIP = 2, 0.1
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    run_ranks(4, "tests.tp_worker", "2", str(out), str(STEPS), str(CLIP), ";".join((*PLANS, "guards")),
-              timeout=300)
+    cases = (*PLANS, "ddp+nan", "guards")
+    run_ranks(4, "tests.tp_worker", "2", str(out), str(STEPS), str(CLIP), ";".join(cases), timeout=300)
     return {plan: torch.load(out / (re.sub(r"[^A-Za-z0-9_.=-]", "_", plan) + ".pt"), weights_only=True)
-            for plan in (*PLANS, "guards")}
+            for plan in cases}
 
 
 def check_against_reference(got, plan, world=2):
@@ -59,6 +59,15 @@ def test_tp2_with_compiled_blocks(tmp_path):
     got = torch.load(tmp_path / "ddp_compile.pt", weights_only=True)
     check_against_reference(got, "ddp+compile")
     assert got["graph_breaks"] == 0
+
+
+def test_tp_nonfinite_loss_on_one_tp_rank_skips_the_step_everywhere(tp_runs):
+    """Rank 1 (TP coordinate 1 of data-parallel rank 0) alone gets a NaN loss at step 0: the
+    verdict rides on the norm's all-reduce over both dimensions, so all 4 ranks skip that step
+    (optim/nonfinite.py [Note: one decision, on the norm all-reduce]) and apply the next."""
+    got = tp_runs["ddp+nan"]
+    assert got["skipped"] == [1, 1, 1, 1], got["skipped"]
+    assert got["norms"][0] != got["norms"][0] and got["norms"][1] > 0, got["norms"]  # NaN, then finite
 
 
 @pytest.mark.parametrize("case,want", [

@@ -6,7 +6,7 @@ OUTDIR/<plan>.pt; pytest compares them with a single-process run (tests/parity_c
 
 Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]  (PLAN ``guards``: the bad-input cases;
 PLAN+compile: each decoder block compiled after TP, before shard; PLAN+recompute:
-activation checkpointing)
+activation checkpointing; PLAN+nan: rank 1's loss NaN at step 0)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tests.parity_check import M, MBS, SEQ, adamw
 GPUS_PER_NODE = int(os.environ.get("TP_WORKER_GPUS_PER_NODE", "0"))  # 0: one node
 
 
-def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=False):
+def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=False, nan=False):
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -54,6 +54,8 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=Fa
                             micro_batch_size=MBS, seq_len=SEQ)
             with contextlib.nullcontext() if m == M - 1 else model.no_sync():
                 loss = causal_lm_loss(model, b) / M
+                if nan and step == 0 and dist.get_rank() == 1:  # one TP rank's loss, once
+                    loss = loss * float("nan")
                 opt.backward(loss)
             total += loss.detach()
         dist.all_reduce(total)  # every TP rank of a data-parallel slot has the same loss
@@ -62,12 +64,16 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=Fa
         opt.step()
         opt.zero_grad()
     model.amsp.wait_params()
+    skipped = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(skipped, torch.tensor([opt.skipped_steps]))
+    skipped = [int(x) for x in skipped]
     weights = consolidated_state_dict(model)  # rank 0: full tensors (TP and data-parallel gathers)
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "norms": norms, "weights": weights,
-                    "graph_breaks": sum(counters["graph_break"].values())},
+                    "graph_breaks": sum(counters["graph_break"].values()), "skipped": skipped},
                    os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", plan + ("+compile" if compiled else "")
-                                               + ("+recompute" if recompute else "")) + ".pt"))
+                                               + ("+recompute" if recompute else "") + ("+nan" if nan else ""))
+                                + ".pt"))
     release(model)
 
 
@@ -103,7 +109,8 @@ def main():
             guards(tp_mesh, T, outdir)
         else:
             base, *extras = plan.split("+")
-            run_plan(base, tp_mesh, T, steps, clip, outdir, "compile" in extras, "recompute" in extras)
+            run_plan(base, tp_mesh, T, steps, clip, outdir, "compile" in extras, "recompute" in extras,
+                     "nan" in extras)
     end_worker(t0)
 
 

@@ -146,12 +146,19 @@ def train(config: TrainConfig) -> dict | None:
     return result
 
 
+def tokens_per_gpu_step(config: TrainConfig, model) -> float:
+    """Tokens one GPU's step processes: its data-parallel rank's, shared by the T ranks of its TP
+    group (each computes 1/T of every layer), so tokens/GPU/s and MFU count every GPU once."""
+    b = config.batch
+    return b.micro_batches * b.micro_batch_size * b.seq_len / model.amsp.world.tensor_parallel
+
+
 def _run_steps(config: TrainConfig, model, optimizer, scheduler, *, samples: int, history: list[dict],
                global_batch: int, device: torch.device, injected, log) -> tuple[int, list[float]]:
     """Steps from sample ``samples`` on (each appended to ``history``, checkpointed as
     ``--save-every`` says); the data position at the end and each step's wall time."""
     b, ck, rank = config.batch, config.checkpoint, dist.get_rank()
-    tokens_per_rank_step = b.micro_batches * b.micro_batch_size * b.seq_len
+    tokens_per_rank_step = tokens_per_gpu_step(config, model)
     step_times: list[float] = []
     while samples < b.steps * global_batch:
         step = len(history)
@@ -180,7 +187,7 @@ def _finish(config: TrainConfig, model, start, comm: collectives.CollectiveConte
     """Every rank's memory to rank 0, which builds the JSON summary (None elsewhere); a final
     barrier."""
     b, e, rank = config.batch, config.engine, dist.get_rank()
-    tokens_per_rank_step = b.micro_batches * b.micro_batch_size * b.seq_len
+    tokens_per_rank_step = tokens_per_gpu_step(config, model)
     model.amsp.wait_params()  # the last step's broadcasts, before measuring memory
     tokens_per_gpu_per_s = (tokens_per_rank_step / metrics.median_after_warmup(step_times)
                             if step_times else 0.0)
