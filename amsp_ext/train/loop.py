@@ -106,7 +106,8 @@ def train(config: TrainConfig) -> dict | None:
                                       config=engine_config, comm=comm)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
     log(f"amsp train: {config.model} ({num_params / 1e6:.2f}M params) on {world_size} ranks "
-        f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}), plan {model.amsp.plan}")
+        f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}"
+        f"{f' data-parallel x TP {e.tensor_parallel}' if e.tensor_parallel > 1 else ''}), plan {model.amsp.plan}")
 
     # -- 3. where to start: fresh, or a checkpoint (after a restart: the newest one) --------
     global_batch = b.micro_batches * b.micro_batch_size * model.amsp.world.size  # sequences per step
