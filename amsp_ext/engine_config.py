@@ -127,6 +127,10 @@ class EngineConfig:
     gpus_per_node: int | None = option(
         None, minimum=1, help="ranks per (virtual) node; default: the launcher's local world size")
     nodes_per_leaf: int | None = option(None, minimum=1, help="nodes under one leaf switch")
+    tensor_parallel: int = option(
+        1, minimum=1, help="tensor-parallel degree T inside the node: the model's blocks are split T ways "
+                           "(runtime/tensor_parallel.py) and the plan shards over the data-parallel "
+                           "ranks (gpus_per_node / T per node)")
     precision: str = option(DEFAULT_PRECISION, choices=PRECISIONS,
                             help="compute dtype of parameters and gradients (masters and optimizer "
                                  "states are fp32)")

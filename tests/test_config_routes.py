@@ -228,6 +228,8 @@ def test_each_engine_setting_is_defined_once():
         # DeepSpeed's precision blocks, translated to the engine's fields
         ("precision", "integrations/settings.py:PrecisionSettings"),
         ("reduce_dtype", "integrations/settings.py:PrecisionSettings"),
+        # the world's shape the plan's groups are laid out on (plan_world fills it from the config)
+        ("tensor_parallel", "topology/groups.py:World"),
     }
     extra = {n: [w for w in where if w != "engine_config.py:EngineConfig" and (n, w) not in allowed_elsewhere]
              for n, where in _defined_defaults().items()}

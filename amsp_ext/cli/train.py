@@ -70,8 +70,14 @@ def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: i
 
     memory = _rank_memory(config, gpus_per_node)
     # the same settings the ranks' engine plans with (engine_config.planner_settings): the
-    # launcher once planned without reduce_dtype, i.e. for half the gradient bytes under bf16
-    shape = dict(num_nodes=num_nodes, gpus_per_node=gpus_per_node, **planner_settings(config.engine))
+    # launcher once planned without reduce_dtype, i.e. for half the gradient bytes under bf16.
+    # Under TP T the planner prices the node's R GPUs as TP groups and searches the factors over
+    # the data-parallel world, R / T per node (planner/tensor_parallel.py); explicit plans are
+    # plans of that world (topology/groups.py [Note: the data-parallel world of a 2-D mesh]).
+    T = config.engine.tensor_parallel
+    shape = dict(num_nodes=num_nodes, gpus_per_node=gpus_per_node, tensor_parallel=T,
+                 **planner_settings(config.engine))
+    gpus_per_node //= T
     model = llama_config_dict(config.model)
     all_reduce = config.engine.all_reduce
     if config.plan.strip().lower() == "auto":
@@ -180,11 +186,16 @@ def run(args: argparse.Namespace) -> int:
         return run_worker(config)
     if args.nproc_per_node < 1:
         raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    gpus = config.engine.gpus_per_node or min(args.nproc_per_node, 2)
+    T = config.engine.tensor_parallel
+    # a virtual node holds 2 data-parallel ranks by default (T ranks each under --tensor-parallel)
+    gpus = config.engine.gpus_per_node or min(args.nproc_per_node, 2 * T)
     if args.nproc_per_node % gpus:
         raise ValueError(
             f"--gpus-per-node={gpus} must divide --nproc-per-node={args.nproc_per_node}"
         )
+    if gpus % T:
+        raise ValueError(f"--tensor-parallel {T} must divide the GPUs per node ({gpus}); allowed: "
+                         f"{', '.join(str(t) for t in range(1, gpus + 1) if gpus % t == 0)}")
     from amsp_ext.cli.precision import warn_if_slow_bf16
 
     warn_if_slow_bf16(config.engine.precision)  # decided (the default is fp32): bf16 only warns

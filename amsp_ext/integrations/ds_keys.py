@@ -63,7 +63,8 @@ _TOP = {
     "aio": ("unsupported", "NVMe offload I/O"),
     "hybrid_engine": ("unsupported", "DeepSpeed RLHF hybrid engine"),
     "sparse_attention": ("unsupported", "DeepSpeed sparse attention kernels"),
-    "compile": ("unsupported", "DeepSpeed compile options; torch.compile the module yourself"),
+    "compile": ("unsupported", "DeepSpeed compile options; compile each decoder block yourself: "
+                "block.compile(), before or after shard (docs/usage.md, 'torch.compile per block')"),
     "moe": ("unsupported", "expert parallelism"),
 }
 

@@ -40,8 +40,9 @@ from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.sync.param_sync import ParamSync
 from amsp_ext.runtime.sync.units import Unit, decoder_layers, list_units, refresh_params
+from amsp_ext.runtime.tensor_parallel import data_parallel_mesh, tp_sharded_names
 from amsp_ext.topology.groups import World
-from amsp_ext.topology.mesh import GroupHandle, PlanMesh, build_plan_mesh
+from amsp_ext.topology.mesh import GroupHandle, PlanMesh, build_data_parallel_group, build_plan_mesh
 
 __all__ = ["AMSPModule", "Engine", "EngineParts", "MismatchError", "build_engine", "build_parts", "full_state_dict",
            "install"]
@@ -208,14 +209,20 @@ def full_state_dict(model: "AMSPModule", destination=None, prefix: str = "", kee
 
 
 def plan_world(config: ShardConfig) -> World:
+    """The data-parallel world the plan runs on (topology/groups.py [Note: the data-parallel
+    world of a 2-D mesh]): R / T ranks per node under tensor parallelism of degree T."""
     world_size = dist.get_world_size()
     R = config.gpus_per_node or world_size
     if world_size % R:
         raise PlanError(
             f"config.gpus_per_node={R} must divide the world size {world_size}"
         )
-    return World.with_leaves(num_nodes=world_size // R, gpus_per_node=R,
-                             nodes_per_leaf=config.nodes_per_leaf)
+    T = config.tensor_parallel
+    if R % T:
+        raise ValueError(f"config.tensor_parallel={T} must divide the GPUs per node ({R}); allowed: "
+                         f"{', '.join(str(t) for t in range(1, R + 1) if R % t == 0)}")
+    return World.with_leaves(num_nodes=world_size // R, gpus_per_node=R // T,
+                             nodes_per_leaf=config.nodes_per_leaf, tensor_parallel=T)
 
 
 def needs_profile(plan, world: World, config: ShardConfig) -> bool:
@@ -264,9 +271,12 @@ def _planned(model: nn.Module, world: World, config: ShardConfig, plan: Plan | N
     hf = getattr(model, "config", None)
     if hf is None or not hasattr(hf, "to_dict"):
         raise PlanError(f"{what} needs a Hugging Face model (model.config) to read its shape")
-    return resolve_auto(hf.to_dict(), a, plan=plan, num_nodes=world.num_nodes,
-                        gpus_per_node=world.gpus_per_node,
-                        gpu_memory_bytes=a.gpu_memory_bytes or device_memory(world.gpus_per_node),
+    # the planner prices the node's TP groups and plans the data-parallel world inside it
+    # (planner/tensor_parallel.py [Note: a TP job is an AMSP job of TP shards])
+    node = world.gpus_per_node * world.tensor_parallel
+    return resolve_auto(hf.to_dict(), a, plan=plan, num_nodes=world.num_nodes, gpus_per_node=node,
+                        tensor_parallel=world.tensor_parallel,
+                        gpu_memory_bytes=a.gpu_memory_bytes or device_memory(node),
                         **planner_settings(config))
 
 
@@ -313,7 +323,7 @@ def _config_difference(comm: C.CollectiveContext, config: ShardConfig, bad: int)
 
 
 @torch.no_grad()
-def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: ShardConfig) -> None:
+def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: ShardConfig, world: World) -> None:
     """[Note: initial weights agree]
     Every rank must start from the same weights, or the replicas silently train a mix (a
     rank-dependent seed is enough). ``init_weights="broadcast"`` (default, as DDP): rank 0's
@@ -321,9 +331,16 @@ def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: Sh
     of each rank's weights is compared, and differing ranks are refused with one line (for
     users who want to know that their ranks built different models)."""
     tensors = list({id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+    T = world.tensor_parallel
+    if T > 1:  # TP shards differ across a TP group: agree per TP coordinate
+        tensors = [compat.dtensor_local(t) for t in tensors]
     if config.init_weights == "broadcast":
+        group, src, name = None, 0, "world"
+        if T > 1:  # from the first data-parallel rank of my TP coordinate
+            dp = build_data_parallel_group(world, datetime.timedelta(seconds=config.timeout))
+            group, src, name = dp.pg, dist.get_rank() % T, dp.name
         # all issued, then waited for, on the current stream (the model's tensors are there)
-        pending = [C.broadcast(comm, t.detach(), 0, None, name="world", stream=None,
+        pending = [C.broadcast(comm, t.detach(), src, group, name=name, stream=None,
                                timeout=config.timeout) for t in tensors]
         for p in pending:
             C.wait(p)
@@ -332,7 +349,7 @@ def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: Sh
     for t in tensors:
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     got = C.all_gather_bytes(comm, h.digest()[:16], None, name="world", timeout=config.timeout)
-    differ = [r for r, g in enumerate(got) if g != got[0]]
+    differ = [r for r, g in enumerate(got) if g != got[r % T]]  # vs the first rank of its TP coordinate
     if differ:
         raise MismatchError(
             f"amsp: ranks' initial weights differ (rank(s) {', '.join(map(str, differ))} vs rank 0): build "
@@ -368,9 +385,11 @@ def enable_recompute(model: nn.Module) -> None:
 
 def _norm_group(world: World, mesh: PlanMesh, config: ShardConfig, comm: C.CollectiveContext) -> NormGroup:
     # over the world, not optim: one non-finite decision for every rank (nonfinite.py)
-    everyone = GroupHandle(pg=dist.group.WORLD, name="world", size=world.size,
+    # under TP the world holds each TP shard once per TP coordinate's optim group, so the sum
+    # runs over both dimensions (tensor_parallel.py [Note: TP shards and replicated parameters])
+    everyone = GroupHandle(pg=dist.group.WORLD, name="world", size=world.global_size,
                            timeout=config.timeout, cross_node=world.num_nodes > 1)
-    if mesh.size("optim") == 1:  # every rank owns every gradient: the norm is local
+    if mesh.size("optim") == 1 and world.tensor_parallel == 1:  # every rank owns every gradient: the norm is local
         return NormGroup(group=everyone, replicas=1, reduce=False, comm=comm)
     return NormGroup(group=everyone, replicas=world.size // mesh.size("optim"), comm=comm)
 
@@ -423,10 +442,13 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     ``initial`` None: ``model`` is fp32 and every rank holds it whole. Else the model is on meta
     and ``initial`` is ``(seed, source or None)``: only the local tensors are allocated and
     filled (materialize.py [Note: starting a model larger than one device])."""
+    tp = world.tensor_parallel > 1
+    tp_sharded = tp_sharded_names(model) if tp else set()  # before FSDP2 makes every parameter a DTensor
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
         mesh = build_plan_mesh(plan, world, device_type=device.type,
                                timeout=datetime.timedelta(seconds=config.timeout),
-                               two_level=config.all_reduce == "two_level")
+                               two_level=config.all_reduce == "two_level",
+                               tp_shard_mesh=data_parallel_mesh(model, plan, world) if tp and plan.sp > 1 else None)
     units = list_units(model, config.granularity)
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.shard_mesh, comm, name=mesh.name("param_shard"),
@@ -441,6 +463,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     tensors = build_layout(units, plan=plan, world=world, rank=rank,
                            bcast_ranks=mesh.ranks["optim_bcast"],
                            shard_ranks=mesh.ranks["param_shard"], policy=config.ownership)
+    for t in tensors:
+        t.tp_replicas = 1 if (not tp or t.name in tp_sharded) else world.tensor_parallel
     owned = [t for t in tensors if t.owner_rank == rank]
     fp32_rows: dict[int, torch.Tensor] = {}
     if initial is not None:

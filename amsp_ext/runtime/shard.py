@@ -26,6 +26,7 @@ from amsp_ext.runtime.measure.cluster import resolve_cluster_profile
 from amsp_ext.runtime.materialize import check_initializable, fill, model_on_meta
 from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
 from amsp_ext.runtime.state.init_source import open_init_source
+from amsp_ext.runtime.tensor_parallel import check_tensor_parallel, check_tp_plan
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import (check_same_everywhere, needs_profile, engine_device, enable_recompute, run_fingerprint,
                                      resolve_engine_plan, same_initial_weights, plan_world, build_engine)
@@ -82,6 +83,8 @@ def shard(model: nn.Module, plan: "Plan | str",
     problem = planner_problem(model, world, config) if config.adaptive is not None else None
     # initial values: the files are opened and checked against the model here, before any collective
     on_meta = model_on_meta(model)
+    check_tensor_parallel(model, world, on_meta=on_meta, init_from=config.init_from, adaptive=config.adaptive)
+    check_tp_plan(plan, world)
     init = open_init_source(config.init_from, model) if config.init_from is not None else None
     if on_meta:
         check_initializable(model, from_files=init is not None)
@@ -95,7 +98,7 @@ def shard(model: nn.Module, plan: "Plan | str",
         if init is not None:  # every rank holds the model whole: it reads it whole
             fill(model, device=device, seed=config.init_seed, source=init, init_buffers=False)
         else:
-            same_initial_weights(comm, model, config)
+            same_initial_weights(comm, model, config, world)
     if config.recompute:
         enable_recompute(model)
     monitor = None

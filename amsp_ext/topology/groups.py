@@ -21,10 +21,20 @@ of ``s1 <= nodes_per_leaf`` nodes stays under one leaf switch whenever the leaf 
 Because every factor divides the next (p | g | os | dp), the blocks nest: a parameter-shard group
 sits inside one gradient group, which sits inside one optimizer-state group.
 
-The same layout is a DeviceMesh of eight axes
-``(node_outer, node_os, node_g, node_p, local_outer, local_os, local_g, local_p)``, where
+The same layout is a DeviceMesh of nine axes
+``(node_outer, node_os, node_g, node_p, local_outer, local_os, local_g, local_p, local_tp)``, where
 ``node_p`` has size s1_p, ``node_g`` s1_g/s1_p, ``node_os`` s1_os/s1_g and ``node_outer``
 N/s1_os (likewise for local ranks); every group kind above is a set of those axes.
+
+[Note: the data-parallel world of a 2-D mesh]
+Under tensor parallelism of degree T (``World.tensor_parallel``) a node's R ranks are R/T
+data-parallel slots of T consecutive ranks each, the TP group innermost (torchtitan's
+``("dp", "tp")`` mesh: global rank = data-parallel index x T + TP index), so a TP group never
+leaves its node and its per-layer all-reduces stay on the fastest links. A plan is a plan of the
+data-parallel world (``World.gpus_per_node`` = R/T ranks per node, ``World.size`` = the number of
+data-parallel ranks); the innermost axis ``local_tp`` (size T) belongs to no group kind, so every
+group holds ranks of one TP coordinate only: each TP rank shards and reduces its own TP shard with
+the ranks that hold the same shard. T = 1 is the pure data-parallel world of the paper.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ __all__ = ["ALL_REDUCE_KINDS", "GROUP_KINDS", "MESH_AXES", "GROUP_AXES", "World"
 GROUP_KINDS = ("param_shard", "param_replica", "grad", "optim", "optim_bcast")
 MESH_AXES = (
     "node_outer", "node_os", "node_g", "node_p",
-    "local_outer", "local_os", "local_g", "local_p",
+    "local_outer", "local_os", "local_g", "local_p", "local_tp",
 )
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "param_shard": ("node_p", "local_p"),
@@ -83,15 +93,20 @@ def level_axes(kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 @dataclass(frozen=True, kw_only=True)
 class World:
     num_nodes: int
-    gpus_per_node: int
+    gpus_per_node: int  # data-parallel ranks per node (the node's ranks / tensor_parallel)
     # leaf switch id of each node, in node order; None = all under one leaf
     leaf_of_node: tuple[int, ...] | None = None
+    # ranks of one tensor-parallel group, consecutive inside a node ([Note: the data-parallel
+    # world of a 2-D mesh]); 1: pure data parallelism
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1:
             raise PlanError(f"world.num_nodes must be >= 1, got {self.num_nodes}")
         if self.gpus_per_node < 1:
             raise PlanError(f"world.gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.tensor_parallel < 1:
+            raise PlanError(f"world.tensor_parallel must be >= 1, got {self.tensor_parallel}")
         if self.leaf_of_node is not None and len(self.leaf_of_node) != self.num_nodes:
             raise PlanError(
                 f"world.leaf_of_node must list one leaf id per node ({self.num_nodes}), "
@@ -99,23 +114,31 @@ class World:
             )
 
     @classmethod
-    def with_leaves(cls, *, num_nodes: int, gpus_per_node: int, nodes_per_leaf: int | None) -> "World":
-        if nodes_per_leaf is None:
-            return cls(num_nodes=num_nodes, gpus_per_node=gpus_per_node)
-        if nodes_per_leaf < 1:
+    def with_leaves(cls, *, num_nodes: int, gpus_per_node: int, nodes_per_leaf: int | None,
+                    tensor_parallel: int = 1) -> "World":
+        if nodes_per_leaf is not None and nodes_per_leaf < 1:
             raise PlanError(f"nodes_per_leaf must be >= 1, got {nodes_per_leaf}")
         return cls(
             num_nodes=num_nodes,
             gpus_per_node=gpus_per_node,
-            leaf_of_node=tuple(n // nodes_per_leaf for n in range(num_nodes)),
+            leaf_of_node=(None if nodes_per_leaf is None
+                          else tuple(n // nodes_per_leaf for n in range(num_nodes))),
+            tensor_parallel=tensor_parallel,
         )
 
     @property
     def size(self) -> int:
+        """Data-parallel ranks (what a plan shards over and gradients are averaged over)."""
         return self.num_nodes * self.gpus_per_node
 
+    @property
+    def global_size(self) -> int:
+        """Every rank of the job: data-parallel ranks x tensor_parallel."""
+        return self.size * self.tensor_parallel
+
     def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+        """The node of a global rank."""
+        return rank // (self.gpus_per_node * self.tensor_parallel)
 
     def leaf_of(self, rank: int) -> int:
         node = self.node_of(rank)
@@ -144,6 +167,7 @@ def axis_sizes(plan: Plan, world: World) -> dict[str, int]:
         "local_os": plan.s0_os // plan.s0_g,
         "local_g": plan.s0_g // plan.s0_p,
         "local_p": plan.s0_p,
+        "local_tp": world.tensor_parallel,
     }
 
 
@@ -151,13 +175,13 @@ def mesh_ranks(plan: Plan, world: World) -> dict[tuple[int, ...], int]:
     """Coordinate (in MESH_AXES order) -> global rank."""
     sizes = axis_sizes(plan, world)
     order = node_order(world)
-    R = world.gpus_per_node
+    R, T = world.gpus_per_node, world.tensor_parallel
     out: dict[tuple[int, ...], int] = {}
     for coord in itertools.product(*(range(sizes[a]) for a in MESH_AXES)):
-        no, nos, ng, np_, lo, los, lg, lp = coord
+        no, nos, ng, np_, lo, los, lg, lp, tp = coord
         node_slot = ((no * sizes["node_os"] + nos) * sizes["node_g"] + ng) * sizes["node_p"] + np_
         local = ((lo * sizes["local_os"] + los) * sizes["local_g"] + lg) * sizes["local_p"] + lp
-        out[coord] = order[node_slot] * R + local
+        out[coord] = (order[node_slot] * R + local) * T + tp
     return out
 
 

@@ -34,7 +34,8 @@ from amsp_ext.planner.plan import Plan
 from amsp_ext.topology.groups import (ALL_REDUCE_KINDS, World, group_of, groups_over, level_axes,
                                       mesh_ranks, rank_groups)
 
-__all__ = ["KINDS_WITH_COLLECTIVES", "GroupHandle", "PlanMesh", "build_plan_mesh", "destroy_plan_mesh"]
+__all__ = ["KINDS_WITH_COLLECTIVES", "GroupHandle", "PlanMesh", "build_data_parallel_group", "build_plan_mesh",
+           "destroy_plan_mesh"]
 
 # the kinds the runtime issues collectives on (Tp, T0_os, Tg, T1_os); see the Note above
 KINDS_WITH_COLLECTIVES = ("param_shard", "param_replica", "grad", "optim_bcast")
@@ -77,7 +78,7 @@ class PlanMesh:
 
     def handle(self, kind: str, *, timeout: float) -> GroupHandle:
         """This rank's group of ``kind`` as one object, with its two levels when they were built."""
-        nodes = {r // self.world.gpus_per_node for r in self.ranks[kind]}
+        nodes = {self.world.node_of(r) for r in self.ranks[kind]}
         levels = None
         if f"{kind}_local" in self.ranks:
             levels = (self.handle(f"{kind}_local", timeout=timeout),
@@ -103,18 +104,23 @@ def plan_groups(plan: Plan, world: World, two_level: bool = False) -> dict[str, 
 
 
 def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
-                    timeout: datetime.timedelta | None = None, two_level: bool = False) -> PlanMesh:
+                    timeout: datetime.timedelta | None = None, two_level: bool = False,
+                    tp_shard_mesh: DeviceMesh | None = None) -> PlanMesh:
     """Collective over the default group: every rank must call it with the same plan.
+
+    ``tp_shard_mesh``: under tensor parallelism with sp > 1, FSDP2's mesh: the data-parallel
+    dimension of the model's own 2-D mesh (FSDP2 joins it with the TP DTensors' mesh, which
+    needs one root mesh); it must hold exactly this rank's param_shard group.
 
     ``timeout``: the timeout of the groups built (default: the default group's). It bounds every
     collective on them, including the waits torch (FSDP2) does itself, and on NCCL it arms the
     watchdog that aborts a hung collective.
     ``two_level``: see ``plan_groups``.
     """
-    if dist.get_world_size() != world.size:
+    if dist.get_world_size() != world.global_size:
         raise ValueError(
-            f"world size {dist.get_world_size()} != num_nodes x gpus_per_node = "
-            f"{world.num_nodes} x {world.gpus_per_node}"
+            f"world size {dist.get_world_size()} != num_nodes x gpus_per_node x tensor_parallel = "
+            f"{world.num_nodes} x {world.gpus_per_node} x {world.tensor_parallel}"
         )
     me = dist.get_rank()
     ranks = {kind: group_of(me, groups) for kind, groups in rank_groups(plan, world).items()}
@@ -129,9 +135,29 @@ def build_plan_mesh(plan: Plan, world: World, device_type: str = "cpu",
                 groups[kind], ranks[kind] = pg, g
     shard_mesh = None
     if groups["param_shard"] is not None:
-        shard_mesh = DeviceMesh.from_group(groups["param_shard"], device_type,
-                                           mesh_dim_names=("param_shard",))
+        shard_mesh = tp_shard_mesh if tp_shard_mesh is not None else DeviceMesh.from_group(
+            groups["param_shard"], device_type, mesh_dim_names=("param_shard",))
+        got = sorted(int(r) for r in shard_mesh.mesh.flatten().tolist())
+        if got != ranks["param_shard"]:
+            raise ValueError(f"the data-parallel mesh given for parameter sharding holds ranks {got}, "
+                             f"the plan's param_shard group is {ranks['param_shard']}")
     return PlanMesh(plan=plan, world=world, groups=groups, ranks=ranks, shard_mesh=shard_mesh)
+
+
+def build_data_parallel_group(world: World, timeout: datetime.timedelta | None = None) -> GroupHandle:
+    """This rank's data-parallel group under tensor parallelism (the ranks of its TP coordinate,
+    groups.py [Note: the data-parallel world of a 2-D mesh]); the initial weights are broadcast on
+    it. Collective over the default group (one ``new_group`` per TP coordinate)."""
+    T = world.tensor_parallel
+    me, mine = dist.get_rank(), None
+    for t in range(T):
+        g = list(range(t, world.global_size, T))
+        pg = dist.new_group(g, timeout=timeout, group_desc="data_parallel")
+        if me in g:
+            mine = GroupHandle(pg=pg, name=f"data_parallel[{','.join(map(str, g))}]", size=len(g),
+                               timeout=(timeout or datetime.timedelta(seconds=600)).total_seconds(),
+                               cross_node=world.num_nodes > 1)
+    return mine
 
 
 def destroy_plan_mesh(pm: PlanMesh) -> None:

@@ -44,7 +44,9 @@ from amsp_ext.runtime.config import ShardConfig, compute_dtype
 from amsp_ext.runtime.optim.nonfinite import NonFiniteError
 from amsp_ext.runtime.measure.peak import device_peak
 from amsp_ext.runtime.step import train_step
+from amsp_ext.runtime.engine import plan_world
 from amsp_ext.runtime.measure.profiler import pick_device
+from amsp_ext.runtime.tensor_parallel import check_llama_layout, parallelize_llama, tensor_parallel_mesh
 from amsp_ext.train.config import (BatchOptions, OptimOptions, PlannerOptions, TrainConfig,
                                     auto_plan_config_of)
 from amsp_ext.train.state import checkpoint_name, prune, resolve_resume
@@ -96,14 +98,19 @@ def train(config: TrainConfig) -> dict | None:
     model = build_llama(config.model, seed=config.seed, on_meta=e.init_from is not None)
     num_params = sum(p.numel() for p in model.parameters())
     engine_config = dataclasses.replace(shard_config(config), init_seed=config.seed)
+    if e.tensor_parallel > 1:  # checked before the mesh's groups: T divides the node and the heads
+        plan_world(engine_config)
+        check_llama_layout(model, e.tensor_parallel)
+        parallelize_llama(model, tensor_parallel_mesh(e.tensor_parallel, device.type)["tp"])
     model, optimizer = amsp_ext.shard(model, config.plan, optimizer_factory(config),
                                       config=engine_config, comm=comm)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
     log(f"amsp train: {config.model} ({num_params / 1e6:.2f}M params) on {world_size} ranks "
-        f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}), plan {model.amsp.plan}")
+        f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}"
+        f"{f' data-parallel x TP {e.tensor_parallel}' if e.tensor_parallel > 1 else ''}), plan {model.amsp.plan}")
 
     # -- 3. where to start: fresh, or a checkpoint (after a restart: the newest one) --------
-    global_batch = b.micro_batches * b.micro_batch_size * world_size  # sequences per step
+    global_batch = b.micro_batches * b.micro_batch_size * model.amsp.world.size  # sequences per step
     start = _start(config, model, optimizer, scheduler, global_batch=global_batch, log=log)
     samples, history = start.samples, start.history  # the data position, every step taken
     injected = faults()
@@ -140,12 +147,19 @@ def train(config: TrainConfig) -> dict | None:
     return result
 
 
+def tokens_per_gpu_step(config: TrainConfig, model) -> float:
+    """Tokens one GPU's step processes: its data-parallel rank's, shared by the T ranks of its TP
+    group (each computes 1/T of every layer), so tokens/GPU/s and MFU count every GPU once."""
+    b = config.batch
+    return b.micro_batches * b.micro_batch_size * b.seq_len / model.amsp.world.tensor_parallel
+
+
 def _run_steps(config: TrainConfig, model, optimizer, scheduler, *, samples: int, history: list[dict],
                global_batch: int, device: torch.device, injected, log) -> tuple[int, list[float]]:
     """Steps from sample ``samples`` on (each appended to ``history``, checkpointed as
     ``--save-every`` says); the data position at the end and each step's wall time."""
     b, ck, rank = config.batch, config.checkpoint, dist.get_rank()
-    tokens_per_rank_step = b.micro_batches * b.micro_batch_size * b.seq_len
+    tokens_per_rank_step = tokens_per_gpu_step(config, model)
     step_times: list[float] = []
     while samples < b.steps * global_batch:
         step = len(history)
@@ -174,7 +188,7 @@ def _finish(config: TrainConfig, model, start, comm: collectives.CollectiveConte
     """Every rank's memory to rank 0, which builds the JSON summary (None elsewhere); a final
     barrier."""
     b, e, rank = config.batch, config.engine, dist.get_rank()
-    tokens_per_rank_step = b.micro_batches * b.micro_batch_size * b.seq_len
+    tokens_per_rank_step = tokens_per_gpu_step(config, model)
     model.amsp.wait_params()  # the last step's broadcasts, before measuring memory
     tokens_per_gpu_per_s = (tokens_per_rank_step / metrics.median_after_warmup(step_times)
                             if step_times else 0.0)
@@ -202,7 +216,10 @@ def global_batch_step(model, optimizer, scheduler, config: TrainConfig, *, sampl
     applied (a non-finite loss or norm skips it on every rank)."""
     b = config.batch
     rank, world_size, M = dist.get_rank(), dist.get_world_size(), b.micro_batches
-    batches = [micro_batch_at(samples, micro, rank, world_size=world_size, num_micro_batches=M,
+    # the data-parallel rank reads: the T ranks of a TP group read the same micro-batches
+    # (topology/groups.py [Note: the data-parallel world of a 2-D mesh])
+    T = model.amsp.world.tensor_parallel
+    batches = [micro_batch_at(samples, micro, rank // T, world_size=world_size // T, num_micro_batches=M,
                               micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
                for micro in range(M)]
 
@@ -214,7 +231,8 @@ def global_batch_step(model, optimizer, scheduler, config: TrainConfig, *, sampl
     step_loss = torch.zeros((), device=device)
     for loss in done.losses:
         step_loss += (loss / M).float()
-    # the logged loss is the global-batch mean: average over the data-parallel world
+    # the logged loss is the global-batch mean: average over the world (a TP group's ranks
+    # hold the same loss, so the mean over every rank is the data-parallel mean)
     collectives.all_reduce(model.amsp.comm, step_loss, dist.group.WORLD, name="world", stream=None,
                            async_op=False, timeout=config.engine.timeout)  # blocking, read next
     return step_loss.item() / world_size, done.grad_norm, done.applied
@@ -261,6 +279,7 @@ def _summary(config: TrainConfig, model, start: _Start, *, history: list, sample
     result = {
         "model": config.model, "num_params": num_params, "plan": plan.as_dict(),
         "plan_str": str(plan), "world": {"num_nodes": world.num_nodes, "gpus_per_node": world.gpus_per_node},
+        "tensor_parallel": world.tensor_parallel,  # world: the data-parallel ranks it shards over
         "steps": b.steps, "micro_batches": b.micro_batches, "micro_batch_size": b.micro_batch_size,
         "seq_len": b.seq_len, "precision": e.precision, "reduce_dtype": e.reduce_dtype,
         "all_reduce": model.amsp.config.all_reduce,  # as run ("auto" is decided by then)

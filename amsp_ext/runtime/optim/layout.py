@@ -34,6 +34,9 @@ class LocalTensor:
     shard_index: int  # this rank's position in its param_shard group
     owner_rank: int  # global rank that steps it and broadcasts it
     keeper_rank: int  # global rank of my gradient group that keeps its Tg-reduced gradient
+    # how many ranks of my TP group hold this same tensor: 1 for a TP shard, T for a parameter
+    # outside the TP plan (tensor_parallel.py [Note: TP shards and replicated parameters])
+    tp_replicas: int = 1
 
     @property
     def numel(self) -> int:

@@ -245,8 +245,12 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 # one fp32 norm per tensor, computed without an fp32 copy of the gradient
                 total = torch.zeros(1, dtype=torch.float32, device=self.device)
                 if grads:
-                    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]
-                    total += torch.stack(norms).square().sum()
+                    norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
+                                         for g in grads]).square()
+                    reps = [self.tensors[i].tp_replicas for i in self._grads.owned]
+                    if any(r > 1 for r in reps):  # tensor_parallel.py [Note: TP shards and replicated parameters]
+                        norms = norms / torch.tensor(reps, dtype=torch.float32, device=norms.device)
+                    total += norms.sum()
                 total = self.guard.fold(total)  # [amsp nonfinite] NaN if this rank's loss was
                 self._all_reduce(total)
                 norm = (total[0] / self._norm_group.replicas).sqrt()

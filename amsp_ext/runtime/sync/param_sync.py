@@ -131,6 +131,12 @@ class ParamSync:
         self._handles.clear()
 
     def _make_hook(self, unit: int):
+        # [Note: hooks under torch.compile] a compiled block (``block.compile()``) runs its
+        # hooks inside the compiled call; dynamo must not trace this wait (a Work.wait, timers):
+        # it runs eagerly before the block's graph, as FSDP2's hooks do (docs/usage.md, "torch.compile
+        # per block"; tests/test_compile.py: no graph break). Importing dynamo here costs nothing
+        # on Hugging Face models: transformers has imported it already.
+        @torch._dynamo.disable
         def hook(module, args):
             if self._inflight:
                 with record_function("amsp::pre_forward_wait::optim_bcast"):
