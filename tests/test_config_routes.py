@@ -214,6 +214,10 @@ def test_each_engine_setting_is_defined_once():
         # the wire dtype every system of the comparison reduces in; its default is read from
         # the engine's (engine_default), not restated
         ("reduce_dtype", "compare/config.py:RunSpec"),
+        # the planner's TP degree of the job it prices (torch-free; the engine's T reaches it as a
+        # keyword) and `amsp simulate`'s TP rows (a degree or "auto", not a running job's T)
+        ("tensor_parallel", "planner/search.py:Problem"), ("tensor_parallel", "planner/simulate.py:SimSettings"),
+        ("tensor_parallel", "cli/simulate.py:SimulateOptions"),
         # `amsp simulate`'s grid and the lab's shape: their own job, not an engine setting
         ("precision", "planner/simulate.py:SimSettings"), ("gpus_per_node", "planner/simulate.py:SimSettings"),
         ("nodes_per_leaf", "cluster/lab.py:LabSpec"),

@@ -56,7 +56,9 @@ class PlanJob:
     micro_batches: int | None = option(None, one_of="batch", required=True, minimum=1,
                                        help="M per step, directly")
     optimizer: str = option(DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
-    tensor_parallel: str = option("1", choices=(*map(str, TENSOR_PARALLEL_DEGREES), "auto"),
+    # not named tensor_parallel: that is the engine's T of a running job (EngineConfig, an int),
+    # which `amsp plan` builds from the same flags; this is the planner's choice, 1..8 or auto
+    tp_degree: str = option("1", flag="--tensor-parallel", choices=(*map(str, TENSOR_PARALLEL_DEGREES), "auto"),
                                   help="TP degree inside the node (Megatron layout, no sequence "
                                        "parallel); AMSP plans the data-parallel world (R/T) x N; "
                                        "auto: searched with the six factors (docs/usage.md)")
@@ -167,10 +169,10 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
         peak_flops=peak, nodes_per_leaf=settings["nodes_per_leaf"],
     )
-    asked = parse_tensor_parallel(args.tensor_parallel)
+    asked = parse_tensor_parallel(args.tp_degree)
     if args.verify and asked != 1:
         raise ValueError("--verify dry-runs the plan without tensor parallelism; "
-                         f"use --tensor-parallel 1 with it, got {args.tensor_parallel}")
+                         f"use --tensor-parallel 1 with it, got {args.tp_degree}")
     result, choice, tp_choice = _search(args, settings, spec, cluster, profile, asked)
     problem, training = result.problem, result.problem.training
     report = build_report(result, with_pareto=args.pareto,
