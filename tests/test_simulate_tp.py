@@ -51,8 +51,8 @@ def test_torchtitan_row_is_zero3_over_the_data_parallel_world_with_tp_time_by_ha
     assert z.plan == "p=1x2,g=1x2,os=1x2" and z.data_parallel_world == "2 x 1" and not z.recompute
     # one activation all-reduce: s x h x 2 B; a layer: 2 forward + 2 backward (no recompute)
     assert z.tp_allreduce_bytes == SEQ * 16 * 2 and z.tp_layer_bytes == 4 * SEQ * 16 * 2
-    # per micro-batch: 4 per layer + the embedding's and lm_head's + 3 loss all-reduces of s x 4 B
-    per_mb = ((4 * 2 + 2) * SEQ * 16 * 2 + 3 * SEQ * 4) / (W * 1e9)
+    # per micro-batch: 4 per layer, none outside (embedding, lm_head and loss whole per TP rank)
+    per_mb = 4 * 2 * SEQ * 16 * 2 / (W * 1e9)
     assert z.tp_comm_s == pytest.approx(per_mb, rel=1e-12)
     assert z.tp_share == pytest.approx(per_mb / z.step_s, rel=1e-12)
 

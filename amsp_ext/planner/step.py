@@ -443,9 +443,8 @@ def _tp_unit_times(spec: ModelSpec, granularity: str, tp: TPComm) -> tuple[np.nd
     and reduce-scatters still run on their own streams beside it. A layer's forward all-reduces
     follow o and down (the row-parallel outputs), its backward ones q and gate (the last of the
     column-parallel inputs' gradients in backward order); the recompute forward re-runs the
-    forward's. Outside the layers: the embedding's output in forward, and on the last unit (the
-    head) the loss's three in forward and lm_head's input gradient in backward. Summed over a
-    micro-batch this is ``tp.per_micro_batch_s``."""
+    forward's. None outside the layers: the engine keeps the embedding, lm_head and the loss
+    whole on every TP rank. Summed over a micro-batch this is ``tp.per_micro_batch_s``."""
     a = tp.activation_s
     if granularity == "layer":
         fwd_layer, bwd_layer = [2 * a], [2 * a]
@@ -454,10 +453,8 @@ def _tp_unit_times(spec: ModelSpec, granularity: str, tp: TPComm) -> tuple[np.nd
         fwd_layer = [a if k in ("o", "down") else 0.0 for k in kinds]
         bwd_layer = [a if k in ("q", "gate") else 0.0 for k in kinds]
     n_out = len(spec.outside_params())
-    fwd = [a] + fwd_layer * spec.num_layers + [0.0] * (n_out - 1)
+    fwd = [0.0] + fwd_layer * spec.num_layers + [0.0] * (n_out - 1)
     bwd = [0.0] + bwd_layer * spec.num_layers + [0.0] * (n_out - 1)
-    fwd[-1] += 3 * tp.loss_s
-    bwd[-1] += a
     return np.asarray(fwd), np.asarray(bwd)
 
 

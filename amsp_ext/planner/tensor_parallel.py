@@ -19,10 +19,10 @@ The shard, per TP rank (h hidden, i MLP width, a heads, kv KV heads, V vocabular
 * q/k/v and gate/up are column-parallel, o and down row-parallel: a/T heads, kv/T KV heads and
   i/T MLP columns per rank; a row-parallel bias (o's, down's) is replicated.
 * RMSNorm weights are replicated (every rank normalises the full hidden state).
-* Embedding and lm_head are vocab-parallel (Megatron's VocabParallelEmbedding, ColumnParallel
-  lm_head and vocab-parallel cross-entropy): ceil(V/T) rows per rank, the vocabulary padded to
-  a multiple of T as Megatron pads it; the logits, their fp32 log-softmax and the loss's
-  gradients are V/T wide too.
+* Embedding and lm_head are whole on every TP rank, and so are the logits and the loss: the
+  layout the engine runs (runtime/tensor_parallel.py ``parallelize_llama``), so the planner
+  prices the job that runs. Invariant: the planner's shard is the engine's; a vocab-parallel
+  layout (Megatron's) would divide their memory by T and add the all-reduces below to price.
 * FLOPs per rank are the shard's: compute time divides by T (ideal TP scaling: the narrower
   matrices are assumed to run at the same efficiency, optimistic for small h/T).
 
@@ -39,11 +39,10 @@ keeps its input, e*h, replicated.
 
 Communication per micro-batch of b x s tokens, each TP all-reduce of b*s*h*e bytes (e the
 compute dtype's bytes; 2 in bf16) on the T x 1 mesh of the node:
-* forward: 2 per layer (after o and after down, the row-parallel outputs) + 1 (the
-  vocab-parallel embedding's output) + 3 small ones of b*s*4 bytes (the vocab-parallel
-  cross-entropy's max, sum of exponentials and target logit);
-* backward: 2 per layer (the input gradients of q/k/v and of gate/up) + 1 (lm_head's input
-  gradient);
+* forward: 2 per layer (after o and after down, the row-parallel outputs);
+* backward: 2 per layer (the input gradients of q/k/v and of gate/up);
+* none outside the layers: the whole embedding's output and lm_head's input gradient are the
+  same on every TP rank;
 * with recomputation the backward re-runs each layer's forward: 2 more per layer.
 They are priced by the profile's all-reduce on a T x 1 mesh, whose "all groups active" reading
 is the R/T TP groups of a node at once (profile.py [Note: contention between the groups of one
@@ -58,7 +57,6 @@ Pure Python.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from amsp_ext.choices import TENSOR_PARALLEL_DEGREES as TP_DEGREES  # what "auto" searches
@@ -118,8 +116,7 @@ def tp_shard_spec(spec: ModelSpec, degree: int) -> ModelSpec:
     if degree == 1:
         return spec
     return replace(spec, intermediate_size=spec.intermediate_size // degree,
-                   num_heads=spec.num_heads // degree, num_kv_heads=spec.num_kv_heads // degree,
-                   vocab_size=math.ceil(spec.vocab_size / degree))
+                   num_heads=spec.num_heads // degree, num_kv_heads=spec.num_kv_heads // degree)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,8 +128,6 @@ class TPComm:
     recompute: bool
     activation_bytes: int  # one activation all-reduce: b*s*h*e
     activation_s: float  # its time on the T x 1 mesh
-    loss_bytes: int  # one of the cross-entropy's three: b*s*4
-    loss_s: float
 
     @property
     def layer_forward(self) -> int:
@@ -149,19 +144,12 @@ class TPComm:
         return self.layer_forward * (3 if self.recompute else 2) * self.activation_s
 
     @property
-    def outside_s(self) -> float:
-        """The embedding's forward, lm_head's backward and the loss's three all-reduces."""
-        return (2 * self.activation_s + 3 * self.loss_s) if self.degree > 1 else 0.0
-
-    @property
     def per_micro_batch_s(self) -> float:
-        return self.num_layers * self.layer_s + self.outside_s
+        return self.num_layers * self.layer_s
 
     @property
     def per_micro_batch_bytes(self) -> int:
-        if self.degree == 1:
-            return 0
-        return self.num_layers * self.layer_bytes + 2 * self.activation_bytes + 3 * self.loss_bytes
+        return self.num_layers * self.layer_bytes
 
     def as_dict(self) -> dict:
         return {"degree": self.degree, "activation_allreduce_bytes": self.activation_bytes,
@@ -174,7 +162,5 @@ def tp_comm(spec: ModelSpec, training: TrainingSpec, timer: CommTimer, degree: i
     """The TP all-reduces of one micro-batch of the whole model ``spec`` at ``degree``."""
     tokens = training.tokens_per_micro_batch
     act = tokens * spec.hidden_size * param_bytes(training.precision)
-    loss = tokens * 4
     return TPComm(degree=degree, num_layers=spec.num_layers, recompute=training.recompute,
-                  activation_bytes=act, activation_s=timer.time("allreduce", act, degree, 1),
-                  loss_bytes=loss, loss_s=timer.time("allreduce", loss, degree, 1))
+                  activation_bytes=act, activation_s=timer.time("allreduce", act, degree, 1))
