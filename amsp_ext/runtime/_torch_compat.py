@@ -32,7 +32,8 @@ __all__ = [
     "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors",
     "fake_store", "fake_tensor_mode", "nominal_fake_scalars", "fsdp_all_gather_streams",
-    "live_process_groups", "local_chunk_offset", "mem_tracker", "real_tensors", "optimizer_hooks",
+    "live_process_groups", "local_chunk_offset", "mem_tracker", "mesh_flatten", "mesh_root", "mesh_unflatten",
+    "real_tensors", "optimizer_hooks",
     "queue_backward_callback",
     "set_fsdp_unshard_async_op", "start_coalescing",
 ]
@@ -104,6 +105,25 @@ def local_chunk_offset(t: torch.Tensor) -> list[int]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return list(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
+
+
+# -- DeviceMesh ------------------------------------------------------------------------------
+# FSDP2 under TP needs its shard mesh cut from the TP DTensors' own root mesh
+# (runtime/tensor_parallel.py [Note: FSDP2's mesh under TP]); DeviceMesh exposes the root and
+# the reshaping (torchtitan's dims are built the same way) only privately in torch 2.13.
+def mesh_root(mesh):
+    """The mesh ``mesh`` was sliced from (itself if it is a root)."""
+    return mesh._get_root_mesh()
+
+
+def mesh_unflatten(mesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """``mesh`` with its dimension ``dim`` split into ``sizes``, named ``names``."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+def mesh_flatten(mesh, name: str):
+    """``mesh``'s dimensions flattened into one named ``name``."""
+    return mesh._flatten(name)
 
 
 # -- nn.Module state dicts ---------------------------------------------------------------------

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from amsp_ext.planner.plan import Plan
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.topology.groups import World, axis_sizes, node_order
 
 __all__ = ["check_llama_layout", "check_tensor_parallel", "check_tp_plan", "data_parallel_mesh", "parallelize_llama", "tensor_parallel_mesh",
@@ -101,7 +102,7 @@ def data_parallel_mesh(model: nn.Module, plan: Plan, world: World) -> DeviceMesh
     flattened: one more group per dimension of size > 1, built only here. build_plan_mesh checks
     the result against the plan's param_shard group."""
     tp = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
-    root = tp._get_root_mesh()
+    root = compat.mesh_root(tp)
     names = root.mesh_dim_names or ()
     others = [d for d in names if d not in (tp.mesh_dim_names or ())]
     if root.ndim != 2 or len(others) != 1:
@@ -118,9 +119,9 @@ def data_parallel_mesh(model: nn.Module, plan: Plan, world: World) -> DeviceMesh
         return root[flat]
     except KeyError:
         pass
-    cut = root._unflatten(others[0], sizes, tuple(f"amsp_{d}_{tag}" for d in ("node_rest", "node_p",
-                                                                              "local_rest", "local_p")))
-    return cut[f"amsp_node_p_{tag}", f"amsp_local_p_{tag}"]._flatten(flat)
+    names = tuple(f"amsp_{d}_{tag}" for d in ("node_rest", "node_p", "local_rest", "local_p"))
+    cut = compat.mesh_unflatten(root, others[0], sizes, names)
+    return compat.mesh_flatten(cut[f"amsp_node_p_{tag}", f"amsp_local_p_{tag}"], flat)
 
 
 def tensor_parallel_mesh(tensor_parallel: int, device_type: str) -> DeviceMesh:

@@ -136,7 +136,7 @@ class ParamSync:
         # it runs eagerly before the block's graph, as FSDP2's hooks do (docs/usage.md, "torch.compile
         # per block"; tests/test_compile.py: no graph break). Importing dynamo here costs nothing
         # on Hugging Face models: transformers has imported it already.
-        @torch._dynamo.disable
+        @torch.compiler.disable
         def hook(module, args):
             if self._inflight:
                 with record_function("amsp::pre_forward_wait::optim_bcast"):
