@@ -199,7 +199,14 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.cli.precision import warn_if_slow_bf16
 
     warn_if_slow_bf16(config.engine.precision)  # decided (the default is fp32): bf16 only warns
-    config, profile_source = _launcher_profile(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
+    # only a run the planner prices says which cluster its profile describes (an explicit plan
+    # with a flat or two-level all-reduce reads none)
+    priced = (config.plan.strip().lower() == "auto" or config.engine.all_reduce == "auto"
+              or config.adaptive.adaptive)
+    profile_source = None
+    if priced:
+        config, profile_source = _launcher_profile(config, gpus_per_node=gpus,
+                                                   num_nodes=args.nproc_per_node // gpus)
     plan, all_reduce = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
     _check_save_dir(config)
     _check_resume(config)
