@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from amsp_ext import schema
 from amsp_ext.choices import OBJECTIVES, OPTIMIZERS, PLANNER_OVERLAP_OF
-from amsp_ext.cli.planner_flags import (ModelChoice, World, gpu_memory_option, memory_reserve_option,
-                                        missing_mesh_option, profile_option)
+from amsp_ext.cli.planner_flags import (ModelChoice, World, gpu_memory_option, max_global_batch_tokens_option,
+                                        memory_reserve_option, missing_mesh_option, profile_option,
+                                        tensor_parallel_option)
 from amsp_ext.engine_config import EngineConfig, planner_settings
 from amsp_ext.planner.defaults import DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER, DEFAULT_PEAK_FLOPS
-from amsp_ext.choices import TENSOR_PARALLEL_DEGREES
 from amsp_ext.schema import check_options, option, section
 
 HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
@@ -58,13 +58,12 @@ class PlanJob:
     optimizer: str = option(DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
     # not named tensor_parallel: that is the engine's T of a running job (EngineConfig, an int),
     # which `amsp plan` builds from the same flags; this is the planner's choice, 1..8 or auto
-    tp_degree: str = option("1", flag="--tensor-parallel", choices=(*map(str, TENSOR_PARALLEL_DEGREES), "auto"),
-                                  help="TP degree inside the node (Megatron layout, no sequence "
-                                       "parallel); AMSP plans the data-parallel world (R/T) x N; "
-                                       "auto: searched with the six factors (docs/usage.md)")
-    max_global_batch_tokens: int | None = option(None, minimum=1, metavar="N",
-                                                 help="the largest global batch accepted: a TP degree "
-                                                      "whose batch exceeds it is out")
+    tp_degree: str = tensor_parallel_option(
+        flag="--tensor-parallel", what="TP degree inside the node (Megatron layout, no sequence parallel); "
+                                       "AMSP plans the data-parallel world (R/T) x N; auto: searched with "
+                                       "the six factors (docs/usage.md)")
+    max_global_batch_tokens: int | None = max_global_batch_tokens_option(
+        what="a TP degree whose batch exceeds it is out")
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -77,6 +77,18 @@ def missing_mesh_option(*, default: str = DEFAULT_MISSING_MESH) -> Any:
                   help="a mesh the profile lacks: refuse (error) or estimate it by an alpha-beta fit (fit)")
 
 
+def tensor_parallel_option(*, what: str, flag: str | None = None) -> Any:
+    """The planner's TP degree: one of choices.TENSOR_PARALLEL_DEGREES, or auto (searched with
+    the six factors, planner/joint.py)."""
+    from amsp_ext.choices import TENSOR_PARALLEL_DEGREES
+
+    return option("1", flag=flag, choices=(*map(str, TENSOR_PARALLEL_DEGREES), "auto"), help=what)
+
+
+def max_global_batch_tokens_option(*, what: str) -> Any:
+    return option(None, minimum=1, metavar="N", help=f"the largest global batch accepted: {what}")
+
+
 def _add(group, name: str, opt: Any) -> None:
     """One option's flag, generated as a dataclass field's is (schema.add_arguments)."""
     kind = str | None if opt.default is None else str

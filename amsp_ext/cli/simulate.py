@@ -17,8 +17,8 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from amsp_ext import schema
-from amsp_ext.choices import TENSOR_PARALLEL_DEGREES
-from amsp_ext.cli.planner_flags import gpu_memory_option, missing_mesh_option, profile_option
+from amsp_ext.cli.planner_flags import (gpu_memory_option, max_global_batch_tokens_option, missing_mesh_option,
+                                        profile_option, tensor_parallel_option)
 from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
 from amsp_ext.schema import check_options, option
 
@@ -59,13 +59,10 @@ class SimulateOptions:
     seq_len: int = option(4096, minimum=1)
     global_batch_tokens: int = option(4 * 2**20, minimum=1)
     missing_mesh: str = missing_mesh_option()
-    tensor_parallel: str = option("1", choices=(*map(str, TENSOR_PARALLEL_DEGREES), "auto"),
-                                  help="TP degree of the joint pick (auto: searched with the six "
-                                       "factors); not 1, or either flag below, gives the TP rows "
-                                       "(planner/simulate_tp.py) instead of the paper's grid")
-    max_global_batch_tokens: int | None = option(None, minimum=1, metavar="N",
-                                                 help="the largest global batch accepted: a row "
-                                                      "over it says so")
+    tensor_parallel: str = tensor_parallel_option(
+        what="TP degree of the joint pick (auto: searched with the six factors); not 1, or either "
+             "flag below, gives the TP rows (planner/simulate_tp.py) instead of the paper's grid")
+    max_global_batch_tokens: int | None = max_global_batch_tokens_option(what="a row over it says so")
     micro_batches: int | None = option(None, minimum=1, help="M per data-parallel rank (the global "
                                                              "batch shrinks as T grows); default: "
                                                              "--global-batch-tokens fixes the batch")

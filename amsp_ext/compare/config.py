@@ -118,9 +118,10 @@ class RunSpec:
             if self.seq_len > max_pos:
                 raise SpecError(f"{name_of(self, 'seq_len')} must be in 1..{max_pos} for {self.model}, "
                                 f"got {self.seq_len}")
-            if self.reduce_dtype != "fp32" and self.reduce_dtype != self.precision:
-                raise SpecError(f"{name_of(self, 'reduce_dtype')} must be fp32 with precision "
-                                f"{self.precision} (bf16 needs precision bf16), got {self.reduce_dtype}")
+            allowed = choices.reduce_dtypes(self.precision)  # the engine's rule (engine_config.py)
+            if self.reduce_dtype not in allowed:
+                raise SpecError(f"{name_of(self, 'reduce_dtype')} must be one of {', '.join(allowed)} with "
+                                f"precision {self.precision} (bf16 needs precision bf16), got {self.reduce_dtype}")
             if self.num_warmup_steps >= self.num_steps:
                 raise SpecError(f"{name_of(self, 'num_warmup_steps')} must be in 0..num_steps-1 "
                                 f"({self.num_steps - 1}), got {self.num_warmup_steps}")

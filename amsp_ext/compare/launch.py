@@ -91,6 +91,25 @@ def _failure(out: Path, proc_rc: int | None, log_tail: str, timeout_s: float) ->
     return {"status": "failed", "reason": f"exited {proc_rc} before any rank reported: {last[:300]}"}
 
 
+def _run_job(cmd: list[str], launch: LaunchConfig, log_path: Path) -> tuple[int | None, list[int]]:
+    """Run one job of the launcher's ranks to its end or ``launch.timeout_s``, its output in
+    ``log_path``: (exit code, None on timeout; pids still alive when it ended, normally none)."""
+    job_id = new_job_id()
+    env = loopback_env(_env(job_id)) if launch.launcher == "torchrun" else _env(job_id)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=launch.timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            # Timed out, failed, finished, or the harness itself stopped (SIGTERM/SIGINT arrive
+            # here as an exception): nothing of the job may outlive it.
+            left = stop_job(proc.pid if proc.poll() is None else None, job_id)
+    return rc, left
+
+
 def find_cluster_profile(launch: LaunchConfig, *, gpus_per_node: int, out: Path) -> dict[str, Any]:
     """The profile plan "auto" uses on this launcher's cluster (runtime/measure/cluster.py
     [Note: where the measurement runs]): ``amsp profile --cache`` run on its ranks, which find it
@@ -101,17 +120,7 @@ def find_cluster_profile(launch: LaunchConfig, *, gpus_per_node: int, out: Path)
     result.unlink(missing_ok=True)
     cmd = on_ranks(["-m", "amsp_ext.cli", "profile", "--cache", "--ranks-per-node", str(gpus_per_node),
                     "--output", str(result)], launch)
-    job_id = new_job_id()
-    env = loopback_env(_env(job_id)) if launch.launcher == "torchrun" else _env(job_id)
-    with open(out / "cluster-profile.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=launch.timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            stop_job(proc.pid if proc.poll() is None else None, job_id)
+    rc, _ = _run_job(cmd, launch, out / "cluster-profile.log")
     if rc != 0 or not result.exists():
         tail = (out / "cluster-profile.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
         raise ValueError(f"--amsp-profile cluster: measuring this cluster's profile failed "
@@ -128,24 +137,10 @@ def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,
         stale.unlink(missing_ok=True)
     spec_path = out / "spec.json"
     spec_path.write_text(spec.to_json() + "\n")
-    local = launch.launcher == "torchrun"
     t0 = time.perf_counter()
-    rc: int | None
-    job_id = new_job_id()
-    with open(out / "log.txt", "w") as log:
-        cmd = worker_command(system, spec_path, out, launch)
-        base = {"system": system, "key": row_key or system, "command": shlex.join(cmd)}
-        env = loopback_env(_env(job_id)) if local else _env(job_id)
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=launch.timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            # Timed out, failed, finished, or the harness itself stopped (SIGTERM/SIGINT arrive
-            # here as an exception): nothing of this system may outlive it.
-            left = stop_job(proc.pid if proc.poll() is None else None, job_id)
+    cmd = worker_command(system, spec_path, out, launch)
+    base = {"system": system, "key": row_key or system, "command": shlex.join(cmd)}
+    rc, left = _run_job(cmd, launch, out / "log.txt")
     base["stragglers_stopped"] = left  # pids still alive when the system ended (normally none)
     wall = time.perf_counter() - t0
     base["wall_s"] = wall

@@ -462,9 +462,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         refresh_params(units, model)
     tensors = build_layout(units, plan=plan, world=world, rank=rank,
                            bcast_ranks=mesh.ranks["optim_bcast"],
-                           shard_ranks=mesh.ranks["param_shard"], policy=config.ownership)
-    for t in tensors:
-        t.tp_replicas = 1 if (not tp or t.name in tp_sharded) else world.tensor_parallel
+                           shard_ranks=mesh.ranks["param_shard"], policy=config.ownership,
+                           tp_sharded=frozenset(tp_sharded))
     owned = [t for t in tensors if t.owner_rank == rank]
     fp32_rows: dict[int, torch.Tensor] = {}
     if initial is not None:

@@ -62,7 +62,11 @@ class LocalTensor:
 
 
 def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: Sequence[int],
-                 shard_ranks: Sequence[int], policy: str) -> list[LocalTensor]:
+                 shard_ranks: Sequence[int], policy: str,
+                 tp_sharded: frozenset[str] = frozenset()) -> list[LocalTensor]:
+    """``tp_sharded``: the names of the parameters split over TP (world.tensor_parallel > 1);
+    every other parameter is held whole by the T ranks of a TP group (``tp_replicas``)."""
+    T = world.tensor_parallel
     entries = []
     for ui, u in enumerate(units):
         for name, p in u.params:
@@ -89,5 +93,6 @@ def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: 
         owner_rank = bcast_ranks[k]
         out.append(LocalTensor(index=i, name=name, param=p, unit=ui, global_shape=gshape,
                                local_shape=lshape, shard_index=shard_index,
-                               owner_rank=owner_rank, keeper_rank=keeper_of(owner_rank)))
+                               owner_rank=owner_rank, keeper_rank=keeper_of(owner_rank),
+                               tp_replicas=1 if name in tp_sharded else T))
     return out

@@ -118,6 +118,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                  guard: NonFiniteGuard | None = None, adaptive: StepBoundary | None = None) -> None:
         self.masters = dict(masters)  # tensor index -> fp32 master (owned only), forward order
         self.tensors = list(tensors)
+        self._tp_replicas = _tp_replicas(self.tensors)
         self._grads, self._params, self._norm_group = grads, params, norm_group
         self.device = device
         self._aliased = precision == "fp32"  # masters share the parameters' storage
@@ -166,6 +167,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             raise ValueError(f"optimizer_factory built a {type(inner).__name__} after a plan switch, "
                              f"{type(self.inner).__name__} before")
         self.masters, self.tensors = dict(masters), list(tensors)
+        self._tp_replicas = _tp_replicas(self.tensors)
         self._grads, self._params, self._norm_group = grads, params, norm_group
         self.run_info = dict(run_info)
         self.inner = inner
@@ -247,8 +249,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
                 if grads:
                     norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
                                          for g in grads]).square()
-                    reps = [self.tensors[i].tp_replicas for i in self._grads.owned]
-                    if any(r > 1 for r in reps):  # tensor_parallel.py [Note: TP shards and replicated parameters]
+                    if self._tp_replicas:  # tensor_parallel.py [Note: TP shards and replicated parameters]
+                        reps = [self._tp_replicas.get(i, 1) for i in self._grads.owned]
                         norms = norms / torch.tensor(reps, dtype=torch.float32, device=norms.device)
                     total += norms.sum()
                 total = self.guard.fold(total)  # [amsp nonfinite] NaN if this rank's loss was
@@ -411,3 +413,9 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _tp_replicas(tensors: Sequence[LocalTensor]) -> dict[int, int]:
+    """Tensor index -> how many ranks of its TP group hold it whole, for those held by more than
+    one (empty without tensor parallelism, so clipping does no per-step work for it)."""
+    return {t.index: t.tp_replicas for t in tensors if t.tp_replicas > 1}

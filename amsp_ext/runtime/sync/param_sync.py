@@ -133,9 +133,8 @@ class ParamSync:
     def _make_hook(self, unit: int):
         # [Note: hooks under torch.compile] a compiled block (``block.compile()``) runs its
         # hooks inside the compiled call; dynamo must not trace this wait (a Work.wait, timers):
-        # it runs eagerly before the block's graph, as FSDP2's hooks do (docs/usage.md, "torch.compile
-        # per block"; tests/test_compile.py: no graph break). Importing dynamo here costs nothing
-        # on Hugging Face models: transformers has imported it already.
+        # it runs eagerly before the block's graph, as FSDP2's hooks do (docs/usage.md,
+        # "torch.compile per block"; tests/test_compile.py: no graph break).
         @torch.compiler.disable
         def hook(module, args):
             if self._inflight:
