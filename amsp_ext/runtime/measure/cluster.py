@@ -26,9 +26,9 @@ all-reduces. Priced by the bundled paper-a800 table (the paper's 128 x 8 A800 cl
 fit for the meshes it lacks) they take 0.77 s of link time (0.66 s the measured collectives,
 0.09 s the barriers, 0.02 s the MAX all-reduces; tests/test_cluster_profile.py checks the sum
 stays under 60 s). Not modelled: creating the process groups of the 39 rank layouts once each
-(NCCL communicator set-up, each typically under a second at this size, so tens of seconds at
-worst) and Python's per-collective overhead (~1,200 x 100 us). On the 4-rank gloo job of
-tests/test_cluster_profile.py on a 2-core machine it took 5.9 s (10 cases, 3 sizes, 274 collectives).
+(NCCL communicator set-up, not measured here) and Python's per-collective overhead.
+The seconds a measurement took are in its start line and in the profile's source record
+(e.g. comparisons/results/small-llama_cpu-2x2-lab-100mbit_2026-12-05_auto_cluster/profile_source.json).
 """
 
 from __future__ import annotations
