@@ -28,7 +28,7 @@ fit for the meshes it lacks) they take 0.77 s of link time (0.66 s the measured 
 stays under 60 s). Not modelled: creating the process groups of the 39 rank layouts once each
 (NCCL communicator set-up, not measured here) and Python's per-collective overhead.
 The seconds a measurement took are in its start line and in the profile's source record
-(e.g. comparisons/results/small-llama_cpu-2x2-lab-100mbit_2026-12-05_auto_cluster/profile_source.json).
+(``amsp compare`` keeps it as cluster-profile.json beside its results).
 """
 
 from __future__ import annotations
