@@ -93,6 +93,16 @@ def test_communication_is_the_median_over_the_profiled_rounds():
     assert med["AR"]["exposed_s"] == pytest.approx(0.125)
     assert row["breakdown"]["totals"]["comm_s"] == 0.30  # the per-phase detail: round 1's
 
+
+def test_the_row_keeps_one_timeline_not_one_per_round():
+    rounds = [_round(1, 100.0), _round(2, 300.0)]
+    for r in rounds:
+        r["breakdown"] = {"totals": {"comm_s": 0.1}, "timeline": {"collectives": {"0": [{"issued": 0.0}]}}}
+    row = combine_rounds(rounds)
+    assert row["breakdown"]["timeline"] == {"collectives": {"0": [{"issued": 0.0}]}}  # round 1's, for the figure
+    assert [set(rd["breakdown"]) for rd in row["rounds"]] == [{"totals"}, {"totals"}]
+    assert all("timeline" in r["breakdown"] for r in rounds)  # the caller's rounds are not changed
+
 def test_ratios_are_medians_of_per_round_ratios():
     a = {"key": "amsp-plan", "system": "amsp-plan", "label": "AMSP", "status": "ok",
          "tokens_per_gpu_per_s": 300.0, "num_rounds": 3,

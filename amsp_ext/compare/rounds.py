@@ -103,7 +103,7 @@ def combine_rounds(rounds: list[dict[str, Any]], *, mfu_of=None) -> dict[str, An
     base.pop("round", None)
     base.pop("position", None)
     row: dict[str, Any] = {**base, "num_rounds": len(rounds), "num_ok_rounds": len(ok),
-                           "failed_rounds": failed, "rounds": rounds,
+                           "failed_rounds": failed, "rounds": [_without_timeline(r) for r in rounds],
                            "tokens_per_gpu_per_s_rounds":
                                [r.get("tokens_per_gpu_per_s") if r.get("status") == "ok" else None
                                 for r in rounds]}
@@ -121,6 +121,21 @@ def combine_rounds(rounds: list[dict[str, Any]], *, mfu_of=None) -> dict[str, An
         row["mfu"] = mfu_of(row, tgs["median"])
     _comm_over_rounds(row, ok)
     return row
+
+
+def _without_timeline(round_row: dict[str, Any]) -> dict[str, Any]:
+    """A round as the row keeps it: its figures, not its per-rank timeline.
+
+    [Note: one timeline per row]
+    A breakdown's timeline lists every collective of every rank with its issue and end times
+    (megabytes per round on small-llama); only timeline.png reads it, and that draws the row's
+    own breakdown (the first ok round's). Keeping it in every round made a 5-round results.json
+    ten times larger without adding a figure, so each round keeps its breakdown less the timeline.
+    """
+    bd = round_row.get("breakdown")
+    if not (bd and "timeline" in bd):
+        return round_row
+    return {**round_row, "breakdown": {k: v for k, v in bd.items() if k != "timeline"}}
 
 
 def _comm_over_rounds(row: dict[str, Any], ok: list[dict[str, Any]]) -> None:
