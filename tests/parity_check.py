@@ -38,12 +38,19 @@ def tiny_llama(tied=False):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(world, *, precision="fp32", clip=None, skip=(), sched=False, tied=False, num_steps=STEPS):
+def reference(world, *, precision="fp32", clip=None, skip=(), sched=False, tied=False, num_steps=STEPS,
+              initial=None):
     """One process, the whole global batch: fp32 AdamW; under bf16/fp16 the same mixed-precision
     recipe as the engine (compute-dtype params and grads, fp32 masters and AdamW states).
+    ``initial``: a safetensors file the starting weights are loaded from (every parameter).
     Returns per-step losses, clip norms and fp32 masters (one {name: tensor} per step)."""
     torch.manual_seed(0)
     model = tiny_llama(tied)
+    if initial is not None:
+        from safetensors.torch import load_file
+
+        missing, _ = model.load_state_dict(load_file(initial), strict=False)
+        assert not missing, missing
     dtype = DTYPES[precision]
     masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
     if dtype != torch.float32:

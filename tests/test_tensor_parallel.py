@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from amsp_ext.common.models import build_llama
 from dist_utils import run_ranks
 from parity_check import reference
 
@@ -25,17 +26,23 @@ PLANS = ("ddp", "zero3", "p=1x1,g=1x1,os=2x1", "zero2", "zero3+recompute")  # +r
 STEPS, CLIP = 2, 0.1
 
 
+META = ("zero3+meta", "p=1x1,g=1x1,os=2x1+meta", "zero3+init")  # built on meta: seeded, from files
+
+
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    cases = (*PLANS, "ddp+nan", "guards")
-    run_ranks(4, "tests.tp_worker", "2", str(out), str(STEPS), str(CLIP), ";".join(cases), timeout=300)
-    return {plan: torch.load(out / (re.sub(r"[^A-Za-z0-9_.=-]", "_", plan) + ".pt"), weights_only=True)
-            for plan in cases}
+    files = out / "seed1"  # what init_from reads: a Hugging Face folder of other weights (seed 1)
+    build_llama("tiny-llama", seed=1).save_pretrained(files, safe_serialization=True)
+    cases = (*PLANS, "ddp+nan", *META, "ddp+t1+meta", "guards")
+    run_ranks(4, "tests.tp_worker", "2", str(out), str(STEPS), str(CLIP), ";".join(cases), timeout=300,
+              env={"TP_WORKER_INIT_FROM": str(files)})
+    return {**{plan: torch.load(out / (re.sub(r"[^A-Za-z0-9_.=-]", "_", plan) + ".pt"), weights_only=True)
+               for plan in cases}, "files": files}
 
 
-def check_against_reference(got, plan, world=2):
-    ref = reference(world, clip=CLIP, num_steps=STEPS)  # the data-parallel world's batches
+def check_against_reference(got, plan, world=2, initial=None):
+    ref = reference(world, clip=CLIP, num_steps=STEPS, initial=initial)  # the data-parallel world's batches
     for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (plan, got["losses"], ref["losses"])
     for a, b in zip(got["norms"], ref["norms"], strict=True):
@@ -49,6 +56,27 @@ def check_against_reference(got, plan, world=2):
 @pytest.mark.parametrize("plan", PLANS)
 def test_tp2_matches_single_process(tp_runs, plan):
     check_against_reference(tp_runs[plan], plan)
+
+
+@pytest.mark.parametrize("case", META)
+def test_tp2_model_on_meta_starts_with_the_t1_weights(tp_runs, case, tmp_path):
+    """A model built on meta and made TP there: shard() fills each rank's block (rows of a
+    colwise weight, columns of a rowwise one, FSDP2's block of those under zero3) from the seed,
+    or reads it from a safetensors folder; the gathered weights right after shard() are the bits
+    the same seed gives without TP (a 4-rank T = 1 run), or the files' tensors, and two steps
+    from them equal the single-process run started from those weights."""
+    from safetensors.torch import load_file, save_file
+
+    if case.endswith("+init"):
+        want = load_file(str(tp_runs["files"] / "model.safetensors"))
+    else:
+        want = tp_runs["ddp+t1+meta"]["initial"]
+    got = tp_runs[case]["initial"]
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    differ = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not differ, (case, differ[:4])
+    save_file({n: t.contiguous() for n, t in want.items()}, str(tmp_path / "initial.safetensors"))
+    check_against_reference(tp_runs[case], case, initial=str(tmp_path / "initial.safetensors"))
 
 
 @pytest.mark.slow  # inductor's cold compile (~1 min); the eager TP path: test_tp2_matches_single_process
@@ -93,13 +121,14 @@ def test_llama_layout_checks():
     assert len(check_llama_layout(build_llama("tiny-llama"), 2)) == 2
 
 
-@pytest.mark.slow  # three `amsp train` launches (~1.5 min on 2 cores); the engine path: test_tp2_matches_single_process
-def test_amsp_train_tensor_parallel_matches_ddp_and_its_checkpoint_loads_under_t1(tmp_path):
+@pytest.mark.slow  # four `amsp train` launches (~2 min on 2 cores); the engine path: test_tp2_matches_single_process
+def test_amsp_train_tensor_parallel_matches_ddp_and_checkpoints_load_across_t(tmp_path):
     """``amsp train --nproc-per-node 4 --tensor-parallel 2 --plan zero3`` (TP 2 x FSDP2 over the
     data-parallel 2) gives the per-step losses of ``--nproc-per-node 2 --plan ddp``: the same
-    global batch, read by data-parallel rank (clipping at 1.0 on, as by default). Its checkpoint
-    after step 2, resumed without TP (2 ranks, zero2), gives the same losses for steps 3 and 4
-    (step 4's depends on the restored AdamW states)."""
+    global batch, read by data-parallel rank (clipping at 1.0 on, as by default). Checkpoints
+    after step 2 load across T both ways: the TP one resumed without TP (2 ranks, zero2) and the
+    DDP one resumed under TP 2 (4 ranks, zero3) give the uninterrupted run's losses for steps 3
+    and 4 (step 4's depends on the restored AdamW states)."""
     import json
     import os
     import subprocess
@@ -115,14 +144,17 @@ def test_amsp_train_tensor_parallel_matches_ddp_and_its_checkpoint_loads_under_t
         assert proc.returncode == 0, proc.stderr[-4000:]
         return json.loads(proc.stdout)
 
-    ck = tmp_path / "ck"
-    tp = train("--nproc-per-node", "4", "--tensor-parallel", "2", "--plan", "zero3", "--save-dir", str(ck),
-               "--save-every", "2", "--keep", "2")
-    ddp = train("--nproc-per-node", "2", "--plan", "ddp")
-    resumed = train("--nproc-per-node", "2", "--plan", "zero2", "--resume", str(ck / "step-00000002"))
+    ck_tp, ck_ddp = tmp_path / "tp", tmp_path / "ddp"
+    save = ("--save-every", "2", "--keep", "2")
+    tp = train("--nproc-per-node", "4", "--tensor-parallel", "2", "--plan", "zero3", "--save-dir", str(ck_tp), *save)
+    ddp = train("--nproc-per-node", "2", "--plan", "ddp", "--save-dir", str(ck_ddp), *save)
+    to_t1 = train("--nproc-per-node", "2", "--plan", "zero2", "--resume", str(ck_tp / "step-00000002"))
+    to_t2 = train("--nproc-per-node", "4", "--tensor-parallel", "2", "--plan", "zero3",
+                  "--resume", str(ck_ddp / "step-00000002"))
     assert tp["tensor_parallel"] == 2 and tp["plan_str"] == "p=2x1,g=2x1,os=2x1", tp["plan_str"]
-    assert resumed["resumed_from"] and resumed["tensor_parallel"] == 1
-    for run in (tp, resumed):
+    assert to_t1["resumed_from"] and to_t1["tensor_parallel"] == 1
+    assert to_t2["resumed_from"] and to_t2["tensor_parallel"] == 2
+    for run in (tp, to_t1, to_t2):
         for a, b in zip(run["loss"], ddp["loss"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (run["loss"], ddp["loss"])
 

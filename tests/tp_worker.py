@@ -6,7 +6,10 @@ OUTDIR/<plan>.pt; pytest compares them with a single-process run (tests/parity_c
 
 Usage: python -m tests.tp_worker T OUTDIR STEPS CLIP PLAN[;PLAN...]  (PLAN ``guards``: the bad-input cases;
 PLAN+compile: each decoder block compiled after TP, before shard; PLAN+recompute:
-activation checkpointing; PLAN+nan: rank 1's loss NaN at step 0)
+activation checkpointing; PLAN+nan: rank 1's loss NaN at step 0; PLAN+meta: built on meta, made TP there,
+shard() allocates and fills each rank's block from seed 0 (PLAN+init: from the safetensors folder
+$TP_WORKER_INIT_FROM); their <plan>.pt holds the gathered weights right after shard() too; PLAN+t1+meta: the
+same without TP, over all ranks, the reference of the TP ones)
 """
 
 from __future__ import annotations
@@ -35,16 +38,23 @@ from tests.parity_check import M, MBS, SEQ, adamw
 GPUS_PER_NODE = int(os.environ.get("TP_WORKER_GPUS_PER_NODE", "0"))  # 0: one node
 
 
-def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=False, nan=False):
+def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=False, nan=False, meta=False,
+             init=False):
     from torch._dynamo.utils import counters
 
     counters.clear()
-    model = parallelize_llama(build_llama("tiny-llama", seed=0), tp_mesh)
+    meta = meta or init
+    model = build_llama("tiny-llama", seed=0, on_meta=meta)
+    if T > 1:
+        parallelize_llama(model, tp_mesh)
     if compiled:  # torchtitan's order: TP, then compile each block, then the data-parallel wrapper
         for layer in decoder_layers(model):
             layer.compile(backend="inductor")
-    model, opt = shard(model, plan, adamw, config=ShardConfig(tensor_parallel=T, gpus_per_node=GPUS_PER_NODE or dist.get_world_size(),
-                                                                 recompute=recompute))
+    init_from = os.environ["TP_WORKER_INIT_FROM"] if init else None
+    model, opt = shard(model, plan, adamw, init_from=init_from,
+                       config=ShardConfig(tensor_parallel=T, gpus_per_node=GPUS_PER_NODE or dist.get_world_size(),
+                                          recompute=recompute, init_seed=0))
+    initial = consolidated_state_dict(model) if meta else None  # what shard() filled, before a step
     dp_rank, dp_world = dist.get_rank() // T, dist.get_world_size() // T
     losses, norms = [], []
     for step in range(steps):
@@ -70,9 +80,12 @@ def run_plan(plan, tp_mesh, T, steps, clip, outdir, compiled=False, recompute=Fa
     weights = consolidated_state_dict(model)  # rank 0: full tensors (TP and data-parallel gathers)
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "norms": norms, "weights": weights,
-                    "graph_breaks": sum(counters["graph_break"].values()), "skipped": skipped},
+                    "graph_breaks": sum(counters["graph_break"].values()), "skipped": skipped,
+                    "initial": initial},
                    os.path.join(outdir, re.sub(r"[^A-Za-z0-9_.=-]", "_", plan + ("+compile" if compiled else "")
-                                               + ("+recompute" if recompute else "") + ("+nan" if nan else ""))
+                                               + ("+recompute" if recompute else "") + ("+nan" if nan else "")
+                                               + ("+t1" if T == 1 else "")
+                                               + ("+init" if init else "+meta" if meta else ""))
                                 + ".pt"))
     release(model)
 
@@ -109,8 +122,8 @@ def main():
             guards(tp_mesh, T, outdir)
         else:
             base, *extras = plan.split("+")
-            run_plan(base, tp_mesh, T, steps, clip, outdir, "compile" in extras, "recompute" in extras,
-                     "nan" in extras)
+            run_plan(base, tp_mesh, 1 if "t1" in extras else T, steps, clip, outdir, "compile" in extras,
+                     "recompute" in extras, "nan" in extras, "meta" in extras, "init" in extras)
     end_worker(t0)
 
 

@@ -32,7 +32,7 @@ __all__ = [
     "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors",
     "fake_store", "fake_tensor_mode", "nominal_fake_scalars", "fsdp_all_gather_streams",
-    "live_process_groups", "local_chunk_offset", "mem_tracker", "mesh_flatten", "mesh_root", "mesh_unflatten",
+    "live_process_groups", "local_chunk", "local_chunk_offset", "mem_tracker", "mesh_flatten", "mesh_root", "mesh_unflatten",
     "real_tensors", "optimizer_hooks",
     "queue_backward_callback",
     "set_fsdp_unshard_async_op", "start_coalescing",
@@ -98,13 +98,20 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
 
 def local_chunk_offset(t: torch.Tensor) -> list[int]:
     """The global offset of this rank's chunk of a DTensor (zeros for a plain tensor)."""
+    return local_chunk(t)[1]
+
+
+def local_chunk(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(shape, global offset) of this rank's chunk of a DTensor, on any mesh and placements (TP's
+    Shard(1), FSDP2's strided shard over TP); a plain tensor is its own whole chunk."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
-        return [0] * t.dim()
+        return list(t.shape), [0] * t.dim()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    return list(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return list(shape), list(offset)
 
 
 # -- DeviceMesh ------------------------------------------------------------------------------

@@ -12,6 +12,16 @@ one module's parameters in fp32 (seeded) or one tensor's rows (a file): for LLaM
 the 1 GiB embedding instead of 260 GB. An fp32 model already on its device keeps the old
 path (engine.py [Note: order of construction]).
 
+[Note: TP blocks]
+A tensor-parallel model (runtime/tensor_parallel.py) may be built on meta too: its DTensors
+carry the full shape, and each rank's local tensor is one block of it - rows for a colwise
+weight, columns for a rowwise one, a block of that block once FSDP2 shards it over the
+data-parallel ranks. ``fill`` builds the module's parameters whole, as below, and copies the
+block DTensor's own layout names (``compute_local_shape_and_global_offset``); from files it
+reads the block's rows and cuts its columns, so a rank reads at most T times its share of a
+rowwise weight and never a whole tensor it does not hold. The values are therefore the same
+bits as under T = 1, whatever T and the plan.
+
 [Note: initial values independent of the plan]
 A run must not train different weights because it was sharded differently, and a user who
 changes the plan or the world size mid-project must be able to trust that the seed means the
@@ -125,13 +135,23 @@ def _seeded(seed: int, module_name: str, device: torch.device):
         yield
 
 
-def _rows_of(p: torch.Tensor) -> tuple[torch.Tensor, int | None, int | None]:
-    """(the local tensor, first row, end row) this rank stores of ``p`` (rows on dim 0)."""
+def _block_of(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """(the local tensor, the block of the full tensor it holds: one slice per dimension; None
+    for all of it). A block, not rows: a TP rowwise weight is Shard(1), and FSDP2 over TP shards
+    the TP block again ([Note: TP blocks])."""
     local = compat.dtensor_local(p)
-    if p.dim() == 0:
-        return local, None, None
-    start = compat.local_chunk_offset(p)[0]
-    return local, start, start + local.shape[0]
+    shape, offset = compat.local_chunk(p)
+    if p.dim() == 0 or (list(shape) == list(p.shape) and not any(offset)):
+        return local, None
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _read_block(source, name: str, block: tuple[slice, ...] | None) -> torch.Tensor:
+    """The block from the files: its rows read (files store row-major), the columns cut here."""
+    if block is None:
+        return source.rows(name)
+    rows = source.rows(name, block[0].start, block[0].stop)
+    return rows[(slice(None), *block[1:])] if len(block) > 1 else rows
 
 
 @torch.no_grad()
@@ -183,11 +203,11 @@ def fill(model: nn.Module, *, device: torch.device, seed: int, source=None, init
                 continue
             done.add(id(p))
             name = f"{mod_name}.{n}" if mod_name else n
-            local, start, stop = _rows_of(p)
+            local, block = _block_of(p)
             if source is not None:
-                rows = source.rows(name, start, stop).to(device)
+                rows = _read_block(source, name, block).to(device)
             else:
-                rows = full[n] if start is None else full[n][start:stop]
+                rows = full[n] if block is None else full[n][block]
             local.copy_(rows.reshape(local.shape))
             if id(p) in keep_fp32:
                 fp32[id(p)] = rows.reshape(local.shape).clone()

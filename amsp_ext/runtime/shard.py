@@ -83,7 +83,7 @@ def shard(model: nn.Module, plan: "Plan | str",
     problem = planner_problem(model, world, config) if config.adaptive is not None else None
     # initial values: the files are opened and checked against the model here, before any collective
     on_meta = model_on_meta(model)
-    check_tensor_parallel(model, world, on_meta=on_meta, init_from=config.init_from, adaptive=config.adaptive)
+    check_tensor_parallel(model, world, adaptive=config.adaptive)
     check_tp_plan(plan, world)
     init = open_init_source(config.init_from, model) if config.init_from is not None else None
     if on_meta:

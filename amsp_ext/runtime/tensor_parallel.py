@@ -48,7 +48,7 @@ def tp_sharded_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
 
 
-def check_tensor_parallel(model: nn.Module, world: World, *, on_meta: bool, init_from, adaptive) -> None:
+def check_tensor_parallel(model: nn.Module, world: World, *, adaptive) -> None:
     """[Note: how the engine learns T]: one-line ValueErrors, before any collective."""
     T = world.tensor_parallel
     dtensors = [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]
@@ -64,11 +64,9 @@ def check_tensor_parallel(model: nn.Module, world: World, *, on_meta: bool, init
             f"amsp_ext.shard: config.tensor_parallel={T} but the model has no tensor-parallel (DTensor) "
             f"parameter: apply parallelize_module on the tp dimension of a 2-D mesh first (e.g. "
             f"amsp_ext.runtime.tensor_parallel.parallelize_llama)")
-    for what, bad in (("a model on meta", on_meta), ("config.init_from", init_from is not None),
-                      ("config.adaptive", adaptive is not None)):
-        if bad:
-            raise ValueError(f"amsp_ext.shard: config.tensor_parallel={T} does not support {what} yet "
-                             f"(allowed: tensor_parallel=1)")
+    if adaptive is not None:  # a re-plan would re-cut FSDP2's mesh from the (dp, tp) root: not built
+        raise ValueError(f"amsp_ext.shard: config.tensor_parallel={T} does not support config.adaptive yet "
+                         f"(allowed: tensor_parallel=1)")
     me = dist.get_rank()
     want = list(range(me - me % T, me - me % T + T))
     for n, p in dtensors:

@@ -188,11 +188,9 @@ class TrainConfig:
                              f"adaptive nothing it may change: use --plan auto, drop "
                              f"--no-adaptive-allow-replan, or drop --adaptive")
         T = self.engine.tensor_parallel
-        if T > 1:  # what the engine does not yet run on a 2-D mesh (runtime/tensor_parallel.py)
-            for flag, used in (("--adaptive", self.adaptive.adaptive), ("--init-from", self.engine.init_from)):
-                if used:
-                    raise ValueError(f"--tensor-parallel {T} does not support {flag} yet (allowed: "
-                                     f"--tensor-parallel 1)")
+        if T > 1 and self.adaptive.adaptive:  # what the engine does not yet run on a 2-D mesh
+            raise ValueError(f"--tensor-parallel {T} does not support --adaptive yet (allowed: "
+                             f"--tensor-parallel 1)")
 
 
 def check_seq_len(batch: BatchOptions, max_pos: int | None, model: str) -> None:

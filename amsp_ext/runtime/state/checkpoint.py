@@ -478,6 +478,14 @@ def hf_info(model: nn.Module) -> tuple[str, dict | None]:
     return cls.__name__, hf
 
 
+def _same_ranks(saved: dict, world) -> bool:
+    """Whether rng-<rank>.json holds this rank's own states: the same data-parallel world and the
+    same T, so the same number of processes (a checkpoint from before T was saved had T = 1).
+    ``size`` alone is the data-parallel world: a 2-rank DDP checkpoint and 4 ranks under TP 2
+    have the same one but not the same ranks."""
+    return saved.get("size") == world.size and saved.get("tensor_parallel", 1) == world.tensor_parallel
+
+
 def _meta(model: nn.Module, e: "Engine", rng: bool, info: dict | None) -> dict:
     by_id = trainable_by_id(e)
     model_rows = []
@@ -489,7 +497,7 @@ def _meta(model: nn.Module, e: "Engine", rng: bool, info: dict | None) -> dict:
     return {
         "format": FORMAT, "plan": str(e.plan), "sp": e.plan.sp,
         "world": {"num_nodes": e.world.num_nodes, "gpus_per_node": e.world.gpus_per_node,
-                  "size": e.world.size},
+                  "size": e.world.size, "tensor_parallel": e.world.tensor_parallel},
         "precision": e.config.precision, "ownership": e.config.ownership,
         "step": e.optimizer.num_steps, "optimizer": type(e.optimizer.inner).__name__,
         "masters": not e.optimizer._aliased, "rng": rng, "torch": torch.__version__,
@@ -558,7 +566,7 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     path = resolve(Path(path))
     meta = read_checkpoint_meta(path)
     e = engine_of(model, optimizer)
-    restore_rng = rng and meta.get("rng") and meta["world"]["size"] == e.world.size
+    restore_rng = rng and meta.get("rng") and _same_ranks(meta["world"], e.world)
     # the JSON every rank reads is checked (and parsed) by every rank: one line on all of them
     verify_files(path, meta, [STATE_FILE])
     glob = _read_json(path, STATE_FILE)
