@@ -3,6 +3,7 @@ and bad input refused in one line before any process starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.tools.dryrun import DryRunSpec, dry_run
-from amsp_ext.tools.dryrun_report import bytes_per_kind
+from amsp_ext.tools.dryrun_report import bytes_per_kind, tp_bytes_per_phase
 
 # the engine the hand counts below are worked out for (bf16 compute, fp32 reduction, one unit
 # per Linear), given explicitly: the engine's defaults are fp32 and layer units
@@ -110,7 +111,35 @@ def test_peak_in_the_loss_backward_holds_the_losss_two_fp32_gradients():
     assert r["planner"]["moments"]["loss backward"]["temporary"] == 8 * 512 * 256
 
 
+# one TP rank's shard of tiny-llama at T = 2 (runtime/tensor_parallel.py parallelize_llama):
+# q/k/v, gate/up split by rows, o and down by columns; norms, embedding and lm_head whole
+_TP2_LAYER = [(32, 64), (16, 64), (16, 64), (64, 32), (88, 64), (88, 64), (64, 88), (64,), (64,)]
+_TP2_SHAPES = [(256, 64)] + _TP2_LAYER * 2 + [(64,), (256, 64)]
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_at_1024_ranks_tp_and_amsp_traffic_by_hand():
+    """128 nodes x 8 as TP 2 x data-parallel 512, zero3: the TP log holds 2 all-reduces per layer
+    in forward and 2 in backward, each of b x s x h bf16 bytes (Megatron's count, which the
+    planner prices); AMSP's collectives run on the 512 data-parallel ranks of this rank's TP
+    coordinate and move its TP shard: FSDP2 pads each shard's dim 0 to a multiple of 512."""
+    r = dry_run(DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, tensor_parallel=2), model="tiny-llama",
+                           num_nodes=128, gpus_per_node=8, plan="zero3", seq_len=32, steps=1, ranks=(5,)))
+    rank, tp = r["ranks"][0], r["planner"]["tensor_parallel"]
+    act = 1 * 32 * 64 * 2  # micro-batch 1 x seq 32 x hidden 64 x bf16
+    assert [(c["phase"], c["bytes"]) for c in rank["tp_collectives"]] == [("forward", act)] * 4 + [("backward", act)] * 4
+    assert tp_bytes_per_phase(rank) == {"forward": 4 * act, "backward": 4 * act, "optimizer": 0}
+    assert tp["step_bytes"] == {"forward": 4 * act, "backward": 4 * act} and tp["activation_allreduce_bytes"] == act
+    n = sum(-(-s[0] // 512) * 512 * math.prod(s[1:]) for s in _TP2_SHAPES)
+    assert bytes_per_kind(rank) == {"all_gather": 2 * 2 * n, "reduce_scatter": 4 * n, "all_reduce": 0, "broadcast": 0}
+    assert {c["group_size"] for c in rank["collectives"] if c["group"] == "param_shard"} == {512}
+    assert rank["model_state_bytes"]["master"] == 4 * n // 512  # fp32 masters of this rank's rows
+
+
 @pytest.mark.parametrize("args, needle", [
+    (["--nodes", "2", "--gpus-per-node", "8", "--plan", "zero3", "--tensor-parallel", "3"], "tensor_parallel"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--plan", "zero3", "--tensor-parallel", "8"],
+     "num_attention_heads=4 (allowed here: 1, 2)"),
     (["--nodes", "3", "--gpus-per-node", "8", "--plan", "mics:16"], "num_nodes=3"),
     (["--nodes", "2", "--gpus-per-node", "8", "--plan", "p=3x1,g=1x1,os=1x1"], "p"),
     (["--nodes", "2", "--gpus-per-node", "8", "--plan", "zero3", "--ranks", "16"], "--ranks"),

@@ -2,7 +2,8 @@
 (``--tensors real --device cuda``: allocated on this machine's GPU, its allocator measured).
 
     amsp dryrun --model llama-7b --nodes 128 --gpus-per-node 8 --gpu-memory 80GiB \\
-                --seq-len 4096 --micro-batches 1 --precision bf16 --plan zero3 [--ranks 0,1023] [--json] [--out DIR]
+                --seq-len 4096 --micro-batches 1 --precision bf16 --plan zero3 [--tensor-parallel T]
+                [--ranks 0,1023] [--json] [--out DIR]
 
 See tools/dryrun.py [Note: dry run]. Each sampled rank runs in its own process.
 """
@@ -42,6 +43,11 @@ class DryRunJob:
     seq_len: int | None = option(None, required=True, minimum=1, help="tokens per sequence")
     micro_batch_size: int = option(1, minimum=1, help="sequences per micro-batch")
     micro_batches: int = option(1, minimum=1, help="M per step")
+    # the engine's T (EngineConfig.tensor_parallel, read from the same flag): the model is made
+    # tensor-parallel on meta, the plan is of the data-parallel world (gpus_per_node / T per node)
+    tensor_parallel: int = option(1, minimum=1, help="TP degree T inside the node (standard Llama layout); the "
+                                                     "plan shards over the data-parallel ranks; the log "
+                                                     "separates TP traffic from AMSP's")
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -19,6 +19,8 @@ warning, for whoever is doing the re-check.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import warnings
 from typing import Callable
@@ -32,8 +34,8 @@ __all__ = [
     "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors",
     "fake_store", "fake_tensor_mode", "nominal_fake_scalars", "fsdp_all_gather_streams",
-    "live_process_groups", "local_chunk", "local_chunk_offset", "mem_tracker", "mesh_flatten", "mesh_root", "mesh_unflatten",
-    "real_tensors", "optimizer_hooks",
+    "live_process_groups", "local_chunk", "op_observer", "local_chunk_offset", "mem_tracker", "mesh_flatten", "mesh_root", "mesh_unflatten",
+    "real_device_meshes", "real_tensors", "optimizer_hooks",
     "queue_backward_callback",
     "set_fsdp_unshard_async_op", "start_coalescing",
 ]
@@ -112,6 +114,20 @@ def local_chunk(t: torch.Tensor) -> tuple[list[int], list[int]]:
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return list(shape), list(offset)
+
+
+def op_observer(callback):
+    """A context in which ``callback(op_name, args)`` sees every op dispatched (``op_name`` as
+    "namespace::name", e.g. "_c10d_functional::all_reduce"), before the op runs as it would
+    without it: a TorchDispatchMode, private in torch 2.13."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Observer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            callback(func._schema.name, args)
+            return func(*args, **(kwargs or {}))
+
+    return _Observer()
 
 
 # -- DeviceMesh ------------------------------------------------------------------------------
@@ -265,6 +281,27 @@ def real_tensors():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+@contextlib.contextmanager
+def real_device_meshes():
+    """Inside a FakeTensorMode, every DeviceMesh is built on real tensors: its rank table is host
+    data, and the meshes FSDP2 makes on its own (the (dp, tp) mesh it joins under TP,
+    ``DeviceMesh._concatenate``) find this rank's coordinates with ``nonzero``, which a fake
+    tensor cannot answer. Patches ``DeviceMesh.__init__`` for the duration (a dry run's)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real_init(self, *args, **kwargs):
+        with real_tensors():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
 
 
 def mem_tracker(grads_of: Callable[[], list] | None = None,

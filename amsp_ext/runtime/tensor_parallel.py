@@ -70,7 +70,8 @@ def check_tensor_parallel(model: nn.Module, world: World, *, adaptive) -> None:
     me = dist.get_rank()
     want = list(range(me - me % T, me - me % T + T))
     for n, p in dtensors:
-        ranks = sorted(int(r) for r in p.device_mesh.mesh.flatten().tolist())
+        with compat.real_tensors():  # the mesh's rank table is host data, real even in a dry run
+            ranks = sorted(int(r) for r in p.device_mesh.mesh.flatten().tolist())
         if p.device_mesh.ndim != 1 or ranks != want:
             raise ValueError(
                 f"amsp_ext.shard: parameter {n} is a DTensor on mesh ranks {ranks}; with "
@@ -148,14 +149,30 @@ def check_llama_layout(model: nn.Module, tensor_parallel: int) -> list[nn.Module
 def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """The standard (Megatron) Llama layout on ``tp_mesh``: q/k/v and gate/up split by output
     features (colwise), o and down by input features (rowwise, one all-reduce each): two
-    all-reduces per layer forward and two backward. Embedding, norms and lm_head stay whole
-    ([Note: TP shards and replicated parameters]). Hugging Face's attention reshapes with
-    ``view(*shape, -1, head_dim)``, so with local outputs each rank runs heads/T heads (and
-    kv_heads/T key/value heads: the GQA ratio is unchanged) without touching the config."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    all-reduces per layer forward and two backward ([Note: one backward all-reduce per block]).
+    Embedding, norms and lm_head stay whole ([Note: TP shards and replicated parameters]).
+    Hugging Face's attention reshapes with ``view(*shape, -1, head_dim)``, so with local outputs
+    each rank runs heads/T heads (and kv_heads/T key/value heads: the GQA ratio is unchanged)
+    without touching the config.
 
-    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+    [Note: one backward all-reduce per block]
+    Each column-parallel Linear makes its replicated input a DTensor of its own, so in backward
+    each would all-reduce its own input gradient: 5 per layer (q, k, v, gate, up), 2.5 times the
+    bytes Megatron's fused q/k/v and gate/up send (the dry run's TP log measured it:
+    tools/dryrun.py TPLog). ``PrepareModuleInput`` on the attention and the MLP makes their input
+    one Replicate DTensor that the Linears share, as torchtitan does: their Partial input
+    gradients add up locally and one all-reduce per block turns the sum Replicate."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   parallelize_module)
+
+    shared = dict(desired_input_layouts=(Replicate(),), input_layouts=(Replicate(),), use_local_output=False)
+    plan = {"self_attn": PrepareModuleInput(  # Hugging Face passes the attention's input by keyword
+                input_kwarg_layouts={"hidden_states": Replicate()},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=False),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp": PrepareModuleInput(**shared),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel()}
     for layer in check_llama_layout(model, tp_mesh.size()):

@@ -85,7 +85,7 @@ from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS, MISSING_MESH, check
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
-__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "build_model", "dry_step", "dry_run", "memory_categories",
+__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "TPLog", "build_model", "dry_step", "dry_run", "memory_categories",
            "dry_run_many", "planner_numbers", "run_rank", "hf_config_of"]
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +125,7 @@ class DryRunSpec:
                                  f"(world {self.num_nodes} x {self.gpus_per_node})")
 
     # the engine settings the dry run's own accounting reads (one definition: EngineConfig)
+    tensor_parallel = property(lambda self: self.engine.tensor_parallel)
     precision = property(lambda self: self.engine.precision)
     reduce_dtype = property(lambda self: self.engine.reduce_dtype)
     recompute = property(lambda self: self.engine.recompute)
@@ -135,6 +136,11 @@ class DryRunSpec:
     def world(self) -> int:
         return self.num_nodes * self.gpus_per_node
 
+    @property
+    def dp_gpus_per_node(self) -> int:
+        """Data-parallel ranks per node: the plan's s0 divide this (planner/tensor_parallel.py)."""
+        return self.gpus_per_node // self.tensor_parallel
+
     def sampled_ranks(self) -> tuple[int, ...]:
         if self.ranks:
             return tuple(dict.fromkeys(self.ranks))
@@ -144,9 +150,13 @@ class DryRunSpec:
 
 # -- checks before any process starts --------------------------------------------------------
 def model_spec_of(spec: DryRunSpec):
+    """The whole model's spec; a T that does not divide its heads is one line here."""
     from amsp_ext.common.models import model_spec
+    from amsp_ext.planner.tensor_parallel import check_tensor_parallel
 
-    return model_spec(spec.model, spec.model_config)
+    ms = model_spec(spec.model, spec.model_config)
+    check_tensor_parallel(spec.tensor_parallel, ms, spec.gpus_per_node)
+    return ms
 
 
 def resolved(spec: DryRunSpec):
@@ -157,8 +167,8 @@ def resolved(spec: DryRunSpec):
 
     plan = None
     if spec.plan != "auto":
-        plan = resolve_plan(spec.plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
-        validate_plan(plan, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes,
+        plan = resolve_plan(spec.plan, gpus_per_node=spec.dp_gpus_per_node, num_nodes=spec.num_nodes)
+        validate_plan(plan, gpus_per_node=spec.dp_gpus_per_node, num_nodes=spec.num_nodes,
                       structural_only=True)
     planned = _planned(spec, plan)  # reads no profile unless it has to price
     engine = dataclasses.replace(spec.engine, all_reduce=planned.all_reduce.mode)
@@ -188,16 +198,22 @@ def _planned(spec: DryRunSpec, plan):
                           missing=spec.missing_mesh)
     return resolve_auto(model_spec_of(spec), auto, plan=plan, num_nodes=spec.num_nodes,
                         gpus_per_node=spec.gpus_per_node, gpu_memory_bytes=spec.gpu_memory_bytes,
-                        **planner_settings(spec.engine))
+                        tensor_parallel=spec.tensor_parallel, **planner_settings(spec.engine))
 
 
 def planner_numbers(spec: DryRunSpec, plan) -> dict:
     """The planner's memory per category (planner/memory.py) and the bytes per rank per step of
-    each collective kind that its Tp, Tg, T0_os and T1_os charge (planner/cost.py's arguments)."""
+    each collective kind that its Tp, Tg, T0_os and T1_os charge (planner/cost.py's arguments).
+    Under TP T the job is AMSP's over the data-parallel world on one TP rank's shard
+    (planner/tensor_parallel.py [Note: a TP job is an AMSP job of TP shards]), plus the TP
+    all-reduces of ``tensor_parallel``: per layer 2 in forward and 2 in backward of b x s x h
+    compute-dtype bytes each (2 more with recompute), none outside the layers."""
     from amsp_ext.planner.memory import grad_bytes, memory_breakdown, param_bytes
+    from amsp_ext.planner.tensor_parallel import tp_shard_spec
 
-    ms, training = model_spec_of(spec), _training(spec)
-    mem = memory_breakdown(ms, plan, training, gpus_per_node=spec.gpus_per_node, num_nodes=spec.num_nodes)
+    whole, training, T = model_spec_of(spec), _training(spec), spec.tensor_parallel
+    ms, R = tp_shard_spec(whole, T), spec.dp_gpus_per_node
+    mem = memory_breakdown(ms, plan, training, gpus_per_node=R, num_nodes=spec.num_nodes)
     phi, M = ms.num_params, spec.micro_batches
     e, e_g = param_bytes(spec.precision), grad_bytes(training)
     size = lambda m: m[0] * m[1]  # noqa: E731
@@ -206,7 +222,7 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     ar = 0
     if size(plan.grad_mesh()) > 1:
         ar += (M - 1) * e_g * phi // plan.sp                        # Tg
-    if size(plan.replica_mesh(spec.gpus_per_node, spec.num_nodes)) > 1:
+    if size(plan.replica_mesh(R, spec.num_nodes)) > 1:
         ar += e_g * phi // plan.sp                                  # T0_os
     bc = e * phi // plan.sp if size(plan.bcast_mesh()) > 1 else 0   # T1_os
     return {"memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim,
@@ -215,7 +231,25 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
             "peak_moment": mem.tmp_parts["peak_phase"],
             "moments": {m: {"activations": v["activations"], "temporary": v["tmp"]}
                         for m, v in mem.moments.items()},
-            "bytes": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "broadcast": bc}}
+            "bytes": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "broadcast": bc},
+            "tensor_parallel": _tp_bytes(whole, training, T, M)}
+
+
+def _tp_bytes(whole, training, T: int, M: int) -> dict:
+    """The TP all-reduce bytes the planner prices (tensor_parallel.TPComm, without its seconds):
+    one activation all-reduce, one layer's per micro-batch, and one step's by phase."""
+    from amsp_ext.planner.memory import param_bytes
+    from amsp_ext.planner.tensor_parallel import TPComm
+
+    act = training.tokens_per_micro_batch * whole.hidden_size * param_bytes(training.precision)
+    tp = TPComm(degree=T, num_layers=whole.num_layers, recompute=training.recompute,
+                activation_bytes=act, activation_s=0.0)
+    per_phase = M * whole.num_layers * tp.layer_forward * act
+    return {"degree": T, "activation_allreduce_bytes": act if T > 1 else 0,
+            "layer_bytes_per_micro_batch": tp.layer_bytes,
+            # recomputation re-runs each layer's forward inside the backward pass
+            "step_bytes": {"forward": per_phase, "backward": per_phase * (2 if training.recompute else 1)},
+            "step_total_bytes": M * tp.per_micro_batch_bytes}
 
 
 # -- the launcher ----------------------------------------------------------------------------
@@ -377,6 +411,27 @@ class CollectiveLog:
                              "phase": self.phase})
 
 
+class TPLog:
+    """The TP collectives of a step: DTensor issues them through torch's functional collectives
+    (``_c10d_functional``), not through runtime/collectives.py, so the collective log cannot see
+    them; a dispatch observer (``compat.op_observer``) records each one under the loop's phase,
+    apart from AMSP's traffic. Only the ops of ``record`` steps are kept."""
+
+    KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+    def __init__(self, clog: CollectiveLog) -> None:
+        self.clog, self.records, self.on = clog, [], False
+
+    def __call__(self, op_name: str, args) -> None:
+        ns, _, name = op_name.partition("::")
+        if not self.on or ns != "_c10d_functional" or name not in self.KINDS:
+            return
+        t = args[0]
+        self.records.append({"kind": self.KINDS[name], "group": "tp", "phase": self.clog.phase,
+                             "bytes": int(t.numel() * t.element_size())})
+
+
 class PeakMoment:
     """Which moment of the step (planner/memory.py [Note: temporary buffers and the peak]) the
     memory tracker's latest peak is at: ``forward``, ``loss backward`` (backward outside every
@@ -429,7 +484,13 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
 
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
+    tp_mesh = None
+    if spec.tensor_parallel > 1:  # torchtitan's (dp, tp) mesh; its rank tables are real host data
+        from amsp_ext.runtime.tensor_parallel import tensor_parallel_mesh
+
+        tp_mesh = tensor_parallel_mesh(spec.tensor_parallel, spec.device)["tp"]
     clog = CollectiveLog(world=spec.world, gpus_per_node=spec.gpus_per_node)
+    tplog = TPLog(clog)
     comm = C.CollectiveContext(timeout=spec.engine.timeout, observers=[clog])  # from shard's first one
     real, cuda = spec.tensors == "real", spec.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -439,20 +500,27 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
     step_s: list[float] = []
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with (contextlib.nullcontext() if real else compat.fake_tensor_mode()), \
-            (contextlib.nullcontext() if real else compat.nominal_fake_scalars()):
+            (contextlib.nullcontext() if real else compat.nominal_fake_scalars()), \
+            (contextlib.nullcontext() if real else compat.real_device_meshes()):
         model = build_model(spec)
+        if tp_mesh is not None:  # on meta: shapes only; shard() fills each rank's block
+            from amsp_ext.runtime.tensor_parallel import parallelize_llama
+
+            parallelize_llama(model, tp_mesh)
         t_build = time.perf_counter()
         model, opt, startup_mem, startup_allocated = _start(model, spec, config, comm, device)
         t_shard = time.perf_counter()
         moment = PeakMoment(clog)
         tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors, on_new_peak=moment)
         tracker.track_external(model, opt)
-        with tracker:
+        with tracker, compat.op_observer(tplog):
+            tplog.on = True
             for step in range(spec.steps):
                 if step == spec.steps - 1:  # [Note: categories at the peak]: the last step only
                     tracker.reset_mod_stats()
                     tracker.reset_peak()
                     moment.name = None
+                    tplog.records.clear()  # the measured step's TP collectives only
                     if cuda:
                         sync()
                         torch.cuda.reset_peak_memory_stats()
@@ -460,6 +528,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
                 dry_step(model, opt, spec, device, clog)
                 sync()
                 step_s.append(time.perf_counter() - t_step)
+            tplog.on = False
         state_bytes = model.model_state_bytes()  # after a step: gradients and states exist
         peak = tracker.get_tracker_snapshot("peak")
         mem = memory_categories(peak)
@@ -477,6 +546,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
            "startup_peak_bytes": startup_mem.pop("_total"), "startup_memory": startup_mem,
            "model_state_bytes": state_bytes, "collectives": last[-per_step:] if per_step else [],
            "setup_collectives": [c for c in log if c["phase"] == "setup"],
+           "tp_collectives": tplog.records,
            "sdpa_kernel": _sdpa_kernel(model, spec, device),
            "seconds": {"build": t_build - t0, "shard": t_shard - t_build, "steps": t_end - t_shard,
                        "total": t_end - t0}}

@@ -8,7 +8,7 @@ import os
 
 from amsp_ext.topology.groups import ALL_REDUCE_KINDS, group_kind
 
-__all__ = ["bytes_per_kind", "format_text", "planner_at", "write_out"]
+__all__ = ["bytes_per_kind", "format_text", "planner_at", "tp_bytes_per_phase", "write_out"]
 
 CATS = ("params", "grads", "optimizer", "activations", "temporary")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -36,6 +36,14 @@ def bytes_per_kind(rank: dict) -> dict[str, int]:
             continue
         out[c["kind"]] += c["bytes"]
     return {k: out.get(k, 0) for k in KINDS}
+
+
+def tp_bytes_per_phase(rank: dict) -> dict[str, int]:
+    """One step's TP collective bytes (tools/dryrun.py TPLog) by the loop's phase."""
+    out = collections.Counter()
+    for c in rank.get("tp_collectives", ()):
+        out[c["phase"]] += c["bytes"]
+    return {k: out.get(k, 0) for k in ("forward", "backward", "optimizer")}
 
 
 def planner_at(result: dict, rank: dict) -> dict:
@@ -79,12 +87,22 @@ def _rows(result: dict) -> list[str]:
         lines.append(f"  {'collective':<15} {'engine MiB':>11} {'planner MiB':>12}")
         for k in KINDS:
             lines.append(f"  {k:<15} {got[k] / 2**20:>11.2f} {want[k] / 2**20:>12.2f}")
+        tp = result["planner"].get("tensor_parallel") or {}
+        if tp.get("degree", 1) > 1:
+            got_tp = tp_bytes_per_phase(rank)
+            lines.append(f"  TP (all-reduces in the TP group of {tp['degree']}, apart from AMSP's above; "
+                         f"planner: 2 per layer per pass of {tp['activation_allreduce_bytes']:,} B)")
+            for k in ("forward", "backward"):
+                lines.append(f"  {'tp ' + k:<15} {got_tp[k] / 2**20:>11.2f} {tp['step_bytes'][k] / 2**20:>12.2f}")
+            if got_tp["optimizer"]:
+                lines.append(f"  {'tp optimizer':<15} {got_tp['optimizer'] / 2**20:>11.2f} {0:>12.2f}")
     return lines
 
 
 def format_text(result: dict) -> str:
-    head = (f"dry run: {result['model']} on {result['world']} ranks, plan {result['plan']}, "
-            f"{result['shape']}")
+    T = (result["planner"].get("tensor_parallel") or {}).get("degree", 1)
+    layout = f" (TP {T} x data-parallel {result['world'] // T})" if T > 1 else ""
+    head = f"dry run: {result['model']} on {result['world']} ranks{layout}, plan {result['plan']}, {result['shape']}"
     verdict = ("fits" if result["fits"] else "does NOT fit") + \
         f" in {_gib(result['gpu_memory_bytes'])} GiB by the engine's count"
     kernel = result["ranks"][0]["sdpa_kernel"] if result["ranks"] else ""
