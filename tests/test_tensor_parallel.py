@@ -152,6 +152,10 @@ def test_amsp_train_tensor_parallel_matches_ddp_and_checkpoints_load_across_t(tm
     to_t2 = train("--nproc-per-node", "4", "--tensor-parallel", "2", "--plan", "zero3",
                   "--resume", str(ck_ddp / "step-00000002"))
     assert tp["tensor_parallel"] == 2 and tp["plan_str"] == "p=2x1,g=2x1,os=2x1", tp["plan_str"]
+    # the planner's model states are one TP rank's shard's (whole embedding, norms and lm_head)
+    predicted = tp["model_state_bytes"]["predicted"]["total"]
+    for measured in tp["model_state_bytes"]["measured"]:
+        assert abs(measured["total"] - predicted) <= 0.1 * predicted, (measured, predicted)
     assert to_t1["resumed_from"] and to_t1["tensor_parallel"] == 1
     assert to_t2["resumed_from"] and to_t2["tensor_parallel"] == 2
     for run in (tp, to_t1, to_t2):

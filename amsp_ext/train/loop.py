@@ -35,6 +35,7 @@ from amsp_ext.common.data import micro_batch_at
 from amsp_ext.common.faults import faults, kill_now, nan_now
 from amsp_ext.common.models import build_llama, causal_lm_loss, llama_config_dict
 from amsp_ext.planner.memory import memory_breakdown
+from amsp_ext.planner.tensor_parallel import tp_shard_spec
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.specs import job_spec
 from amsp_ext.engine_config import planner_settings
@@ -270,8 +271,10 @@ def _summary(config: TrainConfig, model, start: _Start, *, history: list, sample
     b, e = config.batch, config.engine
     plan, world = model.amsp.plan, model.amsp.world  # the last plan, after any adaptive switch
     adaptive = model.amsp.optimizer.adaptive
+    # under TP the planner's model is one TP rank's shard on the data-parallel world
+    # (planner/tensor_parallel.py [Note: a TP job is an AMSP job of TP shards])
     predicted = memory_breakdown(
-        ModelSpec.from_hf_config(llama_config_dict(config.model)), plan,
+        tp_shard_spec(ModelSpec.from_hf_config(llama_config_dict(config.model)), world.tensor_parallel), plan,
         job_spec(planner_settings(e), seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
                  num_micro_batches=b.micro_batches, all_reduce=model.amsp.config.all_reduce),
         gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
