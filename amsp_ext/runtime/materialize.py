@@ -16,11 +16,12 @@ path (engine.py [Note: order of construction]).
 A tensor-parallel model (runtime/tensor_parallel.py) may be built on meta too: its DTensors
 carry the full shape, and each rank's local tensor is one block of it - rows for a colwise
 weight, columns for a rowwise one, a block of that block once FSDP2 shards it over the
-data-parallel ranks. ``fill`` builds the module's parameters whole, as below, and copies the
-block DTensor's own layout names (``compute_local_shape_and_global_offset``); from files it
-reads the block's rows and cuts its columns, so a rank reads at most T times its share of a
-rowwise weight and never a whole tensor it does not hold. The values are therefore the same
-bits as under T = 1, whatever T and the plan.
+data-parallel ranks. ``fill`` builds the module's parameters whole, as below, and copies into
+each local tensor the block its DTensor's layout assigns it
+(``compute_local_shape_and_global_offset``); from files it reads the block's rows and cuts its
+columns, so a rank reads at most T times its share of a rowwise weight (all its rows) and no
+row it does not need. The values are therefore the same bits as under T = 1, whatever T and
+the plan.
 
 [Note: initial values independent of the plan]
 A run must not train different weights because it was sharded differently, and a user who
