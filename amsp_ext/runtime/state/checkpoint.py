@@ -616,8 +616,10 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     if restore_rng:
         set_rng_state(saved_rng, e.device)
     elif rng and meta.get("rng") and e.rank == 0:
-        warnings.warn(f"amsp checkpoint {path}: saved on {meta['world']['size']} ranks, loaded on "
-                      f"{e.world.size}: RNG states not restored")
+        saved = meta["world"]
+        warnings.warn(f"amsp checkpoint {path}: saved on {saved['size']} data-parallel ranks x TP "
+                      f"{saved.get('tensor_parallel', 1)}, loaded on {e.world.size} x TP {e.world.tensor_parallel}: "
+                      f"RNG states not restored")
     return glob["extra"]
 
 
