@@ -18,9 +18,39 @@ from amsp_ext.compare.wire import wire_of
 RESULTS = Path(__file__).resolve().parents[1] / "comparisons" / "results"
 
 
-def _coll(op, kind, full_bytes, dtype="fp32"):
+def _coll(op, kind, full_bytes, dtype="fp32", label=""):
     return SimpleNamespace(op=op, kind=kind, full_bytes=full_bytes, elem_bytes=4 if dtype == "fp32" else 2,
-                           dtype=dtype)
+                           dtype=dtype, label=label)
+
+
+def test_a_two_level_all_reduce_counts_its_gradient_once():
+    """DDP's plan run two-level (reduce-scatter in the node, all-reduce of the half across, gather
+    back) reduces the same 1,000-byte gradient as DDP's flat all-reduce: 1,000 gradient bytes, not
+    1,500; the bytes each level moved stay in bytes_per_step."""
+    two = wire_of([_coll("all_reduce", "AR", 1000, label="amsp::all_reduce::param_replica_local[0,1]"),
+                   _coll("all_reduce", "AR", 500, label="amsp::all_reduce::param_replica_node[0,2]"),
+                   _coll("all_gather", "AR", 1000, label="amsp::all_gather::param_replica_local[0,1]")])
+    flat = wire_of([_coll("all_reduce", "AR", 1000, label="DistributedDataParallel.backward")])
+    assert two["grad_bytes_per_step"] == flat["grad_bytes_per_step"] == 1000
+    assert two["bytes_per_step"] == {"all_gather": 1000, "all_reduce": 1500}
+
+
+def test_an_auto_rows_shape_is_the_plan_that_ran():
+    """`--amsp-plan auto` picked DDP's plan on 2 x 2: the row is DDP's shape, so a ratio to DDP is
+    checked for bytes; other factors have no named shape and are checked by dtype only."""
+    from amsp_ext.compare.wire import plan_shape, wire_mismatch
+
+    def row(system, label, plan=None, grad=1000):
+        return {"system": system, "label": label, "spec": {"amsp_plan": "auto"}, "gpus_per_node": 2,
+                "num_nodes": 2, "settings": {"plan": plan} if plan else {},
+                "wire": {"grad_dtype": "fp32", "grad_bytes_per_step": grad}}
+
+    pick = row("amsp-plan", "AMSP pick", "p=1x1,g=1x1,os=1x1")
+    assert plan_shape(pick) == "ddp" and plan_shape(row("amsp-plan", "x", "p=2x1,g=2x1,os=2x1")) == "mics"
+    assert plan_shape(row("amsp-plan", "x", "p=1x1,g=1x1,os=2x1")) is None
+    assert wire_mismatch(pick, row("ddp", "DDP")) is None
+    assert "same plan shape (ddp)" in wire_mismatch(row("amsp-plan", "AMSP pick", "p=1x1,g=1x1,os=1x1", 1500),
+                                                    row("ddp", "DDP"))
 
 
 def test_wire_counts_reduction_inputs_and_leaves_scalars_out():

@@ -15,8 +15,11 @@ shard it returns), an all-gather's output. So
 i.e. element size x the parameters each reduction reduces, once per reduction: DDP's one bucketed
 all-reduce a step is 4 B (fp32) or 2 B (bf16 hook) x all parameters; HSDP's reduce-scatter on
 every micro-batch counts M times and its replica all-reduce of the shard once; a two-level
-all-reduce counts its reduce-scatter (whole gradient) and its node-level all-reduce (the shard),
-not its all-gather. Scalar reductions (clip norms, overflow flags: one element) are left out of
+all-reduce is one reduction of the whole gradient and counts once, by its in-node
+reduce-scatter's input: its across-nodes all-reduce reduces the shard of that same gradient
+(topology/groups.py ``is_cross_node_level``) and its all-gather hands results back. So DDP's
+plan run flat or two-level reduces the same bytes, as it reduces the same gradient (the bytes
+each level moves stay in ``bytes_per_step``). Scalar reductions (clip norms, overflow flags: one element) are left out of
 the gradient figure but kept in ``bytes_per_step``. Parameter collectives are the all-gathers
 and broadcasts (kinds AG/BC): their dtype is the parameters' wire dtype.
 
@@ -36,6 +39,8 @@ with a note saying the bytes were not checked.
 from __future__ import annotations
 
 from typing import Any, Iterable
+
+from amsp_ext.topology.groups import is_cross_node_level
 
 __all__ = ["BYTES_TOLERANCE", "GRAD_KINDS", "PARAM_KINDS", "not_as_asked", "plan_shape", "wire_mismatch",
            "wire_of"]
@@ -60,8 +65,9 @@ def wire_of(collectives: Iterable[Any]) -> dict[str, Any]:
     for c in collectives:
         per_op[c.op] = per_op.get(c.op, 0) + c.full_bytes
         if c.kind in GRAD_KINDS and c.op in _REDUCTIONS and c.full_bytes > c.elem_bytes:
-            grad_bytes += c.full_bytes
             grad_dtypes.add(c.dtype)
+            if not is_cross_node_level(getattr(c, "label", "")):
+                grad_bytes += c.full_bytes
         elif c.kind in PARAM_KINDS:
             param_bytes += c.full_bytes
             param_dtypes.add(c.dtype)
@@ -78,13 +84,31 @@ SHAPE_OF = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", 
 
 def plan_shape(row: dict[str, Any]) -> str | None:
     """The row's plan shape (``SHAPE_OF``; an AMSP row's plan as given, ``mics:K`` as ``mics``;
-    None for factors, which are compared by dtype only)."""
+    a plan given as ``auto`` or as factors: the named shape the plan that ran has, if any; None
+    for other factors, which are compared by dtype only)."""
     if not str(row.get("system", "")).startswith("amsp"):
         return SHAPE_OF.get(row.get("system"))
     plan = str((row.get("spec") or {}).get("amsp_plan", "")).strip().lower()
     if row.get("system") == "amsp-mics" or plan.startswith("mics"):
         return "mics"
-    return plan if plan in SHAPE_OF.values() else None
+    if plan in SHAPE_OF.values():
+        return plan
+    return _named_shape((row.get("settings") or {}).get("plan"), row.get("gpus_per_node"), row.get("num_nodes"))
+
+
+def _named_shape(ran: Any, gpus_per_node: Any, num_nodes: Any) -> str | None:
+    """The named shape (ddp, zero1-3, mics) whose factors on this world equal the plan ``ran``."""
+    from amsp_ext.planner.plan import resolve_plan
+
+    if not (isinstance(ran, str) and isinstance(gpus_per_node, int) and isinstance(num_nodes, int)):
+        return None
+    for name in ("ddp", "zero1", "zero2", "zero3", f"mics:{gpus_per_node}"):
+        try:
+            if str(resolve_plan(name, gpus_per_node=gpus_per_node, num_nodes=num_nodes)) == ran:
+                return name.split(":", 1)[0]
+        except ValueError:
+            continue
+    return None
 
 
 def not_as_asked(row: dict[str, Any]) -> str | None:

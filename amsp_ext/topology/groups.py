@@ -83,6 +83,14 @@ def group_kind(name: str) -> str:
     return kind
 
 
+def is_cross_node_level(name: str) -> bool:
+    """Whether a group label is the across-nodes level of a two-level all-reduce
+    (``param_replica_node[...]``): it reduces the shard of a gradient its in-node level already
+    took whole, so a count of reductions counts that gradient once, at the in-node level."""
+    kind = name.split("[", 1)[0].rsplit("::", 1)[-1]
+    return kind.endswith("_node") and kind[: -len("_node")] in ALL_REDUCE_KINDS
+
+
 def level_axes(kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(axes inside a node, axes across nodes) of ``kind``'s group."""
     axes = GROUP_AXES[kind]
