@@ -43,11 +43,6 @@ class DryRunJob:
     seq_len: int | None = option(None, required=True, minimum=1, help="tokens per sequence")
     micro_batch_size: int = option(1, minimum=1, help="sequences per micro-batch")
     micro_batches: int = option(1, minimum=1, help="M per step")
-    # the engine's T (EngineConfig.tensor_parallel, read from the same flag): the model is made
-    # tensor-parallel on meta, the plan is of the data-parallel world (gpus_per_node / T per node)
-    tensor_parallel: int = option(1, minimum=1, help="TP degree T inside the node (standard Llama layout); the "
-                                                     "plan shards over the data-parallel ranks; the log "
-                                                     "separates TP traffic from AMSP's")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -85,7 +80,12 @@ class DryRunOptions:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_planned_job(p, DryRunCluster, DryRunJob)  # the engine's flags as `amsp plan` has them
-    schema.add_arguments(p.add_argument_group("dry run"), DryRunRun)
+    run = p.add_argument_group("dry run")
+    # the engine's T of the simulated job (EngineConfig's flag; `amsp plan`'s --tensor-parallel
+    # is the planner's choice instead): the model is made tensor-parallel on meta and the plan is
+    # of the data-parallel world; the report separates TP traffic from AMSP's
+    schema.add_arguments(run, EngineConfig, only=("tensor_parallel",))
+    schema.add_arguments(run, DryRunRun)
 
 
 def _ranks(text: str | None):
