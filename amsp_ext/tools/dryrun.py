@@ -481,14 +481,11 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
 
     from amsp_ext.runtime import _torch_compat as compat
     from amsp_ext.runtime import collectives as C
+    from amsp_ext.runtime.tensor_parallel import parallelize_llama
 
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=spec.world)
-    tp_mesh = None
-    if spec.tensor_parallel > 1:  # torchtitan's (dp, tp) mesh; its rank tables are real host data
-        from amsp_ext.runtime.tensor_parallel import tensor_parallel_mesh
-
-        tp_mesh = tensor_parallel_mesh(spec.tensor_parallel, spec.device)["tp"]
+    tp_mesh = _tp_mesh(spec)  # before fake mode: the mesh's rank tables are real host data
     clog = CollectiveLog(world=spec.world, gpus_per_node=spec.gpus_per_node)
     tplog = TPLog(clog)
     comm = C.CollectiveContext(timeout=spec.engine.timeout, observers=[clog])  # from shard's first one
@@ -504,8 +501,6 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
             (contextlib.nullcontext() if real else compat.real_device_meshes()):
         model = build_model(spec)
         if tp_mesh is not None:  # on meta: shapes only; shard() fills each rank's block
-            from amsp_ext.runtime.tensor_parallel import parallelize_llama
-
             parallelize_llama(model, tp_mesh)
         t_build = time.perf_counter()
         model, opt, startup_mem, startup_allocated = _start(model, spec, config, comm, device)
@@ -551,15 +546,32 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
            "seconds": {"build": t_build - t0, "shard": t_shard - t_build, "steps": t_end - t_shard,
                        "total": t_end - t0}}
     if real:  # [Note: real tensors on a GPU]
-        rec["real"] = {"torch": torch.__version__, "fake_fills_outputs": fills, "step_s": step_s,
-                       "untracked_step_s": untracked_s, "steps_skipped": opt.skipped_steps}
-        if cuda:
-            rec["real"].update(device=torch.cuda.get_device_name(device),
-                               startup_peak_allocated_bytes=startup_allocated,
-                               peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
-                               peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
-                               allocated_after_step_bytes=torch.cuda.memory_allocated(device))
+        rec["real"] = _real_record(fills=fills, step_s=step_s, untracked_s=untracked_s, opt=opt,
+                                   device=device, startup_allocated=startup_allocated)
     return rec
+
+
+def _tp_mesh(spec: DryRunSpec):
+    """The ``tp`` dimension of torchtitan's (dp, tp) mesh under T > 1; None without TP."""
+    if spec.tensor_parallel == 1:
+        return None
+    from amsp_ext.runtime.tensor_parallel import tensor_parallel_mesh
+
+    return tensor_parallel_mesh(spec.tensor_parallel, spec.device)["tp"]
+
+
+def _real_record(*, fills, step_s, untracked_s, opt, device, startup_allocated) -> dict:
+    """What a run on allocated tensors measured beyond the fake run ([Note: real tensors on a GPU])."""
+    import torch
+
+    out = {"torch": torch.__version__, "fake_fills_outputs": fills, "step_s": step_s,
+           "untracked_step_s": untracked_s, "steps_skipped": opt.skipped_steps}
+    if device.type == "cuda":
+        out.update(device=torch.cuda.get_device_name(device), startup_peak_allocated_bytes=startup_allocated,
+                   peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+                   peak_reserved_bytes=torch.cuda.max_memory_reserved(device),
+                   allocated_after_step_bytes=torch.cuda.memory_allocated(device))
+    return out
 
 
 def _start(model, spec: DryRunSpec, config, comm, device):
