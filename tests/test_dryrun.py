@@ -136,6 +136,19 @@ def test_tensor_parallel_at_1024_ranks_tp_and_amsp_traffic_by_hand():
     assert rank["model_state_bytes"]["master"] == 4 * n // 512  # fp32 masters of this rank's rows
 
 
+@pytest.mark.distributed
+def test_tensor_parallel_with_recompute_reruns_one_all_reduce_per_layer():
+    """With activation checkpointing the backward re-runs each layer's forward only until the
+    tensors its backward needs are back (torch's early stop): the attention's all-reduce again,
+    not the MLP's, so 3 per layer in backward, as the planner prices it (tensor_parallel.py)."""
+    r = dry_run(DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, tensor_parallel=2, recompute=True),
+                           model="tiny-llama", num_nodes=1, gpus_per_node=4, plan="ddp", seq_len=32, steps=1,
+                           ranks=(1,)))
+    act = 1 * 32 * 64 * 2
+    assert tp_bytes_per_phase(r["ranks"][0]) == {"forward": 4 * act, "backward": 6 * act, "optimizer": 0}
+    assert r["planner"]["tensor_parallel"]["step_bytes"] == {"forward": 4 * act, "backward": 6 * act}
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--nodes", "2", "--gpus-per-node", "8", "--plan", "zero3", "--tensor-parallel", "3"], "tensor_parallel"),
     (["--nodes", "2", "--gpus-per-node", "8", "--plan", "zero3", "--tensor-parallel", "8"],

@@ -43,7 +43,11 @@ compute dtype's bytes; 2 in bf16) on the T x 1 mesh of the node:
 * backward: 2 per layer (the input gradients of q/k/v and of gate/up);
 * none outside the layers: the whole embedding's output and lm_head's input gradient are the
   same on every TP rank;
-* with recomputation the backward re-runs each layer's forward: 2 more per layer.
+* with recomputation the backward re-runs each layer's forward, but only 1 more per layer: torch's
+  non-reentrant checkpoint stops re-running a layer once the tensors its backward needs are back
+  (early stop), which is before the MLP's row-parallel output and its all-reduce (the dry run
+  logged 3 per layer in backward, 65B at 8,192 ranks: comparisons/results/
+  tensor_parallel_dryrun_2026-12-05.md).
 They are priced by the profile's all-reduce on a T x 1 mesh, whose "all groups active" reading
 is the R/T TP groups of a node at once (profile.py [Note: contention between the groups of one
 shape]; intra-node meshes are not scaled, as elsewhere). They are not overlapped with compute
@@ -135,13 +139,21 @@ class TPComm:
         return 2 if self.degree > 1 else 0
 
     @property
+    def layer_count(self) -> int:
+        """One layer's TP all-reduces in one micro-batch: forward, backward and, with
+        recomputation, the attention's again (see the Note: the re-run stops before the MLP's)."""
+        if self.degree == 1:
+            return 0
+        return 2 * self.layer_forward + (1 if self.recompute else 0)
+
+    @property
     def layer_bytes(self) -> int:
-        """One layer's TP bytes in one micro-batch: forward, backward and the recompute forward."""
-        return self.layer_forward * (3 if self.recompute else 2) * self.activation_bytes
+        """One layer's TP bytes in one micro-batch."""
+        return self.layer_count * self.activation_bytes
 
     @property
     def layer_s(self) -> float:
-        return self.layer_forward * (3 if self.recompute else 2) * self.activation_s
+        return self.layer_count * self.activation_s
 
     @property
     def per_micro_batch_s(self) -> float:

@@ -86,7 +86,12 @@ def to_dtype_keep_buffers(model: nn.Module, dtype: torch.dtype) -> None:
     """Parameters to the compute dtype; buffers (e.g. rotary inv_freq) keep their precision."""
     from torch.distributed.tensor import DTensor
 
-    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2's _apply re-registers its shards
+    params = list(model.parameters())
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    # FSDP2's _apply re-registers its shards, and a TP DTensor's local tensor is converted only by
+    # _apply; a dry run's fake plain tensors cannot take _apply's swap (weak references): there
+    # only an all-DTensor model (FSDP2) takes it, a TP one (sp = 1) the loop below
+    if dtensors and (len(dtensors) == len(params) or not compat.is_fake(compat.dtensor_local(dtensors[0]))):
         saved = [(m, n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
         model.to(dtype)
         for m, n, b in saved:
@@ -104,23 +109,34 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
     """Storage for what this rank keeps, in the compute dtype; values come from ``fill``.
 
     FSDP2's units (sp > 1) take ``to_empty``, which re-makes their sharded parameters. Plain
-    parameters are replaced by new ones (tied aliases by one), since ``to_empty``'s in-place
-    swap fails for a dry run's fake tensors."""
+    parameters and TP DTensors (sp = 1) are replaced by new ones (tied aliases by one), since
+    ``to_empty``'s in-place swap fails for a dry run's fake tensors."""
     from torch.distributed.tensor import DTensor
 
     if dtype != torch.float32:
         to_dtype_keep_buffers(model, dtype)  # still on meta: no bytes move
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if all(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2's units
         model.to_empty(device=device)
         return
     made: dict[int, torch.Tensor] = {}
     for m in model.modules():
         for n, p in list(m.named_parameters(recurse=False)):
             if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                made[id(p)] = nn.Parameter(_empty_like(p, device), requires_grad=p.requires_grad)
             setattr(m, n, made[id(p)])
         for n, b in list(m.named_buffers(recurse=False)):
             setattr(m, n, torch.empty_like(b, device=device))  # keeps the buffer's persistence
+
+
+def _empty_like(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Storage for ``p``'s local data on ``device``; a TP DTensor (sp = 1) stays one, on its mesh."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return torch.empty_like(p, device=device)
+    local = torch.empty_like(compat.dtensor_local(p), device=device)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
 
 
 def _seed_of(seed: int, module_name: str) -> int:

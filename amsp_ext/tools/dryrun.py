@@ -244,11 +244,11 @@ def _tp_bytes(whole, training, T: int, M: int) -> dict:
     act = training.tokens_per_micro_batch * whole.hidden_size * param_bytes(training.precision)
     tp = TPComm(degree=T, num_layers=whole.num_layers, recompute=training.recompute,
                 activation_bytes=act, activation_s=0.0)
-    per_phase = M * whole.num_layers * tp.layer_forward * act
+    forward = M * whole.num_layers * tp.layer_forward * act
     return {"degree": T, "activation_allreduce_bytes": act if T > 1 else 0,
             "layer_bytes_per_micro_batch": tp.layer_bytes,
-            # recomputation re-runs each layer's forward inside the backward pass
-            "step_bytes": {"forward": per_phase, "backward": per_phase * (2 if training.recompute else 1)},
+            # the recomputation's all-reduces run inside the backward pass
+            "step_bytes": {"forward": forward, "backward": M * tp.per_micro_batch_bytes - forward},
             "step_total_bytes": M * tp.per_micro_batch_bytes}
 
 
