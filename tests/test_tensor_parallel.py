@@ -163,6 +163,35 @@ def test_amsp_train_tensor_parallel_matches_ddp_and_checkpoints_load_across_t(tm
             assert abs(a - b) <= 1e-5 * abs(b), (run["loss"], ddp["loss"])
 
 
+@pytest.mark.slow  # two `amsp train` launches (~1 min on 2 cores)
+def test_amsp_train_tensor_parallel_in_bf16_trains_like_ddp(tmp_path):
+    """bf16 under TP with sp = 1 (the TP DTensors and the plain parameters converted by the
+    engine, runtime/materialize.py to_dtype_keep_buffers): ``--tensor-parallel 2 --plan ddp``
+    on 4 ranks runs and gives the per-step losses of 2-rank DDP in bf16, within bf16's
+    rounding of a different summation order (1e-2 relative)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import REPO
+
+    def train(*args):
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "amsp_ext.cli", "train", "--steps", "3", "--json",
+                               "--precision", "bf16", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout)
+
+    tp = train("--nproc-per-node", "4", "--tensor-parallel", "2", "--plan", "ddp")
+    ddp = train("--nproc-per-node", "2", "--plan", "ddp")
+    assert tp["tensor_parallel"] == 2 and tp["precision"] == "bf16"
+    for a, b in zip(tp["loss"], ddp["loss"], strict=True):
+        assert abs(a - b) <= 1e-2 * abs(b), (tp["loss"], ddp["loss"])
+
+
 @pytest.mark.slow  # 8 ranks (~25 s on 2 cores); the 4-rank cases above are the default tier's
 def test_tp2_on_two_nodes_every_shard_group_size(tmp_path):
     """8 ranks as 2 nodes x 4, T = 2: the data-parallel world is 2 nodes x 2. Shard groups smaller
