@@ -19,8 +19,8 @@ all-reduce is one reduction of the whole gradient and counts once, by its in-nod
 reduce-scatter's input: its across-nodes all-reduce reduces the shard of that same gradient
 (topology/groups.py ``is_cross_node_level``) and its all-gather hands results back. So DDP's
 plan run flat or two-level reduces the same bytes, as it reduces the same gradient (the bytes
-each level moves stay in ``bytes_per_step``). Scalar reductions (clip norms, overflow flags: one element) are left out of
-the gradient figure but kept in ``bytes_per_step``. Parameter collectives are the all-gathers
+each level moves stay in ``bytes_per_step``). Scalar reductions (clip norms, overflow flags: one
+element) are left out of the gradient figure but kept in ``bytes_per_step``. Parameter collectives are the all-gathers
 and broadcasts (kinds AG/BC): their dtype is the parameters' wire dtype.
 
 [Note: which ratios are refused]

@@ -45,9 +45,8 @@ compute dtype's bytes; 2 in bf16) on the T x 1 mesh of the node:
   same on every TP rank;
 * with recomputation the backward re-runs each layer's forward, but only 1 more per layer: torch's
   non-reentrant checkpoint stops re-running a layer once the tensors its backward needs are back
-  (early stop), which is before the MLP's row-parallel output and its all-reduce (the dry run
-  logged 3 per layer in backward, 65B at 8,192 ranks: comparisons/results/
-  tensor_parallel_dryrun_2026-12-05.md).
+  (early stop), which is before the MLP's row-parallel output and its all-reduce (``amsp dryrun
+  --tensor-parallel --recompute`` logs 3 per layer in backward; tests/test_dryrun.py).
 They are priced by the profile's all-reduce on a T x 1 mesh, whose "all groups active" reading
 is the R/T TP groups of a node at once (profile.py [Note: contention between the groups of one
 shape]; intra-node meshes are not scaled, as elsewhere). They are not overlapped with compute
