@@ -121,6 +121,23 @@ def test_llama_layout_checks():
     assert len(check_llama_layout(build_llama("tiny-llama"), 2)) == 2
 
 
+def _amsp_train(*args) -> dict:
+    """``amsp train --json ARGS`` as a user runs it (the launcher, not forked ranks): its summary."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import REPO
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "amsp_ext.cli", "train", "--json", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
 @pytest.mark.slow  # four `amsp train` launches (~2 min on 2 cores); the engine path: test_tp2_matches_single_process
 def test_amsp_train_tensor_parallel_matches_ddp_and_checkpoints_load_across_t(tmp_path):
     """``amsp train --nproc-per-node 4 --tensor-parallel 2 --plan zero3`` (TP 2 x FSDP2 over the
@@ -129,20 +146,8 @@ def test_amsp_train_tensor_parallel_matches_ddp_and_checkpoints_load_across_t(tm
     after step 2 load across T both ways: the TP one resumed without TP (2 ranks, zero2) and the
     DDP one resumed under TP 2 (4 ranks, zero3) give the uninterrupted run's losses for steps 3
     and 4 (step 4's depends on the restored AdamW states)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from dist_utils import REPO
-
     def train(*args):
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, "-m", "amsp_ext.cli", "train", "--steps", "4", "--json", *args],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return json.loads(proc.stdout)
+        return _amsp_train("--steps", "4", *args)
 
     ck_tp, ck_ddp = tmp_path / "tp", tmp_path / "ddp"
     save = ("--save-every", "2", "--keep", "2")
@@ -169,21 +174,8 @@ def test_amsp_train_tensor_parallel_in_bf16_trains_like_ddp(tmp_path):
     engine, runtime/materialize.py to_dtype_keep_buffers): ``--tensor-parallel 2 --plan ddp``
     on 4 ranks runs and gives the per-step losses of 2-rank DDP in bf16, within bf16's
     rounding of a different summation order (1e-2 relative)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from dist_utils import REPO
-
     def train(*args):
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, "-m", "amsp_ext.cli", "train", "--steps", "3", "--json",
-                               "--precision", "bf16", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return json.loads(proc.stdout)
+        return _amsp_train("--steps", "3", "--precision", "bf16", *args)
 
     tp = train("--nproc-per-node", "4", "--tensor-parallel", "2", "--plan", "ddp")
     ddp = train("--nproc-per-node", "2", "--plan", "ddp")

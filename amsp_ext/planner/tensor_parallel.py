@@ -169,9 +169,11 @@ class TPComm:
                 "per_micro_batch_s": self.per_micro_batch_s}
 
 
-def tp_comm(spec: ModelSpec, training: TrainingSpec, timer: CommTimer, degree: int) -> TPComm:
-    """The TP all-reduces of one micro-batch of the whole model ``spec`` at ``degree``."""
+def tp_comm(spec: ModelSpec, training: TrainingSpec, timer: CommTimer | None, degree: int) -> TPComm:
+    """The TP all-reduces of one micro-batch of the whole model ``spec`` at ``degree``
+    (``timer`` None: bytes only, their seconds 0)."""
     tokens = training.tokens_per_micro_batch
     act = tokens * spec.hidden_size * param_bytes(training.precision)
+    seconds = timer.time("allreduce", act, degree, 1) if timer is not None else 0.0
     return TPComm(degree=degree, num_layers=spec.num_layers, recompute=training.recompute,
-                  activation_bytes=act, activation_s=timer.time("allreduce", act, degree, 1))
+                  activation_bytes=act, activation_s=seconds)

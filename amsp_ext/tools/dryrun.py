@@ -236,16 +236,13 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
 
 
 def _tp_bytes(whole, training, T: int, M: int) -> dict:
-    """The TP all-reduce bytes the planner prices (tensor_parallel.TPComm, without its seconds):
-    one activation all-reduce, one layer's per micro-batch, and one step's by phase."""
-    from amsp_ext.planner.memory import param_bytes
-    from amsp_ext.planner.tensor_parallel import TPComm
+    """The TP all-reduce bytes the planner prices (tensor_parallel.tp_comm, bytes only): one
+    activation all-reduce, one layer's per micro-batch, and one step's by phase."""
+    from amsp_ext.planner.tensor_parallel import tp_comm
 
-    act = training.tokens_per_micro_batch * whole.hidden_size * param_bytes(training.precision)
-    tp = TPComm(degree=T, num_layers=whole.num_layers, recompute=training.recompute,
-                activation_bytes=act, activation_s=0.0)
-    forward = M * whole.num_layers * tp.layer_forward * act
-    return {"degree": T, "activation_allreduce_bytes": act if T > 1 else 0,
+    tp = tp_comm(whole, training, None, T)
+    forward = M * whole.num_layers * tp.layer_forward * tp.activation_bytes
+    return {"degree": T, "activation_allreduce_bytes": tp.activation_bytes if T > 1 else 0,
             "layer_bytes_per_micro_batch": tp.layer_bytes,
             # the recomputation's all-reduces run inside the backward pass
             "step_bytes": {"forward": forward, "backward": M * tp.per_micro_batch_bytes - forward},
