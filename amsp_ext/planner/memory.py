@@ -67,7 +67,7 @@ keeps
 (recomputation keeps each layer's input; the layer it rebuilds in backward is a temporary buffer
 of the layer-backward moment, [Note: temporary buffers and the peak]). Only one micro-batch's
 activations are alive at a time. Transient gradients of activations in backward are not counted
-(as in Korthikanti et al.).
+here (as in Korthikanti et al.); the layer-backward moment charges the one flowing into the layer.
 
 [Note: unfused RMSNorm]
 The count above assumes fused RMSNorms. The engine runs HF's LlamaRMSNorm, which is unfused:
@@ -113,11 +113,20 @@ the one that wins, so they compare with the dry run's categories at the engine's
     (dry run of LLaMA-30B with recomputation, bf16 reduction, 128 MiB buckets): at the peak,
     inside the last layer's down_proj backward, three 84.5 MiB attention gradients in flight
     (253.5 MiB <= 2U) and the 227.5 MiB down_proj bucket beside the recomputed layer;
-  - gathered parameters when sp > 1: the unit being computed and the one prefetched (two of
-    the largest unit; with recomputation the whole layer gathered for the recompute forward is
-    kept for its backward, so the largest layer replaces one of the two), and one unit's
-    unsharded gradients in the reduce dtype, the reduce-scatter's input (the dry run of a
-    2-layer LLaMA-7B under ZeRO-3 holds one such 760 MiB fp32 input at its layer peak).
+  - gathered parameters when sp > 1, and one unit's unsharded gradients in the reduce dtype,
+    the reduce-scatter's input (the dry run of a 2-layer LLaMA-7B under ZeRO-3 holds one such
+    760 MiB fp32 input at its layer peak). Without recomputation: the unit being computed and
+    the one prefetched, two of the largest unit. With it: the whole layer, which the
+    recomputation gathered and its backward still uses; the next unit in backward order is
+    inside that layer, so nothing more is prefetched, unless a unit is a whole layer
+    (granularity "layer"), when the previous layer is prefetched beside it;
+  - the gradient flowing into the layer, T*e*h.
+  Measured (``amsp dryrun``, LLaMA-65B widths, seq 4096, bf16, module units, recomputation,
+  ``p=4x1,g=4x1,os=8x128`` at 1,024 ranks and TP 2 ``p=2x1,g=2x1,os=4x64`` at 8,192): the peak is
+  in the second layer's backward (in backward order), inside down_proj's; alive are that
+  layer's recomputed activations (all of A_layer), the layer gathered whole, down_proj's
+  unsharded gradient, the previous layer's gradients in flight, the incoming gradient, and the
+  L - 1 layer inputs not yet consumed. The planner charges L inputs (one more, 1/L of them).
 * optimizer step: the activations are gone; in mixed precision the owner steps its fp32 master
   copy with fp32 gradients, 4 bytes per owned parameter (Phi/sos), and when sos > sp one
   bucket-sized staging buffer holds the broadcast of updated parameters.
@@ -242,19 +251,26 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
     filling = max(U, g * _largest_layer_tensor(spec) // plan.sp)
     parts = {"loss_grads": 8 * T * spec.vocab_size,
              "recomputed_layer": T * _layer_activations_per_token(spec, e) if training.recompute else 0,
-             "buckets": min(2 * U + filling, rank_grads) if (replica > 1 or grad_group > 1) else 0}
-    gathered = 0
-    if plan.sp > 1:
-        unit_sizes = [n for _, n in spec.layer_units(training.granularity)]
-        unit_sizes += [n for _, n in spec.outside_params()]
-        largest = max(unit_sizes)
-        held = spec.params_per_layer if training.recompute else largest
-        gathered = e * (held + largest) + g * largest  # one reduce-scatter input, in the reduce dtype
-    parts["gathered_params"] = gathered
+             "buckets": min(2 * U + filling, rank_grads) if (replica > 1 or grad_group > 1) else 0,
+             "layer_grad_in": T * e * spec.hidden_size}
+    parts["gathered_params"] = _gathered_bytes(spec, plan, training) if plan.sp > 1 else 0
     mixed = training.precision != "fp32"
     parts["owned_fp32_grads"] = int(4 * spec.num_params / plan.sos) if mixed else 0
     parts["broadcast_staging"] = U if plan.sos > plan.sp else 0
     return parts
+
+
+def _gathered_bytes(spec: ModelSpec, plan: Plan, training: TrainingSpec) -> int:
+    """Gathered parameters and one reduce-scatter input at the layer-backward moment (see
+    [Note: temporary buffers and the peak])."""
+    e, g = param_bytes(training.precision), grad_bytes(training)
+    layer_units = [n for _, n in spec.layer_units(training.granularity)]
+    reduced = g * max(layer_units)
+    if training.recompute:
+        prefetched = max(layer_units) if training.granularity == "layer" else 0
+        return e * (spec.params_per_layer + prefetched) + reduced
+    largest = max(layer_units + [n for _, n in spec.outside_params()])
+    return 2 * e * largest + g * largest
 
 
 def startup_bytes(spec: ModelSpec, plan: Plan, training: TrainingSpec) -> int:
@@ -285,7 +301,8 @@ def memory_breakdown(
     moments = {
         "loss backward": {"activations": kept, "tmp": parts["loss_grads"]},
         "layer backward": {"activations": kept - head,
-                           "tmp": parts["recomputed_layer"] + parts["buckets"] + parts["gathered_params"]},
+                           "tmp": sum(parts[k] for k in ("recomputed_layer", "buckets", "gathered_params",
+                                                         "layer_grad_in"))},
         "optimizer step": {"activations": 0, "tmp": parts["owned_fp32_grads"] + parts["broadcast_staging"]},
     }
     peak = max(moments, key=lambda m: moments[m]["activations"] + moments[m]["tmp"])  # ties: first

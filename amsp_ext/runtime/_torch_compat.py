@@ -34,6 +34,7 @@ __all__ = [
     "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors",
     "fake_store", "fake_tensor_mode", "nominal_fake_scalars", "fsdp_all_gather_streams",
+    "fsdp_unsharded_tensors",
     "live_process_groups", "local_chunk", "local_chunk_offset", "mem_tracker", "mesh_flatten", "mesh_root",
     "mesh_unflatten", "op_observer",
     "real_device_meshes", "real_tensors", "optimizer_hooks",
@@ -88,6 +89,18 @@ def set_fsdp_unshard_async_op(module: nn.Module, async_op: bool) -> None:
     ``async_op=async_op`` in its pre-forward/pre-backward unshards and prefetches, and waits
     for the returned Work itself in ``wait_for_unshard``."""
     module._set_unshard_async_op(async_op)  # type: ignore[operator]
+
+
+def fsdp_unsharded_tensors(root: nn.Module) -> Callable[[], list[torch.Tensor]]:
+    """A function giving the storage of every parameter FSDP2 gathers whole under ``root``: each
+    FSDPParam's ``all_gather_outputs`` (the unsharded parameter is a view of them; made at the
+    first all-gather, sized only while gathered: FSDP2 frees them by resizing to 0)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params = [fp for m in root.modules() if isinstance(m, FSDPModule)
+              for group in m._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+              for fp in group.fsdp_params]
+    return lambda: [t for fp in params for t in fp.all_gather_outputs]
 
 
 # -- DTensor ---------------------------------------------------------------------------------
@@ -306,9 +319,10 @@ def real_device_meshes():
 
 
 def mem_tracker(grads_of: Callable[[], list] | None = None,
+                gathered_of: Callable[[], list] | None = None,
                 on_new_peak: Callable[[set, bool], None] | None = None):
     """``torch.distributed._tools.mem_tracker.MemTracker`` (memory of a step by category), with
-    three additions that read its private state (2.13's ``_peak_mem``, ``_peak_mem_snap``,
+    additions that read its private state (2.13's ``_peak_mem``, ``_peak_mem_snap``,
     ``_curr_mem_snap``, ``_update_peak_stats``, ``_update_and_maybe_create_winfos``,
     ``_pre_fw_hook``, ``memory_tracking``, ``_mod_tracker``):
 
@@ -319,9 +333,23 @@ def mem_tracker(grads_of: Callable[[], list] | None = None,
       gradients reduced into buckets, owned or kept buffers and FSDP2's sharded ``.grad`` are
       allocated in backward outside any parameter's grad hook, so it would file them as
       ``Temp``. See dryrun.py [Note: categories at the peak];
+    * ``gathered_of()`` (tensors): parameters gathered whole for compute (FSDP2's unsharded
+      parameters, ``fsdp_unsharded_tensors``), filed under ``Temp`` the same way. MemTracker
+      files them by where they were gathered: ``Parameter`` when a module's hook registers them,
+      ``Activation`` when a forward (a recomputation's too) gathers them;
     * ``on_new_peak(parents, is_bw)``: called when a new peak is recorded, with the names of the
-      modules running then and whether it is in backward (the dry run's peak moment)."""
+      modules running then and whether it is in backward (the dry run's peak moment);
+    * tensors DTensor makes to propagate shapes (``ShardingPropagator.
+      _propagate_tensor_meta_non_cached``: global-shape tensors under the ambient fake mode) are
+      not counted. Outside a dry run they live in a FakeTensorMode of DTensor's own and take no
+      memory; inside one they are the dry run's fake tensors, and a whole embedding in fp32 and
+      bf16 looked like the start-up peak of a TP model."""
+    import threading
+
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagating = threading.local()
 
     class _StepMemTracker(MemTracker):
         def reset_peak(self) -> None:
@@ -331,12 +359,35 @@ def mem_tracker(grads_of: Callable[[], list] | None = None,
         def _update_peak_stats(self, peak_state) -> None:
             new = any(self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]
                       for dev, snap in self._curr_mem_snap.items())
-            if new and grads_of is not None:
-                for t in grads_of():
-                    self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+            if new:
+                for of, kind in ((grads_of, _MemRefType.GRAD), (gathered_of, _MemRefType.TEMP)):
+                    for t in of() if of is not None else ():
+                        self._update_and_maybe_create_winfos(t, kind)
             super()._update_peak_stats(peak_state)
             if new and on_new_peak is not None:
                 on_new_peak(set(self._mod_tracker.parents), bool(self._mod_tracker.is_bw))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(propagating, "depth", 0):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def __enter__(self):
+            propagate = self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+            def uncounted(prop, op_schema):
+                propagating.depth = getattr(propagating, "depth", 0) + 1
+                try:
+                    return propagate(prop, op_schema)
+                finally:
+                    propagating.depth -= 1
+
+            ShardingPropagator._propagate_tensor_meta_non_cached = uncounted
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+            return super().__exit__(*exc)
 
         def _pre_fw_hook(self, module, args) -> None:
             # per-module stats are not used; forget them so a module may run forward once per

@@ -228,6 +228,10 @@ def fill(model: nn.Module, *, device: torch.device, seed: int, source=None, init
             local.copy_(rows.reshape(local.shape))
             if id(p) in keep_fp32:
                 fp32[id(p)] = rows.reshape(local.shape).clone()
+            # a view of the whole fp32 tensor: dropped here, not at the next module's rows, so
+            # one module's fp32 initialisation is alive at a time (planner/memory.py
+            # [Note: start-up memory])
+            del rows
         if source is not None:
             for n, b in buffers.items():
                 name = f"{mod_name}.{n}" if mod_name else n

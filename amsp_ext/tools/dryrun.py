@@ -23,7 +23,11 @@ engine's gradients (buckets' owned results, kept Tg gradients, FSDP2's sharded `
 allocated in backward, where it would call them ``Temp``: ``grad_sync.grad_tensors()`` are
 re-filed as ``Grad`` whenever a new peak is about to be recorded. A gradient made by the very
 op that sets the peak is filed once it is stored, so at the peak the unit being reduced may
-show as ``Temp``. With M = 1 the peak is usually in the loss's backward (activations largest,
+show as ``Temp``. Parameters FSDP2 gathers whole are temporary buffers, as the planner counts
+them (``gathered_params``); MemTracker would file them as ``Parameter`` or, when a forward or a
+recomputation gathers them, ``Activation``: they are re-filed as ``Temp`` the same way. The
+tensors DTensor makes to propagate shapes are not counted (``_torch_compat.mem_tracker``).
+With M = 1 the peak is usually in the loss's backward (activations largest,
 no gradient yet), so ``grads`` at the peak is ~0 there, as the planner's [Note: gradients at
 M = 1] says; ``model_state_bytes`` (after the step) is the engine's full count. Each rank also
 reports the moment of the step its peak is at (:class:`PeakMoment`): the planner's activations
@@ -503,7 +507,8 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         model, opt, startup_mem, startup_allocated = _start(model, spec, config, comm, device)
         t_shard = time.perf_counter()
         moment = PeakMoment(clog)
-        tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors, on_new_peak=moment)
+        tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors,
+                                     gathered_of=compat.fsdp_unsharded_tensors(model), on_new_peak=moment)
         tracker.track_external(model, opt)
         with tracker, compat.op_observer(tplog):
             tplog.on = True
