@@ -157,7 +157,7 @@ def _num_params(model_name: str) -> tuple[int, int]:
 def _expected_grad_bytes(system: str, plan: str | None, *, P: int, M: int, elem: int, shard: int) -> int:
     """Hand-computed gradient bytes per step (compare/wire.py [Note: bytes on the wire]): each
     reduction's input, element size x the parameters it reduces."""
-    if system == "ddp" or (system == "amsp-plan" and plan == "ddp"):
+    if system in ("ddp", "ddp-bf16") or (system == "amsp-plan" and plan == "ddp"):
         return elem * P  # one bucketed all-reduce of every gradient (no_sync on 0..M-2)
     if system == "hsdp":
         # reduce-scatter of every unit's gradient in the node on every micro-batch, then the
@@ -195,12 +195,16 @@ def _check_bytes(spec, by, systems, elem):
 
 @pytest.mark.distributed
 def test_every_row_sends_the_asked_gradient_bytes_bf16(tmp_path):
-    """--reduce-dtype bf16: DDP (bf16 hook), HSDP and AMSP's replicate plan send 2 B per
-    gradient element; DDP and AMSP's ddp plan, the same shape, get a ratio."""
-    systems = ["ddp", "hsdp", "amsp-plan"]
+    """--reduce-dtype bf16: DDP (bf16 hook), DDP over bf16 parameters, HSDP and AMSP's replicate
+    plan send 2 B per gradient element; DDP and AMSP's ddp plan, the same shape, get a ratio.
+    DDP over bf16 parameters with fp32 masters is AMSP's recipe: their losses agree closely."""
+    systems = ["ddp", "ddp-bf16", "hsdp", "amsp-plan"]
     spec, path, by = _compare(tmp_path, systems, reduce_dtype="bf16")
     _check_bytes(spec, by, systems, elem=2)
     assert by["hsdp"]["wire"]["param_dtype"] == "bf16"
+    assert "fp32 masters" in by["ddp-bf16"]["mixed_precision"]
+    diffs = [abs(a - b) for a, b in zip(by["ddp-bf16"]["loss"], by["amsp-plan"]["loss"])]
+    assert diffs and max(diffs) < 2e-2, diffs
     text = path.read_text()
     assert "### What each row sent" in text and "| bf16 (bf16) |" in text
     assert "- AMSP (plan ddp) / DDP: no ratio" not in text
@@ -210,9 +214,9 @@ def test_every_row_sends_the_asked_gradient_bytes_bf16(tmp_path):
 @pytest.mark.slow  # four more 4-rank launches, DeepSpeed among them (conftest.py [Note: test tiers])
 def test_every_row_sends_the_asked_gradient_bytes_fp32_and_zero1(tmp_path):
     P, _ = _num_params("tiny-llama")
-    systems = ["ddp", "hsdp", "amsp-plan"]
+    systems = ["ddp", "ddp-bf16", "hsdp", "amsp-plan"]
     spec, _, by = _compare(tmp_path / "fp32", systems, reduce_dtype="fp32")
-    _check_bytes(spec, by, systems, elem=4)
+    _check_bytes(spec, by, systems, elem=4)  # ddp-bf16: its hook all-reduces each bf16 bucket in fp32
     for reduce_dtype, elem in (("fp32", 4), ("bf16", 2)):
         spec, _, by = _compare(tmp_path / f"z1{reduce_dtype}", ["zero1", "amsp-plan"], reduce_dtype=reduce_dtype,
                                plan="zero1")

@@ -78,7 +78,7 @@ def wire_of(collectives: Iterable[Any]) -> dict[str, Any]:
 
 # the plan shape of each non-AMSP system, as AMSP names it (planner/plan.py); AMSP rows: their
 # plan. Two rows of one shape should move the same gradient bytes.
-SHAPE_OF = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp2": "zero3",
+SHAPE_OF = {"ddp": "ddp", "ddp-bf16": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp2": "zero3",
             "mics": "mics", "hsdp": "mics", "zeropp": "zero3", "zeropp-q": "zero3"}
 
 

@@ -20,6 +20,7 @@ class SystemInfo:
 
 SYSTEMS: dict[str, SystemInfo] = {
     "ddp": SystemInfo(label="DDP", module="ddp"),
+    "ddp-bf16": SystemInfo(label="DDP, bf16 parameters + fp32 masters", module="ddp"),
     "zero1": SystemInfo(label="DeepSpeed ZeRO-1", module="deepspeed_zero", uses_deepspeed=True),
     "zero2": SystemInfo(label="DeepSpeed ZeRO-2", module="deepspeed_zero", uses_deepspeed=True),
     "zero3": SystemInfo(label="DeepSpeed ZeRO-3", module="deepspeed_zero", uses_deepspeed=True),

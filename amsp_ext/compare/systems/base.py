@@ -87,12 +87,13 @@ class Context:
 # it beside the measured wire dtypes (compare/wire.py). With --precision bf16: FSDP2/HSDP
 # (MixedPrecisionPolicy param_dtype=bf16 over fp32 sharded parameters), DeepSpeed
 # (bf16.enabled) and AMSP (EngineConfig precision) all compute on bf16 parameters with fp32
-# masters in the optimizer - the same kind. DDP alone is autocast over fp32 parameters (fp32
+# masters in the optimizer - the same kind. DDP is autocast over fp32 parameters (fp32
 # gradients, cast per op), because that is how DDP users run bf16: DDP has no bf16-parameter
-# mode of its own, and a hand-made bf16 model with fp32 master copies under DDP would be a
-# recipe of ours, not DDP's. Its gradient wire is still the asked dtype (the bf16 hook), so the
-# bytes match and the remaining difference - autocast's per-op casts and fp32 gradient
-# buffers - is named in its row, not hidden.
+# mode of its own. Its gradient wire is still the asked dtype (the bf16 hook), so the bytes
+# match, and the remaining difference - autocast's per-op casts and fp32 gradient buffers - is
+# named in its row. ``ddp-bf16`` is DDP's closer variant: DDP over bf16 parameters with fp32
+# masters in the optimizer, Megatron-LM's recipe (ddp.py), so AMSP's replicate plan can be set
+# beside DDP on the same kind of mixed precision, and the ratio measures the engine.
 @dataclass(kw_only=True)
 class SystemRun:
     train_step: Callable[[int], float]

@@ -6,13 +6,21 @@ torch's ``bf16_compress_hook`` (cast each bucket to bf16, all-reduce, cast back)
 halve gradient traffic (config.py [Note: one wire dtype for every system]). Gradient accumulation uses ``no_sync()`` on every micro-batch but the last,
 as Accelerate and the HF Trainer do, so one bucketed all-reduce per step overlaps the last
 backward. Clipping is ``clip_grad_norm_`` on the (replicated) gradients.
+
+``ddp-bf16`` is DDP's closer variant for bf16 rows (base.py [Note: mixed precision of the same
+kind]): the model's parameters in bf16, DDP over them, and an fp32 master copy of every
+parameter in the optimizer (Megatron-LM's Float16OptimizerWithFloat16Params, apex's O2): the
+recipe AMSP, FSDP2 and DeepSpeed run. Gradients are bf16 and accumulate in the bf16 ``.grad``;
+with ``--reduce-dtype fp32`` a hook all-reduces each bucket in fp32 (``_fp32_on_the_wire``).
+After the last micro-batch the gradients go to the masters in fp32, are clipped there, the
+masters step, and the parameters are copied back in bf16.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from amsp_ext.compare.systems.base import Context, SystemRun, phase
+from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable, phase
 from amsp_ext.common.models import causal_lm_loss
 
 __all__ = ["setup"]
@@ -30,37 +38,98 @@ def _bf16_compress_on_gloo(state, bucket):
     return bf16_compress_hook(state, bucket)
 
 
-def setup(name: str, model, ctx: Context) -> SystemRun:
+def _fp32_on_the_wire(state, bucket):
+    """A bf16 bucket all-reduced in fp32 (the mean), cast back into the bucket."""
     import torch
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    wide = buf.to(torch.float32).div_(dist.get_world_size())
+    fut = dist.all_reduce(wide, async_op=True).get_future()
+
+    def back(f):
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(back)
+
+
+def setup(name: str, model, ctx: Context) -> SystemRun:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if name == "ddp-bf16":
+        return _setup_bf16_params(model, ctx)
     ddp = DDP(model)
     if ctx.spec.reduce_dtype == "bf16":
         ddp.register_comm_hook(None, _bf16_compress_on_gloo)
-    optimizer = ctx.optimizer_factory(ddp.parameters())
+    return _ddp_run(ddp, ctx.optimizer_factory(ddp.parameters()), ctx, mixed_precision=(
+        "autocast over fp32 parameters (torch.autocast(cpu, bf16)); fp32 gradients and optimizer"
+        if ctx.spec.precision == "bf16" else "fp32"), reduce=(
+        "bf16_compress_hook (bf16 all-reduce)" if ctx.spec.reduce_dtype == "bf16"
+        else "fp32 all-reduce (no comm hook)"))
+
+
+def _setup_bf16_params(model, ctx: Context) -> SystemRun:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if ctx.spec.precision != "bf16":
+        raise SystemUnavailable("ddp-bf16 is DDP over bf16 parameters: it needs --precision bf16")
+    ddp = DDP(model.to(torch.bfloat16))
+    if ctx.spec.reduce_dtype == "fp32":
+        ddp.register_comm_hook(None, _fp32_on_the_wire)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    masters = [p.detach().float() for p in params]
+    for m in masters:
+        m.requires_grad_(True)
+    optimizer = ctx.optimizer_factory(masters)
+
+    def to_masters() -> None:
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
+
+    def from_masters() -> None:
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+
+    return _ddp_run(ddp, optimizer, ctx, mixed_precision=(
+        "bf16 parameters and compute, fp32 masters in the optimizer (Megatron-LM's "
+        "Float16OptimizerWithFloat16Params); bf16 gradients"), reduce=(
+        "bf16 all-reduce (bf16 gradients, no hook)" if ctx.spec.reduce_dtype == "bf16"
+        else "fp32 all-reduce of each bf16 bucket (hook)"), before_step=to_masters,
+        clip_params=masters, after_step=from_masters, autocast=False)
+
+
+def _ddp_run(ddp, optimizer, ctx: Context, *, mixed_precision: str, reduce: str,
+             before_step=lambda: None, clip_params=None, after_step=lambda: None,
+             autocast: bool = True) -> SystemRun:
+    import torch
+
     M = ctx.spec.num_micro_batches
+    clip_params = list(ddp.parameters()) if clip_params is None else clip_params
 
     def train_step(step: int) -> float:
         losses = []
         for m, batch in enumerate(ctx.batches(step)):
             sync = contextlib.nullcontext() if m == M - 1 else ddp.no_sync()
             with sync:
-                with phase("forward"), ctx.autocast():
+                with phase("forward"), (ctx.autocast() if autocast else contextlib.nullcontext()):
                     loss = causal_lm_loss(ddp, batch)
                 with phase("backward"):
                     (loss / M).backward()
             losses.append(loss.item())
         with phase("optimizer"):
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), ctx.spec.grad_clip)
+            before_step()
+            torch.nn.utils.clip_grad_norm_(clip_params, ctx.spec.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            after_step()
         return sum(losses) / len(losses)
 
-    return SystemRun(train_step=train_step, mixed_precision=(
-        "autocast over fp32 parameters (torch.autocast(cpu, bf16)); fp32 gradients and optimizer"
-        if ctx.spec.precision == "bf16" else "fp32"), settings={
+    return SystemRun(train_step=train_step, mixed_precision=mixed_precision, settings={
         "wrapper": "torch.nn.parallel.DistributedDataParallel (defaults: 25 MiB buckets)",
-        "reduce": "bf16_compress_hook (bf16 all-reduce)" if ctx.spec.reduce_dtype == "bf16"
-        else "fp32 all-reduce (no comm hook)",
+        "reduce": reduce,
         "accumulation": "no_sync() on micro-batches 0..M-2",
     })
