@@ -75,13 +75,15 @@ def _setup_bf16_params(model, ctx: Context) -> SystemRun:
 
     if ctx.spec.precision != "bf16":
         raise SystemUnavailable("ddp-bf16 is DDP over bf16 parameters: it needs --precision bf16")
-    ddp = DDP(model.to(torch.bfloat16))
+    params = [p for p in model.parameters() if p.requires_grad]
+    # the masters start from the fp32 initial weights, not their bf16 rounding (as AMSP's do)
+    masters = [p.detach().clone().requires_grad_(True) for p in params]
+    with torch.no_grad():  # parameters only: buffers (RoPE's inv_freq) keep fp32, as AMSP's do
+        for p in params:
+            p.data = p.data.to(torch.bfloat16)
+    ddp = DDP(model)
     if ctx.spec.reduce_dtype == "fp32":
         ddp.register_comm_hook(None, _fp32_on_the_wire)
-    params = [p for p in ddp.parameters() if p.requires_grad]
-    masters = [p.detach().float() for p in params]
-    for m in masters:
-        m.requires_grad_(True)
     optimizer = ctx.optimizer_factory(masters)
 
     def to_masters() -> None:
