@@ -35,8 +35,13 @@ def test_zeropp_by_hand():
     assert zpp.comm.t_g == zpp.comm.t0_os == zpp.comm.t1_os == 0
     # ZeRO-3 gathers twice over 4x2: 3 * (2 * 872/1e9 + 872/2e9) = 6540 ns as well
     assert z3.comm.t_p == pytest.approx(6540e-9)
-    # secondary shard: 2 Phi / hpZ = 872 / 4 bytes on top of ZeRO-3's 2 Phi / 8
-    assert zpp.memory.params == 872 // 8 + 872 // 4
+    # secondary shard: 2 Phi / hpZ = 872 / 4 bytes on top of ZeRO-3's shard. 8-way sharding pads
+    # every tensor's dim 0 to a multiple of 8 (memory.py [Note: FSDP2's padding]): per layer the
+    # norms 2 x 8, q/k/v/o 4 x 8 x 4, gate/up 2 x 8 x 4, down 8 x 8; embedding and lm_head 16 x 4,
+    # the final norm 8: the toy stores 680 elements, not 436
+    assert TOY.padded_params(8) == 2 * (16 + 4 * 32 + 2 * 32 + 64) + 64 + 8 + 64 == 680
+    assert TOY.padded_params(2) == TOY.num_params  # every dim 0 of the toy is even
+    assert zpp.memory.params == 2 * 680 // 8 + 872 // 4
     assert zpp.memory.total == z3.memory.total + 872 // 4
 
 

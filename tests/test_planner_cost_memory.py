@@ -209,18 +209,23 @@ def test_two_level_all_reduce_charged_through_the_training_spec():
 
 
 def test_startup_memory_by_hand():
-    """[Note: start-up memory] for LLaMA-7B (Phi = 6,738,415,616) under ZeRO-3 on 1,024 ranks in
-    bf16: 2 Phi / 1024 local parameters + 4 Phi / 1024 owned masters + the 32000 x 4096
-    embedding built whole in fp32 for the initializer (larger than a 4096 x 11008 MLP linear)."""
+    """[Note: start-up memory] for LLaMA-7B under ZeRO-3 on 1,024 ranks in bf16: 2 bytes of each
+    local (padded) parameter + 4 of each owned master + the 32000 x 4096 embedding built whole in
+    fp32 for the initializer (larger than a 4096 x 11008 MLP linear)."""
     from amsp_ext.planner.memory import startup_bytes
     from amsp_ext.planner.model_spec import load_model_spec
 
     spec = load_model_spec("llama-7b", None)
     plan = parse_plan("p=8x128,g=8x128,os=8x128")
     bf16 = paper_job(seq_len=4096, micro_batch_size=1, num_micro_batches=1)
-    assert startup_bytes(spec, plan, bf16) == 13_160_968 + 26_321_936 + 4 * 32000 * 4096
+    # 1,024-way shards pad each dim 0 to a multiple of 1,024 ([Note: FSDP2's padding]): gate's and
+    # up's 11,008 rows take 11 per rank (11,264), the embedding's and lm_head's 32,000 take 32
+    h = 4096
+    padded = 32 * (2 * h + 4 * h * h + 2 * 11264 * h + h * 11008) + 2 * 32768 * h + h
+    assert padded == spec.padded_params(1024) == 6_811_815_936  # Phi is 6,738,415,616
+    assert startup_bytes(spec, plan, bf16) == 2 * padded // 1024 + 4 * padded // 1024 + 4 * 32000 * 4096
     m = memory_breakdown(spec, plan, bf16, gpus_per_node=8, num_nodes=128)
-    assert m.startup == 563_770_904 and m.total == m.step_total > m.startup
+    assert m.startup == 564_200_984 and m.total == m.step_total > m.startup
     # fp32: the masters are the parameters; the toy (h = 4, V = 16) starts with 4 * 436 / sp
     # bytes of parameters and its 16 x 4 embedding whole in fp32 (a layer's largest linear is 32)
     fp32 = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100, precision="fp32")

@@ -231,3 +231,23 @@ def test_joint_choice_is_per_token_with_ties_to_the_smaller_degree(t2_seconds, c
     reasons = {o.degree: o.reason for o in choice.options}
     assert reasons[1] == reasons[2] == "" and reasons[4] == "no plan fits"
     assert reasons[8] == "global batch of 8388608 tokens exceeds --max-global-batch-tokens 4194304"
+
+
+def test_padded_shard_of_a_tp_shard_by_hand():
+    """FSDP2 pads each tensor's dim 0 to a multiple of sp (memory.py [Note: FSDP2's padding]).
+    LLaMA-65B's TP 8 shard at sp = 1,024: q/k/v 1,024 rows, o/down/norms 8,192: exact; gate/up
+    2,752 rows take 3 per rank (3,072); embedding/lm_head 32,000 rows take 32 (32,768). The dry
+    run of TP 8 + ZeRO-3 at 8,192 ranks measured params and optimizer 5.0 % over Phi/sp."""
+    from amsp_ext.planner.specs import paper_job
+    from amsp_ext.planner.tensor_parallel import tp_shard_spec
+
+    s = tp_shard_spec(ModelSpec.preset("llama-65b"), 8)
+    h = 8192
+    layer = 2 * h + 3 * 1024 * h + h * 1024 + 2 * 3072 * h + h * 2752
+    padded = 80 * layer + 2 * 32768 * h + h
+    assert s.padded_params(1024) == padded
+    assert 1.050 < padded / s.num_params < 1.051
+    assert s.padded_params(8) == s.num_params  # every dim 0 divides 8
+    t = paper_job(seq_len=4096, num_micro_batches=1, precision="bf16", reduce_dtype="bf16")
+    m = memory_breakdown(s, parse_plan("p=1x1024,g=1x1024,os=1x1024"), t, gpus_per_node=1, num_nodes=1024)
+    assert (m.params, m.optim) == (2 * padded // 1024, 12 * padded // 1024)

@@ -35,6 +35,17 @@ owns, so the engine holds G*Phi/sos whatever sg is (``amsp tune``, small-llama, 
 keeps the formula on purpose: a plan chosen at M = 1 must still fit when the job raises M, and
 at M = 1 sg = sp and sg = sos run the same collectives, so nothing is lost by it.
 
+[Note: FSDP2's padding]
+With sp > 1 the engine shards every tensor on dim 0 with FSDP2, which pads dim 0 to a multiple
+of sp: a rank stores ceil(d0/sp) rows of each tensor. So wherever the sp-sharded tensors are
+counted (parameters, their gradients, the masters and moments of the shards a rank owns) the
+model takes ``ModelSpec.padded_params(sp)`` elements, not Phi. Invariant: equal to Phi where
+every dim 0 divides sp (every LLaMA preset up to sp = 256 without TP); it grows where sp nears
+a dim 0 (sp = 1,024 on a TP 8 shard of LLaMA-65B: gate's and up's 2,752 rows take 3 per rank).
+The baselines are priced with the engine's layout too; DeepSpeed pads only its flat partition,
+so at such sp the model charges its ZeRO-3 a little more than it holds. The communication terms
+(cost.py) count Phi.
+
 [Note: activations (Korthikanti et al. 2022, re-derived for LLaMA)]
 Megatron-LM's count, ``sbh(34 + 5as/h)`` bytes per GPT layer, lists the tensors each layer saves
 for backward. We redo that list for a LLaMA layer run with a flash-attention-style kernel (which
@@ -244,7 +255,8 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
                gpus_per_node: int, num_nodes: int) -> dict[str, int]:
     e, g = param_bytes(training.precision), grad_bytes(training)
     T = training.tokens_per_micro_batch
-    rank_grads = g * spec.num_params // plan.sp
+    phi = spec.padded_params(plan.sp)  # [Note: FSDP2's padding]
+    rank_grads = g * phi // plan.sp
     U = min(training.bucket_bytes, rank_grads)
     replica = (gpus_per_node // plan.s0_p) * (num_nodes // plan.s1_p)
     grad_group = plan.sg // plan.sp
@@ -255,7 +267,7 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
              "layer_grad_in": T * e * spec.hidden_size}
     parts["gathered_params"] = _gathered_bytes(spec, plan, training) if plan.sp > 1 else 0
     mixed = training.precision != "fp32"
-    parts["owned_fp32_grads"] = int(4 * spec.num_params / plan.sos) if mixed else 0
+    parts["owned_fp32_grads"] = int(4 * phi / plan.sos) if mixed else 0
     parts["broadcast_staging"] = U if plan.sos > plan.sp else 0
     return parts
 
@@ -283,16 +295,17 @@ def startup_bytes(spec: ModelSpec, plan: Plan, training: TrainingSpec) -> int:
     exists yet, so this is below the step's peak for every model the planner has priced; it is
     checked all the same, since a plan that cannot start does not fit."""
     e = param_bytes(training.precision)
-    masters = 4 * spec.num_params // plan.sos if training.precision != "fp32" else 0
+    phi = spec.padded_params(plan.sp)  # [Note: FSDP2's padding]
+    masters = 4 * phi // plan.sos if training.precision != "fp32" else 0
     largest = max([_largest_layer_tensor(spec), *(n for _, n in spec.outside_params())])
-    return int(e * spec.num_params / plan.sp) + masters + 4 * largest
+    return int(e * phi / plan.sp) + masters + 4 * largest
 
 
 def memory_breakdown(
     spec: ModelSpec, plan: Plan, training: TrainingSpec, *, gpus_per_node: int, num_nodes: int,
 ) -> MemoryBreakdown:
     """Per-GPU bytes of ``plan`` at its peak moment (see [Note: temporary buffers and the peak])."""
-    phi = spec.num_params
+    phi = spec.padded_params(plan.sp)  # [Note: FSDP2's padding]
     e, g = param_bytes(training.precision), grad_bytes(training)
     k = optimizer_bytes_per_param(training.optimizer, training.precision)
     parts = _tmp_parts(spec, plan, training, gpus_per_node=gpus_per_node, num_nodes=num_nodes)

@@ -143,6 +143,27 @@ class ModelSpec:
     def num_params(self) -> int:
         return self.num_layers * self.params_per_layer + sum(n for _, n in self.outside_params())
 
+    def _tensor_rows(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``(dim 0, elements per row)`` of every parameter tensor of one layer and outside the
+        layers, as Hugging Face lays them out (a Linear's weight is out x in)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        layer = [(h, 1), (h, 1), (q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+        layer += [(q, 1), (kv, 1), (kv, 1)] * self.qkv_bias + [(h, 1)] * self.o_bias
+        layer += [(i, 1), (i, 1), (h, 1)] * self.mlp_bias
+        outside = [(self.vocab_size, h), (h, 1)] + [(self.vocab_size, h)] * (not self.tie_word_embeddings)
+        return layer, outside
+
+    def padded_params(self, shards: int) -> int:
+        """The model's size as ``shards``-way sharding stores it: every tensor's dim 0 split into
+        ``shards`` equal parts, padded up to a multiple of ``shards`` (memory.py [Note: FSDP2's
+        padding]); ``num_params`` where every dim 0 divides."""
+        layer, outside = self._tensor_rows()
+
+        def stored(tensors: list[tuple[int, int]]) -> int:
+            return sum(-(-d0 // shards) * shards * row for d0, row in tensors)
+
+        return self.num_layers * stored(layer) + stored(outside)
+
     def layer_units(self, granularity: str) -> list[tuple[str, int]]:
         """One layer's ``(kind, params)`` template at ``granularity`` (every layer is the same)."""
         _check_granularity(granularity)
