@@ -20,8 +20,9 @@ reduce-scatter's input: its across-nodes all-reduce reduces the shard of that sa
 (topology/groups.py ``is_cross_node_level``) and its all-gather hands results back. So DDP's
 plan run flat or two-level reduces the same bytes, as it reduces the same gradient (the bytes
 each level moves stay in ``bytes_per_step``). Scalar reductions (clip norms, overflow flags: one
-element) are left out of the gradient figure but kept in ``bytes_per_step``. Parameter collectives are the all-gathers
-and broadcasts (kinds AG/BC): their dtype is the parameters' wire dtype.
+element) are left out of the gradient figure but kept in ``bytes_per_step``. Parameter
+collectives are the all-gathers and broadcasts (kinds AG/BC): their dtype is the parameters'
+wire dtype.
 
 [Note: which ratios are refused]
 A ratio of two rows is the engine's or the plan's only if both moved the same gradient bytes in
@@ -78,8 +79,8 @@ def wire_of(collectives: Iterable[Any]) -> dict[str, Any]:
 
 # the plan shape of each non-AMSP system, as AMSP names it (planner/plan.py); AMSP rows: their
 # plan. Two rows of one shape should move the same gradient bytes.
-SHAPE_OF = {"ddp": "ddp", "ddp-bf16": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "fsdp2": "zero3",
-            "mics": "mics", "hsdp": "mics", "zeropp": "zero3", "zeropp-q": "zero3"}
+SHAPE_OF = {"ddp": "ddp", "ddp-bf16": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+            "fsdp2": "zero3", "mics": "mics", "hsdp": "mics", "zeropp": "zero3", "zeropp-q": "zero3"}
 
 
 def plan_shape(row: dict[str, Any]) -> str | None:

@@ -251,11 +251,11 @@ def _largest_layer_tensor(spec: ModelSpec) -> int:
     return max(n for kind, n in spec.layer_module_params() if kind != "norms")
 
 
-def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *,
+def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *, phi: int,
                gpus_per_node: int, num_nodes: int) -> dict[str, int]:
+    """The buffers of [Note: temporary buffers and the peak]; ``phi``: the padded model size."""
     e, g = param_bytes(training.precision), grad_bytes(training)
     T = training.tokens_per_micro_batch
-    phi = spec.padded_params(plan.sp)  # [Note: FSDP2's padding]
     rank_grads = g * phi // plan.sp
     U = min(training.bucket_bytes, rank_grads)
     replica = (gpus_per_node // plan.s0_p) * (num_nodes // plan.s1_p)
@@ -308,7 +308,7 @@ def memory_breakdown(
     phi = spec.padded_params(plan.sp)  # [Note: FSDP2's padding]
     e, g = param_bytes(training.precision), grad_bytes(training)
     k = optimizer_bytes_per_param(training.optimizer, training.precision)
-    parts = _tmp_parts(spec, plan, training, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
+    parts = _tmp_parts(spec, plan, training, phi=phi, gpus_per_node=gpus_per_node, num_nodes=num_nodes)
     kept = activation_bytes(spec, training)
     head = training.tokens_per_micro_batch * _head_activations_per_token(spec, e)
     moments = {

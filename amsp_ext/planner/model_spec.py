@@ -112,20 +112,33 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def _layer_tensors(self) -> list[tuple[str, int, int]]:
+        """``(unit kind, dim 0, elements per row)`` of every parameter tensor of one decoder
+        layer, in forward order, as Hugging Face lays them out (a Linear's weight is out x in)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        qb, ob, mb = self.qkv_bias, self.o_bias, self.mlp_bias
+        weights = [("norms", h, 1), ("norms", h, 1), ("q", q, h), ("k", kv, h), ("v", kv, h),
+                   ("o", h, q), ("gate", i, h), ("up", i, h), ("down", h, i)]
+        biases = [("q", q, 1)] * qb + [("k", kv, 1)] * qb + [("v", kv, 1)] * qb + [("o", h, 1)] * ob
+        biases += [("gate", i, 1)] * mb + [("up", i, 1)] * mb + [("down", h, 1)] * mb
+        return weights + biases
+
+    def _outside_tensors(self) -> list[tuple[str, int, int]]:
+        """The same for the tensors outside the decoder layers."""
+        emb = ("embedding", self.vocab_size, self.hidden_size)
+        lm_head = [] if self.tie_word_embeddings else [("lm_head", self.vocab_size, self.hidden_size)]
+        return [emb, ("final_norm", self.hidden_size, 1), *lm_head]
+
+    @staticmethod
+    def _per_kind(tensors: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
+        out: dict[str, int] = {}
+        for kind, d0, row in tensors:
+            out[kind] = out.get(kind, 0) + d0 * row
+        return list(out.items())
+
     def layer_module_params(self) -> list[tuple[str, int]]:
         """``(kind, params)`` of one decoder layer's units at module granularity, forward order."""
-        h, i = self.hidden_size, self.intermediate_size
-        qb, ob, mb = int(self.qkv_bias), int(self.o_bias), int(self.mlp_bias)
-        return [
-            ("norms", 2 * h),
-            ("q", h * self.q_dim + qb * self.q_dim),
-            ("k", h * self.kv_dim + qb * self.kv_dim),
-            ("v", h * self.kv_dim + qb * self.kv_dim),
-            ("o", self.q_dim * h + ob * h),
-            ("gate", h * i + mb * i),
-            ("up", h * i + mb * i),
-            ("down", i * h + mb * h),
-        ]
+        return self._per_kind(self._layer_tensors())
 
     @property
     def params_per_layer(self) -> int:
@@ -133,36 +146,20 @@ class ModelSpec:
 
     def outside_params(self) -> list[tuple[str, int]]:
         """``(kind, params)`` of the units outside the decoder layers, forward order."""
-        emb = self.vocab_size * self.hidden_size
-        out = [("embedding", emb), ("final_norm", self.hidden_size)]
-        if not self.tie_word_embeddings:
-            out.append(("lm_head", emb))
-        return out
+        return self._per_kind(self._outside_tensors())
 
     @property
     def num_params(self) -> int:
         return self.num_layers * self.params_per_layer + sum(n for _, n in self.outside_params())
 
-    def _tensor_rows(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """``(dim 0, elements per row)`` of every parameter tensor of one layer and outside the
-        layers, as Hugging Face lays them out (a Linear's weight is out x in)."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        layer = [(h, 1), (h, 1), (q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
-        layer += [(q, 1), (kv, 1), (kv, 1)] * self.qkv_bias + [(h, 1)] * self.o_bias
-        layer += [(i, 1), (i, 1), (h, 1)] * self.mlp_bias
-        outside = [(self.vocab_size, h), (h, 1)] + [(self.vocab_size, h)] * (not self.tie_word_embeddings)
-        return layer, outside
-
     def padded_params(self, shards: int) -> int:
         """The model's size as ``shards``-way sharding stores it: every tensor's dim 0 split into
         ``shards`` equal parts, padded up to a multiple of ``shards`` (memory.py [Note: FSDP2's
         padding]); ``num_params`` where every dim 0 divides."""
-        layer, outside = self._tensor_rows()
+        def stored(tensors: list[tuple[str, int, int]]) -> int:
+            return sum(-(-d0 // shards) * shards * row for _, d0, row in tensors)
 
-        def stored(tensors: list[tuple[int, int]]) -> int:
-            return sum(-(-d0 // shards) * shards * row for d0, row in tensors)
-
-        return self.num_layers * stored(layer) + stored(outside)
+        return self.num_layers * stored(self._layer_tensors()) + stored(self._outside_tensors())
 
     def layer_units(self, granularity: str) -> list[tuple[str, int]]:
         """One layer's ``(kind, params)`` template at ``granularity`` (every layer is the same)."""

@@ -94,7 +94,9 @@ def set_fsdp_unshard_async_op(module: nn.Module, async_op: bool) -> None:
 def fsdp_unsharded_tensors(root: nn.Module) -> Callable[[], list[torch.Tensor]]:
     """A function giving the storage of every parameter FSDP2 gathers whole under ``root``: each
     FSDPParam's ``all_gather_outputs`` (the unsharded parameter is a view of them; made at the
-    first all-gather, sized only while gathered: FSDP2 frees them by resizing to 0)."""
+    first all-gather, sized only while gathered: FSDP2 frees them by resizing to 0). Reads 2.13's
+    ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups``, ``FSDPParamGroup.fsdp_params``
+    and ``FSDPParam.all_gather_outputs``."""
     from torch.distributed.fsdp import FSDPModule
 
     params = [fp for m in root.modules() if isinstance(m, FSDPModule)
