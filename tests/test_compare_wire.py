@@ -118,9 +118,10 @@ def _crafted(tmp_path, ddp_wire, amsp_wire):
     return rec, line
 
 
-def _wire(nbytes, dtype, asked="fp32"):
+def _wire(nbytes, dtype, asked="fp32", ranks=None):
     return {"grad_dtype": dtype, "param_dtype": None, "grad_bytes_per_step": nbytes,
-            "param_bytes_per_step": 0, "bytes_per_step": {"all_reduce": nbytes}, "reduce_dtype_asked": asked}
+            "param_bytes_per_step": 0, "bytes_per_step": {"all_reduce": nbytes}, "reduce_dtype_asked": asked,
+            "grad_bytes_per_step_ranks": ranks}
 
 
 def test_report_refuses_a_ratio_of_rows_that_sent_different_bytes(tmp_path):
@@ -141,6 +142,11 @@ def test_report_refuses_a_ratio_of_rows_that_sent_different_bytes(tmp_path):
     rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32"), _wire(12_500_000, "fp32"))
     assert rec["refused"] is None and line.startswith(f"- AMSP (plan ddp) / DDP: {rec['median']:.2f}x (median of 4")
     assert line.endswith("not a claim (2 timed steps, 4 rounds; a claim needs >= 10 timed steps and >= 5 rounds)")
+    # rank 0 agrees with DDP, but the row's other ranks read a bucket more: its bytes cannot vouch
+    rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32", ranks=[12_133_376] * 4),
+                         _wire(12_133_376, "fp32", ranks=[12_133_376, 13_453_824, 12_133_376, 12_133_376]))
+    assert line == ("- AMSP (plan ddp) / DDP: no ratio: same plan shape (ddp) but AMSP (plan ddp)'s ranks and "
+                    "rounds counted 12,133,376-13,453,824 gradient bytes per step: not read alike")
 
 
 # -- end to end: 4 ranks as 2 nodes x 2, bf16 compute ---------------------------------------------

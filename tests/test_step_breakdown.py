@@ -143,3 +143,27 @@ def test_functional_collective_is_one_collective_and_the_next_step_keeps_its_all
     assert [(r["phase"], r["kind"], r["count"], r["bytes"]) for r in second["rows"]] == [
         ("backward", "AR", 1, 2000)]
     assert second["wire"]["grad_bytes_per_step"] == 2000 and second["wire"]["grad_dtype"] == "bf16"
+
+
+def test_runs_of_two_groups_match_their_issues_by_numel():
+    """A two-level all-reduce of two buckets (800 and 200 bf16 elements): bucket 2's in-node run
+    waits behind bucket 1's while bucket 1's node run (its 400-element half) starts. Matched by
+    order alone, that node run took bucket 2's in-node issue and the step counted 800 + 400
+    gradient elements; matched by the tensor list's numel (``structured_input_shapes``, where the
+    profiler keeps an ``allreduce_``'s tensor), 800 + 200, the gradient once."""
+    s = ev("phase::step", 1, 0, 1000)
+    bwd = ev("phase::backward", 1, 0, 1000, s)
+    evs = [s, bwd]
+    for name, t, n in (("local", 100, 800), ("local", 200, 200), ("node", 300, 400), ("node", 400, 100)):
+        label = ev(f"amsp::all_reduce::param_replica_{name}[0]", 1, t, t + 5, bwd)
+        issue = ev("c10d::allreduce_", 1, t + 1, t + 4, label, shapes=[[], [], []])
+        issue.structured_input_shapes = [[[n]], [], []]
+        evs += [label, issue]
+    runs = ((7, 110, 250, 800), (8, 310, 600, 400), (7, 500, 520, 200), (8, 610, 700, 100))
+    evs += [ev("gloo:all_reduce", th, a, b, shapes=[[n]], dtypes=["c10::BFloat16"]) for th, a, b, n in runs]
+    wire = step_breakdown(evs)["wire"]
+    assert wire["grad_bytes_per_step"] == 2 * (800 + 200)
+    assert wire["bytes_per_step"] == {"all_reduce": 2 * (800 + 200 + 400 + 100)}
+    for e in evs:  # a torch that keeps no tensor-list shape: the order-only reading, one bucket off
+        e.structured_input_shapes = None
+    assert step_breakdown(evs)["wire"]["grad_bytes_per_step"] == 2 * (800 + 400)

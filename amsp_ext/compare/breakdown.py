@@ -12,7 +12,20 @@ process group's gloo worker threads (``gloo:all_reduce``, with the tensor's nume
 its input; gloo runs a reduce-scatter as ``gloo:all_reduce`` of the whole input). Runs are
 matched to issues in order (gloo's queue is FIFO): each run takes the earliest unmatched issue
 of a compatible op that began before it: the earliest with the run's numel, else (an issue
-that records no shape: ``allreduce_`` takes a tensor list) the earliest of unknown numel.
+that records no shape) the earliest of unknown numel.
+
+[Note: match by numel across process groups]
+gloo's FIFO order holds per process group, and the trace does not say which group an issue or a
+run belongs to; runs of two groups interleave (a two-level all-reduce: the in-node group
+reduces bucket k+1 while the node group reduces bucket k's shard). Matched by order alone, a
+node run took the in-node issue of the next bucket, the swapped labels moved a bucket between
+the levels, and the gradient bytes of one rank's step came out one bucket high or low
+(compare/wire.py counts the in-node level only). So every issue's numel is read where the
+profiler keeps it: ``input_shapes`` for a tensor argument, ``structured_input_shapes`` for a
+tensor list (``allreduce_``'s one tensor; ``input_shapes`` leaves a list empty). Order decides
+only between issues of one numel, and an issue of unknown numel (a list of several tensors, or
+a torch without ``structured_input_shapes``) is taken only where none of the run's numel is
+waiting.
 
 Per collective: ``issued`` (its issue's start), ``ended`` (its run's end): busy = ended - issued,
 i.e. queueing behind earlier collectives of its group and waiting for the slowest rank count.
@@ -145,6 +158,17 @@ def _kind(op: str, api: str, label: str) -> str:
     return _OP_KIND.get(op, "other")
 
 
+def _input_shapes(e) -> list:
+    """An issue's input shapes, a tensor list's one tensor read from ``structured_input_shapes``
+    ([Note: match by numel across process groups]); a list of several tensors stays empty."""
+    shapes = list(getattr(e, "input_shapes", None) or [])
+    structured = list(getattr(e, "structured_input_shapes", None) or [])
+    for i, s in enumerate(structured[:len(shapes)]):
+        if not shapes[i] and isinstance(s, list) and len(s) == 1 and isinstance(s[0], list):
+            shapes[i] = s[0]
+    return shapes
+
+
 def _numel(shape) -> int | None:
     if not shape:
         return None
@@ -204,14 +228,13 @@ def collectives(events: list) -> tuple[list[Collective], set]:
             continue
         op, accepts = _ISSUE_OPS[op_name]
         phase, label = _issue_info(e)
-        shapes = list(getattr(e, "input_shapes", None) or [])
-        numels = [_numel(s) for s in shapes]
+        numels = [_numel(s) for s in _input_shapes(e)]
         # what the worker's event will show: gloo runs a reduce-scatter as an all-reduce of its
-        # input (the second argument); an all-gather shows one of its two tensors; a tensor
-        # list (allreduce_) records no shape: unknown, matched only where no known one fits
+        # input (the second argument); an all-gather shows one of its two tensors; a list of
+        # several tensors (allreduce_coalesced_) is unknown, matched only where no known one fits
         known = ({numels[1]} if op == "reduce_scatter" and len(numels) > 1 and numels[1]
                  else {n for n in numels[:2] if n} if op == "all_gather" else
-                 {n for n in numels[:1] if n} if op_name not in ("allreduce_", "allreduce_coalesced_")
+                 {n for n in numels[:1] if n} if op_name != "allreduce_coalesced_"
                  else set())
         issues.append({"event": e, "op": op, "accepts": accepts, "phase": phase, "label": label,
                        "numels": known, "first_numel": numels[0] if numels else None,

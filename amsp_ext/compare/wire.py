@@ -32,7 +32,12 @@ the same dtype. The report refuses it (one line saying which rows and why, no nu
 - their measured gradient dtypes differ (any plan shapes: 2-byte against 4-byte gradients), or
 - they run the same plan shape (``SHAPE_OF``: DDP and AMSP's ``ddp``, HSDP / DeepSpeed-MiCS and
   AMSP's ``mics:K``, ...) and their gradient bytes per step differ by more than ``BYTES_TOLERANCE``
-  (different accumulation, a missing reduction, or dtypes in part).
+  (different accumulation, a missing reduction, or dtypes in part), or
+- they run the same plan shape and one of them counted different gradient bytes on its ranks or
+  rounds (by more than ``BYTES_TOLERANCE``): every rank reduces the same gradient, so a row whose
+  readings disagree was read wrong somewhere, and its one figure (rank 0's, first round) cannot
+  vouch for the bytes. The harness reads each rank's profiled step on its own, so this is what
+  catches a misread trace (breakdown.py [Note: match by numel across process groups]).
 Rows without a measured wire (``--no-trace``, reports written before it existed) are compared
 with a note saying the bytes were not checked.
 """
@@ -43,8 +48,8 @@ from typing import Any, Iterable
 
 from amsp_ext.topology.groups import is_cross_node_level
 
-__all__ = ["BYTES_TOLERANCE", "GRAD_KINDS", "PARAM_KINDS", "not_as_asked", "plan_shape", "wire_mismatch",
-           "wire_of"]
+__all__ = ["BYTES_TOLERANCE", "GRAD_KINDS", "PARAM_KINDS", "grad_counts", "not_as_asked", "plan_shape",
+           "wire_mismatch", "wire_of"]
 
 GRAD_KINDS = ("AR", "RS")
 PARAM_KINDS = ("AG", "BC")
@@ -122,6 +127,13 @@ def not_as_asked(row: dict[str, Any]) -> str | None:
     return None
 
 
+def grad_counts(row: dict[str, Any]) -> list[int]:
+    """Every gradient-bytes reading of ``row``: each rank's, of the row and of each of its rounds."""
+    wires = [row.get("wire")] + [r.get("wire") for r in row.get("rounds") or []]
+    return [n for w in wires if w for n in (w.get("grad_bytes_per_step_ranks") or [w["grad_bytes_per_step"]])
+            if n is not None]
+
+
 def wire_mismatch(num: dict[str, Any], den: dict[str, Any]) -> str | None:
     """Why the ratio ``num / den`` is refused ([Note: which ratios are refused]), or None."""
     for row in (num, den):
@@ -137,6 +149,11 @@ def wire_mismatch(num: dict[str, Any], den: dict[str, Any]) -> str | None:
     shape = plan_shape(num)
     if shape is None or shape != plan_shape(den):
         return None
+    for row in (num, den):
+        counts = grad_counts(row)
+        if counts and max(counts) - min(counts) > BYTES_TOLERANCE * max(counts):
+            return (f"same plan shape ({shape}) but {row['label']}'s ranks and rounds counted "
+                    f"{min(counts):,}-{max(counts):,} gradient bytes per step: not read alike")
     x, y = a["grad_bytes_per_step"], b["grad_bytes_per_step"]
     if max(x, y) and abs(x - y) > BYTES_TOLERANCE * max(x, y):
         return (f"same plan shape ({shape}) but gradient bytes per step differ by more than "
