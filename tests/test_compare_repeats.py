@@ -148,6 +148,25 @@ def test_an_all_amsp_mode_does_not_say_its_rows_did_not_run():
     assert "did not run" not in _no_ratio_line(rows, {"mode": "ablation"})
     assert ablation_table(rows)[-1].startswith("| 4 | 200 |") and "150 (-25.0%)" in ablation_table(rows)[-1]
 
+
+def test_an_ablation_can_time_peers_beside_its_rows():
+    """`--mode ablation --systems hsdp`: the four overlap settings of the AMSP row, then HSDP, all in
+    the same rounds; without --systems the ablation is the AMSP rows alone, as before."""
+    from amsp_ext.compare.harness import plan_runs
+    from amsp_ext.compare.report import _no_ratio_line
+
+    spec = RunSpec(amsp_plan="mics:2")
+    keys = [i.key for i in plan_runs("ablation", spec, ["hsdp"])]
+    assert keys == ["amsp-plan[M=2,all]", "amsp-plan[M=2,no_bc]", "amsp-plan[M=2,no_bc_ar]",
+                    "amsp-plan[M=2,none]", "hsdp"]
+    assert [i.key for i in plan_runs("ablation", spec)] == keys[:4]
+    with pytest.raises(SpecError, match=r"systems: unknown \['hsdpx'\]"):
+        plan_runs("ablation", spec, ["hsdpx"])
+    rows = [{"system": "amsp-plan"}, {"system": "hsdp"}]
+    assert _no_ratio_line(rows, {"mode": "ablation"}) == (
+        "- ablation mode: the AMSP rows are compared in the ablation table below, the peers timed "
+        "beside them in the results table (no ratios).")
+
 def _fake_rank(rank, step_s):
     return {"rank": rank, "step_s": step_s, "loss": [5.0, 4.5], "peak_rss_delta_bytes": 2**20,
             "live_tensor_delta_bytes": 2**19, "setup_s": 0.1, "peak_flops": 1e9}

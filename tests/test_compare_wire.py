@@ -214,6 +214,10 @@ def test_every_row_sends_the_asked_gradient_bytes_bf16(tmp_path):
     text = path.read_text()
     assert "### What each row sent" in text and "| bf16 (bf16) |" in text
     assert "- AMSP (plan ddp) / DDP: no ratio" not in text
+    # CPU per step reaches the row and the report (tiny steps: figures of a few 10 ms ticks)
+    for key in systems:
+        assert set(by[key]["cpu_s_per_step"]) == {"main", "other"}, key
+    assert "### CPU per step beside wall time" in text
 
 
 @pytest.mark.distributed

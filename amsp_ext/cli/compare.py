@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="tiny-llama, seq 128, M=2, 8 steps, 4 ranks posing as 2 nodes x 2")
     p.add_argument("--mode", default="baselines", choices=("baselines", "dissociation", "ablation"))
-    p.add_argument("--systems", help="comma-separated subset (baselines mode), e.g. ddp,zero1,mics")
+    p.add_argument("--systems", help="comma-separated subset (baselines mode), e.g. ddp,zero1,mics; ablation "
+                   "mode: peers timed beside the AMSP rows (default none)")
     flag = {f.name: schema.flag_of(f) for _, f in schema.options(RunSpec)}
     full = ", ".join(f"{flag[k]} {v}" for k, v in FULL.items() if k in PRESET and v is not None)
     quick = ", ".join(f"{flag[k]} {v}" for k, v in QUICK.items() if k in PRESET)

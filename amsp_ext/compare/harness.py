@@ -50,23 +50,27 @@ class RunItem:
 def plan_runs(mode: str, spec: RunSpec, systems: list[str] | None = None,
               ablation_micro_batches: list[int] | None = None) -> list[RunItem]:
     """The rows of a mode. Ablation: one row per (M, overlap setting), M from
-    ``ablation_micro_batches`` (the paper's Table V uses 1, 2, 4, 8) or the spec's M."""
+    ``ablation_micro_batches`` (the paper's Table V uses 1, 2, 4, 8) or the spec's M, then the
+    ``systems`` asked for beside them (none by default): a peer timed in the same rounds shows
+    which overlap setting's step matches it."""
     if mode not in MODES:
         raise SpecError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "ablation":
-        ms = ablation_micro_batches or [spec.num_micro_batches]
-        if any(m < 1 for m in ms):
-            raise SpecError(f"ablation micro-batch counts must be >= 1, got {ms}")
-        return [RunItem(key=f"amsp-plan[M={m},{o}]", system="amsp-plan",
-                        label=f"{_amsp_plan_label(spec)}, M={m}, overlap {OVERLAP_LABELS[o]}",
-                        spec=spec.replace(amsp_overlap=o, num_micro_batches=m))
-                for m in ms for o in OVERLAPS]
-    names = systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"])
+    peers = systems if mode == "ablation" else None
+    names = peers or systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"])
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
         raise SpecError(f"systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
-    return [RunItem(key=n, system=n, label=_amsp_plan_label(spec) if n == "amsp-plan" else SYSTEMS[n].label,
+    rows = [RunItem(key=n, system=n, label=_amsp_plan_label(spec) if n == "amsp-plan" else SYSTEMS[n].label,
                     spec=spec) for n in names]
+    if mode != "ablation":
+        return rows
+    ms = ablation_micro_batches or [spec.num_micro_batches]
+    if any(m < 1 for m in ms):
+        raise SpecError(f"ablation micro-batch counts must be >= 1, got {ms}")
+    return [RunItem(key=f"amsp-plan[M={m},{o}]", system="amsp-plan",
+                    label=f"{_amsp_plan_label(spec)}, M={m}, overlap {OVERLAP_LABELS[o]}",
+                    spec=spec.replace(amsp_overlap=o, num_micro_batches=m))
+            for m in ms for o in OVERLAPS] + (rows if peers else [])
 
 
 def _amsp_plan_label(spec: RunSpec) -> str:

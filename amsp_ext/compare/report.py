@@ -10,7 +10,7 @@ from amsp_ext.compare.rounds import (CLAIM_AGREE, CLAIM_MIN_ROUNDS, CLAIM_MIN_TI
                                     paired_ratio, timed_steps, verdict)
 from amsp_ext.compare.wire import BYTES_TOLERANCE, not_as_asked, wire_mismatch
 
-__all__ = ["breakdown_table", "format_table", "ratio_records", "ratios", "wire_table", "write_plots",
+__all__ = ["breakdown_table", "cpu_table", "format_table", "ratio_records", "ratios", "wire_table", "write_plots",
            "write_report", "write_timeline"]
 
 MIB = 2**20
@@ -241,6 +241,9 @@ def _no_ratio_line(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """Why there is no ratio: an all-AMSP mode compares its rows in its own table below; in
     baselines mode an AMSP row or every baseline did not run."""
     if meta.get("mode") in ("ablation", "dissociation"):
+        if any(not str(r.get("system", "")).startswith("amsp") for r in rows):
+            return (f"- {meta['mode']} mode: the AMSP rows are compared in the {meta['mode']} table below, "
+                    f"the peers timed beside them in the results table (no ratios).")
         return (f"- {meta['mode']} mode: every row is AMSP; the comparison is the {meta['mode']} table "
                 f"below.")
     return "- no AMSP row and baseline both ran (see their status)."
@@ -252,7 +255,8 @@ RATIO_RULES = (
     f">= {CLAIM_MIN_ROUNDS} rounds; its target is met only when the median is above {TARGET:.1f}x "
     f"and >= {CLAIM_AGREE:.0%} of the rounds are (amsp_ext/compare/rounds.py). A ratio between rows "
     "that sent gradients in different dtypes, or, for the same plan shape, gradient bytes per step "
-    f"differing by more than {BYTES_TOLERANCE:.0%}, is refused (amsp_ext/compare/wire.py).")
+    f"differing by more than {BYTES_TOLERANCE:.0%} (between the rows, or between one row's ranks and "
+    "rounds), is refused (amsp_ext/compare/wire.py).")
 WIRE_TEXT = (
     "Measured from each row's trace, not its settings: gradient bytes = the input bytes of every "
     "gradient reduction (all-reduce, reduce-scatter, reduce; scalars left out), per collective op "
@@ -276,6 +280,30 @@ def wire_table(rows: list[dict[str, Any]]) -> list[str]:
         nbytes = f"{w['grad_bytes_per_step']:,}" if w else "—"
         out.append(f"| {r['label']} | {r.get('mixed_precision') or '—'} | {grad} | "
                    f"{w.get('param_dtype') or '—'} | {nbytes} | {ops} |")
+    return out
+
+
+CPU_TEXT = (
+    "CPU seconds per timed step of one rank: its training thread (forward, backward, hooks, copies, "
+    "optimizer) and its other threads (gloo's workers and transport, mostly), each rank's median over "
+    "the timed steps, then the median over ranks (and rounds). Where the ranks share cores, CPU the "
+    "other threads use while communication is overlapped is taken from the ranks' compute "
+    "(amsp_ext/compare/cpu.py [Note: CPU time beside wall time]).")
+
+
+def cpu_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per row: CPU seconds per step of the training thread and of the other threads, and the
+    median step's wall time beside them."""
+    out = []
+    for r in rows:
+        c = r.get("cpu_s_per_step")
+        if r.get("status") != "ok" or not c:
+            continue
+        if not out:
+            out = ["| System | median step (s) | training thread CPU (s) | other threads CPU (s) | "
+                   "all threads CPU (s) |", "|---|---:|---:|---:|---:|"]
+        out.append(f"| {r['label']} | {r['median_step_s']:.3f} | {c['main']:.3f} | {c['other']:.3f} | "
+                   f"{c['main'] + c['other']:.3f} |")
     return out
 
 
@@ -519,6 +547,9 @@ def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str,
                   "part of it when the training thread computed nothing, and where that thread was "
                   "meanwhile. `post_step_broadcast` = the previous step's parameter broadcasts, "
                   "waited for in this step's forward.", "", *bd, ""]
+    cpu = cpu_table(rows)
+    if cpu:
+        lines += ["### CPU per step beside wall time", "", CPU_TEXT, "", *cpu, ""]
     agree = _loss_agreement(rows)
     if agree:
         lines += ["### Loss agreement with DDP (same data, same initial weights)", "", *agree, ""]

@@ -92,7 +92,8 @@ def combine_rounds(rounds: list[dict[str, Any]], *, mfu_of=None) -> dict[str, An
     ``mfu_of(row, tokens_per_gpu_per_s)``). Communication (``comm_s``, ``exposed_comm_s``, and
     the breakdown's per-kind and total busy/exposed/overlapped seconds, each round's median over
     ranks): the median over the rounds that profiled a step, in ``breakdown.median_over_rounds``
-    (the per-phase rows stay the first ok round's rank 0). Loss and memory: the first ok
+    (the per-phase rows stay the first ok round's rank 0); ``cpu_s_per_step``: the median over
+    the ok rounds. Loss and memory: the first ok
     round's. A failed round is kept in ``rounds`` and named, with its reason, in
     ``failed_rounds`` and the row's ``reason``.
     """
@@ -144,6 +145,9 @@ def _comm_over_rounds(row: dict[str, Any], ok: list[dict[str, Any]]) -> None:
         row["comm_s"] = statistics.median(r["comm_s"] for r in profiled)
         row["exposed_comm_s"] = statistics.median(r["exposed_comm_s"] for r in profiled)
         row["num_profiled_rounds"] = len(profiled)
+    cpu = [r["cpu_s_per_step"] for r in ok if r.get("cpu_s_per_step")]
+    if cpu:
+        row["cpu_s_per_step"] = {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}
     per_round = [r["breakdown"]["median_over_ranks"] for r in ok
                  if (r.get("breakdown") or {}).get("median_over_ranks")]
     if per_round and row.get("breakdown"):

@@ -57,6 +57,17 @@ def _wire(ranks: list[dict], spec: RunSpec) -> dict[str, Any] | None:
             "grad_bytes_per_step_ranks": [w["grad_bytes_per_step"] if w else None for _, w in got]}
 
 
+def _cpu(ranks: list[dict], num_warmup: int) -> dict[str, float] | None:
+    """CPU seconds per timed step of the training thread and of the other threads (compare/cpu.py
+    [Note: CPU time beside wall time]): each rank's median over the timed steps, then the median
+    over ranks; None where a rank could not read them."""
+    per_rank = [r.get("cpu_s") or [] for r in ranks]
+    if not per_rank or any(not steps or None in steps for steps in per_rank):
+        return None
+    return {k: statistics.median(median_after_warmup([c[k] for c in steps], num_warmup) for steps in per_rank)
+            for k in ("main", "other")}
+
+
 def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict[str, Any]:
     row = {k: result.get(k) for k in ("key", "system", "label", "status", "reason", "command", "wall_s",
                                       "spec", "plan_source")}
@@ -81,6 +92,7 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
         "live_tensor_delta_bytes": [r["live_tensor_delta_bytes"] for r in ranks],
         "comm_s": _median([c["comm_s"] for c in comm]) if comm else None,
         "exposed_comm_s": _median([c["exposed_comm_s"] for c in comm]) if comm else None,
+        "cpu_s_per_step": _cpu(ranks, spec.num_warmup_steps),
         "breakdown": _breakdown(ranks),
         "setup_s": max(r["setup_s"] for r in ranks),
         "settings": result.get("settings"),

@@ -109,7 +109,7 @@ def run(system: str, spec, out: Path, coll) -> dict:
     import torch
     import torch.distributed as dist
 
-    from amsp_ext.compare import memory
+    from amsp_ext.compare import cpu, memory
     from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
     from amsp_ext.compare.config import resolve_topology
@@ -143,12 +143,14 @@ def run(system: str, spec, out: Path, coll) -> dict:
     setup_s = time.perf_counter() - t_setup
 
     fs = faults()  # test-only fault injection (AMSP_FAULTS; never set in normal runs)
-    losses, step_s = [], []
+    losses, step_s, step_cpu = [], [], []
     for step in range(spec.num_steps):
         hang_now(fs, rank=rank, step=step, system=system)
+        cpu0 = cpu.thread_cpu_s()  # compare/cpu.py [Note: CPU time beside wall time]
         t = time.perf_counter()
         losses.append(sysrun.train_step(step))
         step_s.append(time.perf_counter() - t)
+        step_cpu.append(cpu.step_cpu(cpu0, cpu.thread_cpu_s()))
 
     comm, steps_breakdown = _profiled_steps(sysrun, spec, rank, out) if spec.trace else (None, None)
 
@@ -156,6 +158,7 @@ def run(system: str, spec, out: Path, coll) -> dict:
         "rank": rank,
         "loss": losses,
         "step_s": step_s,
+        "cpu_s": step_cpu,
         "setup_s": setup_s,
         "peak_flops": peak_flops,
         "peak_rss_delta_bytes": (memory.peak_rss_bytes() - rss0) if hwm_reset and rss0 else None,
