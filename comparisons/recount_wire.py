@@ -1,9 +1,10 @@
 """Recount the gradient bytes of committed campaigns from their kept rank-0 traces with the current
 reading of a trace (amsp_ext/compare/breakdown.py [Note: match by numel across process groups]).
 
-    python comparisons/recount_wire.py OUT.json NAME=RUNS_DIR [NAME=RUNS_DIR ...]
+    python comparisons/recount_wire.py OUT.json ROWS NAME=RUNS_DIR [NAME=RUNS_DIR ...]
 
-RUNS_DIR is a compare output's ``runs/`` folder (``round<k>/<row>/trace-rank0.json``; not
+ROWS: comma-separated row keys to recount (e.g. ddp,amsp-plan). NAME: the committed campaign's
+folder under comparisons/results. RUNS_DIR is its compare output's ``runs/`` folder (``round<k>/<row>/trace-rank0.json``; not
 committed, 16 MB a trace). Per campaign, round and row: the gradient bytes and bytes per op of
 every profiled step after the first, as the harness reads a step, and the figure the committed
 results.json holds for rank 0 of that round. Only rank 0 kept its trace: the other ranks'
@@ -53,10 +54,12 @@ def trace_events(path: Path) -> list:
     return events
 
 
-def recount(runs: Path, committed: dict) -> dict:
+def recount(runs: Path, committed: dict, keys: list[str]) -> dict:
     out: dict = {}
     for trace in sorted(runs.glob("round*/*/trace-rank0.json")):
         rnd, row = trace.parent.parent.name, trace.parent.name
+        if row not in keys:
+            continue
         events = trace_events(trace)
         steps = sum(1 for e in events if e.name == STEP_LABEL)
         wires = [step_breakdown(events, i)["wire"] for i in range(1, steps)]
@@ -72,13 +75,13 @@ def recount(runs: Path, committed: dict) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    out, pairs = Path(argv[0]), [a.split("=", 1) for a in argv[1:]]
+    out, keys, pairs = Path(argv[0]), argv[1].split(","), [a.split("=", 1) for a in argv[2:]]
     result = {}
     for name, runs in pairs:
         runs = Path(runs)
         committed = ROOT / "comparisons" / "results" / name / "results.json"
         rows = {r["key"]: r for r in json.loads(committed.read_text())["rows"]}
-        result[name] = recount(runs, rows)
+        result[name] = recount(runs, rows, keys)
         print(name, {row: [v["grad_bytes_per_step"] for v in rnds.values()] for row, rnds in result[name].items()})
     out.write_text(json.dumps(result, indent=1) + "\n")
 
