@@ -153,7 +153,7 @@ def test_an_ablation_can_time_peers_beside_its_rows():
     """`--mode ablation --systems hsdp`: the four overlap settings of the AMSP row, then HSDP, all in
     the same rounds; without --systems the ablation is the AMSP rows alone, as before."""
     from amsp_ext.compare.harness import plan_runs
-    from amsp_ext.compare.report import _no_ratio_line
+    from amsp_ext.compare.report import _no_ratio_line, ratio_records
 
     spec = RunSpec(amsp_plan="mics:2")
     keys = [i.key for i in plan_runs("ablation", spec, ["hsdp"])]
@@ -162,10 +162,19 @@ def test_an_ablation_can_time_peers_beside_its_rows():
     assert [i.key for i in plan_runs("ablation", spec)] == keys[:4]
     with pytest.raises(SpecError, match=r"systems: unknown \['hsdpx'\]"):
         plan_runs("ablation", spec, ["hsdpx"])
-    rows = [{"system": "amsp-plan"}, {"system": "hsdp"}]
-    assert _no_ratio_line(rows, {"mode": "ablation"}) == (
-        "- ablation mode: the AMSP rows are compared in the ablation table below, the peers timed "
-        "beside them in the results table (no ratios).")
+    # each setting against the peer, paired by round: all on 1.2x, 1.0x, 1.1x HSDP
+    rows = [{"key": f"amsp-plan[M=2,{o}]", "system": "amsp-plan", "label": f"AMSP {o}", "status": "ok",
+             "tokens_per_gpu_per_s": t[0], "num_rounds": 3, "tokens_per_gpu_per_s_rounds": t,
+             "spec": {"num_micro_batches": 2, "amsp_overlap": o, "amsp_plan": "mics:2"}}
+            for o, t in (("all", [120.0, 100.0, 110.0]), ("none", [90.0, 80.0, 100.0]))]
+    rows.append({"key": "hsdp", "system": "hsdp", "label": "FSDP2 HSDP", "status": "ok", "num_rounds": 3,
+                 "tokens_per_gpu_per_s": 100.0, "tokens_per_gpu_per_s_rounds": [100.0, 100.0, 100.0]})
+    got = {(r["numerator"], r["denominator"]): r["median"] for r in ratio_records(rows)}
+    assert got == pytest.approx({("amsp-plan[M=2,all]", "hsdp"): 1.1, ("amsp-plan[M=2,none]", "hsdp"): 0.9})
+    rows[-1]["status"] = "failed"
+    assert ratio_records(rows) == [] and _no_ratio_line(rows, {"mode": "ablation"}) == (
+        "- ablation mode: the AMSP rows are compared in the ablation table below; no peer timed "
+        "beside them ran.")
 
 def _fake_rank(rank, step_s):
     return {"rank": rank, "step_s": step_s, "loss": [5.0, 4.5], "peak_rss_delta_bytes": 2**20,

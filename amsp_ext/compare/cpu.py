@@ -3,17 +3,17 @@ workers and transport, DeepSpeed's and the profiler's helpers), from the kernel'
 counters.
 
 [Note: CPU time beside wall time]
-On a host where the ranks share cores (the lab: 4 ranks on 2), wall time does not say what a step
-costs: communication "overlapped" with compute still needs CPU - gloo reduces on its worker
-threads and moves every byte through the kernel's TCP stack - and that CPU comes out of the
-cores the ranks' compute runs on. So a row that hides more communication can still take longer
-outside its exposed communication. Per step, the training thread's CPU seconds (forward,
-backward, hooks, bucket copies, optimizer; CPU autograd runs on the calling thread) and the
-other threads' (communication, mostly) say which side grew. ``utime + stime`` of
-``/proc/self/task/<tid>/stat``, in clock ticks (10 ms on Linux): a step's figure is coarse, its
-median over the timed steps and the ranks is not. Softirq time for received packets is charged
-to whichever thread the kernel interrupted, so "other" is a lower bound of the communication's
-CPU. None where ``/proc`` has no task list (not Linux).
+On a host where the ranks share cores (the lab: 4 ranks on 2), a step's wall time mixes work with
+waiting for a core: a rank that waits for its communication leaves its core to the others, a rank
+that computes while its communication is in flight does not, so a row that overlaps more can
+take longer outside its exposed communication without doing more work. CPU seconds per thread
+tell the two apart: the training thread's (forward, backward, hooks, bucket copies, optimizer;
+CPU autograd runs on the calling thread) and the other threads' (gloo's reductions and the
+kernel's TCP work for them, mostly). ``utime + stime`` of ``/proc/self/task/<tid>/stat``, in
+clock ticks (10 ms on Linux): one step's figure is coarse, its median over the timed steps and
+the ranks is not. Softirq time for received packets is charged to whichever thread the kernel
+interrupted, so the split between the two is approximate. None where ``/proc`` has no task list
+(not Linux).
 """
 
 from __future__ import annotations

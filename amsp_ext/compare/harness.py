@@ -426,7 +426,7 @@ def _meta(raw, spec: RunSpec, launch: LaunchConfig, *, mode, command, date, peak
         topology = f"`amsp cluster run` (lab `{launch.cluster_name}`): {nodes} nodes x {gpn} ranks"
     link = first.get("cluster_link") or "none (one machine, loopback)"
     ds = next((r for r in ok if r.get("patches")), None)
-    patches = ds["patches"] if ds else {"-": "none (no DeepSpeed run succeeded)"}
+    patches = ds["patches"] if ds else {}
     versions = first.get("versions") or {"python": platform.python_version()}
     num_params = ModelSpec.from_hf_config(llama_config_dict(spec.model)).num_params
     return {

@@ -201,7 +201,8 @@ def _row(rows, key):
 
 
 def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """AMSP(planned) / each baseline, AMSP(MiCS config) / DeepSpeed-MiCS, AMSP(MiCS config) /
+    """AMSP(planned) / each baseline (in ablation mode: each overlap setting / each peer),
+    AMSP(MiCS config) / DeepSpeed-MiCS, AMSP(MiCS config) /
     FSDP2 HSDP and AMSP(planned) / AMSP(MiCS config), in tokens/GPU/s: per round where both
     rows ran, then median and range
     (``rounds.paired_ratio``; one round without ``--repeats``)."""
@@ -219,10 +220,13 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "verdict": verdict(rec, min(steps) if steps else None)})
 
     planned = _row(rows, "amsp-plan")
-    if planned:
-        for r in rows:
-            if r.get("status") == "ok" and not r["system"].startswith("amsp"):
-                add(planned, r, f"{planned['label']} / {r['label']}")
+    peers = [r for r in rows if r.get("status") == "ok" and not r["system"].startswith("amsp")]
+    for r in peers:
+        if planned:
+            add(planned, r, f"{planned['label']} / {r['label']}")
+        for setting in rows:  # the ablation's rows against the peers timed beside them
+            if setting["key"].startswith("amsp-plan[M=") and setting.get("status") == "ok":
+                add(setting, r, f"{setting['label']} / {r['label']}")
     amsp_mics, ds_mics = _row(rows, "amsp-mics"), _row(rows, "mics")
     if amsp_mics and ds_mics:
         add(amsp_mics, ds_mics, "AMSP (MiCS config) / DeepSpeed-MiCS",
@@ -242,8 +246,8 @@ def _no_ratio_line(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     baselines mode an AMSP row or every baseline did not run."""
     if meta.get("mode") in ("ablation", "dissociation"):
         if any(not str(r.get("system", "")).startswith("amsp") for r in rows):
-            return (f"- {meta['mode']} mode: the AMSP rows are compared in the {meta['mode']} table below, "
-                    f"the peers timed beside them in the results table (no ratios).")
+            return (f"- {meta['mode']} mode: the AMSP rows are compared in the {meta['mode']} table below; "
+                    f"no peer timed beside them ran.")
         return (f"- {meta['mode']} mode: every row is AMSP; the comparison is the {meta['mode']} table "
                 f"below.")
     return "- no AMSP row and baseline both ran (see their status)."
@@ -286,8 +290,8 @@ def wire_table(rows: list[dict[str, Any]]) -> list[str]:
 CPU_TEXT = (
     "CPU seconds per timed step of one rank: its training thread (forward, backward, hooks, copies, "
     "optimizer) and its other threads (gloo's workers and transport, mostly), each rank's median over "
-    "the timed steps, then the median over ranks (and rounds). Where the ranks share cores, CPU the "
-    "other threads use while communication is overlapped is taken from the ranks' compute "
+    "the timed steps, then the median over ranks (and rounds). Where the ranks share cores, wall time "
+    "also holds waiting for a core; equal CPU with a longer step is waiting, not work "
     "(amsp_ext/compare/cpu.py [Note: CPU time beside wall time]).")
 
 
@@ -581,8 +585,9 @@ def _setup_lines(meta: dict[str, Any]) -> list[str]:
         f"- Cluster link: {meta['cluster_link']}",
         f"- Planner inputs for an `auto` AMSP plan: {meta.get('planner', 'n/a')}",
         f"- Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
-        "- DeepSpeed patches (applied only where a local probe said they are needed):",
-        *(f"  - `patches/{k}.py`: {v}" for k, v in meta["patches"].items()),
+        *(["- DeepSpeed patches (applied only where a local probe said they are needed):",
+           *(f"  - `patches/{k}.py`: {v}" for k, v in meta["patches"].items())]
+          if set(meta["patches"]) - {"-"} else ["- DeepSpeed patches: none applied"]),
         "",
         "## Reading these numbers",
         "",
