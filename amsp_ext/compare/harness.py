@@ -55,22 +55,25 @@ def plan_runs(mode: str, spec: RunSpec, systems: list[str] | None = None,
     which overlap setting's step matches it."""
     if mode not in MODES:
         raise SpecError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    peers = systems if mode == "ablation" else None
-    names = peers or systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"])
-    bad = [n for n in names if n not in SYSTEMS]
-    if bad:
-        raise SpecError(f"systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
-    rows = [RunItem(key=n, system=n, label=_amsp_plan_label(spec) if n == "amsp-plan" else SYSTEMS[n].label,
-                    spec=spec) for n in names]
     if mode != "ablation":
-        return rows
+        return _system_rows(systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"]),
+                            spec)
+    peers = _system_rows(systems or [], spec)
     ms = ablation_micro_batches or [spec.num_micro_batches]
     if any(m < 1 for m in ms):
         raise SpecError(f"ablation micro-batch counts must be >= 1, got {ms}")
     return [RunItem(key=f"amsp-plan[M={m},{o}]", system="amsp-plan",
                     label=f"{_amsp_plan_label(spec)}, M={m}, overlap {OVERLAP_LABELS[o]}",
                     spec=spec.replace(amsp_overlap=o, num_micro_batches=m))
-            for m in ms for o in OVERLAPS] + (rows if peers else [])
+            for m in ms for o in OVERLAPS] + peers
+
+
+def _system_rows(names: list[str], spec: RunSpec) -> list[RunItem]:
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad:
+        raise SpecError(f"systems: unknown {bad}; choose from {', '.join(SYSTEMS)}")
+    return [RunItem(key=n, system=n, label=_amsp_plan_label(spec) if n == "amsp-plan" else SYSTEMS[n].label,
+                    spec=spec) for n in names]
 
 
 def _amsp_plan_label(spec: RunSpec) -> str:
