@@ -4,11 +4,11 @@ reading of a trace (amsp_ext/compare/breakdown.py [Note: match by numel across p
     python comparisons/recount_wire.py OUT.json ROWS NAME=RUNS_DIR [NAME=RUNS_DIR ...]
 
 ROWS: comma-separated row keys to recount (e.g. ddp,amsp-plan). NAME: the committed campaign's
-folder under comparisons/results. RUNS_DIR is its compare output's ``runs/`` folder (``round<k>/<row>/trace-rank0.json``; not
-committed, 16 MB a trace). Per campaign, round and row: the gradient bytes and bytes per op of
-every profiled step after the first, as the harness reads a step, and the figure the committed
-results.json holds for rank 0 of that round. Only rank 0 kept its trace: the other ranks'
-readings cannot be redone.
+folder under comparisons/results. RUNS_DIR: its compare output's ``runs/`` folder
+(``round<k>/<row>/trace-rank0.json``; not committed, 16 MB a trace). Per campaign, round and
+row: the gradient bytes and bytes per op of every profiled step after the first, as the harness
+reads a step, and the figure the committed results.json holds for rank 0 of that round. Only
+rank 0 kept its trace: the other ranks' readings cannot be redone.
 """
 
 from __future__ import annotations
