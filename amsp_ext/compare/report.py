@@ -202,8 +202,8 @@ def _row(rows, key):
 
 def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """AMSP(planned) / each baseline (in ablation mode: each overlap setting / each peer),
-    AMSP(MiCS config) / DeepSpeed-MiCS, AMSP(MiCS config) /
-    FSDP2 HSDP and AMSP(planned) / AMSP(MiCS config), in tokens/GPU/s: per round where both
+    AMSP(MiCS config) / DeepSpeed-MiCS, AMSP(MiCS config) / FSDP2 HSDP and AMSP(planned) /
+    AMSP(MiCS config), in tokens/GPU/s: per round where both
     rows ran, then median and range
     (``rounds.paired_ratio``; one round without ``--repeats``)."""
     out = []
@@ -219,14 +219,12 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "refused": wire_mismatch(num, den),
                         "verdict": verdict(rec, min(steps) if steps else None)})
 
+    ok = [r for r in rows if r.get("status") == "ok"]
     planned = _row(rows, "amsp-plan")
-    peers = [r for r in rows if r.get("status") == "ok" and not r["system"].startswith("amsp")]
-    for r in peers:
-        if planned:
-            add(planned, r, f"{planned['label']} / {r['label']}")
-        for setting in rows:  # the ablation's rows against the peers timed beside them
-            if setting["key"].startswith("amsp-plan[M=") and setting.get("status") == "ok":
-                add(setting, r, f"{setting['label']} / {r['label']}")
+    settings = [r for r in ok if r["key"].startswith("amsp-plan[M=")]  # the ablation's rows
+    for peer in (r for r in ok if not r["system"].startswith("amsp")):
+        for num in ([planned] if planned else []) + settings:
+            add(num, peer, f"{num['label']} / {peer['label']}")
     amsp_mics, ds_mics = _row(rows, "amsp-mics"), _row(rows, "mics")
     if amsp_mics and ds_mics:
         add(amsp_mics, ds_mics, "AMSP (MiCS config) / DeepSpeed-MiCS",
