@@ -200,6 +200,12 @@ def _row(rows, key):
     return next((r for r in rows if r["key"] == key and r.get("status") == "ok"), None)
 
 
+def _ablation_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ablation's AMSP rows, one per (M, overlap setting): harness.plan_runs keys them
+    ``amsp-plan[M=<m>,<setting>]``."""
+    return [r for r in rows if r["key"].startswith("amsp-plan[M=")]
+
+
 def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """AMSP(planned) / each baseline (in ablation mode: each overlap setting / each peer),
     AMSP(MiCS config) / DeepSpeed-MiCS, AMSP(MiCS config) / FSDP2 HSDP and AMSP(planned) /
@@ -221,7 +227,7 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     ok = [r for r in rows if r.get("status") == "ok"]
     planned = _row(rows, "amsp-plan")
-    settings = [r for r in ok if r["key"].startswith("amsp-plan[M=")]  # the ablation's rows
+    settings = _ablation_rows(ok)
     for peer in (r for r in ok if not r["system"].startswith("amsp")):
         for num in ([planned] if planned else []) + settings:
             add(num, peer, f"{num['label']} / {peer['label']}")
@@ -296,17 +302,13 @@ CPU_TEXT = (
 def cpu_table(rows: list[dict[str, Any]]) -> list[str]:
     """Per row: CPU seconds per step of the training thread and of the other threads, and the
     median step's wall time beside them."""
-    out = []
-    for r in rows:
-        c = r.get("cpu_s_per_step")
-        if r.get("status") != "ok" or not c:
-            continue
-        if not out:
-            out = ["| System | median step (s) | training thread CPU (s) | other threads CPU (s) | "
-                   "all threads CPU (s) |", "|---|---:|---:|---:|---:|"]
-        out.append(f"| {r['label']} | {r['median_step_s']:.3f} | {c['main']:.3f} | {c['other']:.3f} | "
-                   f"{c['main'] + c['other']:.3f} |")
-    return out
+    body = [f"| {r['label']} | {r['median_step_s']:.3f} | {c['main']:.3f} | {c['other']:.3f} | "
+            f"{c['main'] + c['other']:.3f} |"
+            for r in rows if r.get("status") == "ok" and (c := r.get("cpu_s_per_step"))]
+    if not body:
+        return []
+    return ["| System | median step (s) | training thread CPU (s) | other threads CPU (s) | "
+            "all threads CPU (s) |", "|---|---:|---:|---:|---:|", *body]
 
 
 def _ratio_line(rec: dict[str, Any]) -> str:
@@ -335,7 +337,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[str]:
 
 def ablation_table(rows: list[dict[str, Any]]) -> list[str]:
     """Table V's shape: per M, tokens/GPU/s of each overlap setting and the drop vs all on."""
-    ok = [r for r in rows if r["key"].startswith("amsp-plan[M=")]
+    ok = _ablation_rows(rows)
     if not ok:
         return []
     from amsp_ext.compare.config import OVERLAP_LABELS
@@ -585,6 +587,7 @@ def _setup_lines(meta: dict[str, Any]) -> list[str]:
         f"- Versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}",
         *(["- DeepSpeed patches (applied only where a local probe said they are needed):",
            *(f"  - `patches/{k}.py`: {v}" for k, v in meta["patches"].items())]
+          # "-": how results.json files written before the empty dict said "none"
           if set(meta["patches"]) - {"-"} else ["- DeepSpeed patches: none applied"]),
         "",
         "## Reading these numbers",

@@ -120,6 +120,9 @@ def combine_rounds(rounds: list[dict[str, Any]], *, mfu_of=None) -> dict[str, An
                reason=_failure_text(failed) if failed else None)
     if mfu_of is not None:
         row["mfu"] = mfu_of(row, tgs["median"])
+    cpu = [r["cpu_s_per_step"] for r in ok if r.get("cpu_s_per_step")]
+    if cpu:
+        row["cpu_s_per_step"] = {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}
     _comm_over_rounds(row, ok)
     return row
 
@@ -145,9 +148,6 @@ def _comm_over_rounds(row: dict[str, Any], ok: list[dict[str, Any]]) -> None:
         row["comm_s"] = statistics.median(r["comm_s"] for r in profiled)
         row["exposed_comm_s"] = statistics.median(r["exposed_comm_s"] for r in profiled)
         row["num_profiled_rounds"] = len(profiled)
-    cpu = [r["cpu_s_per_step"] for r in ok if r.get("cpu_s_per_step")]
-    if cpu:
-        row["cpu_s_per_step"] = {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}
     per_round = [r["breakdown"]["median_over_ranks"] for r in ok
                  if (r.get("breakdown") or {}).get("median_over_ranks")]
     if per_round and row.get("breakdown"):
