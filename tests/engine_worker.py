@@ -451,7 +451,8 @@ def suite_trace(world, R):
                         with record_function(f"test::backward::{step}::{m}"):
                             opt.backward(loss)
                 with record_function(f"test::step::{step}"):
-                    opt.step()
+                    with opt.broadcast_under_next_forward():  # the overlap under test
+                        opt.step()
                     opt.zero_grad()
             # gloo ends an async op's profiler range on its own thread: finish them all
             # before the profiler stops (else the profiler's collection asserts)

@@ -43,7 +43,8 @@ def run_case(plan: str, settings: dict, overlap: dict) -> dict:
         batch = micro_batch(s, 0, rank, world_size=world, num_micro_batches=1,
                             micro_batch_size=1, seq_len=32)
         opt.backward(causal_lm_loss(model, batch))
-        opt.step()
+        with opt.broadcast_under_next_forward():  # the overlap under test
+            opt.step()
         opt.zero_grad()
 
     model.amsp.wait_params()

@@ -9,6 +9,7 @@ from amsp_ext.planner import buckets
 from amsp_ext.planner.issued import grad_buckets
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
+from amsp_ext.runtime.sync.grad_exposure import GradExposure
 from amsp_ext.runtime.sync.grad_sync import _plan_buckets
 
 
@@ -62,7 +63,7 @@ def test_launching_a_bucket_waits_only_past_two_full_buckets_in_flight(monkeypat
     group = GroupHandle(pg=None, name="param_replica[0,1]", size=2, timeout=5.0, cross_node=False)
     gs = grad_sync.GradSync(ts, comm=C.CollectiveContext(timeout=5.0), rank=0, dtype=torch.float32,
                             device=torch.device("cpu"), bucket_bytes=400, dp_size=2, replica=group,
-                            grad=group, overlap=True)
+                            grad=group, overlap=True, exposure=GradExposure(ts, mode="views"), modules=[])
     assert [b.numel for b in gs.buckets] == [50, 50, 50, 100, 100, 100]
     events = []
     monkeypatch.setattr(grad_sync.C, "all_reduce", lambda ctx, buf, pg, **kw: events.append(("launch", buf.numel())) or buf.numel())
@@ -96,6 +97,7 @@ def _replica_sync(owners, dp_size=2, predivide_dtype=None):
     gs = grad_sync.GradSync(ts, comm=C.CollectiveContext(timeout=5.0), rank=0, dtype=torch.float32,
                             device=torch.device("cpu"), bucket_bytes=2**20, dp_size=dp_size,
                             replica=group, grad=group, overlap=False,
+                            exposure=GradExposure(ts, mode="views"), modules=[],
                             reduce_dtype=predivide_dtype)
     gs.mode = "replica"
     buf = gs._buffer(0)

@@ -30,6 +30,9 @@ class LocalGrads:
     def owned(self):
         return {t.index: t.param.grad for t in self.tensors if t.param.grad is not None}
 
+    def collect(self):
+        return self.owned
+
     def zero_grad(self, set_to_none=True):
         for t in self.tensors:
             if set_to_none:
@@ -122,7 +125,9 @@ def test_builds_and_steps_without_a_process_group():
             o.zero_grad()
         assert_same_params(model, ref)
     assert opt.num_steps == STEPS
-    assert bc.calls == ["wait", "broadcast"] * STEPS  # waits before, broadcasts after each step
+    # waits before, broadcasts after each step, and waits for them before step() returns
+    # (optimizer.py [Note: parameters current after step()])
+    assert bc.calls == ["wait", "broadcast", "wait"] * STEPS
 
 
 def test_clipping_matches_torch_every_step():

@@ -38,7 +38,7 @@ __all__ = [
     "live_process_groups", "local_chunk", "local_chunk_offset", "mem_tracker", "mesh_flatten", "mesh_root",
     "mesh_unflatten", "op_observer",
     "real_device_meshes", "real_tensors", "optimizer_hooks",
-    "queue_backward_callback",
+    "queue_backward_callback", "RaisingTensor",
     "set_fsdp_unshard_async_op", "start_coalescing",
 ]
 
@@ -187,6 +187,33 @@ def optimizer_hooks(opt: torch.optim.Optimizer, kind: str) -> list[Callable]:
 
 
 # -- autograd ------------------------------------------------------------------------------
+class RaisingTensor(torch.Tensor):
+    """A tensor with a shape, dtype and device and no storage, whose every operation raises
+    ``RuntimeError(why)`` (a wrapper subclass: ``_make_wrapper_subclass`` and
+    ``__torch_dispatch__``, both private). Printing it does not raise."""
+
+    why: str
+
+    @staticmethod
+    def __new__(cls, shape, *, dtype: torch.dtype, device: torch.device, why: str) -> "RaisingTensor":
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device,
+                                                requires_grad=False)
+        t.why = why
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+
+        flat, _ = tree_flatten((args, kwargs or {}))
+        raise RuntimeError(next(a.why for a in flat if isinstance(a, RaisingTensor)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}: {self.why})"
+
+
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once when the current backward pass ends (what FSDP2 and DDP use too)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]

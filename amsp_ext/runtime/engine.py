@@ -33,6 +33,7 @@ from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig, compute_dtype, planner_settings, reduce_dtype_of
 from amsp_ext.runtime.materialize import fill, materialize, to_dtype_keep_buffers
+from amsp_ext.runtime.sync.grad_exposure import GradExposure
 from amsp_ext.runtime.sync.grad_sync import GradSync
 from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
@@ -394,6 +395,25 @@ def _norm_group(world: World, mesh: PlanMesh, config: ShardConfig, comm: C.Colle
     return NormGroup(group=everyone, replicas=world.size // mesh.size("optim"), comm=comm)
 
 
+def _grad_exposure(tensors: list[LocalTensor], plan: Plan, world: World, mesh: PlanMesh,
+                   dtype: torch.dtype, reduce_dtype: torch.dtype) -> GradExposure:
+    """What ``.grad`` shows after a boundary backward (grad_exposure.py [Note: .grad after the
+    boundary backward]): the owned gradients where every rank owns what it holds, in the
+    parameters' dtype; else why not."""
+    owners = mesh.size("optim_bcast")
+    if world.tensor_parallel > 1:
+        why = "under tensor parallelism the engine keeps gradients in its own layout"
+    elif owners > 1:
+        why = (f"plan {plan} shards optimizer states over {owners} ranks by whole tensors "
+               f"(os > p), so each gradient is kept by one rank of {owners}")
+    elif reduce_dtype != dtype:
+        why = (f"gradients are reduced and kept in {str(reduce_dtype).removeprefix('torch.')} "
+               f"for {str(dtype).removeprefix('torch.')} parameters (reduce_dtype)")
+    else:
+        return GradExposure(tensors, mode="views")
+    return GradExposure(tensors, mode="absent", why=why)
+
+
 def run_info(parts: EngineParts) -> dict:
     return {"plan": str(parts.plan), "world": [parts.world.num_nodes, parts.world.gpus_per_node]}
 
@@ -491,7 +511,9 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         dp_size=world.size,
         replica=mesh.handle("param_replica", timeout=config.timeout),
         grad=mesh.handle("grad", timeout=config.timeout),
-        overlap=config.overlap.allreduce, reduce_dtype=reduce_dtype_of(config),
+        overlap=config.overlap.allreduce,
+        exposure=_grad_exposure(tensors, plan, world, mesh, dtype, reduce_dtype_of(config)),
+        modules=[u.module for u in units], reduce_dtype=reduce_dtype_of(config),
         fold_verdict=guard.fold if not norm.reduce else None)
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
     param_sync = ParamSync(

@@ -57,7 +57,10 @@ def train_step(model, optimizer, micro_batches: Sequence[Any],
     with phase("optimizer"):
         grad_norm = optimizer.clip_grad_norm_(clip) if clip is not None and clip > 0 else None
         skipped = optimizer.skipped_steps
-        optimizer.step()  # skipped on every rank if the loss or the norm is not finite
+        # nothing here reads a parameter before the next forward: its pre-hooks wait for the
+        # broadcasts (optimizer.py [Note: parameters current after step()])
+        with optimizer.broadcast_under_next_forward():
+            optimizer.step()  # skipped on every rank if the loss or the norm is not finite
         applied = optimizer.skipped_steps == skipped
         if between is not None:
             between()

@@ -32,6 +32,19 @@ group over which gradient norms and overflow flags are reduced (``NormGroup``; `
 this process holds every gradient, no collective). The engine passes its GradSync, ParamSync
 and ``optim`` group; a unit test passes a local gradient source and no process group at all.
 
+[Note: parameters current after step()]
+Under optimizer-state sharding (sos > sp) a rank steps only the tensors it owns; the others
+arrive by broadcast (param_sync.py). ``step()`` returns once they have landed, so whatever reads
+the parameters afterwards - ``parameters()``, ``.data``, ``state_dict()``, an EMA or
+``AveragedModel``, references taken before training - reads this step's values, as after
+DeepSpeed ZeRO-1/2's step. A loop that reads no parameter between ``step()`` and its next
+forward may leave the broadcasts in flight under that forward instead (the paper's broadcast
+overlap: each unit's forward pre-hook waits for its own tensors):
+``with opt.broadcast_under_next_forward(): opt.step()``. ``train_step`` (amsp train, compare,
+tune, the dry run) does; the reads that then still wait are the units' forward pre-hooks,
+``state_dict()`` and the checkpoint and plan-switch paths (``model.amsp.wait_params()``).
+A second ``step()`` or a ``load_state_dict`` waits first as well.
+
 [Note: exact global clipping]
 The ``optim`` group (sos ranks = sp shard positions x sos/sp owners) holds every local tensor of
 the model exactly once across its ranks, so the sum of squares of owned gradients over one
@@ -44,6 +57,7 @@ fp16 loss-scale division).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -68,6 +82,11 @@ class GradSource(Protocol):
     """The averaged gradients of owned tensors (tensor index -> local-shaped tensor)."""
 
     owned: Mapping[int, torch.Tensor]
+
+    def collect(self) -> Mapping[int, torch.Tensor]:
+        """``owned`` as the loop left it (a ``.grad`` it replaced or dropped taken in), or a
+        one-line error where no gradient can be stepped."""
+        ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
@@ -143,6 +162,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         # so step() needs no second all-reduce (and no per-tensor isfinite sync) to find out
         self._found_inf: bool | None = None
         self.num_steps = 0
+        self._defer_params = False  # [Note: parameters current after step()]
         # runtime/replan/adaptive.AdaptiveRun with ShardConfig.adaptive ([Note: where a switch
         # happens] there): step() ends with its decision, zero_grad() carries out a switch
         self.adaptive = adaptive
@@ -234,7 +254,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
         if norm_type not in (2.0, 2, math.inf):
             raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, got {norm_type}")
         with record_function(f"amsp::clip_grad_norm::{self._norm_group.name.split('[', 1)[0]}"):
-            grads = list(self._grads.owned.values())
+            owned = self._grads.collect()
+            grads = list(owned.values())
             if norm_type == math.inf:
                 local = max((g.detach().abs().max().float() for g in grads if g.numel()),
                             default=torch.zeros((), device=self.device))
@@ -250,7 +271,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32)
                                          for g in grads]).square()
                     if self._tp_replicas:  # tensor_parallel.py [Note: TP shards and replicated parameters]
-                        reps = [self._tp_replicas.get(i, 1) for i in self._grads.owned]
+                        reps = [self._tp_replicas.get(i, 1) for i in owned]
                         norms = norms / torch.tensor(reps, dtype=torch.float32, device=norms.device)
                     total += norms.sum()
                 total = self.guard.fold(total)  # [amsp nonfinite] NaN if this rank's loss was
@@ -264,6 +285,17 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self._found_inf = not math.isfinite(self.last_grad_norm)
             return norm
 
+    @contextlib.contextmanager
+    def broadcast_under_next_forward(self):
+        """``step()`` inside returns with the parameter broadcasts in flight; the next forward's
+        pre-hooks wait for them ([Note: parameters current after step()]). For loops that read
+        no parameter between ``step()`` and that forward."""
+        prev, self._defer_params = self._defer_params, True
+        try:
+            yield
+        finally:
+            self._defer_params = prev
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
         loss = None
@@ -271,6 +303,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._step()
+        if not self._defer_params:  # [Note: parameters current after step()]
+            self._params.wait_all()
         if self.adaptive is not None:  # a step boundary, skipped step or not
             self.adaptive.at_step_end()
         return loss
@@ -288,7 +322,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self.guard.after_step(step=self.num_steps + self._skipped, bad=False, counts=False,
                                   ranks=None, norm=self.last_grad_norm, rank=_rank())
             factor = self._grad_coef / (self.scaler.scale if self.scaler else 1.0)
-            owned = self._grads.owned
+            owned = self._grads.collect()
             for idx, m in self.masters.items():
                 g = owned.get(idx)
                 if g is None:

@@ -31,6 +31,14 @@ its last reduce-scatters land before our flush.
 The sum is exact: every micro-batch's gradient of every rank enters the final replica
 AllReduce exactly once (directly, or through exactly one keeper per gradient group).
 
+[Note: accumulation across boundary passes]
+``no_sync()`` only saves communication: a loop that runs several boundary backwards before
+``step()`` (no ``no_sync`` at all, as most hand-written loops accumulate) gets their sum, as
+under DDP and FSDP2. Each boundary pass reduces its own gradients, and select & drop adds them
+into the owned gradient a previous pass left (``zero_grad`` and ``step``'s consumers clear it),
+at the price of one replica AllReduce per micro-batch. A ``step()`` whose last backward ran
+inside ``no_sync()`` would step gradients no rank reduced: it is refused in one line.
+
 [Note: reduce dtype]
 Buckets are allocated in ``reduce_dtype`` (ShardConfig.reduce_dtype), so a compute-dtype
 gradient is upcast as it is copied into its slot, the AllReduce sums in that dtype, and what
@@ -72,12 +80,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+import torch.nn as nn
 from torch.profiler import record_function
 
 from amsp_ext.planner.buckets import bucket_layout, in_flight_cap
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.optim.layout import LocalTensor
+from amsp_ext.runtime.sync.grad_exposure import GradExposure
 from amsp_ext.topology.mesh import GroupHandle
 
 __all__ = ["GradSync"]
@@ -108,9 +118,13 @@ class GradSync:
                  dtype: torch.dtype,
                  device: torch.device, bucket_bytes: int, dp_size: int,
                  replica: GroupHandle, grad: GroupHandle, overlap: bool,
+                 exposure: GradExposure, modules: Sequence[nn.Module],
                  reduce_dtype: torch.dtype | None = None,
                  fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``exposure``: what ``.grad`` holds after a boundary backward (grad_exposure.py);
+        ``modules``: the units' modules, whose forward pre-hooks take it off again."""
         self.tensors = list(tensors)
+        self.exposure, self.modules = exposure, list(modules)
         self.comm = comm
         self.rank, self.dtype, self.device = rank, dtype, device
         self.reduce_dtype = reduce_dtype or dtype  # see [Note: reduce dtype]
@@ -137,6 +151,9 @@ class GradSync:
         # non-finite, else its argument itself (optim/nonfinite.py [Note: one decision, on the
         # norm all-reduce]); applied to the first element of the boundary's first bucket
         self.fold_verdict = fold_verdict
+        # a backward inside no_sync() left gradients no rank reduced yet ([Note: accumulation
+        # across boundary passes])
+        self.pending_local = False
         self._reset_pass()
         self._handles = []
         self.peak_grad_bytes = 0
@@ -145,6 +162,23 @@ class GradSync:
     def install(self) -> None:
         for t in self.tensors:
             self._handles.append(t.param.register_post_accumulate_grad_hook(self._make_hook(t.index)))
+        for m in self.modules:
+            self._handles.append(m.register_forward_pre_hook(self._before_forward, prepend=True))
+
+    @torch.compiler.disable  # param_sync.py [Note: hooks under torch.compile]
+    def _before_forward(self, module, args) -> None:
+        if self.exposure.active:  # grad_exposure.py: before any backward can add into them
+            self.exposure.adopt(self.owned)
+            self.exposure.release()
+
+    def collect(self) -> dict[int, torch.Tensor]:
+        """The owned gradients as the loop left them, for ``step`` and the clip."""
+        if self.pending_local:
+            raise RuntimeError(
+                "amsp: step() after a backward inside model.no_sync(): its gradients were never "
+                "reduced; run the last micro-batch's backward outside no_sync()")
+        self.exposure.adopt(self.owned)
+        return self.owned
 
     def remove(self) -> None:
         for h in self._handles:
@@ -310,18 +344,23 @@ class GradSync:
                 t = self.tensors[idx]
                 view = buf[off : off + n].view(t.local_shape)
                 if whole:
-                    self.owned[idx] = view
+                    self._own(idx, view)
                 elif self.mode == "replica":
                     if t.owner_rank == self.rank:
-                        self.owned[idx] = view.clone() if self.predivide else view / self.dp_size
+                        self._own(idx, view.clone() if self.predivide else view / self.dp_size)
                 elif t.keeper_rank == self.rank:
                     prev = self.kept.get(idx)
                     self.kept[idx] = view.clone() if prev is None else prev.add_(view)
         # ``buf`` is dropped here: the non-owned gradients are released
 
+    def _own(self, idx: int, grad: torch.Tensor) -> None:
+        prev = self.owned.get(idx)  # [Note: accumulation across boundary passes]
+        self.owned[idx] = grad if prev is None else prev.add_(grad)
+
     def _flush(self) -> None:
         """End of backward: launch what is left (zero-filling missing slots), wait for all."""
         if self.mode == "local":
+            self.pending_local = True
             self._end_pass()
             return
         with record_function("amsp::flush_buckets"), self._on_side_stream(), torch.no_grad():
@@ -341,6 +380,9 @@ class GradSync:
                 self._complete_oldest()
         if self.stream is not None:  # the step reads what the side stream produced
             torch.accelerator.current_stream(self.device).wait_stream(self.stream)
+        self.pending_local = self.mode != "replica"  # a Tg pass left partial sums (kept)
+        if self.mode == "replica":
+            self.exposure.expose(self.owned)
         self._end_pass()
 
     def _end_pass(self) -> None:
@@ -350,9 +392,12 @@ class GradSync:
     # -- state -----------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop owned and kept gradients; the parameters' ``.grad`` (only set in the local mode,
-        between micro-batches) to None or, with ``set_to_none=False``, zeroed in place."""
+        between micro-batches) to None or, with ``set_to_none=False``, zeroed in place (an
+        exposed ``.grad`` goes to None: the engine's gradient it showed is dropped)."""
+        self.exposure.release()
         self.owned.clear()
         self.kept.clear()
+        self.pending_local = False
         for t in self.tensors:
             if set_to_none or t.param.grad is None:
                 t.param.grad = None
@@ -364,6 +409,8 @@ class GradSync:
         buckets); the dry run's memory tracker files these as gradients."""
         out = [*self.owned.values(), *self.kept.values()]
         for t in self.tensors:
+            if self.exposure.is_exposed(t.index, t.param.grad):  # a view of ``owned``, or no storage
+                continue
             g = t.local_grad()
             if g is not None:
                 out.append(g)

@@ -1,0 +1,204 @@
+"""Worker for tests/test_own_loop.py: the idioms of hand-written loops (nanoGPT, torchtitan) on
+``amsp_ext.shard``'s model and optimizer, each against the same loop in one process on the whole
+batch, computed in this rank (a tiny model), fp32.
+
+Usage: python -m tests.own_loop_worker GPUS_PER_NODE PLAN[;PLAN...]
+Prints ``RESULT {json}`` per (plan, case) on rank 0: the run's and the reference's numbers, or
+the error a case raised. pytest decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from amsp_ext.common.data import micro_batch
+from amsp_ext.common.models import build_llama, causal_lm_loss
+from amsp_ext.runtime.config import ShardConfig
+from amsp_ext.runtime.shard import shard
+from amsp_ext.runtime.state.export import consolidated_state_dict
+from tests.dist_utils import end_worker, free_plan_groups
+
+SEQ, MBS = 16, 1
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+class HandHead(nn.Module):
+    """A loss that reads ``lm_head.weight`` itself, inside the model's forward (no lm_head call)."""
+
+    def __init__(self, llama):
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, input_ids):
+        h = self.llama.model(input_ids=input_ids).last_hidden_state
+        return h @ self.llama.lm_head.weight.t()
+
+
+def fused(llama):
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(llama)
+    return llama
+
+
+def frozen_head(llama):
+    llama.lm_head.weight.requires_grad_(False)  # as under LoRA
+    return llama
+
+
+MODELS = {
+    "plain": lambda: build_llama("tiny-llama", seed=0),
+    "hand_head": lambda: HandHead(build_llama("tiny-llama", seed=0)),
+    "fused_head": lambda: fused(build_llama("tiny-llama", seed=0)),
+    "fused_frozen_head": lambda: frozen_head(fused(build_llama("tiny-llama", seed=0))),
+}
+
+
+def loss_of(kind, model, batch):
+    if kind == "hand_head":
+        logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+    if kind in ("fused_head", "fused_frozen_head"):
+        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone(), fused_lm_head=True)
+        return -out.log_probs.mean()
+    return causal_lm_loss(model, batch)
+
+
+def batch_of(step, m, rank, world, M):
+    return micro_batch(step, m, rank, world_size=world, num_micro_batches=M, micro_batch_size=MBS,
+                       seq_len=SEQ)
+
+
+def whole(step, m, world, M):
+    return torch.cat([batch_of(step, m, r, world, M) for r in range(world)])
+
+
+# -- the cases: each runs the same loop on (model, opt) and, with world=None, on one process ----
+def run_case(case, model, opt, world, *, sharded):
+    """Returns the case's record. ``world``: the data-parallel world the global batch spans."""
+    rank = dist.get_rank() if sharded else 0
+    kind = case["model"]
+    M, steps, no_sync = case["M"], case["steps"], case.get("no_sync", False)
+    losses, norms, emas = [], [], None
+    params = list(model.parameters())  # taken before training, as EMA helpers keep them
+    if case.get("ema"):
+        emas = [p.detach().clone() for p in params]
+    for step in range(steps):
+        total = torch.zeros(())
+        for m in range(M):
+            b = batch_of(step, m, rank, world, M) if sharded else whole(step, m, world, M)
+            last = m == M - 1
+            inside = no_sync and (not last or case.get("last_in_no_sync"))
+            ctx = model.no_sync() if (sharded and inside) else contextlib.nullcontext()
+            with ctx:
+                loss = loss_of(kind, model, b) / M
+                if case.get("reference_pass"):  # DPO's: the same model, no grad, before backward
+                    with torch.no_grad():
+                        loss_of(kind, model, b)
+                if case.get("plain_backward") or not sharded:
+                    loss.backward()
+                else:
+                    opt.backward(loss)
+            total += loss.detach()
+        if sharded:
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
+        losses.append(float(total))
+        if case.get("clip"):
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        opt.zero_grad()
+        if emas is not None:  # right after step(), from the references taken before training
+            with torch.no_grad():
+                for e, p in zip(emas, params):
+                    e.mul_(0.9).add_(p.data, alpha=0.1)
+    out = {"losses": losses, "norms": norms}
+    if emas is not None:
+        out["emas"] = [(e.full_tensor() if hasattr(e, "full_tensor") else e) for e in emas]
+    return out
+
+
+CASES = {
+    "accum2": dict(model="plain", M=2, steps=2, opt=sgd),
+    "accum2_nosync": dict(model="plain", M=2, steps=2, opt=sgd, no_sync=True),
+    "accum4": dict(model="plain", M=4, steps=2, opt=sgd),
+    "accum4_nosync": dict(model="plain", M=4, steps=2, opt=sgd, no_sync=True),
+    "accum2_loss_backward": dict(model="plain", M=2, steps=2, opt=sgd, plain_backward=True),
+    "clip": dict(model="plain", M=1, steps=3, opt=adamw, clip=0.5),
+    "ema": dict(model="plain", M=1, steps=3, opt=sgd, ema=True),
+    # refusals: a step after a backward inside no_sync(); .grad of fp32 gradients of bf16 params
+    "step_inside_no_sync": dict(model="plain", M=2, steps=1, opt=sgd, no_sync=True, last_in_no_sync=True),
+    "clip_bf16": dict(model="plain", M=1, steps=1, opt=adamw, clip=0.5, config={"precision": "bf16"}),
+}
+
+
+def reference(name, world):
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = MODELS[case["model"]]()
+    opt = case["opt"](list(model.parameters()))
+    out = run_case(case, model, opt, world, sharded=False)
+    out["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def diff(a, b):
+    return max((float((x - y).abs().max()) for x, y in zip(a, b)), default=0.0)
+
+
+def main():
+    gpus_per_node, plans = int(sys.argv[1]), sys.argv[2].split(";")
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
+    dist.init_process_group("gloo")
+    t0 = time.perf_counter()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    refs = {n: reference(n, world) for n in names}
+    for plan in plans:
+        for name in names:
+            case = CASES[name]
+            model = MODELS[case["model"]]()
+            rec = {"plan": plan, "case": name}
+            try:
+                config = ShardConfig(gpus_per_node=gpus_per_node, **case.get("config", {}))
+                model, opt = shard(model, plan, case["opt"], config=config)
+                got = run_case(case, model, opt, world, sharded=True)
+                ref = refs[name]
+                full = consolidated_state_dict(model, rank0_only=False)
+                rec.update(losses=got["losses"], ref_losses=ref["losses"], norms=got["norms"],
+                           ref_norms=ref["norms"],
+                           param_diff=max(float((full[k] - v).abs().max()) for k, v in ref["params"].items()))
+                if "emas" in got:
+                    rec["ema_diff"] = diff(got["emas"], ref["emas"])
+                    # every rank's, not rank 0's alone
+                    worst = torch.tensor([rec["ema_diff"]])
+                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                    rec["ema_diff_all_ranks"] = float(worst)
+            except Exception as e:  # the test decides whether this case must refuse
+                rec["error"] = f"{type(e).__name__}: {e}"
+            if rank == 0:
+                print("RESULT " + json.dumps(rec), flush=True)
+            dist.barrier()
+            if getattr(model, "amsp", None) is not None:
+                free_plan_groups(model.amsp.mesh)
+            del model
+    end_worker(t0)
+
+
+if __name__ == "__main__":
+    main()
