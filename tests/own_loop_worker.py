@@ -142,9 +142,13 @@ CASES = {
     "accum2_loss_backward": dict(model="plain", M=2, steps=2, opt=sgd, plain_backward=True),
     "clip": dict(model="plain", M=1, steps=3, opt=adamw, clip=0.5),
     "ema": dict(model="plain", M=1, steps=3, opt=sgd, ema=True),
+    "hand_head": dict(model="hand_head", M=1, steps=3, opt=sgd),
     # refusals: a step after a backward inside no_sync(); .grad of fp32 gradients of bf16 params
     "step_inside_no_sync": dict(model="plain", M=2, steps=1, opt=sgd, no_sync=True, last_in_no_sync=True),
     "clip_bf16": dict(model="plain", M=1, steps=1, opt=adamw, clip=0.5, config={"precision": "bf16"}),
+    "fused_head": dict(model="fused_head", M=1, steps=3, opt=sgd),
+    "fused_frozen_head_reference_pass": dict(model="fused_frozen_head", M=1, steps=3, opt=sgd,
+                                             reference_pass=True),
 }
 
 

@@ -84,8 +84,13 @@ def test_steady_state_categories_at_1024_ranks_by_hand():
             assert mem["optimizer"] == 12 * n + 4 * num_tensors, (plan, mem)
             assert states["grads"] == 4 * n, plan  # fp32 sharded gradients, accumulated
             # the peak is inside the second micro-batch's backward: the accumulated gradients,
-            # give or take the unit whose fresh gradient is being reduced into them
-            assert 0.5 * 4 * n <= mem["grads"] <= 1.5 * 4 * n, (plan, mem)
+            # give or take the unit whose fresh gradient is being reduced into them. The loss's
+            # backward and lm_head's tie for it (the head is gathered at the start of the
+            # forward: runtime/sync/outside_reads.py), and at 1,024 ranks tiny-llama's shard is
+            # smaller than its head: the peak may be taken in lm_head's backward, beside its
+            # unsharded bf16 gradient (V x h elements)
+            head = 2 * 256 * 64
+            assert 0.5 * 4 * n <= mem["grads"] <= 1.5 * 4 * n + head, (plan, mem)
             assert mem["params"] >= 2 * n, (plan, mem)  # bf16 shard (+ what is gathered)
         else:
             assert mem["params"] == 2 * PHI, mem  # whole bf16 parameters, nothing gathered

@@ -39,6 +39,7 @@ from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
+from amsp_ext.runtime.sync.outside_reads import OuterGather
 from amsp_ext.runtime.sync.param_sync import ParamSync
 from amsp_ext.runtime.sync.units import Unit, decoder_layers, list_units, refresh_params
 from amsp_ext.runtime.tensor_parallel import data_parallel_mesh, tp_sharded_names
@@ -69,6 +70,9 @@ class EngineParts:
     masters: dict[int, nn.Parameter]  # tensor index -> fp32 master, owned only
     grad_sync: GradSync
     param_sync: ParamSync
+    # sp > 1: the outer units gathered for the whole forward, and the sharded-parameter guard
+    # (outside_reads.py [Note: parameters read outside their module's forward])
+    outer_gather: OuterGather | None
     norm_group: NormGroup  # the gradient norm's reduction (the optimizer's clip and guard)
     comm: C.CollectiveContext  # collectives.py [Note: the collective context]; kept by a switch
 
@@ -83,6 +87,7 @@ class Engine:
         self.plan, self.world, self.mesh, self.config = parts.plan, parts.world, parts.mesh, parts.config
         self.units, self.tensors, self.device = parts.units, parts.tensors, parts.device
         self.grad_sync, self.param_sync, self.optimizer = parts.grad_sync, parts.param_sync, optimizer
+        self.outer_gather = parts.outer_gather
         self.comm = parts.comm
         self.rank = dist.get_rank()
         # [Note: state dicts on the integration routes] see AMSPModule.state_dict
@@ -521,15 +526,18 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         prefetch=fwd_prefetch, overlap=config.overlap.broadcast,
         bucket_bytes=config.broadcast_staging_bytes,
         after_wait=(lambda: fsdp_streams_wait_current(model)) if plan.sp > 1 and device.type != "cpu" else None)
+    outer_gather = OuterGather(model, units, tensors, plan=str(plan)) if plan.sp > 1 else None
     return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,
                        device=device, masters=masters, grad_sync=grad_sync, param_sync=param_sync,
-                       norm_group=norm, comm=comm)
+                       outer_gather=outer_gather, norm_group=norm, comm=comm)
 
 
 def install(model: nn.Module, engine: Engine) -> None:
     """Hooks in, and the model's class gains AMSPModule (``no_sync``, ``model.amsp``)."""
     engine.grad_sync.install()
     engine.param_sync.install()
+    if engine.outer_gather is not None:
+        engine.outer_gather.install()
     cls = type(model)
     # Same class name as the original: transformers writes ``type(model).__name__`` into
     # config.json's "architectures" on save_pretrained (it strips only FSDP's prefix), and

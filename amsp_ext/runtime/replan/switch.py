@@ -198,6 +198,8 @@ def _teardown(model: nn.Module, e: Engine, full: dict, frozen: dict[int, torch.T
     parameters (tied parameters stay one Parameter)."""
     e.grad_sync.remove()
     e.param_sync.remove()
+    if e.outer_gather is not None:
+        e.outer_gather.remove()
     value = {id(t.param): full[t.name]["master"] for t in e.tensors}
     value.update(frozen)
     replaced: dict[int, nn.Parameter] = {}

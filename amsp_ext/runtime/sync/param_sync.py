@@ -18,7 +18,8 @@ A unit's broadcasts must be complete before anything reads its parameters. For s
 the unit's own forward. For sp > 1 it is FSDP2's all-gather of the unit, which is issued either
 by the unit's own pre-forward or, earlier, as a prefetch from the previous unit's pre-forward.
 So the pre-hook of unit i waits for the items holding tensors of unit i *and* of the unit it
-prefetches, and it is registered with ``prepend=True`` after ``fully_shard`` so it runs before
+prefetches (and, first, those of the root and outer units, which the model may read anywhere in
+its forward: outside_reads.py [Note: parameters read outside their module's forward]), and it is registered with ``prepend=True`` after ``fully_shard`` so it runs before
 FSDP2's pre-forward hook issues those gathers. With ``overlap.broadcast`` off, all broadcasts are
 waited for right after the step (the paper's Table V ablation).
 
@@ -106,6 +107,10 @@ class ParamSync:
         for k, it in enumerate(self.items):
             for u in it.units:
                 self._items_of[u].append(k)
+        # waited for by the first pre-hook of a forward, whichever unit's it is
+        # (outside_reads.py [Note: parameters read outside their module's forward])
+        self._outer_items = sorted({k for i, u in enumerate(self.units) if u.kind in ("root", "outer")
+                                    for k in self._items_of.get(i, ())})
         self._inflight: dict[int, tuple] = {}  # item -> (pending, packed buffer or None)
         self._staging = 0  # packed bytes in flight
         self.peak_staging = 0  # most packed bytes ever in flight (tests, memory accounting)
@@ -139,7 +144,7 @@ class ParamSync:
         def hook(module, args):
             if self._inflight:
                 with record_function("amsp::pre_forward_wait::optim_bcast"):
-                    self.wait_unit(unit)
+                    self.wait_unit(unit, first=self._outer_items)
                     nxt = self.prefetch.get(unit)
                     if nxt is not None:
                         self.wait_unit(nxt)
@@ -198,14 +203,20 @@ class ParamSync:
                     offset += t.numel
         self._staging -= it.nbytes
 
-    def wait_unit(self, unit: int) -> None:
+    def wait_unit(self, unit: int, first=()) -> None:
+        """Wait for the items of ``unit``, after those of ``first``."""
+        waited = self._wait_items(first)
+        if self._wait_items(self._items_of.get(unit, ())) or waited:
+            if self.log is not None:
+                self.log.append(("wait", unit))
+
+    def _wait_items(self, items) -> bool:
         waited = False
-        for k in self._items_of.get(unit, ()):
+        for k in items:
             if k in self._inflight:
                 self._complete(k)
                 waited = True
-        if waited and self.log is not None:
-            self.log.append(("wait", unit))
+        return waited
 
     def wait_all(self) -> None:
         """Wait for every broadcast in flight. Local: every rank issued them all at the step."""

@@ -1,0 +1,85 @@
+"""Parameters read outside their module's forward: gathered where a model may read them, refused
+where it cannot.
+
+[Note: parameters read outside their module's forward]
+A fused or chunked loss (TRL's fused LM head, Liger, Cut Cross-Entropy) reads ``lm_head.weight``
+inside the model's forward without calling ``lm_head``; so does weight tying done by hand. The
+engine makes a unit's parameters valid in that unit's own forward (its pre-hook waits for its
+broadcasts; FSDP2 gathers it), which such a read bypasses: with sp > 1 the weight is still the
+sharded DTensor (TRL then calls ``full_tensor()``, whose gradient skips the reduce-scatter, so
+each rank steps its own micro-batch's gradient, with no error), and with sp = 1 under
+optimizer-state sharding a non-owner reads last step's weight until the broadcast lands.
+
+The rule is FSDP2's root rule: parameters outside the decoder layers (the root and ``outer``
+units: embedding, final norm, head, tied weights) are valid for the whole forward of the model.
+- sp = 1: the first forward pre-hook of a forward waits for the outer units' broadcasts
+  (param_sync.py), whichever unit's hook runs first.
+- sp > 1: ``OuterGather`` unshards the outer units right after FSDP2's root pre-forward
+  (``FSDPModule.unshard``). A unit whose forward runs reshards after it and is gathered again
+  for its backward, as before. One whose forward never runs (the fused head) stays gathered
+  into the backward, where FSDP2's final callback runs its post-backward: the gradient
+  accumulated on the gathered weight is reduce-scattered, reaches the engine like any other,
+  and the unit reshards. Nothing reshards it in between, so a weight a fused kernel saved for
+  backward keeps its storage even when another forward of the same model (DPO's reference
+  pass) runs before that backward. The cost: the head's all-gather is issued at the start of
+  the forward rather than prefetched before the head (FSDP2 pays the same for its root group),
+  and a head that only a fused loss reads stays gathered from one forward to the next
+  backward.
+- A decoder layer's parameter stays valid only in its layer's forward. Used elsewhere with
+  sp > 1 it is the sharded DTensor, and any gradient autograd computes for it directly (FSDP2
+  never lets autograd reach a sharded parameter: it assigns the reduce-scattered ``.grad``)
+  stops the backward with one line naming it, instead of stepping a wrong gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from torch.profiler import record_function
+
+from amsp_ext.runtime.optim.layout import LocalTensor
+from amsp_ext.runtime.sync.units import Unit
+
+__all__ = ["OuterGather"]
+
+
+class OuterGather:
+    """sp > 1: the outer units gathered for the model's whole forward, and the guard on every
+    sharded parameter ([Note: parameters read outside their module's forward])."""
+
+    def __init__(self, model: nn.Module, units: Sequence[Unit], tensors: Sequence[LocalTensor], *,
+                 plan: str) -> None:
+        self.model = model
+        self.outer = [u.module for u in units if u.kind == "outer"]
+        self.tensors = list(tensors)
+        self.plan = plan
+        self._handles: list = []
+
+    def install(self) -> None:
+        if self.outer:
+            # appended: after FSDP2's root pre-forward (lazy init, root gather)
+            self._handles.append(self.model.register_forward_pre_hook(self._gather))
+        for t in self.tensors:
+            self._handles.append(t.param.register_hook(self._guard(t.name)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @torch.compiler.disable  # param_sync.py [Note: hooks under torch.compile]
+    def _gather(self, module, args) -> None:
+        with record_function("amsp::gather_outer_units::param_shard"):
+            for m in self.outer:
+                m.unshard()  # type: ignore[operator]  (an FSDPModule)
+
+    def _guard(self, name: str):
+        def hook(grad):
+            raise RuntimeError(
+                f"amsp: parameter {name!r} was used outside its module's forward, where plan "
+                f"{self.plan} keeps it sharded; read a decoder layer's parameters inside that "
+                f"layer's forward (parameters outside the layers may be read anywhere in the "
+                f"model's forward)")
+        return hook
