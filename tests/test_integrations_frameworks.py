@@ -50,16 +50,44 @@ def _accelerate(config, env, *args):
 
 
 @pytest.fixture(scope="module")
-def ddp(launch_env, tmp_path_factory):
-    env = {**launch_env, "ACCELERATE_USE_CPU": "true"}
-    state = tmp_path_factory.mktemp("ddp_state")
-    return _records(_accelerate("tests/scripts/accelerate_ddp_cpu.yaml", env, "--save-dir", str(state)))
+def pretrained(tmp_path_factory):
+    """The script's seeded model, saved: both runs start from it with from_pretrained (under the
+    AMSP config each rank reads its share), save after training and reload on rank 0."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("pretrained")
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                 tie_word_embeddings=False)).save_pretrained(folder, max_shard_size="100KB")
+    return folder
+
+
+def _reload(proc):
+    return next(json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RELOAD "))
 
 
 @pytest.fixture(scope="module")
-def amsp_config_route(launch_env, tmp_path_factory):
+def ddp_run(launch_env, tmp_path_factory, pretrained):
+    env = {**launch_env, "ACCELERATE_USE_CPU": "true"}
+    state = tmp_path_factory.mktemp("ddp_state")
+    return _accelerate("tests/scripts/accelerate_ddp_cpu.yaml", env, "--save-dir", str(state),
+                       "--from-pretrained", str(pretrained), "--reload-eval",
+                       str(tmp_path_factory.mktemp("ddp_reload")))
+
+
+@pytest.fixture(scope="module")
+def ddp(ddp_run):
+    return _records(ddp_run)
+
+
+@pytest.fixture(scope="module")
+def amsp_config_route(launch_env, tmp_path_factory, pretrained):
     state = tmp_path_factory.mktemp("amsp_state")
-    proc = _accelerate("configs/accelerate/amsp.yaml", launch_env, "--save-dir", str(state))
+    proc = _accelerate("configs/accelerate/amsp.yaml", launch_env, "--save-dir", str(state),
+                       "--from-pretrained", str(pretrained), "--reload-eval",
+                       str(tmp_path_factory.mktemp("amsp_reload")))
     return proc, _records(proc), state
 
 
@@ -92,6 +120,16 @@ def test_accelerate_config_route_runs_amsp(amsp_config_route, ddp):
     # Accelerate's DeepSpeed mode saved the engine's checkpoint (DeepSpeed layout)
     assert (state / "latest").read_text() == "pytorch_model"
     assert (state / "pytorch_model" / "amsp.json").is_file()
+
+
+def test_reload_after_training_evaluates_the_trained_model(amsp_config_route, ddp_run):
+    """run_clm_no_trainer's pattern (save_pretrained, rank 0 from_pretrained, evaluate) under the
+    AMSP config: the reload is a whole model (an engine exists: transformers_meta_load.py
+    [Note: which from_pretrained loads on meta]) with the trained model's eval loss, DDP's too."""
+    got, ref = _reload(amsp_config_route[0]), _reload(ddp_run)
+    assert not got["on_meta"]
+    assert abs(got["reloaded"] - got["trained"]) <= 1e-6 * got["trained"], got
+    assert abs(got["reloaded"] - ref["reloaded"]) <= 1e-5 * ref["reloaded"], (got, ref)
 
 
 def test_accelerate_explicit_route_and_every_way_to_save(launch_env, ddp, tmp_path):

@@ -398,13 +398,14 @@ def _run_pth_line(env_extra: dict, then: str = "") -> dict:
 
 
 def test_startup_pth_needs_no_environment_variable_and_stays_light():
-    """Every interpreter gets the import hooks for deepspeed, accelerate and transformers'
-    modeling_utils (no AMSP_* / ACCELERATE_* variable set), without importing torch;
+    """Every interpreter gets the import hooks for deepspeed, accelerate, transformers'
+    modeling_utils and peft's tuners (no AMSP_* / ACCELERATE_* variable set), without importing torch;
     AMSP_STARTUP=0 switches the hook off.
     (That importing them applies the routing end to end: test_integrations_scripts.)"""
     got = _run_pth_line({})
     assert got["active"] is True and got["torch"] is False and "_Finder" in got["finders"], got
-    assert got["watched"] == ["accelerate", "deepspeed", "transformers.modeling_utils"], got
+    assert got["watched"] == ["accelerate", "deepspeed", "peft.tuners.tuners_utils",
+                              "transformers.modeling_utils"], got
     off = _run_pth_line({"AMSP_STARTUP": "0"})
     assert off["active"] is None and "_Finder" not in off["finders"], off
 

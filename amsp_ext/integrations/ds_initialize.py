@@ -197,14 +197,15 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     from amsp_ext.runtime.collectives import CollectiveContext
     from amsp_ext.runtime.shard import shard
 
-    from amsp_ext.integrations.patches.transformers_meta_load import INIT_FROM_ATTR
+    from amsp_ext.integrations.patches.transformers_meta_load import adopt
     from amsp_ext.runtime.materialize import model_on_meta
 
     comm = CollectiveContext(timeout=settings.engine.timeout)  # the engine's, from the first broadcast
+    folder = adopt(model)  # [Note: which from_pretrained loads on meta]: no whole fill from here on
     on_meta = model_on_meta(model)
     if not on_meta:  # a model on meta gets the same values everywhere from its file or seed
         _broadcast_model(comm, model, settings.engine.timeout)
-    init_from = getattr(model, INIT_FROM_ATTR, None) if on_meta else None
+    init_from = folder if on_meta else None
     sharded, amsp_opt = shard(model, settings.plan, factory, config=shard_config, comm=comm,
                               init_from=init_from)
     sharded.amsp.full_state_dict = True  # engine.module saves like the user's model

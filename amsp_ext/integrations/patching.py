@@ -37,6 +37,12 @@ def patch_deepspeed() -> dict[str, str]:
     except ImportError:
         pass
     try:
+        from amsp_ext.integrations.patches import peft_meta_load
+
+        done[peft_meta_load.NAME] = peft_meta_load.apply()
+    except ImportError:
+        pass
+    try:
         import accelerate  # noqa: F401
     except ImportError:
         return done

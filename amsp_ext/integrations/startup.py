@@ -17,7 +17,8 @@ setup.py) runs one line at every interpreter start:
   (and so AMSP) silently; ``accelerate launch`` checks the YAML's ds_config before any worker;
 - when it imports ``transformers.modeling_utils``: ``from_pretrained`` builds on meta while an
   AMSP ds_config is in play, and each rank later reads only its share
-  (patches/transformers_meta_load.py).
+  (patches/transformers_meta_load.py); when it imports ``peft``'s tuners, a model left on meta
+  is filled before adapters are injected into it (patches/peft_meta_load.py).
 
 [Note: why always, and no environment variable]
 Whether a job runs AMSP is the ds_config's ``amsp.enabled`` and nothing else: plain DeepSpeed
@@ -63,6 +64,12 @@ def _patch_transformers(_module) -> None:
     _say(f"transformers from_pretrained {transformers_meta_load.apply()}")
 
 
+def _patch_peft(_module) -> None:
+    from amsp_ext.integrations.patches import peft_meta_load
+
+    _say(f"peft inject_adapter {peft_meta_load.apply()}")
+
+
 def activate() -> bool:
     """Install the post-import hooks (idempotent: site processes a venv's ``lib`` and its
     ``lib64`` symlink as two site directories, so .pth lines may run twice)."""
@@ -77,4 +84,5 @@ def activate() -> bool:
     when_imported("deepspeed", _patch_deepspeed)
     when_imported("accelerate", _patch_accelerate)
     when_imported("transformers.modeling_utils", _patch_transformers)
+    when_imported("peft.tuners.tuners_utils", _patch_peft)
     return True

@@ -21,7 +21,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,11 @@ class Engine:
     """Everything the runtime holds for one sharded model (reachable as ``model.amsp``),
     complete when constructed."""
 
+    # engines built in this process: once one exists, from_pretrained under an AMSP config loads
+    # whole (integrations/patches/transformers_meta_load.py [Note: which from_pretrained loads
+    # on meta])
+    built: ClassVar[int] = 0
+
     def __init__(self, parts: EngineParts, optimizer: AMSPOptimizer, *, full_state_dict: bool = False,
                  switches: list[dict] | None = None, retired_meshes: list[PlanMesh] | None = None,
                  profile_source=None) -> None:
@@ -99,6 +104,7 @@ class Engine:
         # where the profile that planned the job came from (a ProfileSource of
         # topology/profile_cache.py; None: no profile, or the launcher planned)
         self.profile_source = profile_source
+        Engine.built += 1
 
     def group(self, kind: str) -> dist.ProcessGroup:
         return self.mesh.group(kind)

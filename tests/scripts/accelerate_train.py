@@ -73,6 +73,27 @@ def check_saves(accelerator, model, root: str) -> None:
                                     "num_keys": len(ref), "max_abs_diff": diffs}))
 
 
+def reload_eval(accelerator, model, out: str, seq_len: int) -> None:
+    """transformers' run_clm_no_trainer pattern: save the trained model, reload it on rank 0 with
+    from_pretrained, evaluate; the trained model's eval loss on the same batch beside it."""
+    ids = ByteText(4, seq_len).rows[-1][None]
+    model.eval()
+    with torch.no_grad():  # every rank: the forward of a sharded model is collective
+        trained = float(model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss)
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(out, is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        reloaded = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+        reloaded.eval()
+        with torch.no_grad():
+            loss = float(reloaded(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss)
+        emit("RELOAD " + json.dumps({"trained": trained, "reloaded": loss,
+                                     "on_meta": any(p.is_meta for p in reloaded.parameters())}))
+    accelerator.wait_for_everyone()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
@@ -86,6 +107,11 @@ def main() -> None:
     ap.add_argument("--check-saves", metavar="DIR", default=None,
                     help="(with --explicit-amsp) save every way Accelerate users do, compare with "
                          "amsp_ext.consolidated_state_dict, print SAVES {json}")
+    ap.add_argument("--from-pretrained", metavar="FOLDER", default=None,
+                    help="start from a saved model (from_pretrained) instead of the seeded config")
+    ap.add_argument("--reload-eval", metavar="DIR", default=None,
+                    help="after training: save_pretrained to DIR, rank 0 reloads it with "
+                         "from_pretrained and evaluates; print RELOAD {json}")
     args = ap.parse_args()
 
     if args.explicit_amsp:  # the only place this script may import amsp_ext
@@ -100,7 +126,10 @@ def main() -> None:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=False)
     config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config)
+    if args.from_pretrained:
+        model = LlamaForCausalLM.from_pretrained(args.from_pretrained, attn_implementation="eager")
+    else:
+        model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     n = args.steps * args.gas * accelerator.num_processes
     loader = DataLoader(ByteText(n, args.seq_len), batch_size=1, shuffle=False)
@@ -136,6 +165,8 @@ def main() -> None:
                 accelerator.wait_for_everyone()
     if args.check_saves:
         check_saves(accelerator, model, args.check_saves)
+    if args.reload_eval:
+        reload_eval(accelerator, model, args.reload_eval, args.seq_len)
     # tear the process group down in step: exiting with a live gloo group can abort at interpreter
     # exit ("terminate called without an active exception", ~1 in 4 DDP runs on this machine)
     accelerator.wait_for_everyone()
