@@ -83,16 +83,18 @@ def _signal(procs, sig: int) -> None:
             pass
 
 
-def stop_job(pid: int | None, job_id: str | None = None, *, grace_s: float = GRACE_S,
-             signalled: bool = False) -> list[int]:
-    """Stop ``pid``'s whole tree and every process marked with ``job_id``; return the pids that
+def stop_job(pid: int | None, job_id: str | None = None, *, pids: tuple[int, ...] = (),
+             grace_s: float = GRACE_S, signalled: bool = False) -> list[int]:
+    """Stop ``pid``'s whole tree, every process marked with ``job_id`` and the trees of
+    ``pids`` (processes found another way: the lab's ``ip netns pids``); return the pids that
     were still alive when asked to stop (SIGTERM, then SIGKILL after ``grace_s``).
     ``signalled``: the caller already sent the first signal (amsp train forwards the user's
     SIGINT as it is), so only the grace and the SIGKILL remain."""
     known: dict[int, psutil.Process] = {}
+    roots = ([pid] if pid else []) + [p for p in pids if p != os.getpid()]
 
     def collect() -> None:
-        for p in (_tree(pid) if pid else []) + (marked(job_id) if job_id else []):
+        for p in [q for r in roots for q in _tree(r)] + (marked(job_id) if job_id else []):
             known.setdefault(p.pid, p)
 
     collect()

@@ -323,7 +323,7 @@ def suite_guards(world, R):
     from torch.distributed import distributed_c10d as c10d
 
     from amsp_ext.planner.plan import PlanError
-    from amsp_ext.runtime.engine import MismatchError
+    from amsp_ext.runtime.preflight import MismatchError
 
     rank = dist.get_rank()
     # 1. a plan that does not fit the world: refused before any collective or process group

@@ -112,24 +112,29 @@ class _HFModel:
 
 
 def test_engine_decides_the_mode_before_its_first_collective():
-    """resolve_engine_plan runs before shard()'s first collective; it needs no process group."""
+    """shard()'s job resolves before its first collective (runtime/preflight.py); it needs no
+    process group when the job gives the profile and the memory."""
     from amsp_ext.engine_config import EngineConfig
-    from amsp_ext.runtime.engine import resolve_engine_plan
+    from amsp_ext.job import needs, resolve
+    from amsp_ext.runtime.preflight import job_of
     from amsp_ext.topology.groups import World
 
     world = World.with_leaves(num_nodes=2, gpus_per_node=2, nodes_per_leaf=None)
     auto = _auto("100mbit", gpu_memory_bytes=8 * 2**30)
     config = EngineConfig(gpus_per_node=2, all_reduce="auto", auto=auto)
-    plan, decided = resolve_engine_plan("ddp", _HFModel(), world, config)
-    assert (str(plan), decided.all_reduce) == ("p=1x1,g=1x1,os=1x1", "two_level")
-    plan, decided = resolve_engine_plan("auto", _HFModel(), world, config)
-    assert (str(plan), decided.all_reduce) == ("p=1x1,g=1x1,os=2x1", "two_level")
+
+    def decided(plan, config):
+        job = job_of(_HFModel(), plan, config, world)
+        assert needs(job) == frozenset()
+        r = resolve(job)
+        return str(r.plan), r.engine.all_reduce
+
+    assert decided("ddp", config) == ("p=1x1,g=1x1,os=1x1", "two_level")
+    assert decided("auto", config) == ("p=1x1,g=1x1,os=2x1", "two_level")
     # MiCS's groups: flat, without the planner (no config.auto needed)
-    _, decided = resolve_engine_plan("mics:2", _HFModel(), world,
-                                     EngineConfig(gpus_per_node=2, all_reduce="auto"))
-    assert decided.all_reduce == "flat"
+    assert decided("mics:2", EngineConfig(gpus_per_node=2, all_reduce="auto"))[1] == "flat"
     with pytest.raises(PlanError, match=r"config.all_reduce='auto' needs config.auto=AutoPlanConfig"):
-        resolve_engine_plan("ddp", _HFModel(), world, EngineConfig(gpus_per_node=2, all_reduce="auto"))
+        decided("ddp", EngineConfig(gpus_per_node=2, all_reduce="auto"))
 
 
 def test_amsp_train_decides_on_the_launcher():
@@ -143,7 +148,8 @@ def test_amsp_train_decides_on_the_launcher():
         config = schema.from_namespace(TrainConfig, p.parse_args(
             ["--model", "small-llama", "--seq-len", "256", "--micro-batch-size", "2",
              "--micro-batches", "4", "--gpu-memory", "8GiB", *flags]))
-        return cli_train._plan_before_launch(config, gpus_per_node=2, num_nodes=2)
+        resolved = cli_train._resolve_before_launch(config, gpus_per_node=2, num_nodes=2)
+        return str(resolved.job.plan), resolved.all_reduce.mode
 
     lab = str(LAB / "profile-{}.calibrated.json")
     assert decide("--plan", "ddp", "--all-reduce", "auto", "--profile", lab.format("100mbit")) == \

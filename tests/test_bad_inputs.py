@@ -359,7 +359,7 @@ PY = [
     ("FP16Config:initial-scale-inf", lambda f: _fp16(initial_scale=math.inf), "fp16.initial_scale must be a number > 0"),
     ("shard:factory-not-callable", lambda f: _shard(factory=3), "optimizer_factory must be a callable"),
     ("shard:factory-is-optimizer", lambda f: _shard(factory=_sgd()), "optimizer_factory must be a callable"),
-    ("shard:plan-int", lambda f: _shard(plan=3), "plan must be a Plan or a string"),
+    ("shard:plan-int", lambda f: _shard(plan=3), "plan must be a Plan, a string"),
     ("shard:config-dict", lambda f: _shard(config={"precision": "bf16"}), "config must be a ShardConfig, got dict"),
     ("checkpoint:missing", lambda f: _verify(f["no_dir"]), "does not exist"),
     ("checkpoint:no-amsp-json", lambda f: _verify(f["ckpt_nometa"]), "is not a complete amsp checkpoint"),

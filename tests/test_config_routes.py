@@ -28,7 +28,7 @@ def _json(engine: EngineConfig) -> dict:
 def via_train(argv: list[str]) -> EngineConfig:
     from amsp_ext.cli import train as cli_train
     from amsp_ext.train.config import TrainConfig
-    from amsp_ext.train.loop import shard_config
+    from amsp_ext.train.config import shard_config
 
     p = argparse.ArgumentParser()
     cli_train.add_arguments(p)
@@ -151,7 +151,8 @@ def test_plan_auto_on_the_launcher_plans_with_the_engine_reduce_dtype(monkeypatc
     cli_train.add_arguments(p)
     config = schema.from_namespace(TrainConfig, p.parse_args(
         ["--plan", "auto", "--profile", "paper-a800", "--precision", "bf16", "--gpu-memory", "1GiB"]))
-    assert cli_train._plan_before_launch(config, gpus_per_node=2, num_nodes=2) == ("ddp", "flat")
+    resolved = cli_train._resolve_before_launch(config, gpus_per_node=2, num_nodes=2)
+    assert (str(resolved.plan), resolved.all_reduce.mode) == ("ddp", "flat")
     assert seen["reduce_dtype"] == "fp32" and seen["precision"] == "bf16"
     assert {k: seen[k] for k in planner_settings(config.engine)} == planner_settings(config.engine)
 

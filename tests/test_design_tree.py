@@ -134,9 +134,13 @@ ONE_DEFINITION = {
     r"\bbuild_parts\(": {"runtime/engine.py"},
     # a baseline's own loop (compare/systems/ddp.py: torch DDP's no_sync) is not the engine's step
     r"(?<!ddp)\.no_sync\(\)": {"runtime/step.py"},
-    # `amsp migrate` costs a DeepSpeed job, whose settings are not an EngineConfig
-    r"\bTrainingSpec\(": {"planner/specs.py", "cli/migrate.py"},
+    # every route builds a Job (amsp_ext/job.py), whose settings the planner's job_spec reads
+    r"\bTrainingSpec\(": {"planner/specs.py"},
+    # the memory a CPU rank gives the planner (topology/profile_cache.py cpu_memory_per_rank)
+    r"virtual_memory\(\)\.total\s*//": {"topology/profile_cache.py"},
     r"\bUNIT_BUCKET_MIN_BYTES\s*=|\bIN_FLIGHT_BUCKETS\s*=": {"planner/buckets.py"},
+    # the planner decides "auto" for a job only through amsp_ext/job.py resolve()
+    r"\bresolve_auto\(": {"job.py", "planner/auto.py"},
     # defaults read by several routes: the collective timeout (engine_config.py DEFAULT_TIMEOUT_S),
     # the paper GPU's peak, the optimizer the planner assumes, the precision -> torch dtype map
     # (build_paper_a800.py: the paper's 300 Gb/s and 600 GB/s links, in its generated text)
@@ -152,26 +156,57 @@ ONE_DEFINITION = {
 }
 
 
+def code_only(source: str) -> str:
+    """``source`` without its comments and its string statements (docstrings, and strings
+    standing alone), every other line kept in place: tokenize finds the comments, ast the
+    string statements, so a docstring's closing quotes never pair with the next one's opening."""
+    import io
+    import tokenize
+
+    lines = source.splitlines()
+    drop: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            drop.update(range(node.lineno, node.end_lineno + 1))
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            lines[row - 1] = lines[row - 1][:col]
+    return "\n".join("" if n in drop else line for n, line in enumerate(lines, 1))
+
+
 def test_each_recipe_is_defined_once():
     bad = []
     for pattern, allowed in ONE_DEFINITION.items():
         assert all((PKG / a).is_file() for a in allowed), f"{pattern}: an allowed file is gone: {allowed}"
         for path in sorted(PKG.rglob("*.py")):
-            code = "\n".join(line for line in path.read_text().splitlines()
-                             if not line.lstrip().startswith(("#", '"', "'", "``")))
-            code = re.sub(r'""".*?"""', "", code, flags=re.S)
             rel = path.relative_to(PKG).as_posix()
-            if re.search(pattern, code) and rel not in allowed:
-                bad.append(f"{rel}: {pattern}")
+            for n, line in enumerate(code_only(path.read_text()).splitlines(), 1):
+                if re.search(pattern, line) and rel not in allowed:
+                    bad.append(f"{rel}:{n}: {pattern}: {line.strip()}")
     assert not bad, "a second definition:\n" + "\n".join(bad)
 
 
 def test_the_one_definition_patterns_find_a_second_copy():
     planted = {"timeout_s: float = 600.0", "peak_flops=312e12", 'optimizer: str = "adamw"\n',
-               'f(x, optimizer="adamw")', '{"bf16": torch.bfloat16}', "timeout=1800", "min(300.0, t)"}
+               'f(x, optimizer="adamw")', '{"bf16": torch.bfloat16}', "timeout=1800", "min(300.0, t)",
+               "psutil.virtual_memory().total // gpus_per_node", "timedelta(seconds=600)"}
     for text in planted:
         assert any(re.search(p, text) for p in ONE_DEFINITION), text
     assert not any(re.search(p, "ANCHOR = 300e9; NVLINK = 600e9") for p in ONE_DEFINITION)
+
+
+def test_code_only_keeps_code_after_docstrings_and_drops_strings_and_comments():
+    """The old docstring regex paired one docstring's closing quotes with the next one's
+    opening and hid the code between them: a literal after a function's docstring is found."""
+    planted = ('"""Module."""\n'
+               'def f():\n    """Doc."""\n    return g(timeout=600)  # 600 in a comment\n'
+               'def h():\n    """Doc two\n    spanning lines, 600."""\n    "a string statement, 600"\n'
+               '    return 1\n')
+    code = code_only(planted)
+    hits = [line for line in code.splitlines() if re.search(r"\b600\b", line)]
+    assert hits == ['    return g(timeout=600)  '], hits
+    assert "spanning" not in code and "Module" not in code
 
 
 # [Note: Notes state invariants] A comment or docstring in amsp_ext says what holds and why; the
@@ -230,3 +265,44 @@ def test_no_module_level_mutable_state_outside_the_integrations():
     assert not found, f"module-level state written by functions: {found}"
     planted = ast.parse("_seen = []\nX = {}\ndef f():\n    global Y\n    _seen.append(1)\n    X['k'] = 2\n")
     assert _module_state_writes(planted) == {"global Y", "_seen.append()", "X[...] ="}
+
+
+# [Note: one reader of "auto"] A plan, all-reduce or tensor-parallel request of "auto" is decided
+# by amsp_ext/job.py resolve() alone, and read with planner/plan.py is_auto(): a second module
+# that compares a request with the text "auto" is a second resolver that drifts from the first
+# (one launcher planned without the reduce dtype while its ranks planned with it). Other "auto"s
+# are not requests (a ds_config's placeholders, --resume auto, amsp profile's --backend auto).
+REQUEST_NAMES = re.compile(r"plan|all_reduce|tensor_parallel|tp_degree|request")
+AUTO_READERS_ALLOWED = {"planner/plan.py"}  # is_auto itself
+
+
+def auto_readers(source: str) -> list[tuple[int, str]]:
+    """``(line, code)`` of every comparison of a request with "auto" in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        autos = [s for s in sides if (isinstance(s, ast.Constant) and s.value == "auto")
+                 or (isinstance(s, (ast.Tuple, ast.List, ast.Set))
+                     and any(isinstance(e, ast.Constant) and e.value == "auto" for e in s.elts))]
+        others = " ".join(ast.unparse(s) for s in sides if s not in autos)
+        if autos and REQUEST_NAMES.search(others):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_auto_is_read_by_the_resolver_alone():
+    bad = [f"{path.relative_to(PKG)}:{line}: {code}" for path in sorted(PKG.rglob("*.py"))
+           if path.relative_to(PKG).as_posix() not in AUTO_READERS_ALLOWED
+           for line, code in auto_readers(path.read_text())]
+    assert not bad, "a second reader of 'auto' (decide it in amsp_ext/job.py, read it with is_auto):\n" + \
+        "\n".join(bad)
+
+
+def test_the_auto_scan_finds_a_planted_reader():
+    planted = ('if spec.amsp_plan.strip().lower() == "auto":\n    pass\n'
+               'if config.engine.all_reduce in ("auto", "flat"):\n    pass\n'
+               'if v == "auto":\n    pass\n'  # a ds_config placeholder: not a request
+               'if is_auto(job.plan):\n    pass\n')
+    assert [line for line, _ in auto_readers(planted)] == [1, 3]

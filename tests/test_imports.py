@@ -16,8 +16,8 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 
 # The layers, bottom up (docs/DESIGN.md, Layers). A module imports its own layer and the ones
 # below, never one above:
-#   choices; schema and planner (neither imports the other); engine_config; common (the
-#   planner and choices only); topology; runtime (the engine); tools (dry run, profiler,
+#   choices; schema and planner (neither imports the other); engine_config, then job; common
+#   (the planner and choices only); topology; runtime (the engine); tools (dry run, profiler,
 #   rendezvous); the applications: integrations, train, compare, tune; cli on top.
 # cluster (the one-machine lab) stands beside them, importing none of amsp_ext's other layers but
 # reap (the one process reaper, a leaf that the lab, train and compare share).
@@ -30,19 +30,21 @@ _TRAIN_APP = ("amsp_ext.train.loop", "amsp_ext.train.state", "amsp_ext.train.sup
 FORBIDDEN = {
     "amsp_ext.choices": ("amsp_ext.",),
     "amsp_ext.reap": ("amsp_ext.",),
-    "amsp_ext.schema": ("amsp_ext.planner", "amsp_ext.engine_config", "amsp_ext.common",
+    "amsp_ext.schema": ("amsp_ext.planner", "amsp_ext.engine_config", "amsp_ext.job", "amsp_ext.common",
                         "amsp_ext.topology", "amsp_ext.cluster", *_ENGINE_AND_ABOVE),
-    "amsp_ext.planner": ("amsp_ext.schema", "amsp_ext.engine_config", "amsp_ext.common",
+    "amsp_ext.planner": ("amsp_ext.schema", "amsp_ext.engine_config", "amsp_ext.job", "amsp_ext.common",
                          "amsp_ext.topology", "amsp_ext.cluster", *_ENGINE_AND_ABOVE),
-    "amsp_ext.engine_config": ("amsp_ext.common", "amsp_ext.topology", "amsp_ext.cluster",
+    "amsp_ext.engine_config": ("amsp_ext.job", "amsp_ext.common", "amsp_ext.topology", "amsp_ext.cluster",
                                *_ENGINE_AND_ABOVE),
-    "amsp_ext.common": ("amsp_ext.schema", "amsp_ext.engine_config", "amsp_ext.topology",
+    "amsp_ext.job": ("amsp_ext.common", "amsp_ext.topology", "amsp_ext.cluster", *_ENGINE_AND_ABOVE),
+    "amsp_ext.common": ("amsp_ext.schema", "amsp_ext.engine_config", "amsp_ext.job", "amsp_ext.topology",
                         "amsp_ext.cluster", *_ENGINE_AND_ABOVE),
     "amsp_ext.topology": ("amsp_ext.cluster", *_ENGINE_AND_ABOVE),
     "amsp_ext.runtime": ("amsp_ext.cluster", *_ABOVE_ENGINE),
     "amsp_ext.tools": ("amsp_ext.cluster", *_APPS),
-    "amsp_ext.cluster": ("amsp_ext.schema", "amsp_ext.planner", "amsp_ext.engine_config",
-                         "amsp_ext.common", "amsp_ext.topology", *_ENGINE_AND_ABOVE),
+    # the lab imports reap alone (docs/DESIGN.md)
+    "amsp_ext.cluster": ("amsp_ext.choices", "amsp_ext.schema", "amsp_ext.planner", "amsp_ext.engine_config",
+                         "amsp_ext.job", "amsp_ext.common", "amsp_ext.topology", *_ENGINE_AND_ABOVE),
     "amsp_ext.integrations": ("amsp_ext.tools", "amsp_ext.train", "amsp_ext.compare",
                               "amsp_ext.tune", "amsp_ext.cli"),
     # the config of `amsp train` stays torch-free: below the engine
@@ -57,7 +59,8 @@ FORBIDDEN = {
 }
 # an edge the layers allow by exception, with the reason in a Note (none today)
 ALLOWED: set[tuple[str, str]] = set()
-NEVER_TORCH = ("amsp_ext.planner", "amsp_ext.topology.groups", "amsp_ext.engine_config", "amsp_ext.choices", "amsp_ext.schema", "amsp_ext.train.config",
+NEVER_TORCH = ("amsp_ext.planner", "amsp_ext.topology.groups", "amsp_ext.engine_config", "amsp_ext.job",
+               "amsp_ext.choices", "amsp_ext.schema", "amsp_ext.train.config",
                "amsp_ext.tune.spec", "amsp_ext.tune.candidates", "amsp_ext.tune.analysis")
 
 
@@ -81,17 +84,45 @@ def _owner(name: str) -> str | None:
     return name or None
 
 
-def imports_of(module: str) -> tuple[set[str], set[str]]:
-    """(amsp_ext modules, top-level third-party packages) that ``module`` imports anywhere."""
-    path = MODULES[module]
-    mine, other = set(), set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+def _dynamic_imports(tree: ast.Module) -> set[str]:
+    """amsp_ext modules a module may import by name at run time: where it calls
+    ``importlib.import_module`` or ``__import__``, every string (or f-string's leading text) in
+    it that names an amsp_ext module or package, docstrings aside."""
+    calls = any(isinstance(n, ast.Call) and (
+        (isinstance(n.func, ast.Attribute) and n.func.attr == "import_module")
+        or (isinstance(n.func, ast.Name) and n.func.id in ("__import__", "import_module")))
+        for n in ast.walk(tree))
+    if not calls:
+        return set()
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)}
+    out = set()
+    for n in ast.walk(tree):
+        text = None
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+            text = n.value
+        elif isinstance(n, ast.JoinedStr) and n.values and isinstance(n.values[0], ast.Constant):
+            text = str(n.values[0].value).rstrip(".")
+        if text and (text == "amsp_ext" or text.startswith("amsp_ext.")) and _owner(text):
+            out.add(_owner(text))
+    return out
+
+
+def imports_of(module: str, source: str | None = None) -> tuple[set[str], set[str]]:
+    """(amsp_ext modules, top-level third-party packages) that ``module`` imports anywhere:
+    ``import`` statements at any depth and names it imports through importlib
+    (``_dynamic_imports``). ``source``: the module's text (default: its file)."""
+    path = MODULES.get(module)
+    tree = ast.parse(source if source is not None else path.read_text(), str(path or module))
+    mine, other = {m for m in _dynamic_imports(tree) if m != module}, set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the package of this module
-                pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                pkg = module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
                 for _ in range(node.level - 1):
                     pkg = pkg.rpartition(".")[0]
                 base = f"{pkg}.{base}" if base else pkg
@@ -182,21 +213,49 @@ def _matches(target: str, prefix: str) -> bool:
         target == prefix or target.startswith(prefix + "."))
 
 
-def test_no_upward_imports():
-    bad = []
-    for module, targets in sorted(GRAPH.items()):
-        rules = _rules_for(module)
-        for target in sorted(targets):
-            # the facade (amsp_ext/__init__.py) lazily imports the engine and the integrations
-            behind = ("amsp_ext.runtime", "amsp_ext.integrations") if target == "amsp_ext" else (target,)
-            bad += [f"{module} -> {target}" for r in rules for t in behind
-                    if _matches(t, r) and (module, t) not in ALLOWED]
-    assert not bad, "upward imports:\n" + "\n".join(sorted(set(bad)))
-
-
 # the package's facades, above everything: amsp_ext (lazy engine and integrations) and
 # amsp_ext.accelerate (the integrations' Accelerator under a short name)
 FACADES = ("amsp_ext", "amsp_ext.accelerate")
+
+
+def _behind(target: str, graph: dict[str, set[str]]) -> set[str]:
+    """What importing ``target`` may bring in: itself, or for a facade every module behind it
+    (transitively, through its imports and the names it imports lazily)."""
+    if target not in FACADES:
+        return {target}
+    out, todo = set(), [target]
+    while todo:
+        t = todo.pop()
+        for x in graph.get(t, ()):
+            if x in FACADES and x not in out:
+                todo.append(x)
+            out.add(x)
+    return out or {target}
+
+
+def upward(module: str, targets: set[str], graph: dict[str, set[str]] = GRAPH) -> list[str]:
+    """``module``'s imports of ``targets`` that its layer forbids, facades expanded."""
+    rules = _rules_for(module)
+    return [f"{module} -> {target}" + (f" ({t})" if t != target else "")
+            for target in sorted(targets) for r in rules for t in sorted(_behind(target, graph))
+            if _matches(t, r) and (module, t) not in ALLOWED]
+
+
+def test_no_upward_imports():
+    bad = [line for module, targets in sorted(GRAPH.items()) for line in upward(module, targets)]
+    assert not bad, "upward imports:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_a_planted_import_through_a_facade_or_importlib_is_caught():
+    """``from amsp_ext.accelerate import Accelerator`` in the engine, or an importlib string
+    naming an application, is an upward edge like a plain import."""
+    for source in ("from amsp_ext.accelerate import Accelerator\n",
+                   "import importlib\nimportlib.import_module('amsp_ext.train.loop')\n",
+                   "import amsp_ext\nx = amsp_ext.initialize\n"):
+        mine, _ = imports_of("amsp_ext.runtime.planted", source)
+        assert upward("amsp_ext.runtime.planted", mine), source
+    mine, _ = imports_of("amsp_ext.cluster.planted", "from amsp_ext.choices import parse_size\n")
+    assert upward("amsp_ext.cluster.planted", mine)
 
 
 def test_every_module_is_in_a_layer():
@@ -253,3 +312,27 @@ def test_no_private_name_is_imported_from_another_module():
                 bad += [f"{module}: from {node.module} import {a.name}" for a in node.names
                         if a.name.startswith("_") and not a.name.startswith("__") and a.name != "_torch_compat"]
     assert not bad, "\n".join(bad)
+
+
+def _rooms() -> set[str]:
+    """The top-level rooms of amsp_ext: its packages and modules (no __init__)."""
+    return {p.name if p.is_dir() else p.name for p in PACKAGE.iterdir()
+            if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.name != "__init__.py")}
+
+
+def test_design_layers_and_readme_architecture_name_every_room():
+    """docs/DESIGN.md's layer list (with the lab and the facades beside it) and README.md's
+    Architecture block name every top-level room of the tree, and no room that is gone."""
+    import re
+
+    design = (PACKAGE.parent / "docs" / "DESIGN.md").read_text()
+    layers = design.split("## Layers", 1)[1].split("```", 1)[0]
+    readme = (PACKAGE.parent / "README.md").read_text()
+    block = readme.split("## Architecture", 1)[1].split("```")[1]
+    rooms = {r.removesuffix(".py") for r in _rooms()}
+    for what, text in (("docs/DESIGN.md's Layers", layers), ("README.md's Architecture", block)):
+        named = {m.group(1).removesuffix(".py").rstrip("/")
+                 for m in re.finditer(r"(?:`|^\s+)(?:amsp_ext/)?([a-z_]+(?:\.py|/))", text, flags=re.M)}
+        missing, stale = rooms - named, {n for n in named if n not in rooms and n not in ("__init__", "tests", "docs")}
+        assert not missing, f"{what} does not name {sorted(missing)}"
+        assert not stale, f"{what} names rooms that are gone: {sorted(stale)}"

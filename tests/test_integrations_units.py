@@ -60,7 +60,7 @@ BAD_BLOCKS = [
 @pytest.mark.parametrize("block,message", BAD_BLOCKS)
 def test_bad_amsp_block_is_one_line_naming_the_field(block, message):
     with pytest.raises(ValueError) as e, warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
         AMSPSettings.from_dict(block)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
@@ -73,16 +73,18 @@ OLD_BLOCK = {"enabled": True, "plan": "zero3", "seq_len": 128,
              "profile": "paper-a800", "missing_mesh": "error", "recompute": True, "bucket_size": "1MiB"}
 
 
-def test_an_old_amsp_block_loads_with_one_warning_line_per_moved_key():
+def test_an_old_amsp_block_loads_with_one_warning_line_naming_its_origin():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        old = AMSPSettings.from_dict(OLD_BLOCK)
-    lines = [str(w.message) for w in caught if w.category is DeprecationWarning]
-    assert lines == [f"amsp.{a} is deprecated, read as amsp.{b} until amsp_ext {OLD_KEYS_UNTIL}; run "
-                     f"`amsp migrate` to upgrade the file"
-                     for a, b in (("cluster.gpus_per_node", "gpus_per_node"),
-                                  ("cluster.nodes_per_leaf", "nodes_per_leaf"),
-                                  ("cluster.gpu_memory", "gpu_memory"), ("bucket_size", "grad_bucket_bytes"))]
+        old = AMSPSettings.from_dict(OLD_BLOCK, origin="ds_config /x/ds.json")
+    lines = [str(w.message) for w in caught if w.category is FutureWarning]
+    moved = (("cluster.gpus_per_node", "gpus_per_node"), ("cluster.nodes_per_leaf", "nodes_per_leaf"),
+             ("cluster.gpu_memory", "gpu_memory"), ("bucket_size", "grad_bucket_bytes"))
+    assert lines == [f"amsp_ext: ds_config /x/ds.json: {', '.join('amsp.' + a for a, _ in moved)} are "
+                     f"deprecated, read as {', '.join('amsp.' + b for _, b in moved)} until amsp_ext "
+                     f"{OLD_KEYS_UNTIL}; run `amsp migrate` to upgrade the file"]
+    # attributed to this test (the first frame outside amsp_ext and the installed packages)
+    assert caught[0].filename == __file__
     new, moved = upgrade_block(OLD_BLOCK)
     assert "cluster" not in new and "bucket_size" not in new and len(moved) == 4
     with warnings.catch_warnings():
@@ -314,7 +316,9 @@ def test_deepspeed_initialize_is_routed_only_when_amsp_is_enabled(monkeypatch, t
     assert patch.apply() == "already applied"
     import amsp_ext.integrations.ds_initialize as amsp_init
 
-    monkeypatch.setattr(amsp_init, "initialize", lambda **kw: ("amsp", kw["config"]["amsp"]["plan"]))
+    # the config as given reaches AMSP (a path stays a path: AMSP reads it and names it)
+    monkeypatch.setattr(amsp_init, "initialize", lambda **kw: (
+        "amsp", amsp_init.resolve_config(kw["args"], kw["config"], kw["config_params"])["amsp"]["plan"]))
     off = {"train_batch_size": 8, "amsp": {"enabled": False, "plan": "zero3"}}
     on = {"train_batch_size": 8, "amsp": {"enabled": True, "plan": "zero3"}}
     assert deepspeed.initialize(model=None, config=off) == "deepspeed-engine"
@@ -734,3 +738,41 @@ def test_training_data_loader_epochs_and_position():
         four[0].load_state_dict(states[0])
     assert four[0].state_dict()["batches"] == 1
 
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("route", ["deepspeed", "trainer"])
+def test_an_old_block_warns_the_user_once_under_plain_python(route, tmp_path):
+    """Under plain ``python`` (Python's default warning filters) an old-shape block loaded through
+    deepspeed.initialize or the HF Trainer prints one warning line naming where the config came
+    from and every moved key ([Note: renamed keys])."""
+    import json
+    import socket
+    import sys
+
+    from dist_utils import run_script, script_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = {"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": "auto" if route == "trainer" else 1,
+           "gradient_accumulation_steps": "auto" if route == "trainer" else 1,
+           "amsp": {"enabled": True, "plan": "ddp", "cluster": {"gpus_per_node": 1}, "bucket_size": "1MiB",
+                    "log_plan": False}}
+    if route == "deepspeed":
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    env = {**script_env(tmp_path / "site"), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.pop("PYTHONWARNINGS", None)
+    script = REPO / "tests" / "scripts" / "old_amsp_block.py"
+    proc = run_script([sys.executable, str(script), str(path), "--route", route], env, tmp_path, timeout=300)
+    lines = [l for l in proc.stderr.splitlines() if "amsp_ext:" in l and "deprecated" in l]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "FutureWarning" in lines[0]
+    assert "amsp.cluster.gpus_per_node, amsp.bucket_size are deprecated" in lines[0], lines[0]
+    origin = (f"ds_config {path.resolve()}" if route == "deepspeed"
+              else f"the ds_config dict transformers passed to deepspeed.initialize from {script}")
+    assert origin in lines[0], lines[0]
+    assert lines[0].startswith(str(script)), lines[0]  # attributed to the user's line

@@ -110,7 +110,8 @@ def test_json_with_an_unknown_or_bad_key_is_refused():
 
 def test_worker_config_and_optimizer_follow_the_fields():
     from amsp_ext.runtime.config import compute_dtype
-    from amsp_ext.train.loop import optimizer_factory, shard_config
+    from amsp_ext.train.config import shard_config
+    from amsp_ext.train.loop import optimizer_factory
 
     config = parse(["--precision", "bf16", "--grad-bucket-bytes", "512KiB", "--granularity", "layer",
                     "--recompute", "--no-overlap-broadcast", "--timeout", "12",

@@ -119,9 +119,15 @@ def old_layout(cfg: dict[str, Any]) -> tuple[str, int | None, int | None, str]:
         "DDP (ZeRO stage 0)" if stage == 0 else f"ZeRO-{stage}")
 
 
-def _training(args, cfg: dict[str, Any], world: int, precision: str, bucket_bytes: int):
+def _amsp_job(args, job: "_Job", world: int):
+    """``(batch, Job)``: the ds_config's batch and the job AMSP runs for it (amsp_ext/job.py),
+    with the AMSP plan's bucket ([Note: the two jobs])."""
+    from amsp_ext.engine_config import EngineConfig
     from amsp_ext.integrations.settings import reduce_dtype_from_ds, resolve_batch
-    from amsp_ext.planner.specs import TrainingSpec
+    from amsp_ext.job import Job
+    from amsp_ext.planner.auto import AutoPlanConfig
+
+    cfg, precision = job.cfg, job.precision
 
     batch_cfg = dict(cfg)
     batch_cfg["train_micro_batch_size_per_gpu"] = _auto_value(
@@ -136,11 +142,16 @@ def _training(args, cfg: dict[str, Any], world: int, precision: str, bucket_byte
     if optimizer is None:
         _err(f"optimizer.type {opt_type!r}: memory is estimated as for AdamW")
         optimizer = DEFAULT_OPTIMIZER
-    return batch, TrainingSpec(
-        seq_len=args.seq_len, micro_batch_size=batch.micro_batch_size,
-        num_micro_batches=batch.gradient_accumulation_steps, recompute=args.recompute,
-        precision=precision, optimizer=optimizer, bucket_bytes=bucket_bytes,
-        reduce_dtype=reduce_dtype_from_ds(cfg, precision))  # [Note: the two jobs]
+    auto = AutoPlanConfig(seq_len=args.seq_len, micro_batch_size=batch.micro_batch_size,
+                          num_micro_batches=batch.gradient_accumulation_steps, profile=args.profile,
+                          missing=args.missing_mesh, optimizer=optimizer,
+                          gpu_memory_bytes=job.cluster.gpu_memory_bytes,
+                          memory_reserve_bytes=job.reserve_bytes)
+    engine = EngineConfig(gpus_per_node=args.gpus_per_node, nodes_per_leaf=args.nodes_per_leaf,
+                          precision=precision, reduce_dtype=reduce_dtype_from_ds(cfg, precision),
+                          grad_bucket_bytes=job.new_bucket, recompute=bool(args.recompute), auto=auto)
+    return batch, Job(model=job.spec, num_nodes=args.nodes, engine=engine,
+                      plan=args.plan if args.plan is not None else "auto")  # [Note: the two jobs]
 
 
 def _precision(args, cfg: dict[str, Any]) -> str:
@@ -181,7 +192,7 @@ class _Job:
     old_bucket: int = 0
     new_bucket: int = 0
     batch: Any = None
-    training: Any = None  # the AMSP plan's TrainingSpec
+    amsp: Any = None  # the job AMSP runs (amsp_ext/job.py Job)
     prob_old: Any = None
     prob_new: Any = None
 
@@ -250,16 +261,15 @@ def _make_problems(args, job: _Job) -> None:
     """The batch and the planner problems of both layouts ([Note: the two bucket sizes],
     [Note: the two jobs])."""
     from amsp_ext.integrations.settings import named_reduce_dtype
-    from amsp_ext.planner.search import make_problem
+    from amsp_ext.job import problem
 
     world = args.nodes * args.gpus_per_node
-    job.batch, job.training = _training(args, job.cfg, world, job.precision, job.new_bucket)
-    # once: _training may warn; DeepSpeed's own job ([Note: the two jobs])
-    tr_old = dataclasses.replace(job.training, bucket_bytes=job.old_bucket, granularity="module",
-                                 reduce_dtype=named_reduce_dtype(job.cfg, job.precision) or job.precision)
-    common = dict(missing=args.missing_mesh, memory_reserve_bytes=job.reserve_bytes)
-    job.prob_new = make_problem(job.spec, job.cluster, job.training, args.profile, **common)
-    job.prob_old = make_problem(job.spec, job.cluster, tr_old, args.profile, **common)
+    job.batch, job.amsp = _amsp_job(args, job, world)
+    # once: _amsp_job may warn; DeepSpeed's own job ([Note: the two jobs])
+    old_engine = dataclasses.replace(job.amsp.engine, grad_bucket_bytes=job.old_bucket, granularity="module",
+                                     reduce_dtype=named_reduce_dtype(job.cfg, job.precision) or job.precision)
+    job.prob_new = problem(job.amsp)
+    job.prob_old = problem(dataclasses.replace(job.amsp, engine=old_engine))
 
 
 def _baselines(problem, mics: int | None, hpz: int | None):
@@ -270,16 +280,13 @@ def _baselines(problem, mics: int | None, hpz: int | None):
 
 def _choose_plan(args, job: _Job):
     """``(costed candidate, note, plan text to write)``: the planner's choice, or ``--plan``."""
-    from amsp_ext.planner.plan import resolve_plan, validate_plan
-    from amsp_ext.planner.search import evaluate, search
+    from amsp_ext.job import resolve
+    from amsp_ext.planner.search import evaluate
 
-    R, N = args.gpus_per_node, args.nodes
-    if args.plan is None or args.plan.strip().lower() == "auto":
-        chosen = search(job.prob_new).best
+    chosen = evaluate(job.prob_new, resolve(job.amsp).plan)
+    if job.amsp.plan_is_auto:
         return chosen, "the planner's choice", args.plan if args.plan is not None else str(chosen.plan)
-    plan = validate_plan(resolve_plan(args.plan, gpus_per_node=R, num_nodes=N),
-                         gpus_per_node=R, num_nodes=N, structural_only=True)
-    return evaluate(job.prob_new, plan), f"--plan {args.plan}", args.plan
+    return chosen, f"--plan {args.plan}", args.plan
 
 
 def _amsp_block(args, job: _Job, write_plan: str) -> dict[str, Any]:
@@ -332,7 +339,7 @@ def _report(args, job: _Job, *, label: str, old, hpz: int | None, chosen, new_no
                      "gradient_accumulation_steps": batch.gradient_accumulation_steps,
                      "train_batch_size": batch.train_batch_size, "precision": job.precision,
                      "gradient_clipping": cfg.get("gradient_clipping", 0.0),
-                     "optimizer": job.training.optimizer},
+                     "optimizer": job.amsp.engine.auto.optimizer},
         "profile": args.profile,
         "old": {"layout": label, **_column(old.candidate, old_text, old.note),
                 "bucket_bytes": job.old_bucket},

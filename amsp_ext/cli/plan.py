@@ -20,6 +20,7 @@ from amsp_ext.cli.planner_flags import (ModelChoice, World, gpu_memory_option, m
                                         tensor_parallel_option)
 from amsp_ext.engine_config import EngineConfig, planner_settings
 from amsp_ext.planner.defaults import DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER, DEFAULT_PEAK_FLOPS
+from amsp_ext.planner.plan import is_auto
 from amsp_ext.schema import check_options, option, section
 
 HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
@@ -236,13 +237,13 @@ def _search(args: argparse.Namespace, settings: dict, spec, cluster, profile, as
         )
 
     def search_for(tensor_parallel: int):
-        if settings["all_reduce"] == "auto":  # planner/auto.py [Note: all_reduce "auto"]
+        if is_auto(settings["all_reduce"]):  # planner/auto.py [Note: all_reduce "auto"]
             return search_all_reduce({m: problem_for(m, tensor_parallel) for m in ALL_REDUCES})
         return search(problem_for(settings["all_reduce"], tensor_parallel)), None
 
     # planner/joint.py [Note: choosing T]
     degrees = tp_degrees(spec, args.gpus_per_node) if asked is None else (asked,)
-    any_mode = "flat" if settings["all_reduce"] == "auto" else settings["all_reduce"]
+    any_mode = "flat" if is_auto(settings["all_reduce"]) else settings["all_reduce"]
     return search_tensor_parallel(
         degrees, lambda t: problem_for(any_mode, t), search_for,
         max_global_batch_tokens=args.max_global_batch_tokens, auto=asked is None)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from amsp_ext import schema
-from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_PROFILE
+from amsp_ext.planner.defaults import CLUSTER_PROFILE
 from amsp_ext.train.config import TrainConfig
 
 HELP = "train a Llama with AMSP on real text (default: tiny-llama, 4 ranks as 2 nodes x 2)"
@@ -57,53 +57,31 @@ def _launcher_profile(config: TrainConfig, *, gpus_per_node: int, num_nodes: int
             ProfileSource(source="cache", path=str(found.path), fingerprint=fingerprint, age_s=found.age_s))
 
 
-def _plan_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: int) -> tuple[str, str]:
-    """``(plan, all_reduce)`` the ranks will run, checked against this world before any rank
-    starts: a plan that cannot run, and every ``--plan auto`` error (a bad profile, nothing
-    fits), is one line from here. ``auto`` (the plan, or ``--all-reduce``) is decided here (the
-    ranks get the factors and the mode) unless the device memory has to be read from a GPU."""
-    from amsp_ext.engine_config import planner_settings
-    from amsp_ext.planner.auto import auto_problem, resolve_auto
-    from amsp_ext.planner.plan import resolve_plan, validate_plan
-    from amsp_ext.train.config import auto_plan_config
-    from amsp_ext.common.models import llama_config_dict
+def _resolve_before_launch(config: TrainConfig, *, gpus_per_node: int, num_nodes: int):
+    """The job the ranks will run, resolved here when it can be (amsp_ext/job.py [Note: one job,
+    resolved once]): a ResolvedJob the ranks receive, or None when resolving needs what only
+    they have (the cluster's profile not in the cache, a GPU's memory). Checked against this
+    world before any rank starts either way: a plan that cannot run, one the memory model says
+    cannot fit, and every ``--plan auto`` error (a bad profile, nothing fits) are one line
+    from here."""
+    from amsp_ext.job import check_fits, needs, resolve
+    from amsp_ext.train.config import train_job
 
+    job = train_job(config, num_nodes=num_nodes, gpus_per_node=gpus_per_node)
+    plan = job.explicit_plan(field="--plan")
     memory = _rank_memory(config, gpus_per_node)
-    # the same settings the ranks' engine plans with (engine_config.planner_settings): the
-    # launcher once planned without reduce_dtype, i.e. for half the gradient bytes under bf16.
-    # Under TP T the planner prices the node's R GPUs as TP groups and searches the factors over
-    # the data-parallel world, R / T per node (planner/tensor_parallel.py); explicit plans are
-    # plans of that world (topology/groups.py [Note: the data-parallel world of a 2-D mesh]).
-    T = config.engine.tensor_parallel
-    shape = dict(num_nodes=num_nodes, gpus_per_node=gpus_per_node, tensor_parallel=T,
-                 **planner_settings(config.engine))
-    gpus_per_node //= T
-    model = llama_config_dict(config.model)
-    all_reduce = config.engine.all_reduce
-    if config.plan.strip().lower() == "auto":
-        if memory is None or config.planner.profile == CLUSTER_PROFILE:
-            return config.plan, all_reduce  # the ranks read their device's memory
-        planned = resolve_auto(model, auto_plan_config(config), gpu_memory_bytes=memory, **shape)
-        return str(planned.plan), planned.all_reduce.mode
-    plan = validate_plan(resolve_plan(config.plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes,
-                                      field="--plan"),
-                         gpus_per_node=gpus_per_node, num_nodes=num_nodes, structural_only=True)
-    if memory is None:
-        return config.plan, all_reduce
-    # an explicit plan too: refuse what cannot fit before any rank starts, with no reserve:
-    # only what the memory model says cannot fit at all
-    auto = dataclasses.replace(auto_plan_config(config),
-                               memory_reserve_bytes=config.planner.memory_reserve_bytes or 0)
-    if auto.profile == CLUSTER_PROFILE:  # not measured yet: the ranks price an all_reduce "auto";
-        # the memory check reads no bandwidth, any profile serves it
-        mode = "flat" if all_reduce == "auto" else all_reduce
-        _check_fits(auto_problem(model, dataclasses.replace(auto, profile=DEFAULT_PROFILE),
-                                 gpu_memory_bytes=memory, **{**shape, "all_reduce": mode}), plan, memory)
-        return config.plan, all_reduce
-    planned = resolve_auto(model, auto, plan=plan, gpu_memory_bytes=memory, **shape)
-    _check_fits(auto_problem(model, auto, gpu_memory_bytes=memory,
-                             **{**shape, "all_reduce": planned.all_reduce.mode}), plan, memory)
-    return config.plan, planned.all_reduce.mode
+    # an explicit plan too: refuse what cannot fit, with no reserve unless one was given: only
+    # what the memory model says cannot fit at all
+    reserve = config.planner.memory_reserve_bytes or 0
+    if needs(job) - ({"memory"} if memory is not None else set()):
+        if plan is not None and memory is not None:
+            check_fits(job, plan, memory, reserve_bytes=reserve)
+        return None
+    resolved = resolve(job, gpu_memory_bytes=memory)
+    if plan is not None and memory is not None:
+        check_fits(job, plan, memory, all_reduce=resolved.all_reduce.mode, profile=resolved.profile,
+                   reserve_bytes=reserve)
+    return resolved
 
 
 def _rank_memory(config: TrainConfig, gpus_per_node: int) -> int | None:
@@ -115,22 +93,9 @@ def _rank_memory(config: TrainConfig, gpus_per_node: int) -> int | None:
 
     if torch.cuda.is_available():
         return None
-    import psutil
+    from amsp_ext.topology.profile_cache import cpu_memory_per_rank
 
-    return psutil.virtual_memory().total // gpus_per_node  # what a CPU rank assumes
-
-
-def _check_fits(problem, plan, memory: int) -> None:
-    from amsp_ext.planner.search import evaluate
-    from amsp_ext.planner.specs import format_size
-
-    mem = evaluate(problem, plan).memory
-    if mem.total > problem.memory_limit:
-        raise ValueError(
-            f"plan {plan} does not fit: the planner's memory model needs {format_size(mem.total)} per "
-            f"rank (activations {format_size(mem.kept_activations)}) of {format_size(memory)}; lower "
-            f"--micro-batch-size or --seq-len, use --recompute or a more sharded --plan, or give "
-            f"--gpu-memory")
+    return cpu_memory_per_rank(gpus_per_node)  # what a CPU rank assumes
 
 
 def _check_save_dir(config: TrainConfig) -> None:
@@ -199,28 +164,27 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.cli.precision import warn_if_slow_bf16
 
     warn_if_slow_bf16(config.engine.precision)  # decided (the default is fp32): bf16 only warns
+    from amsp_ext.train.config import train_job
+
+    nodes = args.nproc_per_node // gpus
     # only a run the planner prices says which cluster its profile describes (an explicit plan
     # with a flat or two-level all-reduce reads none)
-    priced = (config.plan.strip().lower() == "auto" or config.engine.all_reduce == "auto"
-              or config.adaptive.adaptive)
     profile_source = None
-    if priced:
-        config, profile_source = _launcher_profile(config, gpus_per_node=gpus,
-                                                   num_nodes=args.nproc_per_node // gpus)
-    plan, all_reduce = _plan_before_launch(config, gpus_per_node=gpus, num_nodes=args.nproc_per_node // gpus)
+    if train_job(config, num_nodes=nodes, gpus_per_node=gpus).priced():
+        config, profile_source = _launcher_profile(config, gpus_per_node=gpus, num_nodes=nodes)
+    resolved = _resolve_before_launch(config, gpus_per_node=gpus, num_nodes=nodes)
     _check_save_dir(config)
     _check_resume(config)
     if profile_source is not None:  # checked: bad input stays one line (the error's)
         print(profile_source.line(), file=sys.stderr)
-    config = dataclasses.replace(
-        config, plan=plan, engine=dataclasses.replace(config.engine, gpus_per_node=gpus,
-                                                      all_reduce=all_reduce))
-    return launch(config, nproc_per_node=args.nproc_per_node, profile_source=profile_source)
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, gpus_per_node=gpus))
+    return launch(config, nproc_per_node=args.nproc_per_node, resolved=resolved, profile_source=profile_source)
 
 
-def launch(config: TrainConfig, *, nproc_per_node: int, profile_source=None) -> int:
+def launch(config: TrainConfig, *, nproc_per_node: int, resolved=None, profile_source=None) -> int:
     """Run the ranks under torchrun (amsp_ext/train/supervise.py: no orphans, one line on
-    failure), each reading ``config`` from one JSON file; under ``--json``, print rank 0's
+    failure), each reading ``config`` from one JSON file and, when the launcher resolved the job
+    (``resolved``, a ResolvedJob), its decisions from another; under ``--json``, print rank 0's
     summary."""
     from amsp_ext.train.supervise import Job
 
@@ -233,9 +197,13 @@ def launch(config: TrainConfig, *, nproc_per_node: int, profile_source=None) -> 
     with Job("amsp-train-") as job:
         config_file, result_file = job.dir / "config.json", job.dir / "result.json"
         config_file.write_text(schema.to_json(config))
+        extra = []
+        if resolved is not None:
+            (job.dir / "resolved.json").write_text(json.dumps(resolved.to_dict()))
+            extra = ["--resolved", str(job.dir / "resolved.json")]
         rc = job.run([*loopback_torchrun_args(), f"--nproc-per-node={nproc_per_node}",
                       f"--max-restarts={config.checkpoint.max_restarts}", "-m", "amsp_ext.train",
-                      "--config", str(config_file), "--result-file", str(result_file)],
+                      "--config", str(config_file), "--result-file", str(result_file), *extra],
                      env=env, stdout=subprocess.DEVNULL if config.output.json else None)
         if rc != 0:
             print(f"amsp train: error: {job.error_line(rc)}", file=sys.stderr)

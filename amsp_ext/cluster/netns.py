@@ -17,14 +17,13 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 from amsp_ext.cluster.lab import (NAME_RE, Lab, LabError, LabSpec, down_commands, lab_namespace_re, parse_rate,
                                   set_rate_commands, up_commands)
+from amsp_ext.reap import stop_job
 
 __all__ = ["Runner", "down", "find_leftovers", "load_state", "preflight", "set_bandwidth", "state_path", "up"]
 
@@ -196,35 +195,7 @@ def _stop_processes(namespace: str, runner: Runner, log: Callable[[str], None]) 
     if not pids:
         return
     log(f"stopping {len(pids)} process(es) left in {namespace}: {' '.join(map(str, pids))}")
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and any(_alive(p) for p in alive):
-            time.sleep(0.1)
-        pids = [p for p in alive if _alive(p)]
-        if not pids:
-            return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie child of ours is dead for our purpose
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    stop_job(None, pids=tuple(pids))  # reap.py's one rule: SIGTERM, its grace, SIGKILL
 
 
 def down(name: str = "amsp", *, runner: Runner = run_command,

@@ -28,6 +28,9 @@ from amsp_ext.compare.rounds import combine_rounds, overloaded_rounds, round_ord
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS
 from amsp_ext.common.metrics import mfu
+from amsp_ext.job import Job, resolve
+from amsp_ext.planner.auto import AutoPlanConfig
+from amsp_ext.planner.plan import is_auto
 from amsp_ext.planner.specs import format_size
 from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_GPU_MEMORY_BYTES, DEFAULT_RESERVE_BYTES
 
@@ -77,7 +80,7 @@ def _system_rows(names: list[str], spec: RunSpec) -> list[RunItem]:
 
 
 def _amsp_plan_label(spec: RunSpec) -> str:
-    if spec.amsp_plan.strip().lower() == "auto":
+    if is_auto(spec.amsp_plan):
         return SYSTEMS["amsp-plan"].label
     return f"AMSP (plan {spec.amsp_plan})"
 
@@ -103,36 +106,35 @@ def _resolve_planned(spec: RunSpec, plan_text: str, *, num_nodes: int, gpus_per_
     "auto" made the planner's factors and ``amsp_all_reduce`` "auto" made the mode the planner
     prices lower for the row's plan (planner/auto.py [Note: all_reduce "auto"]), so every rank
     gets the same decided settings."""
-    is_auto = plan_text.strip().lower() == "auto"
-    if not is_auto and spec.amsp_all_reduce != "auto":
-        return spec, None, f"given: {plan_text}"
-    from amsp_ext.compare.systems.amsp import engine_config
-    from amsp_ext.engine_config import planner_settings
-    from amsp_ext.common.models import llama_config_dict
-    from amsp_ext.planner.auto import AutoPlanConfig, resolve_auto
-    from amsp_ext.planner.plan import resolve_plan
-
-    # the same engine configuration the AMSP rows run with, planned as the engine plans "auto"
-    auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
-                          num_micro_batches=spec.num_micro_batches, profile=planner.profile,
-                          missing=planner.missing, memory_reserve_bytes=planner.memory_reserve_bytes)
+    job = amsp_job(spec, plan_text, num_nodes=num_nodes, gpus_per_node=gpus_per_node, planner=planner)
     try:
-        plan = None if is_auto else resolve_plan(plan_text, gpus_per_node=gpus_per_node,
-                                                 num_nodes=num_nodes)
-        planned = resolve_auto(llama_config_dict(spec.model), auto, plan=plan, num_nodes=num_nodes,
-                               gpus_per_node=gpus_per_node, gpu_memory_bytes=planner.gpu_memory_bytes,
-                               **planner_settings(engine_config(spec, gpus_per_node)))
+        planned = resolve(job)  # reads no profile unless it has to price (amsp_ext/job.py)
     except ValueError as e:
         return None, f"planner: {e}", ""
     resolved = spec.replace(amsp_all_reduce=planned.all_reduce.mode)
-    if is_auto:
+    if job.plan_is_auto:
         resolved = resolved.replace(amsp_plan=str(planned.plan))
         source = f"planner ({planner.describe()}): {planned.plan}"
     else:
         source = f"given: {plan_text}"
-    if spec.amsp_all_reduce == "auto":
+    if is_auto(spec.amsp_all_reduce):
         source += f"; {planned.all_reduce.describe()}"
     return resolved, None, source
+
+
+def amsp_job(spec: RunSpec, plan_text: str, *, num_nodes: int, gpus_per_node: int,
+             planner: PlannerInputs) -> Job:
+    """An AMSP row as a Job (amsp_ext/job.py): the engine configuration the row runs with
+    (compare/systems/amsp.py), the comparison's step shape and the planner inputs."""
+    from amsp_ext.compare.systems.amsp import engine_config
+    from amsp_ext.common.models import llama_config_dict
+
+    auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
+                          num_micro_batches=spec.num_micro_batches, profile=planner.profile,
+                          missing=planner.missing, memory_reserve_bytes=planner.memory_reserve_bytes,
+                          gpu_memory_bytes=planner.gpu_memory_bytes)
+    engine = dataclasses.replace(engine_config(spec, gpus_per_node), auto=auto)
+    return Job(model=llama_config_dict(spec.model), num_nodes=num_nodes, engine=engine, plan=plan_text)
 
 
 def resolve_world(spec: RunSpec, launch: LaunchConfig) -> tuple[int, int]:
@@ -198,10 +200,9 @@ def _prepare(index: int, item: RunItem, spec: RunSpec, *, nodes: int, gpn: int,
         resolved, why, source = _resolve_planned(item_spec, plan_text, num_nodes=nodes,
                                                  gpus_per_node=gpn, planner=planner)
         item_spec = resolved or item_spec
-        if item.system == "amsp-plan" or spec.amsp_all_reduce == "auto":
+        if item.system == "amsp-plan" or is_auto(spec.amsp_all_reduce):
             base["plan_source"] = source
-        if (resolved is not None and item.system == "amsp-plan"
-                and spec.amsp_plan.strip().lower() == "auto"):
+        if resolved is not None and item.system == "amsp-plan" and is_auto(spec.amsp_plan):
             base["label"] = item.label.replace("planner's plan", f"planner's plan {resolved.amsp_plan}")
     return _Prepared(index=index, item=item, spec=item_spec, base=base, why=why)
 
@@ -211,7 +212,7 @@ def _planner_profile(planner: PlannerInputs, items: list[RunItem], spec: RunSpec
     """``planner`` with the profile "cluster" made the path of the launcher's cluster's profile
     (found in the cache or measured by its ranks, launch.find_cluster_profile), when a row plans."""
     plans = any(i.system in ("amsp-plan", "amsp-mics") for i in items) and (
-        spec.amsp_plan.strip().lower() == "auto" or spec.amsp_all_reduce == "auto")
+        is_auto(spec.amsp_plan) or is_auto(spec.amsp_all_reduce))
     if planner.profile != CLUSTER_PROFILE or not plans:
         return planner
     found = find_cluster_profile(launch, gpus_per_node=gpn, out=out_dir / "cluster-profile")

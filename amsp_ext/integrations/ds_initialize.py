@@ -37,9 +37,10 @@ import torch.nn as nn
 from amsp_ext.integrations import ds_keys
 from amsp_ext.integrations.engine import AMSPDeepSpeedEngine
 from amsp_ext.integrations.optim import build_optimizer_factory, build_scheduler
+from amsp_ext.planner.plan import is_auto
 from amsp_ext.integrations.settings import (
-    AMSPSettings, BatchSettings, ConfigError, PrecisionSettings, ds_bucket_bytes, gradient_clipping,
-    load_ds_config, resolve_batch,
+    AMSPSettings, BatchSettings, ConfigError, PrecisionSettings, config_origin, ds_bucket_bytes,
+    gradient_clipping, load_ds_config, resolve_batch,
 )
 
 __all__ = ["initialize", "resolve_config"]
@@ -114,12 +115,10 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
                   batch: BatchSettings):
     from amsp_ext.runtime.config import AutoPlanConfig, FP16Config
 
+    # the step's shape and the planner's inputs, for the job shard() resolves (amsp_ext/job.py):
+    # AMSPSettings refuses a block that must be priced without amsp.seq_len
     auto = None
-    if (settings.plan.lower() == "auto" or settings.adaptive is not None
-            or settings.engine.all_reduce == "auto"):
-        if settings.seq_len is None:  # AMSPSettings refuses this first; kept for direct callers
-            raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner "
-                              "sizes activations by it); or give amsp.plan as factors or a baseline")
+    if settings.seq_len is not None:
         auto = AutoPlanConfig(seq_len=settings.seq_len, micro_batch_size=batch.micro_batch_size,
                               num_micro_batches=batch.gradient_accumulation_steps,
                               profile=settings.profile, objective=settings.objective,
@@ -145,7 +144,7 @@ def plan_line(sharded, settings: AMSPSettings, prec: PrecisionSettings, batch: B
               clip: float, opt_source: str, scheduler) -> str:
     """``[amsp] plan ...``: what runs, in one line. "GPU(s)" only where the ranks have GPUs."""
     w, plan = sharded.amsp.world, sharded.amsp.plan
-    source = ("planner" if settings.plan.lower() == "auto"
+    source = ("planner" if is_auto(settings.plan)
               else "" if settings.plan == str(plan) else settings.plan)
     device = sharded.amsp.device
     backend = dist.get_backend() if dist.is_initialized() else "no process group"
@@ -180,7 +179,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise ConfigError("mesh_param: AMSP runs data parallelism only (no sequence parallelism)")
     if type(model).__name__ == "PipelineModule":
         raise ConfigError("model is a DeepSpeed PipelineModule: AMSP has no pipeline parallelism")
-    settings = AMSPSettings.from_dict(cfg.get("amsp"))
+    settings = AMSPSettings.from_dict(cfg.get("amsp"), origin=config_origin(config or config_params, args))
     prec = PrecisionSettings.from_ds(cfg)
     clip = gradient_clipping(cfg)
     factory, opt_source = build_optimizer_factory(

@@ -44,9 +44,10 @@ This module is pure Python (no torch): ``amsp migrate`` uses it.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
-import dataclasses
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -57,6 +58,7 @@ from amsp_ext.choices import (MISSING_MESH, OBJECTIVES, check_bool, check_int, c
                               reduce_dtypes)
 from amsp_ext.engine_config import AutoPlanConfig, EngineConfig, FP16Config
 from amsp_ext.planner.adaptive import AdaptiveConfig, check_replannable
+from amsp_ext.planner.plan import is_auto
 from amsp_ext.planner.defaults import (DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_PRECISION, CLUSTER_PROFILE,
                                        DEFAULT_REDUCE_DTYPE)
 
@@ -144,10 +146,15 @@ ENGINE_KEYS = tuple(f.name for f in fields(EngineConfig)
                     if f.name not in _FROM_DEEPSPEED and f.name not in ("auto", "adaptive"))
 # [Note: renamed keys]
 # A file the project wrote keeps loading: a key of the block's old shape (the one `amsp migrate`
-# wrote before the engine had one config) is read at its new place with one DeprecationWarning
-# naming that place, as DeepSpeed reads its renamed keys, until OLD_KEYS_UNTIL; `amsp migrate`
-# rewrites such a block in the new shape (upgrade_block). Giving a key at both places is an
-# error: which one was meant is not for the loader to guess.
+# wrote before the engine had one config) is read at its new place, as DeepSpeed reads its
+# renamed keys, until OLD_KEYS_UNTIL; `amsp migrate` rewrites such a block in the new shape
+# (upgrade_block). Giving a key at both places is an error: which one was meant is not for the
+# loader to guess. The user must see it: one FutureWarning line per config that names where the
+# config came from (its file, or who passed the dict) and every moved key. Not a
+# DeprecationWarning: Python's default filters show those only when attributed to __main__, and
+# the config is loaded deep inside a framework (the HF Trainer, Accelerate, deepspeed.initialize);
+# the warning is attributed to the first frame outside amsp_ext and the installed packages, the
+# user's own line.
 OLD_KEYS_UNTIL = "0.2"  # the minor version that stops reading them
 _OLD_CLUSTER_KEYS = ("gpus_per_node", "nodes_per_leaf", "gpu_memory")  # amsp.cluster.<k> -> amsp.<k>
 _RENAMED_KEYS = {"bucket_size": "grad_bucket_bytes"}
@@ -213,13 +220,13 @@ class AMSPSettings:
             check_replannable(self.plan, self.adaptive, flag="amsp.adaptive.allow_replan")
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.plan.lower() == "auto" and self.enabled and self.seq_len is None:
+        if is_auto(self.plan) and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required when amsp.plan is 'auto' (the planner sizes "
                               "activations by it); or give amsp.plan as factors or a baseline name")
         if self.adaptive is not None and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required with amsp.adaptive (the monitor predicts "
                               "each step's collectives with the planner); or remove amsp.adaptive")
-        if self.engine.all_reduce == "auto" and self.enabled and self.seq_len is None:
+        if is_auto(self.engine.all_reduce) and self.enabled and self.seq_len is None:
             raise ConfigError("amsp.seq_len is required when amsp.all_reduce is 'auto' (the planner "
                               "prices both modes for the step); or give flat or two_level")
 
@@ -242,15 +249,16 @@ class AMSPSettings:
         return self.engine.grad_bucket_bytes if "grad_bucket_bytes" in self.engine_keys else None
 
     @classmethod
-    def from_dict(cls, block: Any) -> "AMSPSettings":
+    def from_dict(cls, block: Any, *, origin: str = "the ds_config") -> "AMSPSettings":
+        """The block of a ds_config; ``origin``: where that config came from (``config_origin``),
+        named by the warning an old-shape block gets ([Note: renamed keys])."""
         if block is None:
             return cls()
         if not isinstance(block, Mapping):
             raise ConfigError(f"amsp must be an object, got {type(block).__name__}")
         block, moved = upgrade_block(block)
-        for old, new in moved:  # stacklevel 2: the line that loaded the config
-            warnings.warn(f"{old} is deprecated, read as {new} until amsp_ext {OLD_KEYS_UNTIL}; run "
-                          f"`amsp migrate` to upgrade the file", DeprecationWarning, stacklevel=2)
+        if moved:
+            warn_old_keys(moved, origin)
         for k in block:
             if k in _FROM_DEEPSPEED:
                 raise ConfigError(f"amsp.{k}: set by DeepSpeed's own {_FROM_DEEPSPEED[k]}, not in "
@@ -305,6 +313,58 @@ class AMSPSettings:
 
 
 # -- DeepSpeed's own keys ------------------------------------------------------------------------
+
+def warn_old_keys(moved: list[tuple[str, str]], origin: str) -> None:
+    """One FutureWarning line for the keys an old-shape block moved ([Note: renamed keys])."""
+    old, new = ", ".join(a for a, _ in moved), ", ".join(b for _, b in moved)
+    warnings.warn(f"amsp_ext: {origin}: {old} {'is' if len(moved) == 1 else 'are'} deprecated, read as "
+                  f"{new} until amsp_ext {OLD_KEYS_UNTIL}; run `amsp migrate` to upgrade the file",
+                  FutureWarning, stacklevel=_user_stacklevel())
+
+
+def _outside(filename: str) -> bool:
+    """A frame of the user's code: not amsp_ext, not an installed package, not the interpreter's."""
+    package = str(Path(__file__).resolve().parents[1])
+    return not (filename.startswith(package) or "-packages" in filename or filename.startswith("<"))
+
+
+def _installed_package(filename: str) -> str | None:
+    """The installed package a file belongs to (``transformers``), None for other code."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1].split("/", 1)[0]
+    return None
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel (from a function that warns) of the first frame outside
+    amsp_ext and the installed packages (``_outside``), else of that function's caller."""
+    frame, level = inspect.currentframe().f_back.f_back, 2  # the caller of the function that warns
+    while frame is not None:
+        if _outside(frame.f_code.co_filename):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def config_origin(config: Any, args: Any = None) -> str:
+    """Where a ds_config came from, for messages: its file, or what passed a dict (the
+    ``accelerate launch`` config's file, else the caller of ``deepspeed.initialize``)."""
+    path = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None) or config
+    if isinstance(path, (str, os.PathLike)) and Path(path).is_file():
+        return f"ds_config {Path(path).resolve()}"
+    launched = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if launched and Path(launched).is_file():
+        return f"ds_config of {Path(launched).resolve()} (accelerate launch)"
+    frame, by = inspect.currentframe().f_back, None
+    while frame is not None and not _outside(frame.f_code.co_filename):
+        package = _installed_package(frame.f_code.co_filename)
+        if package not in (None, "deepspeed"):
+            by = package  # the outermost: the framework the user called (transformers, trl, accelerate)
+        frame = frame.f_back
+    where = f" from {frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+    return f"the ds_config dict {by + ' ' if by else ''}passed to deepspeed.initialize{where}"
+
 
 def load_ds_config(config: Any) -> dict[str, Any]:
     """A ds_config given as a dict, a path, or a JSON string (as ``deepspeed.initialize`` takes)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from amsp_ext.choices import check_bool, check_int, check_number
+from amsp_ext.planner.plan import is_auto
 
 __all__ = ["AdaptiveConfig", "Decision", "KIND_TERMS", "Monitor", "check_replannable", "decide",
            "crosses_nodes", "predicted_by_kind", "refit_scales", "replan", "trace_kinds_cross_nodes",
@@ -76,7 +77,7 @@ def check_replannable(plan: Any, adaptive: AdaptiveConfig | None, *, flag: str =
     false) could never act: refuse it in one line."""
     if adaptive is None or adaptive.allow_replan:
         return
-    if isinstance(plan, str) and plan.strip().lower() == "auto":
+    if is_auto(plan):
         return
     raise ValueError(f"{flag}: false with plan {plan} (explicit factors or a name) leaves adaptive "
                      f"nothing it may change; use plan 'auto', or {flag} true, or turn adaptive off")

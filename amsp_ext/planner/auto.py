@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from amsp_ext.choices import ALL_REDUCES, MISSING_MESH, OBJECTIVES, OPTIMIZERS, check_one_of
 from amsp_ext.planner.model_spec import ModelSpec
-from amsp_ext.planner.plan import Plan
+from amsp_ext.planner.plan import Plan, is_auto
 from amsp_ext.planner.search import Problem, SearchResult, evaluate, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, job_spec
 from amsp_ext.planner.defaults import (CLUSTER_PROFILE, DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE,
@@ -146,7 +146,7 @@ def unpriced_choice(plan: Plan, all_reduce: str, *, gpus_per_node: int,
     """The mode ``plan`` runs without the planner: the one asked for, or under "auto" flat where
     no group has a two-level form; None when "auto" has to price it. Routes that need planner
     inputs only for pricing (shard()'s config.auto) ask this first."""
-    if all_reduce != "auto":
+    if not is_auto(all_reduce):
         check_one_of(all_reduce, ALL_REDUCES, "all_reduce")
         return AllReduceChoice(mode=all_reduce)
     if not two_level_applies(plan, gpus_per_node=gpus_per_node, num_nodes=num_nodes):
@@ -188,7 +188,7 @@ def resolve_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
         unpriced = unpriced_choice(plan, requested, gpus_per_node=dp_gpus, num_nodes=settings["num_nodes"])
         if unpriced is not None:
             return Planned(plan=plan, all_reduce=unpriced)
-    elif requested != "auto":
+    elif not is_auto(requested):
         check_one_of(requested, ALL_REDUCES, "all_reduce")
         plan = search(auto_problem(model, auto, all_reduce=requested, **settings)).best.plan
         return Planned(plan=plan, all_reduce=AllReduceChoice(mode=requested))

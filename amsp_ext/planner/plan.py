@@ -22,9 +22,10 @@ import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = [
+    "AUTO",
     "COMPONENTS",
     "NAMED_PLANS",
     "check_plan_text",
@@ -33,6 +34,7 @@ __all__ = [
     "RULES",
     "Violation",
     "check_plan",
+    "is_auto",
     "named_plan",
     "parse_plan",
     "resolve_plan",
@@ -215,11 +217,20 @@ def named_plan(name: str, *, gpus_per_node: int, num_nodes: int, field: str = "p
     )
 
 
+AUTO = "auto"  # the request the planner decides (amsp_ext/job.py [Note: one job, resolved once])
+
+
+def is_auto(request: Any) -> bool:
+    """Whether a plan, all-reduce or tensor-parallel request asks the planner to decide: the
+    text "auto", in any case, surrounding spaces allowed. Every reader of a request asks this."""
+    return isinstance(request, str) and request.strip().lower() == AUTO
+
+
 def check_plan_text(text: str, field: str) -> None:
     """Refuse a misspelt plan in one line naming ``field`` before the world is known (so before
     any rank starts): 'auto', a baseline name or factors; ``resolve_plan`` fits it to the world."""
     low = text.strip().lower()
-    if low in ("auto", *(n for n in NAMED_PLANS if n != "mics:K")):
+    if is_auto(low) or low in (n for n in NAMED_PLANS if n != "mics:K"):
         return
     if low.startswith("mics"):
         _, _, k = low.partition(":")
@@ -242,8 +253,8 @@ def resolve_plan(spec: "Plan | str", *, gpus_per_node: int, num_nodes: int, fiel
         return spec
     if not isinstance(spec, str):
         raise PlanError(f"plan must be a Plan or a string, got {type(spec).__name__}")
-    if spec.strip().lower() == "auto":
-        raise PlanError("plan 'auto' must be resolved by the planner (amsp_ext.planner.search)")
+    if is_auto(spec):
+        raise PlanError("plan 'auto' must be resolved by the planner (amsp_ext.job.resolve)")
     if "=" in spec:
         return parse_plan(spec)
     return named_plan(spec, gpus_per_node=gpus_per_node, num_nodes=num_nodes, field=field)

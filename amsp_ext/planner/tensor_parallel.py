@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 from amsp_ext.choices import TENSOR_PARALLEL_DEGREES as TP_DEGREES  # what "auto" searches
 from amsp_ext.planner.memory import param_bytes
 from amsp_ext.planner.model_spec import ModelSpec
+from amsp_ext.planner.plan import is_auto
 from amsp_ext.planner.profile import CommTimer
 from amsp_ext.planner.specs import TrainingSpec
 
@@ -102,7 +103,7 @@ def check_tensor_parallel(degree: int, spec: ModelSpec, gpus_per_node: int) -> N
 
 def parse_tensor_parallel(text: str | int, *, flag: str = "--tensor-parallel") -> int | None:
     """``"auto"`` -> None, ``"2"`` -> 2; anything else a one-line error naming ``flag``."""
-    if text == "auto":
+    if is_auto(text):
         return None
     try:
         degree = int(text)

@@ -10,7 +10,8 @@ non-finite guard, loss scaling), ``state/`` (checkpoints, their files, export), 
 
 from amsp_ext.runtime.collectives import CollectiveTimeout
 from amsp_ext.runtime.config import AdaptiveConfig, AutoPlanConfig, FP16Config, OverlapConfig, ShardConfig
-from amsp_ext.runtime.engine import AMSPModule, Engine, MismatchError
+from amsp_ext.runtime.engine import AMSPModule, Engine
+from amsp_ext.runtime.preflight import MismatchError
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 from amsp_ext.runtime.replan.switch import switch_plan
 from amsp_ext.runtime.shard import shard

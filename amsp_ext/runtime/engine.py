@@ -1,10 +1,12 @@
-"""The engine ``shard`` (runtime/shard.py) builds: its mesh, units, layout, masters, gradient and
-broadcast paths (``build_parts``), the Engine made of them and its optimizer, the hooks
-(``install``), and the engine's checks.
+"""The engine ``shard`` (runtime/shard.py) assembles once its preflight (runtime/preflight.py) has
+checked the arguments and resolved the job: its mesh, units, layout, masters, gradient and
+broadcast paths (``build_parts``), the Engine made of them and its optimizer, and the hooks
+(``install``).
 
 [Note: order of construction]
-1. Resolve the plan and check it against the world (PlanError, before any collective).
-2. Compare plan/config/model fingerprints across ranks (one small all-gather).
+1. Resolve the job and check its plan against the world (PlanError, before any collective;
+   preflight.py).
+2. Compare plan/config/model fingerprints across ranks (one small all-gather; preflight.py).
 3. Build the plan's process groups once (topology/mesh.py, build_plan_mesh).
 4. List the units in forward order; with sp > 1 ``fully_shard`` each on ``param_shard``.
 5. Lay out the local tensors, assign owners, and make the owners' fp32 masters from the fp32
@@ -19,19 +21,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import hashlib
-import json
 from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from amsp_ext.planner.auto import Planned, resolve_auto, unpriced_choice
-from amsp_ext.planner.plan import Plan, PlanError, resolve_plan
+from amsp_ext.planner.plan import Plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.config import ShardConfig, compute_dtype, planner_settings, reduce_dtype_of
+from amsp_ext.runtime.config import ShardConfig, compute_dtype, reduce_dtype_of
 from amsp_ext.runtime.materialize import fill, materialize, to_dtype_keep_buffers
 from amsp_ext.runtime.sync.grad_exposure import GradExposure
 from amsp_ext.runtime.sync.grad_sync import GradSync
@@ -41,17 +40,12 @@ from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.sync.outside_reads import OuterGather
 from amsp_ext.runtime.sync.param_sync import ParamSync
-from amsp_ext.runtime.sync.units import Unit, decoder_layers, list_units, refresh_params
+from amsp_ext.runtime.sync.units import Unit, list_units, refresh_params
 from amsp_ext.runtime.tensor_parallel import data_parallel_mesh, tp_sharded_names
 from amsp_ext.topology.groups import World
-from amsp_ext.topology.mesh import GroupHandle, PlanMesh, build_data_parallel_group, build_plan_mesh
+from amsp_ext.topology.mesh import GroupHandle, PlanMesh, build_plan_mesh
 
-__all__ = ["AMSPModule", "Engine", "EngineParts", "MismatchError", "build_engine", "build_parts", "full_state_dict",
-           "install"]
-
-
-class MismatchError(ValueError):
-    """Ranks were given different plans, configs or models."""
+__all__ = ["AMSPModule", "Engine", "EngineParts", "build_engine", "build_parts", "full_state_dict", "install"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,7 +95,7 @@ class Engine:
         # (runtime/replan/switch.py [Note: the old plan's groups stay alive])
         self.switches: list[dict] = list(switches or [])
         self.retired_meshes: list[PlanMesh] = list(retired_meshes or [])
-        # where the profile that planned the job came from (a ProfileSource of
+        # where the profile that planned the job came from (ProfileSource.as_dict() of
         # topology/profile_cache.py; None: no profile, or the launcher planned)
         self.profile_source = profile_source
         Engine.built += 1
@@ -218,181 +212,6 @@ def full_state_dict(model: "AMSPModule", destination=None, prefix: str = "", kee
             seen[id(v)] = v if (keep_vars and not isinstance(v, DTensor)) else full
         out[prefix + k] = seen[id(v)]
     return out
-
-
-def plan_world(config: ShardConfig) -> World:
-    """The data-parallel world the plan runs on (topology/groups.py [Note: the data-parallel
-    world of a 2-D mesh]): R / T ranks per node under tensor parallelism of degree T."""
-    world_size = dist.get_world_size()
-    R = config.gpus_per_node or world_size
-    if world_size % R:
-        raise PlanError(
-            f"config.gpus_per_node={R} must divide the world size {world_size}"
-        )
-    T = config.tensor_parallel
-    if R % T:
-        raise ValueError(f"config.tensor_parallel={T} must divide the GPUs per node ({R}); allowed: "
-                         f"{', '.join(str(t) for t in range(1, R + 1) if R % t == 0)}")
-    return World.with_leaves(num_nodes=world_size // R, gpus_per_node=R // T,
-                             nodes_per_leaf=config.nodes_per_leaf, tensor_parallel=T)
-
-
-def needs_profile(plan, world: World, config: ShardConfig) -> bool:
-    """Whether running ``plan`` needs the planner's profile: plan "auto", an ``all_reduce``
-    "auto" that the plan's groups leave a choice to, or an adaptive run's monitor."""
-    if config.auto is None:
-        return False
-    if config.adaptive is not None or (isinstance(plan, str) and plan.strip().lower() == "auto"):
-        return True
-    try:
-        resolved = resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
-        return unpriced_choice(resolved, config.all_reduce, gpus_per_node=world.gpus_per_node,
-                               num_nodes=world.num_nodes) is None
-    except ValueError:  # resolve_engine_plan says why, before any collective
-        return False
-
-
-def resolve_engine_plan(plan, model: nn.Module, world: World,
-                        config: ShardConfig) -> tuple[Plan, ShardConfig]:
-    """The plan this run executes and ``config`` with its all-reduce mode decided: plan "auto"
-    is the planner's ([Note: plan "auto"]); ``config.all_reduce="auto"`` becomes the mode the
-    planner prices lower for the plan (planner/auto.py [Note: all_reduce "auto"])."""
-    is_auto = isinstance(plan, str) and plan.strip().lower() == "auto"
-    if not is_auto:
-        plan = resolve_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
-        unpriced = unpriced_choice(plan, config.all_reduce, gpus_per_node=world.gpus_per_node,
-                                   num_nodes=world.num_nodes)
-        if unpriced is not None:  # no planner inputs needed
-            return plan, dataclasses.replace(config, all_reduce=unpriced.mode)
-    planned = _planned(model, world, config, None if is_auto else plan)
-    return planned.plan, dataclasses.replace(config, all_reduce=planned.all_reduce.mode)
-
-
-def _planned(model: nn.Module, world: World, config: ShardConfig, plan: Plan | None) -> Planned:
-    """[Note: plan "auto"] The planner's best plan (amsp_ext.planner.auto.resolve_auto) for this
-    model (its Hugging Face config), this world, ``config.auto`` and the engine's settings, or
-    ``plan`` with the all-reduce mode it prices lower. Every rank runs the same deterministic
-    search; the fingerprint check that follows verifies they agree."""
-    what = "plan 'auto'" if plan is None else "config.all_reduce='auto'"
-    a = config.auto
-    if a is None:
-        raise PlanError(
-            f"{what} needs config.auto=AutoPlanConfig(seq_len=..., micro_batch_size=..., "
-            "num_micro_batches=...) to size the step for the planner"
-        )
-    hf = getattr(model, "config", None)
-    if hf is None or not hasattr(hf, "to_dict"):
-        raise PlanError(f"{what} needs a Hugging Face model (model.config) to read its shape")
-    # the planner prices the node's TP groups and plans the data-parallel world inside it
-    # (planner/tensor_parallel.py [Note: a TP job is an AMSP job of TP shards])
-    node = world.gpus_per_node * world.tensor_parallel
-    return resolve_auto(hf.to_dict(), a, plan=plan, num_nodes=world.num_nodes, gpus_per_node=node,
-                        tensor_parallel=world.tensor_parallel,
-                        gpu_memory_bytes=a.gpu_memory_bytes or device_memory(node),
-                        **planner_settings(config))
-
-
-def device_memory(gpus_per_node: int) -> int:
-    if dist.get_backend() == "nccl":
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    import psutil
-
-    return psutil.virtual_memory().total // gpus_per_node
-
-
-def run_fingerprint(plan: Plan, config: ShardConfig, world: World, model: nn.Module) -> bytes:
-    shapes = hashlib.sha256(
-        repr([(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()
-    ).hexdigest()[:8]
-    return f"{plan.fingerprint()}:{config.fingerprint()}:{shapes}:{world.num_nodes}x{world.gpus_per_node}|{plan}".encode()
-
-
-def check_same_everywhere(comm: C.CollectiveContext, payload: bytes, config: ShardConfig) -> None:
-    got = C.all_gather_bytes(comm, payload, None, name="world", timeout=config.timeout)
-    if any(g != got[0] for g in got):
-        bad = next(r for r, g in enumerate(got) if g != got[0])
-        what = []
-        a, b = got[0].decode().split("|")[0].split(":"), got[bad].decode().split("|")[0].split(":")
-        for field, x, y in zip(("plan", "config", "model", "world"), a, b):
-            if x != y:
-                what.append(field)
-        if "config" in what:  # every rank is here: one more gather names the field
-            what[what.index("config")] = _config_difference(comm, config, bad)
-        raise MismatchError(
-            f"amsp: ranks disagree on the {', '.join(what) or 'setup'}: rank 0 has plan "
-            f"{got[0].decode().split('|')[1]}, rank {bad} has plan {got[bad].decode().split('|')[1]} "
-            f"(fingerprints {got[0].decode().split('|')[0]} vs {got[bad].decode().split('|')[0]})"
-        )
-
-
-def _config_difference(comm: C.CollectiveContext, config: ShardConfig, bad: int) -> str:
-    mine = json.dumps({k: repr(v) for k, v in config.fingerprint_fields().items()}).encode()
-    got = [json.loads(g) for g in C.all_gather_bytes(comm, mine, None, name="world", width=4096,
-                                                    timeout=config.timeout)]
-    fields = [k for k in got[0] if got[0][k] != got[bad].get(k)]
-    return "config (" + ", ".join(f"field {k}: {got[0][k]} on rank 0, {got[bad][k]} on rank {bad}"
-                                  for k in fields) + ")"
-
-
-@torch.no_grad()
-def same_initial_weights(comm: C.CollectiveContext, model: nn.Module, config: ShardConfig, world: World) -> None:
-    """[Note: initial weights agree]
-    Every rank must start from the same weights, or the replicas silently train a mix (a
-    rank-dependent seed is enough). ``init_weights="broadcast"`` (default, as DDP): rank 0's
-    parameters and buffers are broadcast to the others before sharding. ``"check"``: a SHA-256
-    of each rank's weights is compared, and differing ranks are refused with one line (for
-    users who want to know that their ranks built different models)."""
-    tensors = list({id(t): t for t in (*model.parameters(), *model.buffers())}.values())
-    T = world.tensor_parallel
-    if T > 1:  # TP shards differ across a TP group: agree per TP coordinate
-        tensors = [compat.dtensor_local(t) for t in tensors]
-    if config.init_weights == "broadcast":
-        group, src, name = None, 0, "world"
-        if T > 1:  # from the first data-parallel rank of my TP coordinate
-            dp = build_data_parallel_group(world, datetime.timedelta(seconds=config.timeout))
-            group, src, name = dp.pg, dist.get_rank() % T, dp.name
-        # all issued, then waited for, on the current stream (the model's tensors are there)
-        pending = [C.broadcast(comm, t.detach(), src, group, name=name, stream=None,
-                               timeout=config.timeout) for t in tensors]
-        for p in pending:
-            C.wait(p)
-        return
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    got = C.all_gather_bytes(comm, h.digest()[:16], None, name="world", timeout=config.timeout)
-    differ = [r for r, g in enumerate(got) if g != got[r % T]]  # vs the first rank of its TP coordinate
-    if differ:
-        raise MismatchError(
-            f"amsp: ranks' initial weights differ (rank(s) {', '.join(map(str, differ))} vs rank 0): build "
-            f"the model with the same seed on every rank, or use ShardConfig(init_weights='broadcast')")
-
-
-def engine_device(model: nn.Module) -> torch.device:
-    """Where the engine runs: the GPU of an NCCL rank, else the CPU (gloo). The fake backend of
-    a dry run (tools/dryrun.py [Note: dry run]) moves no data, so its rank runs where
-    its model was built (a model on meta: the default device it is sharded under): on a GPU,
-    the streams, events and allocator are a real run's."""
-    backend = dist.get_backend()
-    where = next(model.parameters()).device
-    if backend == "fake" and where.type == "meta":  # the dry run's ``with torch.device(...)``
-        where = torch.get_default_device()
-    if backend == "nccl" or (backend == "fake" and where.type == "cuda"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def enable_recompute(model: nn.Module) -> None:
-    if hasattr(model, "gradient_checkpointing_enable"):
-        if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
-            model.config.use_cache = False
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in decoder_layers(model):
-        fwd = layer.forward
-        layer.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
 
 
 def _norm_group(world: World, mesh: PlanMesh, config: ShardConfig, comm: C.CollectiveContext) -> NormGroup:

@@ -1,11 +1,13 @@
 """``shard(model, plan, optimizer_factory, config=...)``: the one entry point of the engine.
 
-It checks its arguments, resolves the plan, compares it across ranks, and builds the engine in
-the order of [Note: order of construction] with engine.build_engine ([Note: one assembly of an
-engine]), which gives the optimizer, with ``ShardConfig.adaptive``, the monitor
-(runtime/replan/adaptive.py; [Note: where a switch happens] there).
-A module of its own because the monitor switches plans (switch.py), which rebuilds engines:
-``engine <- switch <- adaptive <- shard`` is one-way only if ``shard`` lives above all three.
+It reads as its three steps (preflight.py [Note: preflight, resolve, assemble]): the preflight
+checks the arguments and builds the job, resolving decides its plan and all-reduce mode
+(amsp_ext/job.py), and engine.build_engine assembles the engine in the order of [Note: order of
+construction] ([Note: one assembly of an engine]), which gives the optimizer, with
+``ShardConfig.adaptive``, the monitor (runtime/replan/adaptive.py; [Note: where a switch
+happens] there). A module of its own because the monitor switches plans (switch.py), which
+rebuilds engines: ``engine <- switch <- adaptive <- shard`` is one-way only if ``shard`` lives
+above all three.
 """
 
 from __future__ import annotations
@@ -19,23 +21,24 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from amsp_ext.common.faults import faults
+from amsp_ext.job import ResolvedJob, problem
 from amsp_ext.planner.adaptive import check_replannable
-from amsp_ext.planner.plan import Plan, validate_plan
+from amsp_ext.planner.plan import Plan
 from amsp_ext.runtime import collectives as C
-from amsp_ext.runtime.measure.cluster import resolve_cluster_profile
 from amsp_ext.runtime.materialize import check_initializable, fill, model_on_meta
-from amsp_ext.runtime.replan.adaptive import AdaptiveRun, planner_problem
+from amsp_ext.runtime.replan.adaptive import AdaptiveRun
 from amsp_ext.runtime.state.init_source import open_init_source
 from amsp_ext.runtime.tensor_parallel import check_tensor_parallel, check_tp_plan
 from amsp_ext.runtime.config import ShardConfig
-from amsp_ext.runtime.engine import (check_same_everywhere, needs_profile, engine_device, enable_recompute, run_fingerprint,
-                                     resolve_engine_plan, same_initial_weights, plan_world, build_engine)
+from amsp_ext.runtime.engine import build_engine
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
+from amsp_ext.runtime.preflight import (check_same_everywhere, enable_recompute, engine_device, job_of, plan_world,
+                                        resolve_on_ranks, run_fingerprint, same_initial_weights)
 
 __all__ = ["shard"]
 
 
-def shard(model: nn.Module, plan: "Plan | str",
+def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
           optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
           config: ShardConfig | None = None,
           init_from=None,
@@ -50,37 +53,29 @@ def shard(model: nn.Module, plan: "Plan | str",
     checkpoint, each rank reading only its rows (runtime/materialize.py).
 
     ``plan``: a Plan, a factor string ``"p=2x1,g=2x1,os=2x2"``, a name (``ddp``, ``zero1``,
-    ``zero2``, ``zero3``, ``mics:K``) or ``"auto"``. ``optimizer_factory(masters)`` builds the
-    inner optimizer over the fp32 masters this rank owns (a list, forward order; each master
-    has ``.amsp_name``, the model's parameter name, to build param groups from).
+    ``zero2``, ``zero3``, ``mics:K``), ``"auto"``, or a ``ResolvedJob`` a launcher resolved
+    (amsp_ext/job.py; its job's engine settings are then the config: pass no other).
+    ``optimizer_factory(masters)`` builds the inner optimizer over the fp32 masters this rank
+    owns (a list, forward order; each master has ``.amsp_name``, the model's parameter name,
+    to build param groups from).
     ``comm``: the engine's collective context (collectives.py [Note: the collective context]);
     a caller passes its own to count or observe the engine's collectives from the first one on
     (None: a new one with ``config.timeout``). It is ``model.amsp.comm`` afterwards.
     """
-    _check_arguments(model, plan, optimizer_factory)
-    config = config or ShardConfig()
-    if not isinstance(config, ShardConfig):
-        raise ValueError(f"config must be a ShardConfig, got {type(config).__name__}")
-    if comm is not None and not isinstance(comm, C.CollectiveContext):
-        raise ValueError(f"comm must be a collectives.CollectiveContext, got {type(comm).__name__}")
-    if init_from is not None:
-        config = dataclasses.replace(config, init_from=str(init_from))
-    comm = comm if comm is not None else C.CollectiveContext(timeout=config.timeout)
-    check_replannable(plan, config.adaptive, flag="config.adaptive.allow_replan")
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("amsp_ext.shard needs torch.distributed initialized (torchrun + init_process_group)")
-    if getattr(model, "amsp", None) is not None:
-        raise ValueError("model is already sharded by amsp_ext.shard")
+    # -- preflight: the arguments, the world and the job, no collective ------------------------
     t_start = time.perf_counter()
+    resolved = plan if isinstance(plan, ResolvedJob) else None
+    config, comm = _checked(model, plan, optimizer_factory, config, init_from, comm, resolved)
     world = plan_world(config)
-    profile_source = None
-    if needs_profile(plan, world, config):  # measure/cluster.py [Note: where the measurement runs]
-        config, profile_source = resolve_cluster_profile(comm, config, world)
-    plan, config = resolve_engine_plan(plan, model, world, config)  # all_reduce "auto" decided
-    validate_plan(plan, gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes,
-                  structural_only=True)
+    job = resolved.job if resolved is not None else job_of(model, plan, config, world)
+    # -- resolve: the plan and the all-reduce mode (amsp_ext/job.py) ---------------------------
+    profile_source = resolved.profile_source if resolved is not None else None
+    if resolved is None:  # measure/cluster.py [Note: where the measurement runs]
+        resolved, source = resolve_on_ranks(comm, job, world)
+        profile_source = source.as_dict() if source is not None else None
+    plan, config = resolved.plan, dataclasses.replace(resolved.engine, init_from=config.init_from)
     # the monitor's planner problem (reads the profile), before any collective: bad input fails here
-    problem = planner_problem(model, world, config) if config.adaptive is not None else None
+    monitor_problem = problem(resolved) if config.adaptive is not None else None
     # initial values: the files are opened and checked against the model here, before any collective
     on_meta = model_on_meta(model)
     check_tensor_parallel(model, world, adaptive=config.adaptive)
@@ -89,7 +84,7 @@ def shard(model: nn.Module, plan: "Plan | str",
     if on_meta:
         check_initializable(model, from_files=init is not None)
     C.destroy_groups_at_exit()  # collectives.py [Note: process groups torn down at exit]
-    # -- first collective ------------------------------------------------------------------
+    # -- first collective: every rank about to build the same engine ---------------------------
     check_same_everywhere(comm, run_fingerprint(plan, config, world, model), config)
     device = engine_device(model)
     if not on_meta:
@@ -101,16 +96,43 @@ def shard(model: nn.Module, plan: "Plan | str",
             same_initial_weights(comm, model, config, world)
     if config.recompute:
         enable_recompute(model)
+    # -- assemble ----------------------------------------------------------------------------
     monitor = None
     if config.adaptive is not None:  # runtime/replan/adaptive.py: every optimizer.step() is a boundary
         def monitor(parts):
-            return AdaptiveRun(model, problem, config.adaptive, plan=parts.plan, world=parts.world,
+            return AdaptiveRun(model, monitor_problem, config.adaptive, plan=parts.plan, world=parts.world,
                                comm=comm, timeout=config.timeout,
                                first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
     engine = build_engine(model, plan, world, config, device, comm, optimizer_factory=optimizer_factory,
                           monitor=monitor, initial=(config.init_seed, init) if on_meta else None,
                           profile_source=profile_source)
     return model, engine.optimizer
+
+
+def _checked(model, plan, optimizer_factory, config, init_from, comm, resolved):
+    """``(config, comm)``: the arguments checked (one line each), the config a ResolvedJob
+    carries or the one given, ``init_from`` in it, the collective context to use."""
+    if resolved is not None:
+        if config is not None:
+            raise ValueError("amsp_ext.shard: a ResolvedJob carries its engine config (job.engine); "
+                             "pass it without config=")
+        config = resolved.job.engine
+    _check_arguments(model, plan, optimizer_factory)
+    config = config or ShardConfig()
+    if not isinstance(config, ShardConfig):
+        raise ValueError(f"config must be a ShardConfig, got {type(config).__name__}")
+    if comm is not None and not isinstance(comm, C.CollectiveContext):
+        raise ValueError(f"comm must be a collectives.CollectiveContext, got {type(comm).__name__}")
+    if init_from is not None:
+        config = dataclasses.replace(config, init_from=str(init_from))
+    # the request, not the plan it resolves to: adaptive may replace a plan asked as "auto" only
+    check_replannable(resolved.job.plan if resolved is not None else plan, config.adaptive,
+                      flag="config.adaptive.allow_replan")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("amsp_ext.shard needs torch.distributed initialized (torchrun + init_process_group)")
+    if getattr(model, "amsp", None) is not None:
+        raise ValueError("model is already sharded by amsp_ext.shard")
+    return config, comm if comm is not None else C.CollectiveContext(timeout=config.timeout)
 
 
 def _check_arguments(model, plan, optimizer_factory) -> None:
@@ -124,6 +146,6 @@ def _check_arguments(model, plan, optimizer_factory) -> None:
             f"amsp_ext.shard: optimizer_factory must be a callable that builds the optimizer from a "
             f"list of parameters (e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)), got "
             f"{type(optimizer_factory).__name__}")
-    if not isinstance(plan, (str, Plan)):
-        raise ValueError(f"amsp_ext.shard: plan must be a Plan or a string ('auto', 'zero3', "
-                         f"'p=2x1,g=2x1,os=2x2', ...), got {type(plan).__name__}")
+    if not isinstance(plan, (str, Plan, ResolvedJob)):
+        raise ValueError(f"amsp_ext.shard: plan must be a Plan, a string ('auto', 'zero3', "
+                         f"'p=2x1,g=2x1,os=2x2', ...) or a ResolvedJob, got {type(plan).__name__}")

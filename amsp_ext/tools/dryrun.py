@@ -165,16 +165,11 @@ def model_spec_of(spec: DryRunSpec):
 
 def resolved(spec: DryRunSpec):
     """``(plan, spec)``: the plan (named, explicit or ``auto``) validated for the world, and
-    ``spec`` with its engine's all-reduce mode decided for it as shard() decides it (planner/
-    auto.py [Note: all_reduce "auto"]; the ranks run with no planner inputs). One-line ValueError."""
-    from amsp_ext.planner.plan import resolve_plan, validate_plan
+    ``spec`` with its engine's all-reduce mode decided for it, by the resolver every route uses
+    (amsp_ext/job.py; the ranks run with no planner inputs). One-line ValueError."""
+    from amsp_ext.job import resolve
 
-    plan = None
-    if spec.plan != "auto":
-        plan = resolve_plan(spec.plan, gpus_per_node=spec.dp_gpus_per_node, num_nodes=spec.num_nodes)
-        validate_plan(plan, gpus_per_node=spec.dp_gpus_per_node, num_nodes=spec.num_nodes,
-                      structural_only=True)
-    planned = _planned(spec, plan)  # reads no profile unless it has to price
+    planned = resolve(job_of(spec))  # reads no profile unless it has to price
     engine = dataclasses.replace(spec.engine, all_reduce=planned.all_reduce.mode)
     return planned.plan, dataclasses.replace(spec, engine=engine)
 
@@ -192,17 +187,17 @@ def _training(spec: DryRunSpec):
                     all_reduce=DEFAULT_ALL_REDUCE)
 
 
-def _planned(spec: DryRunSpec, plan):
-    """The planner's plan (``plan`` None) and all-reduce mode for the dry run's job and engine."""
-    from amsp_ext.engine_config import planner_settings
-    from amsp_ext.planner.auto import AutoPlanConfig, resolve_auto
+def job_of(spec: DryRunSpec):
+    """The dry run's job (amsp_ext/job.py): the model's spec, the world, the engine's settings
+    with the step shape and the planner inputs, and the plan request."""
+    from amsp_ext.job import Job
+    from amsp_ext.planner.auto import AutoPlanConfig
 
     auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
                           num_micro_batches=spec.micro_batches, profile=spec.profile,
-                          missing=spec.missing_mesh)
-    return resolve_auto(model_spec_of(spec), auto, plan=plan, num_nodes=spec.num_nodes,
-                        gpus_per_node=spec.gpus_per_node, gpu_memory_bytes=spec.gpu_memory_bytes,
-                        tensor_parallel=spec.tensor_parallel, **planner_settings(spec.engine))
+                          missing=spec.missing_mesh, gpu_memory_bytes=spec.gpu_memory_bytes)
+    engine = dataclasses.replace(spec.engine, gpus_per_node=spec.gpus_per_node, auto=auto)
+    return Job(model=model_spec_of(spec), num_nodes=spec.num_nodes, engine=engine, plan=spec.plan)
 
 
 def planner_numbers(spec: DryRunSpec, plan) -> dict:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from amsp_ext.engine_config import DEFAULT_TIMEOUT_S
 from amsp_ext.planner.plan import Plan
 from amsp_ext.topology.groups import (ALL_REDUCE_KINDS, World, group_of, groups_over, level_axes,
                                       mesh_ranks, rank_groups)
@@ -155,7 +156,7 @@ def build_data_parallel_group(world: World, timeout: datetime.timedelta | None =
         pg = dist.new_group(g, timeout=timeout, group_desc="data_parallel")
         if me in g:
             mine = GroupHandle(pg=pg, name=f"data_parallel[{','.join(map(str, g))}]", size=len(g),
-                               timeout=(timeout or datetime.timedelta(seconds=600)).total_seconds(),
+                               timeout=timeout.total_seconds() if timeout else DEFAULT_TIMEOUT_S,
                                cross_node=world.num_nodes > 1)
     return mine
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["MAX_AGE_S", "CacheLookup", "ClusterFingerprint", "ProfileSource", "cache_dir", "host_facts", "lookup", "named_source",
-           "merge_facts", "store"]
+__all__ = ["MAX_AGE_S", "CacheLookup", "ClusterFingerprint", "ProfileSource", "cache_dir", "cpu_memory_per_rank",
+           "host_facts", "lookup", "named_source", "merge_facts", "store"]
 
 MAX_AGE_S = 7 * 24 * 3600
 CACHE_SCHEMA_KEY = "cluster_fingerprint"  # metadata key of a cached profile
@@ -179,6 +179,14 @@ def store(doc: dict[str, Any], fingerprint: ClusterFingerprint, *, directory: Pa
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def cpu_memory_per_rank(ranks_per_node: int) -> int:
+    """A CPU rank's share of this host's RAM: what plan "auto", ``amsp train``'s launcher and
+    ``amsp tune`` give the planner as the memory per rank where no device says it."""
+    import psutil
+
+    return psutil.virtual_memory().total // ranks_per_node
 
 
 def format_age(seconds: float) -> str:

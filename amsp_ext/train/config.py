@@ -17,11 +17,14 @@ Pure Python: importing it (``amsp train --help``) does not import torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from amsp_ext.choices import OBJECTIVES
 from amsp_ext.engine_config import EngineConfig
-from amsp_ext.common.models import MODEL_CONFIGS
+from amsp_ext.common.models import MODEL_CONFIGS, llama_config_dict
+from amsp_ext.job import Job
+from amsp_ext.planner.plan import is_auto
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.specs import parse_size
@@ -29,7 +32,8 @@ from amsp_ext.schema import check_options, option, section
 from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_OBJECTIVE
 
 __all__ = ["auto_plan_config", "DEFAULT_PLAN", "AdaptiveOptions", "BatchOptions", "CheckpointOptions",
-           "EngineConfig", "OptimOptions", "OutputOptions", "PlannerOptions", "TrainConfig"]
+           "EngineConfig", "OptimOptions", "OutputOptions", "PlannerOptions", "TrainConfig", "engine_shard_config",
+           "shard_config", "train_job"]
 
 DEFAULT_PLAN = "p=1x1,g=1x1,os=2x1"
 
@@ -183,7 +187,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_options(self)
         check_seq_len(self.batch, MODEL_CONFIGS[self.model]["max_position_embeddings"], self.model)
-        if self.adaptive.adaptive and not self.adaptive.adaptive_allow_replan and self.plan.strip().lower() != "auto":
+        if self.adaptive.adaptive and not self.adaptive.adaptive_allow_replan and not is_auto(self.plan):
             raise ValueError(f"--adaptive with --no-adaptive-allow-replan on --plan {self.plan} leaves "
                              f"adaptive nothing it may change: use --plan auto, drop "
                              f"--no-adaptive-allow-replan, or drop --adaptive")
@@ -211,3 +215,22 @@ def auto_plan_config_of(b: BatchOptions, pl: PlannerOptions) -> AutoPlanConfig:
                           num_micro_batches=b.micro_batches, profile=pl.profile, objective=pl.objective,
                           missing="fit", gpu_memory_bytes=pl.gpu_memory_bytes,
                           memory_reserve_bytes=pl.memory_reserve_bytes)
+
+
+def shard_config(config: TrainConfig) -> EngineConfig:
+    """The engine's configuration of this run (plan "auto" plans for the same batch shape)."""
+    return dataclasses.replace(engine_shard_config(config.engine, config.planner, config.batch),
+                               adaptive=config.adaptive.config())
+
+
+def engine_shard_config(engine: EngineConfig, pl: PlannerOptions, b: BatchOptions) -> EngineConfig:
+    """The engine config with the step shape plan "auto" plans for (``amsp tune`` shares the
+    sections with ``amsp train``)."""
+    return dataclasses.replace(engine, auto=auto_plan_config_of(b, pl))
+
+
+def train_job(config: TrainConfig, *, num_nodes: int, gpus_per_node: int) -> Job:
+    """``amsp train``'s surface as a Job (amsp_ext/job.py [Note: one job, resolved once]): the one
+    conversion, made by the launcher and again by every rank, so both resolve the same job."""
+    engine = dataclasses.replace(shard_config(config), init_seed=config.seed, gpus_per_node=gpus_per_node)
+    return Job(model=llama_config_dict(config.model), num_nodes=num_nodes, engine=engine, plan=config.plan)

@@ -41,15 +41,15 @@ from amsp_ext.planner.specs import job_spec
 from amsp_ext.engine_config import planner_settings
 from amsp_ext.runtime import collectives
 from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
-from amsp_ext.runtime.config import ShardConfig, compute_dtype
+from amsp_ext.runtime.config import compute_dtype
 from amsp_ext.runtime.optim.nonfinite import NonFiniteError
 from amsp_ext.runtime.measure.peak import device_peak
 from amsp_ext.runtime.step import train_step
-from amsp_ext.runtime.engine import plan_world
+from amsp_ext.job import ResolvedJob
+from amsp_ext.runtime.preflight import plan_world
 from amsp_ext.runtime.measure.profiler import pick_device
 from amsp_ext.runtime.tensor_parallel import check_llama_layout, parallelize_llama, tensor_parallel_mesh
-from amsp_ext.train.config import (BatchOptions, OptimOptions, PlannerOptions, TrainConfig,
-                                    auto_plan_config_of)
+from amsp_ext.train.config import OptimOptions, TrainConfig, train_job
 from amsp_ext.train.state import checkpoint_name, prune, resolve_resume
 
 
@@ -62,18 +62,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def shard_config(config: TrainConfig) -> ShardConfig:
-    """The engine's configuration of this run (plan "auto" plans for the same batch shape)."""
-    return dataclasses.replace(engine_shard_config(config.engine, config.planner, config.batch),
-                               adaptive=config.adaptive.config())
-
-
-def engine_shard_config(engine: ShardConfig, pl: PlannerOptions, b: BatchOptions) -> ShardConfig:
-    """The engine config with the step shape plan "auto" plans for (``amsp tune`` shares the
-    sections with ``amsp train``)."""
-    return dataclasses.replace(engine, auto=auto_plan_config_of(b, pl))
-
-
 def optimizer_factory(config: TrainConfig):
     return adamw_factory(config.optim)
 
@@ -83,7 +71,9 @@ def adamw_factory(o: OptimOptions):
                                             weight_decay=o.weight_decay)
 
 
-def train(config: TrainConfig) -> dict | None:
+def train(config: TrainConfig, resolved: dict | None = None) -> dict | None:
+    """One rank's run. ``resolved``: the job as the launcher resolved it (ResolvedJob.to_dict,
+    amsp_ext/job.py), else the ranks resolve it in shard()."""
     b, e = config.batch, config.engine
     # -- 1. processes ----------------------------------------------------------------------
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -98,13 +88,17 @@ def train(config: TrainConfig) -> dict | None:
     # with --init-from, on meta: each rank reads only its share of the files (runtime/materialize.py)
     model = build_llama(config.model, seed=config.seed, on_meta=e.init_from is not None)
     num_params = sum(p.numel() for p in model.parameters())
-    engine_config = dataclasses.replace(shard_config(config), init_seed=config.seed)
-    if e.tensor_parallel > 1:  # checked before the mesh's groups: T divides the node and the heads
-        plan_world(engine_config)
+    world = plan_world(e)  # T divides the node: checked before the TP mesh's groups
+    job = train_job(config, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node * world.tensor_parallel)
+    if e.tensor_parallel > 1:  # checked before the mesh's groups: T divides the heads
         check_llama_layout(model, e.tensor_parallel)
         parallelize_llama(model, tensor_parallel_mesh(e.tensor_parallel, device.type)["tp"])
-    model, optimizer = amsp_ext.shard(model, config.plan, optimizer_factory(config),
-                                      config=engine_config, comm=comm)
+    if resolved is not None:  # the launcher's decisions for this same job (checked against it)
+        model, optimizer = amsp_ext.shard(model, ResolvedJob.from_dict(resolved, job), optimizer_factory(config),
+                                          comm=comm)
+    else:
+        model, optimizer = amsp_ext.shard(model, job.plan, optimizer_factory(config), config=job.engine,
+                                          comm=comm)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, config))
     log(f"amsp train: {config.model} ({num_params / 1e6:.2f}M params) on {world_size} ranks "
         f"({model.amsp.world.num_nodes} node(s) x {model.amsp.world.gpus_per_node}"
@@ -127,7 +121,7 @@ def train(config: TrainConfig) -> dict | None:
         adaptive.follow_loop(total_steps=b.steps, first_step=len(history), log=log)
 
     # -- 4. the peak for MFU (common/metrics.py [Note: one MFU]) ---------------------------------
-    peak = device_peak(device, compute_dtype(engine_config), comm=comm)
+    peak = device_peak(device, compute_dtype(job.engine), comm=comm)
 
     # -- 5. the loop: global batch after global batch, until steps x global batch samples ---
     samples, step_times = _run_steps(config, model, optimizer, scheduler, samples=samples,
@@ -289,7 +283,7 @@ def _summary(config: TrainConfig, model, start: _Start, *, history: list, sample
         "loss": [h["loss"] for h in history],
         "switches": list(model.amsp.switches),
         # which cluster planned the job (None here: the launcher planned it and fills this in)
-        "profile": model.amsp.profile_source.as_dict() if model.amsp.profile_source else None,
+        "profile": model.amsp.profile_source,
         # collectives the cluster profile's look-up and measurement issued (collectives.py counters)
         "profile_collectives": sum(n for (_, kind), n in model.amsp.comm.counts.items()
                                    if kind.startswith(("profile_", "cluster_"))),
@@ -338,14 +332,14 @@ def _save(model, optimizer, scheduler, ck, *, step: int, samples: int, global_ba
         prune(Path(ck.save_dir), ck.keep)
 
 
-def run_worker(config: TrainConfig, result_file: str | None = None) -> int:
+def run_worker(config: TrainConfig, result_file: str | None = None, resolved: dict | None = None) -> int:
     """One rank of the job: train, then rank 0 writes the summary to ``result_file`` (or
-    prints it under ``--json``)."""
+    prints it under ``--json``). ``resolved``: the launcher's resolved job (``--resolved``)."""
     die_with_parent()  # never outlive the launcher's agent (amsp_ext/train/supervise.py)
     if os.environ.get(JOB_DIR_ENV):  # Ctrl-C: the launcher says it once, no traceback per rank
         signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     try:
-        result = train(config)
+        result = train(config, resolved)
     except KeyboardInterrupt:  # Ctrl-C: the launcher says it once (and exits 130), not every rank
         if os.environ.get(JOB_DIR_ENV):
             os._exit(130)
@@ -378,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a TrainConfig as JSON (what `amsp train` writes); no other flags then")
     schema.add_arguments(parser, TrainConfig)
     parser.add_argument("--result-file", default=None, help="rank 0 writes the JSON summary here")
+    parser.add_argument("--resolved", default=None,
+                        help="the job as `amsp train`'s launcher resolved it (JSON, amsp_ext/job.py)")
     args = parser.parse_args(argv)
     if args.config:
         if any(getattr(args, f.name) != f.default for _, f in schema.options(TrainConfig)):
@@ -386,7 +382,11 @@ def main(argv: list[str] | None = None) -> int:
             config = schema.from_json(TrainConfig, f.read())
     else:
         config = schema.from_namespace(TrainConfig, args)
-    return run_worker(config, args.result_file)
+    resolved = None
+    if args.resolved:
+        with open(args.resolved) as f:
+            resolved = json.load(f)
+    return run_worker(config, args.result_file, resolved)
 
 
 def exit_rank(code: int) -> None:

@@ -13,16 +13,6 @@ from typing import Any
 __all__ = ["run_tune"]
 
 
-def _device_memory(device, gpus_per_node: int) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    import psutil
-
-    return psutil.virtual_memory().total // gpus_per_node
-
-
 def _progress(total: int):
     """A tqdm bar on rank 0: plans measured / left, with an ETA."""
     from tqdm import tqdm
@@ -43,6 +33,12 @@ def _cluster_profile(config, comm, *, num_nodes: int, gpus_per_node: int):
     world = World.with_leaves(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                               nodes_per_leaf=config.engine.nodes_per_leaf)
     return cluster_profile(comm, world, timeout=config.engine.timeout)[0]
+
+
+def _rank_memory(ranks_per_node: int) -> int:
+    from amsp_ext.runtime.preflight import device_memory  # the engine's own answer
+
+    return device_memory(ranks_per_node)
 
 
 def run_tune(config, *, command: str) -> int:
@@ -78,7 +74,7 @@ def run_tune(config, *, command: str) -> int:
     dtype = PRECISIONS[config.engine.precision]
     peak = device_peak(device, dtype, comm=comm,
                        override_flops=t.peak_tflops * 1e12 if t.peak_tflops else None)
-    gpu_memory = config.planner.gpu_memory_bytes or _device_memory(device, R)
+    gpu_memory = config.planner.gpu_memory_bytes or _rank_memory(R)
     problems = make_problems(config, num_nodes=num_nodes, gpus_per_node=R,
                              gpu_memory_bytes=gpu_memory, peak_flops=peak.flops,
                              profile=_cluster_profile(config, comm, num_nodes=num_nodes, gpus_per_node=R))

@@ -2,7 +2,7 @@
 
 The job shape is ``amsp train``'s: the same sections (train/config.py: cluster, planner, batch,
 engine) give the same flags, defaults and validation, and the engine is configured from them by
-the same function (train/loop.py ``engine_shard_config``), so a plan measured here runs as
+the same function (train/config.py ``engine_shard_config``), so a plan measured here runs as
 ``amsp train --plan P`` with the same flags would. ``TuneOptions`` adds what only tuning has.
 ``--steps`` are the timed steps of every plan in every round and ``--warmup-steps`` the untimed
 ones before them (the optimizer runs at ``amsp train``'s default settings; no LR schedule).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from amsp_ext.common.models import MODEL_CONFIGS, llama_config_dict
-from amsp_ext.planner.plan import NAMED_PLANS, check_plan_text
+from amsp_ext.planner.plan import NAMED_PLANS, check_plan_text, is_auto
 from amsp_ext.schema import check_options, name_of, option, section
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.train.config import BatchOptions, PlannerOptions, check_seq_len
@@ -76,7 +76,7 @@ class TuneConfig:
     def __post_init__(self) -> None:
         check_options(self)
         check_seq_len(self.batch, self.hf_config().get("max_position_embeddings"), self.model_name)
-        if self.engine.all_reduce == "auto":  # tune fits the model to one mode's measurements
+        if is_auto(self.engine.all_reduce):  # tune fits the model to one mode's measurements
             raise ValueError("--all-reduce must be flat or two_level for amsp tune (it measures and "
                              "calibrates one mode per run), got 'auto'")
 

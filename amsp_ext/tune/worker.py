@@ -43,7 +43,8 @@ from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import PRECISIONS
 from amsp_ext.runtime.measure.comm_trace import CommTrace
-from amsp_ext.train.loop import adamw_factory, engine_shard_config
+from amsp_ext.train.config import engine_shard_config
+from amsp_ext.train.loop import adamw_factory
 from amsp_ext.train.config import OptimOptions
 from amsp_ext.tune.candidates import Candidate
 from amsp_ext.tune.spec import TuneConfig

@@ -22,6 +22,7 @@ from __future__ import annotations
 from amsp_ext.compare.config import OVERLAP_SWITCHES
 from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable, phase
 from amsp_ext.engine_config import EngineConfig, OverlapConfig
+from amsp_ext.planner.plan import is_auto
 from amsp_ext.common.models import causal_lm_loss
 
 __all__ = ["engine_config", "mics_plan", "plan_text", "setup"]
@@ -46,7 +47,7 @@ def mics_plan(spec, gpus_per_node: int) -> str:
 def plan_text(name: str, ctx: Context) -> str:
     if name == "amsp-mics":
         return mics_plan(ctx.spec, ctx.gpus_per_node)
-    if ctx.spec.amsp_plan.strip().lower() == "auto":
+    if is_auto(ctx.spec.amsp_plan):
         raise SystemUnavailable("the launcher must resolve amsp_plan='auto' to factors before "
                                 "starting ranks", status="failed")
     return ctx.spec.amsp_plan

@@ -59,10 +59,7 @@ def _route(original):
             ds_comm.init_distributed(dist_backend=tdist.get_backend(), dist_init_required=False)
         from amsp_ext.integrations.ds_initialize import initialize as amsp_initialize
 
-        kwargs.update(config=cfg, config_params=None)
-        if args is not None and (getattr(args, "deepspeed_config", None) is not None
-                                 or getattr(args, "deepscale_config", None) is not None):
-            kwargs["args"] = None  # the config was read from it already
+        # as given (a path stays a path): AMSP reads it again and names it in its messages
         return amsp_initialize(**kwargs)
 
     setattr(initialize, _MARK, original)

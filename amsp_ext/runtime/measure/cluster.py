@@ -41,7 +41,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from amsp_ext.planner.defaults import CLUSTER_PROFILE
 from amsp_ext.planner.profile import BandwidthProfile, load_profile
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.measure.profile_cases import ProfileConfig, profile_document
@@ -49,7 +48,7 @@ from amsp_ext.topology.groups import World
 from amsp_ext.topology.profile_cache import (ClusterFingerprint, ProfileSource, host_facts, lookup, merge_facts,
                                              named_source, store)
 
-__all__ = ["AUTO_PROFILE_CONFIG", "cluster_profile", "device_kind", "resolve_cluster_profile"]
+__all__ = ["AUTO_PROFILE_CONFIG", "cluster_profile", "cluster_profile_named", "device_kind"]
 
 AUTO_PROFILE_CONFIG = ProfileConfig.quick(priced_only=True)
 
@@ -115,17 +114,10 @@ def _measure(comm: C.CollectiveContext, world: World, fingerprint: ClusterFinger
     return doc, seconds
 
 
-def resolve_cluster_profile(comm: C.CollectiveContext, config, world: World, log=print):
-    """``(config, source)``: ``config`` (a ShardConfig) with ``auto.profile`` "cluster" replaced
-    by this cluster's profile, and where the profile comes from (a named one: said by rank 0,
-    loaded by the planner); unchanged (source None) without a profile name."""
-    auto = config.auto
-    if auto is None or not isinstance(auto.profile, str):
-        return config, None
-    if auto.profile != CLUSTER_PROFILE:
-        source = named_source(auto.profile, load_profile(auto.profile).metadata)  # bad: one line, here
-        if dist.get_rank() == 0:
-            log(source.line(), file=sys.stderr)
-        return config, source
-    profile, source = cluster_profile(comm, world, timeout=config.timeout)
-    return dataclasses.replace(config, auto=dataclasses.replace(auto, profile=profile)), source
+def cluster_profile_named(name: str, log=print) -> ProfileSource:
+    """Where a named profile (a bundled name or a file) comes from, said once by rank 0; a bad
+    name is one line, here, before any collective."""
+    source = named_source(name, load_profile(name).metadata)
+    if dist.get_rank() == 0:
+        log(source.line(), file=sys.stderr)
+    return source

@@ -74,14 +74,11 @@ import torch.distributed as dist
 from amsp_ext.common.faults import slow_factor
 from amsp_ext.planner.adaptive import (AdaptiveConfig, Decision, Monitor, decide, predicted_trace_kinds,
                                        refit_scales, replan, switch_move_s, trace_kinds_cross_nodes)
-from amsp_ext.planner.auto import auto_problem
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.measure.comm_trace import KINDS, CommTrace
-from amsp_ext.runtime.config import planner_settings
-from amsp_ext.runtime.engine import device_memory
 from amsp_ext.runtime.replan.switch import switch_plan
 
-__all__ = ["AdaptiveRun", "planner_problem"]
+__all__ = ["AdaptiveRun"]
 
 RATIO_STEPS = 10_000  # per-step ratios kept for the run's summary (a long run must not grow)
 
@@ -91,20 +88,9 @@ def _log_rank0(line: str) -> None:
         print(f"[amsp] {line}", file=sys.stderr, flush=True)
 
 
-def planner_problem(model, world, config) -> Any:
-    """The planner's Problem for this run: the one plan "auto" searches (engine._planned),
-    for the model's Hugging Face config, ``world`` and ``config.auto`` (ShardConfig requires it
-    with ``adaptive``). No collective: ``shard`` builds it before its first one, so a bad
-    profile fails there."""
-    hf = model.config.to_dict() if hasattr(model, "config") else None
-    return auto_problem(hf, config.auto, num_nodes=world.num_nodes, gpus_per_node=world.gpus_per_node,
-                        gpu_memory_bytes=config.auto.gpu_memory_bytes or device_memory(world.gpus_per_node),
-                        **planner_settings(config))
-
-
 class AdaptiveRun:
     """Monitor, decide and switch for one run (see the Notes). ``shard`` builds it (it installs
-    the trace then) with the run's planner ``problem`` (``planner_problem``), the first ``plan``
+    the trace then) with the run's planner ``problem`` (``amsp_ext.job.problem``), the first ``plan``
     and ``world`` and the engine's ``comm``; ``close()`` removes the trace."""
 
     def __init__(self, model, problem, adaptive: AdaptiveConfig, *, plan, world, comm: C.CollectiveContext,

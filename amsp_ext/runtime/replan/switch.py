@@ -58,12 +58,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
-from amsp_ext.planner.plan import Plan, validate_plan
+from amsp_ext.planner.plan import Plan
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.state.checkpoint import reshard_all, rng_state, set_rng_state, engine_of, wait_for_save
-from amsp_ext.runtime.engine import (AMSPModule, Engine, build_engine, check_same_everywhere,
-                                     resolve_engine_plan, run_fingerprint)
+from amsp_ext.runtime.engine import AMSPModule, Engine, build_engine
+from amsp_ext.runtime.preflight import check_same_everywhere, job_of, resolve_on_ranks, run_fingerprint
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
 __all__ = ["switch_plan"]
@@ -79,10 +79,9 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     same object too. A no-op (after the agreement check) when the plan does not change.
     """
     e = engine_of(model, optimizer)
-    # e.config's all-reduce mode was decided at shard(): a switch keeps it
-    new, _ = resolve_engine_plan(plan, model, e.world, e.config)
-    validate_plan(new, gpus_per_node=e.world.gpus_per_node, num_nodes=e.world.num_nodes,
-                  structural_only=True)
+    # e.config's all-reduce mode was decided at shard() and its profile found: a switch keeps
+    # both, and plan "auto" is resolved as shard() resolves it (amsp_ext/job.py)
+    new = resolve_on_ranks(e.comm, job_of(model, plan, e.config, e.world), e.world)[0].plan
     if e.grad_sync.owned or e.grad_sync.kept or e.grad_sync.mode is not None:
         raise ValueError("switch_plan: call it between steps (after optimizer.step() and "
                          "optimizer.zero_grad()), not with gradients pending")

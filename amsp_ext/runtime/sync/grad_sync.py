@@ -175,7 +175,7 @@ class GradSync:
         """The owned gradients as the loop left them, for ``step`` and the clip."""
         if self.pending_local:
             raise RuntimeError(
-                "amsp: step() after a backward inside model.no_sync(): its gradients were never "
+                "amsp: step() after a backward inside no_sync(): its gradients were never "
                 "reduced; run the last micro-batch's backward outside no_sync()")
         self.exposure.adopt(self.owned)
         return self.owned
