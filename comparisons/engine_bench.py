@@ -97,7 +97,10 @@ def _engine_loop(model, opt, rank, world, M, mbs, seq):
         for m in range(M):
             with (model.no_sync() if m < M - 1 else contextlib.nullcontext()):
                 opt.backward(causal_lm_loss(model, _batch(s, m, rank, world, M, mbs, seq)) / M)
-        opt.step()
+        # the engine's own loops leave the broadcasts to the next forward (optimizer.py [Note:
+        # parameters current after step()]); overlap.broadcast off still waits inside step()
+        with opt.broadcast_under_next_forward():
+            opt.step()
         opt.zero_grad()
     return run_step
 

@@ -165,6 +165,11 @@ def _trainer(env, out, *extra, plan="p=2x1,g=2x1,os=2x1", blocks=True):
                  "--output-dir", str(out), *extra], env)
 
 
+def _evals(proc) -> dict[str, float]:
+    return {e["when"]: e["eval_loss"] for e in (json.loads(l[5:]) for l in proc.stdout.splitlines()
+                                                if l.startswith("EVAL "))}
+
+
 def _trainer_logs(proc):
     logs = [json.loads(l[4:]) for l in proc.stdout.splitlines() if l.startswith("LOG ")]
     data = [json.loads(l[5:]) for l in proc.stdout.splitlines() if l.startswith("DATA ")]
@@ -172,12 +177,20 @@ def _trainer_logs(proc):
     return logs, data, setup
 
 
-def test_hf_trainer_amsp_equals_hf_trainer_ddp(launch_env, tmp_path):
+@pytest.mark.parametrize("plan", ["p=1x1,g=2x1,os=2x1",
+                                  pytest.param("p=2x1,g=2x1,os=2x1", marks=pytest.mark.slow)])
+def test_hf_trainer_amsp_equals_hf_trainer_ddp(launch_env, tmp_path, plan):
     """Without optimizer/scheduler blocks the Trainer builds its own AdamW (decay / no-decay
     groups) and linear schedule, which AMSP rebuilds over its masters. The same script on the
-    Trainer's DDP (ACCELERATE_USE_CPU makes it drop DeepSpeed, FIELD_NOTES) is the reference."""
-    amsp, amsp_data, setup = _trainer_logs(_trainer(launch_env, tmp_path / "amsp", "--save-steps", "0",
-                                                    plan="p=1x1,g=2x1,os=2x1", blocks=False))
+    Trainer's DDP (ACCELERATE_USE_CPU makes it drop DeepSpeed, FIELD_NOTES) is the reference,
+    also for the evaluation after training and for a run that only evaluates (the model
+    prepared for inference alone: a forward-only engine, patches/transformers_ds_inference.py)."""
+    proc = _trainer(launch_env, tmp_path / "amsp", "--save-steps", "0", "--eval", "after", plan=plan, blocks=False)
+    amsp, amsp_data, setup = _trainer_logs(proc)
+    amsp_evals = _evals(proc)
+    only = _trainer(launch_env, tmp_path / "amsp-eval", "--eval", "only", plan=plan, blocks=False)
+    assert "optimizer none (forward-only)" in only.stdout
+    amsp_evals.update(_evals(only))
     assert all(d["engine"] == "AMSPDeepSpeedEngine" for d in amsp_data)
     assert {s["world_size"] for s in setup} == {2}  # the batch size is computed for world 2
     # the example config keeps ZeRO-3's keys (as migrate does): no deepspeed.zero.Init under AMSP
@@ -185,8 +198,15 @@ def test_hf_trainer_amsp_equals_hf_trainer_ddp(launch_env, tmp_path):
     env = {**launch_env, "ACCELERATE_USE_CPU": "true"}
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  "tests/scripts/hf_trainer_train.py", "--output-dir", str(tmp_path / "ddp"),
-                 "--save-steps", "0"], env)
+                 "--save-steps", "0", "--eval", "after"], env)
     logs, data, _ = _trainer_logs(proc)
+    ddp_evals = _evals(proc)
+    ddp_evals.update(_evals(_run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc-per-node=2", "tests/scripts/hf_trainer_train.py", "--output-dir",
+                                  str(tmp_path / "ddp-eval"), "--eval", "only"], env)))
+    assert set(amsp_evals) == set(ddp_evals) == {"only", "after"}
+    for when, loss in ddp_evals.items():
+        assert abs(amsp_evals[when] - loss) <= 1e-6 * loss, (when, amsp_evals, ddp_evals)
     assert all(d["engine"] == "DistributedDataParallel" for d in data)
     assert [l["step"] for l in amsp] == [l["step"] for l in logs] == [1, 2, 3, 4]
     for a, b in zip(amsp, logs):

@@ -5,10 +5,14 @@ from_pretrained; under AMSP each rank reads its share), the folder from tests/tr
 SFT scores its loss through TRL's fused LM head, which reads ``lm_head.weight`` inside the
 model's forward without calling ``lm_head`` (runtime/sync/outside_reads.py [Note: parameters
 read outside their module's forward]): before that fix the sharded plan's step-1 gradient
-norm was 3.245 where DDP's is 3.536.
+norm was 3.245 where DDP's is 3.536. DPO and GRPO (``beta > 0``) build a reference model from
+the same folder and prepare it with ``deepspeed.initialize`` and no optimizer: a forward-only
+engine (runtime/sync/grad_sync.py [Note: a model without an optimizer]); before it, both failed
+at construction ("no optimizer"). GRPO generates with the unwrapped AMSP model
+(integrations/patches/trl_amsp_backend.py).
 
 Tolerance: each logged step's loss and gradient norm within 1e-5 relative (observed: equal
-losses, norms within 1e-7).
+losses, norms within 1e-7); DPO's first loss is ln 2 within 1e-6 (policy = reference).
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ def _run(env, assets, tmp_path, trainer, *extra, plan=None):
     return proc
 
 
+def _plan_lines(proc) -> list[str]:
+    return [l for l in proc.stdout.splitlines() if l.startswith("[amsp] plan ")]
+
+
 def _same_steps(got, ref):
     assert [l["step"] for l in got] == [l["step"] for l in ref] == [1, 2, 3]
     for a, b in zip(got, ref):
@@ -83,3 +91,41 @@ def test_sft_trains_as_ddp_under_zero3_and_mics(env, assets, sft_ddp, tmp_path, 
 def test_sft_with_lora_or_recompute_trains_as_ddp(env, assets, tmp_path, extra):
     ref = _logs(_run(env, assets, tmp_path, "sft", *extra))
     _same_steps(_logs(_run(env, assets, tmp_path, "sft", *extra, plan="p=2x1,g=2x1,os=2x1")), ref)
+
+
+SHARDED = "p=2x1,g=2x1,os=2x1"
+
+
+def test_dpo_with_its_reference_model_trains_as_ddp(env, assets, tmp_path):
+    """TRL builds the reference from the same folder: a forward-only engine under the same plan
+    (its own plan line: optimizer none), then the policy's; the losses and norms are DDP's."""
+    import math
+
+    ref = _logs(_run(env, assets, tmp_path, "dpo"))
+    proc = _run(env, assets, tmp_path, "dpo", plan=SHARDED)
+    lines = _plan_lines(proc)
+    assert len(lines) == 2 and "optimizer none (forward-only)" in lines[0] and "optimizer client" in lines[1], lines
+    got = _logs(proc)
+    assert abs(got[0]["loss"] - math.log(2)) <= 1e-6, got[0]
+    _same_steps(got, ref)
+
+
+def test_grpo_with_a_reference_model_generates_and_trains(env, assets, tmp_path):
+    proc = _run(env, assets, tmp_path, "grpo", plan=SHARDED)
+    assert "optimizer none (forward-only)" in _plan_lines(proc)[0]
+    got = _logs(proc)
+    assert [l["step"] for l in got] == [1, 2, 3] and all(math_finite(l["loss"]) for l in got), got
+    assert all("kl" in l for l in got)  # beta > 0: the reference model scored every step
+
+
+def math_finite(x) -> bool:
+    import math
+
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@pytest.mark.slow  # the default tier runs GRPO under AMSP alone and DPO against DDP
+@pytest.mark.parametrize("trainer,extra", [("grpo", []), ("dpo", ["--peft"]), ("grpo", ["--peft"])])
+def test_dpo_and_grpo_train_as_ddp_also_with_lora(env, assets, tmp_path, trainer, extra):
+    ref = _logs(_run(env, assets, tmp_path, trainer, *extra))
+    _same_steps(_logs(_run(env, assets, tmp_path, trainer, *extra, plan=SHARDED)), ref)

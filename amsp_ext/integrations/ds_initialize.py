@@ -199,6 +199,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     from amsp_ext.integrations.patches.transformers_meta_load import adopt
     from amsp_ext.runtime.materialize import model_on_meta
 
+    prior = getattr(model, "amsp", None)
+    if prior is not None and prior.forward_only and factory is not None:
+        # evaluated before training (patches/transformers_ds_inference.py): whole again, then trained
+        from amsp_ext.runtime.replan.switch import release_forward_only
+
+        release_forward_only(model)
     comm = CollectiveContext(timeout=settings.engine.timeout)  # the engine's, from the first broadcast
     folder = adopt(model)  # [Note: which from_pretrained loads on meta]: no whole fill from here on
     on_meta = model_on_meta(model)

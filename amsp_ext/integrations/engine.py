@@ -76,7 +76,8 @@ class AMSPDeepSpeedEngine(nn.Module):
         self._is_gradient_accumulation_boundary: bool | None = None
         self._step_applied = False
         self.inside_no_sync_ctxt = False
-        self.optimizer.overflow = False
+        if self.optimizer is not None:  # None: a forward-only model (a reference, reward model)
+            self.optimizer.overflow = False
 
     # -- attribute pass-through, as DeepSpeedEngine ----------------------------------------------
     def __getattr__(self, name: str):
@@ -138,7 +139,8 @@ class AMSPDeepSpeedEngine(nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._is_gradient_accumulation_boundary = bool(is_boundary)
         # DeepSpeed sets it on its ZeRO optimizers too; code written for them may read it
-        self.optimizer.is_gradient_accumulation_boundary = bool(is_boundary)
+        if self.optimizer is not None:
+            self.optimizer.is_gradient_accumulation_boundary = bool(is_boundary)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -151,7 +153,15 @@ class AMSPDeepSpeedEngine(nn.Module):
         finally:
             self.inside_no_sync_ctxt = False
 
+    def _trainable(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"engine.{what}: {type(self.module).__name__.removeprefix('FSDP')} was "
+                               f"initialized without an optimizer (a forward-only model: a reference or "
+                               f"reward model); give deepspeed.initialize an optimizer or an 'optimizer' "
+                               f"block to train it")
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        self._trainable("backward")
         if not (torch.is_tensor(loss) and loss.numel() == 1 and loss.requires_grad):
             raise ValueError("engine.backward needs a scalar loss tensor that requires grad")
         gas = self.gradient_accumulation_steps()
@@ -163,6 +173,7 @@ class AMSPDeepSpeedEngine(nn.Module):
         return scaled.detach()
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+        self._trainable("step")
         if self.inside_no_sync_ctxt:
             raise RuntimeError("It is illegal to call engine.step() inside the no_sync context manager")
         self._step_applied = False
@@ -199,7 +210,7 @@ class AMSPDeepSpeedEngine(nn.Module):
         return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.last_grad_norm
+        return self.optimizer.last_grad_norm if self.optimizer is not None else None
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

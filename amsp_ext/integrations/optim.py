@@ -176,8 +176,14 @@ def _checked(cls: type, params: dict[str, Any]) -> dict[str, Any]:
 
 def build_optimizer_factory(model: nn.Module, *, client_optimizer: Any, model_parameters: Any,
                             ds_config: Mapping[str, Any]
-                            ) -> tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer], str]:
-    """The ``optimizer_factory`` for ``amsp_ext.shard`` and a short description of its source."""
+                            ) -> tuple[Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, str]:
+    """The ``optimizer_factory`` for ``amsp_ext.shard`` and a short description of its source.
+    None where no optimizer is asked for at all (no client optimizer, no ``model_parameters``,
+    no 'optimizer' block): a forward-only model, as DeepSpeed builds an engine without an
+    optimizer for a reference model (runtime/sync/grad_sync.py [Note: a model without an
+    optimizer])."""
+    if client_optimizer is None and model_parameters is None and "optimizer" not in ds_config:
+        return None, "none (forward-only)"
     trainable = [p for p in model.parameters() if p.requires_grad]
     source = model_parameters if model_parameters is not None else trainable
     if isinstance(client_optimizer, torch.optim.Optimizer):
@@ -229,8 +235,13 @@ class _Collect:
         self.groups = groups
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, *, client_scheduler: Any,
+def build_scheduler(optimizer: torch.optim.Optimizer | None, *, client_scheduler: Any,
                     ds_config: Mapping[str, Any]) -> Any:
+    if optimizer is None:  # forward-only: nothing to schedule
+        if client_scheduler is not None or ds_config.get("scheduler") is not None:
+            raise ConfigError("lr_scheduler / 'scheduler' block: a model with no optimizer has no "
+                              "learning rate to schedule; give an optimizer or drop the scheduler")
+        return None
     if client_scheduler is not None:
         if hasattr(client_scheduler, "step") and hasattr(client_scheduler, "optimizer"):
             # bound to the client optimizer, which is now the inner optimizer (see the Note)

@@ -9,6 +9,8 @@ ds_config that carries an ``"amsp"`` block.
 
 from __future__ import annotations
 
+import importlib
+
 __all__ = ["patch_accelerate", "patch_deepspeed", "unpatch_deepspeed"]
 
 
@@ -36,12 +38,12 @@ def patch_deepspeed() -> dict[str, str]:
         done[transformers_meta_load.NAME] = transformers_meta_load.apply()
     except ImportError:
         pass
-    try:
-        from amsp_ext.integrations.patches import peft_meta_load
-
-        done[peft_meta_load.NAME] = peft_meta_load.apply()
-    except ImportError:
-        pass
+    for name in ("peft_meta_load", "trl_amsp_backend", "transformers_ds_inference"):
+        try:
+            module = importlib.import_module(f"amsp_ext.integrations.patches.{name}")
+            done[module.NAME] = module.apply()
+        except ImportError:  # peft / trl / transformers not installed
+            pass
     try:
         import accelerate  # noqa: F401
     except ImportError:

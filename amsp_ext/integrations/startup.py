@@ -18,7 +18,10 @@ setup.py) runs one line at every interpreter start:
 - when it imports ``transformers.modeling_utils``: ``from_pretrained`` builds on meta while an
   AMSP ds_config is in play, and each rank later reads only its share
   (patches/transformers_meta_load.py); when it imports ``peft``'s tuners, a model left on meta
-  is filled before adapters are injected into it (patches/peft_meta_load.py).
+  is filled before adapters are injected into it (patches/peft_meta_load.py); when it imports
+  ``trl.distributed``, TRL sees AMSP's plan, not ZeRO-3 (patches/trl_amsp_backend.py); when it
+  imports ``transformers.trainer``, an evaluation before training prepares a forward-only engine
+  (patches/transformers_ds_inference.py).
 
 [Note: why always, and no environment variable]
 Whether a job runs AMSP is the ds_config's ``amsp.enabled`` and nothing else: plain DeepSpeed
@@ -70,6 +73,19 @@ def _patch_peft(_module) -> None:
     _say(f"peft inject_adapter {peft_meta_load.apply()}")
 
 
+def _patch_trainer(module) -> None:
+    from amsp_ext.integrations.patches import transformers_ds_inference
+
+    _say(f"transformers deepspeed_init {transformers_ds_inference.apply()}")
+    transformers_ds_inference.rebind_trainer(module)
+
+
+def _patch_trl(_module) -> None:
+    from amsp_ext.integrations.patches import trl_amsp_backend
+
+    _say(f"trl DistributedBackend {trl_amsp_backend.apply()}")
+
+
 def activate() -> bool:
     """Install the post-import hooks (idempotent: site processes a venv's ``lib`` and its
     ``lib64`` symlink as two site directories, so .pth lines may run twice)."""
@@ -85,4 +101,6 @@ def activate() -> bool:
     when_imported("accelerate", _patch_accelerate)
     when_imported("transformers.modeling_utils", _patch_transformers)
     when_imported("peft.tuners.tuners_utils", _patch_peft)
+    when_imported("trl.distributed", _patch_trl)
+    when_imported("transformers.trainer", _patch_trainer)
     return True

@@ -35,7 +35,8 @@ __all__ = [
     "end_coalescing", "flatten_dense_tensors",
     "fake_store", "fake_tensor_mode", "nominal_fake_scalars", "fsdp_all_gather_streams",
     "fsdp_unsharded_tensors",
-    "live_process_groups", "local_chunk", "local_chunk_offset", "mem_tracker", "mesh_flatten", "mesh_root",
+    "fsdp_lazy_init", "live_process_groups", "local_chunk", "local_chunk_offset", "mem_tracker", "mesh_flatten",
+    "mesh_root",
     "mesh_unflatten", "op_observer",
     "real_device_meshes", "real_tensors", "optimizer_hooks",
     "queue_backward_callback", "RaisingTensor",
@@ -82,6 +83,14 @@ def fsdp_all_gather_streams(root: nn.Module) -> list:
     if ctx is None:
         return []
     return [getattr(ctx, n) for n in ("all_gather_copy_in_stream", "all_gather_stream") if hasattr(ctx, n)]
+
+
+def fsdp_lazy_init(root: nn.Module) -> None:
+    """``FSDPState._lazy_init`` of the root: what FSDP2 runs at the root's first forward (the
+    root marked, every module's state sharing its comm context), run now, so that a forward
+    entered below the root (``PeftModel.generate`` calls the base model's forward) finds the
+    states initialized rather than each module making itself a root."""
+    root._get_fsdp_state()._lazy_init()  # type: ignore[operator]
 
 
 def set_fsdp_unshard_async_op(module: nn.Module, async_op: bool) -> None:

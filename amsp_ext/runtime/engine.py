@@ -80,7 +80,7 @@ class Engine:
     # on meta])
     built: ClassVar[int] = 0
 
-    def __init__(self, parts: EngineParts, optimizer: AMSPOptimizer, *, full_state_dict: bool = False,
+    def __init__(self, parts: EngineParts, optimizer: AMSPOptimizer | None, *, full_state_dict: bool = False,
                  switches: list[dict] | None = None, retired_meshes: list[PlanMesh] | None = None,
                  profile_source=None) -> None:
         self.plan, self.world, self.mesh, self.config = parts.plan, parts.world, parts.mesh, parts.config
@@ -116,6 +116,11 @@ class Engine:
     def owned_indices(self) -> list[int]:
         return [t.index for t in self.tensors if t.owner_rank == self.rank]
 
+    @property
+    def forward_only(self) -> bool:
+        """Sharded without an optimizer (grad_sync.py [Note: a model without an optimizer])."""
+        return self.optimizer is None
+
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's model-state bytes, to compare with the planner's memory model.
 
@@ -129,8 +134,11 @@ class Engine:
         for t in self.tensors:
             loc = t.local()
             params += t.numel * loc.element_size()
+        if self.forward_only:  # no local tensors laid out: every parameter is stored as it is
+            unique = {id(p): p for u in self.units for _, p in u.params}.values()
+            params = sum(compat.dtensor_local(p).numel() * compat.dtensor_local(p).element_size() for p in unique)
         grads = max(self.grad_sync.peak_grad_bytes, self.grad_sync.grad_bytes())
-        master, states = self.optimizer.state_bytes()
+        master, states = self.optimizer.state_bytes() if self.optimizer is not None else (0, 0)
         return {"params": params, "grads": grads, "master": master, "optim_states": states,
                 "total": params + grads + master + states}
 
@@ -244,6 +252,14 @@ def _grad_exposure(tensors: list[LocalTensor], plan: Plan, world: World, mesh: P
     return GradExposure(tensors, mode="absent", why=why)
 
 
+def _forward_only_message(model: nn.Module, plan: Plan) -> str:
+    name = type(model).__name__.removeprefix("FSDP")  # fully_shard renamed the class
+    return (f"amsp: backward through {name}, sharded under plan {plan} without an "
+            f"optimizer (a reference, reward or teacher model): it keeps no gradients; run its "
+            f"forward under torch.no_grad(), or give it an optimizer to train it (shard()'s "
+            f"optimizer_factory; deepspeed.initialize(optimizer=...) or an 'optimizer' block)")
+
+
 def run_info(parts: EngineParts) -> dict:
     return {"plan": str(parts.plan), "world": [parts.world.num_nodes, parts.world.gpus_per_node]}
 
@@ -263,10 +279,14 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
     ``initial``: see ``build_parts``. ``profile_source``: where the first plan's profile came
     from (runtime/measure/cluster.py), kept by every switch."""
     guard = optimizer.guard if optimizer is not None else NonFiniteGuard(max_bad_steps=config.max_bad_steps)
-    parts = build_parts(model, plan, world, config, device, comm, guard=guard, initial=initial)
+    forward_only = optimizer is None and optimizer_factory is None
+    parts = build_parts(model, plan, world, config, device, comm, guard=guard, initial=initial,
+                        forward_only=forward_only)
     wiring = dict(tensors=parts.tensors, grads=parts.grad_sync, params=parts.param_sync,
                   norm_group=parts.norm_group, run_info=run_info(parts))
-    if optimizer is None:
+    if forward_only:  # grad_sync.py [Note: a model without an optimizer]
+        pass
+    elif optimizer is None:
         optimizer = AMSPOptimizer(parts.masters, optimizer_factory, device=device, precision=config.precision,
                                   fp16=config.fp16, guard=guard,
                                   adaptive=monitor(parts) if monitor is not None else None, **wiring)
@@ -282,7 +302,7 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
 
 def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
                 device: torch.device, comm: C.CollectiveContext, *, guard: NonFiniteGuard,
-                initial=None) -> EngineParts:
+                initial=None, forward_only: bool = False) -> EngineParts:
     """Steps 3-6 of [Note: order of construction]: the mesh, the units (FSDP2 when sp > 1), the
     layout, the owners' fp32 masters, the model in the compute dtype, GradSync and ParamSync
     (not yet installed), all issuing through ``comm``. ``guard``: the optimizer's non-finite
@@ -291,7 +311,11 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
 
     ``initial`` None: ``model`` is fp32 and every rank holds it whole. Else the model is on meta
     and ``initial`` is ``(seed, source or None)``: only the local tensors are allocated and
-    filled (materialize.py [Note: starting a model larger than one device])."""
+    filled (materialize.py [Note: starting a model larger than one device]).
+
+    ``forward_only``: no optimizer will own anything (grad_sync.py [Note: a model without an
+    optimizer]): no local tensors are laid out, so no gradient path, master or broadcast exists;
+    the parameters are sharded and filled as for training."""
     tp = world.tensor_parallel > 1
     tp_sharded = tp_sharded_names(model) if tp else set()  # before FSDP2 makes every parameter a DTensor
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
@@ -310,10 +334,9 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     if initial is not None:
         materialize(model, device, dtype)
         refresh_params(units, model)
-    tensors = build_layout(units, plan=plan, world=world, rank=rank,
-                           bcast_ranks=mesh.ranks["optim_bcast"],
-                           shard_ranks=mesh.ranks["param_shard"], policy=config.ownership,
-                           tp_sharded=frozenset(tp_sharded))
+    tensors = [] if forward_only else build_layout(
+        units, plan=plan, world=world, rank=rank, bcast_ranks=mesh.ranks["optim_bcast"],
+        shard_ranks=mesh.ranks["param_shard"], policy=config.ownership, tp_sharded=frozenset(tp_sharded))
     owned = [t for t in tensors if t.owner_rank == rank]
     fp32_rows: dict[int, torch.Tensor] = {}
     if initial is not None:
@@ -321,17 +344,7 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         fp32_rows = fill(model, device=device, seed=seed, source=source, init_buffers=True,
                          keep_fp32={id(t.param) for t in owned} if dtype != torch.float32 else set())
     with torch.no_grad():
-        masters = {}
-        for t in owned:
-            local = t.local()
-            if dtype == torch.float32:
-                masters[t.index] = nn.Parameter(local)  # same storage: see optimizer.py
-            elif initial is not None:
-                masters[t.index] = nn.Parameter(fp32_rows.pop(id(t.param)))
-            else:
-                masters[t.index] = nn.Parameter(local.detach().to(torch.float32, copy=True))
-            # lets an optimizer_factory build param groups by name (e.g. no decay on norms)
-            masters[t.index].amsp_name = t.name
+        masters = _masters(owned, dtype, fp32_rows)
         if dtype != torch.float32 and initial is None:
             to_dtype_keep_buffers(model, dtype)
 
@@ -344,7 +357,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         overlap=config.overlap.allreduce,
         exposure=_grad_exposure(tensors, plan, world, mesh, dtype, reduce_dtype_of(config)),
         modules=[u.module for u in units], reduce_dtype=reduce_dtype_of(config),
-        fold_verdict=guard.fold if not norm.reduce else None)
+        fold_verdict=guard.fold if not norm.reduce else None,
+        refuse=(list(model.parameters()), _forward_only_message(model, plan)) if forward_only else None)
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
     param_sync = ParamSync(
         tensors, units, comm=comm, group=mesh.handle("optim_bcast", timeout=config.timeout), rank=rank,
@@ -352,9 +366,29 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         bucket_bytes=config.broadcast_staging_bytes,
         after_wait=(lambda: fsdp_streams_wait_current(model)) if plan.sp > 1 and device.type != "cpu" else None)
     outer_gather = OuterGather(model, units, tensors, plan=str(plan)) if plan.sp > 1 else None
+    if plan.sp > 1:  # its parameters are real now (meta ones fail it); see the compat note
+        compat.fsdp_lazy_init(model)
     return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,
                        device=device, masters=masters, grad_sync=grad_sync, param_sync=param_sync,
                        outer_gather=outer_gather, norm_group=norm, comm=comm)
+
+
+def _masters(owned: list[LocalTensor], dtype: torch.dtype,
+             fp32_rows: dict[int, torch.Tensor]) -> dict[int, nn.Parameter]:
+    """The owners' fp32 masters (step 5 of [Note: order of construction]): the parameter's own
+    storage under fp32, the rows ``fill`` kept for a model that was on meta, else a copy."""
+    masters = {}
+    for t in owned:
+        local = t.local()
+        if dtype == torch.float32:
+            masters[t.index] = nn.Parameter(local)  # same storage: see optimizer.py
+        elif id(t.param) in fp32_rows:
+            masters[t.index] = nn.Parameter(fp32_rows.pop(id(t.param)))
+        else:
+            masters[t.index] = nn.Parameter(local.detach().to(torch.float32, copy=True))
+        # lets an optimizer_factory build param groups by name (e.g. no decay on norms)
+        masters[t.index].amsp_name = t.name
+    return masters
 
 
 def install(model: nn.Module, engine: Engine) -> None:

@@ -13,6 +13,7 @@ above all three.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Callable
 
@@ -39,7 +40,7 @@ __all__ = ["shard"]
 
 
 def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
-          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+          optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None, *,
           config: ShardConfig | None = None,
           init_from=None,
           comm: C.CollectiveContext | None = None) -> tuple[nn.Module, AMSPOptimizer]:
@@ -57,7 +58,10 @@ def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
     (amsp_ext/job.py; its job's engine settings are then the config: pass no other).
     ``optimizer_factory(masters)`` builds the inner optimizer over the fp32 masters this rank
     owns (a list, forward order; each master has ``.amsp_name``, the model's parameter name,
-    to build param groups from).
+    to build param groups from). None: a forward-only model (a reference, reward or teacher
+    model): its parameters are sharded as the plan's p factors say, with no gradient, master or
+    optimizer state (g and os are ignored), and the optimizer returned is None
+    (sync/grad_sync.py [Note: a model without an optimizer]).
     ``comm``: the engine's collective context (collectives.py [Note: the collective context]);
     a caller passes its own to count or observe the engine's collectives from the first one on
     (None: a new one with ``config.timeout``). It is ``model.amsp.comm`` afterwards.
@@ -74,6 +78,8 @@ def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
         resolved, source = resolve_on_ranks(comm, job, world)
         profile_source = source.as_dict() if source is not None else None
     plan, config = resolved.plan, dataclasses.replace(resolved.engine, init_from=config.init_from)
+    if optimizer_factory is None:
+        plan = _forward_only(plan)
     # the monitor's planner problem (reads the profile), before any collective: bad input fails here
     monitor_problem = problem(resolved) if config.adaptive is not None else None
     # initial values: the files are opened and checked against the model here, before any collective
@@ -109,6 +115,16 @@ def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
     return model, engine.optimizer
 
 
+def _forward_only(plan: Plan) -> Plan:
+    """A forward-only model's plan: the p factors; g and os are ignored (one line says so)."""
+    kept = Plan(s0_p=plan.s0_p, s1_p=plan.s1_p, s0_g=plan.s0_p, s1_g=plan.s1_p, s0_os=plan.s0_p,
+                s1_os=plan.s1_p)
+    if kept != plan and dist.get_rank() == 0:
+        print(f"[amsp] forward-only model (no optimizer): plan {plan} runs as {kept}, its parameters "
+              f"sharded by p; the g and os factors are ignored", file=sys.stderr, flush=True)
+    return kept
+
+
 def _checked(model, plan, optimizer_factory, config, init_from, comm, resolved):
     """``(config, comm)``: the arguments checked (one line each), the config a ResolvedJob
     carries or the one given, ``init_from`` in it, the collective context to use."""
@@ -125,6 +141,9 @@ def _checked(model, plan, optimizer_factory, config, init_from, comm, resolved):
         raise ValueError(f"comm must be a collectives.CollectiveContext, got {type(comm).__name__}")
     if init_from is not None:
         config = dataclasses.replace(config, init_from=str(init_from))
+    if optimizer_factory is None and config.adaptive is not None:
+        raise ValueError("config.adaptive: a forward-only model (optimizer_factory None) takes no "
+                         "steps to adapt at; turn adaptive off for it")
     # the request, not the plan it resolves to: adaptive may replace a plan asked as "auto" only
     check_replannable(resolved.job.plan if resolved is not None else plan, config.adaptive,
                       flag="config.adaptive.allow_replan")
@@ -141,11 +160,12 @@ def _check_arguments(model, plan, optimizer_factory) -> None:
     if next(model.parameters(), None) is None:
         raise ValueError(f"amsp_ext.shard: model {type(model).__name__} has no parameters; there is "
                          f"nothing to shard or train")
-    if not callable(optimizer_factory) or isinstance(optimizer_factory, torch.optim.Optimizer):
+    if optimizer_factory is not None and (not callable(optimizer_factory)
+                                          or isinstance(optimizer_factory, torch.optim.Optimizer)):
         raise ValueError(
             f"amsp_ext.shard: optimizer_factory must be a callable that builds the optimizer from a "
-            f"list of parameters (e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)), got "
-            f"{type(optimizer_factory).__name__}")
+            f"list of parameters (e.g. lambda params: torch.optim.AdamW(params, lr=1e-4)), or None "
+            f"for a forward-only model, got {type(optimizer_factory).__name__}")
     if not isinstance(plan, (str, Plan, ResolvedJob)):
         raise ValueError(f"amsp_ext.shard: plan must be a Plan, a string ('auto', 'zero3', "
                          f"'p=2x1,g=2x1,os=2x2', ...) or a ResolvedJob, got {type(plan).__name__}")

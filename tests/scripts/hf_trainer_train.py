@@ -67,6 +67,9 @@ def main() -> None:
     ap.add_argument("--resume-from", default=None, metavar="CHECKPOINT_DIR")
     ap.add_argument("--from-pretrained", default=None, metavar="DIR",
                     help="load the model with from_pretrained (else from_config, seed 0)")
+    ap.add_argument("--eval", choices=["only", "after"], default=None,
+                    help="only: trainer.evaluate() and no training (the model is prepared for "
+                         "inference alone); after: evaluate after train(); print EVAL {json}")
     args = ap.parse_args()
 
     targs = TrainingArguments(
@@ -98,10 +101,16 @@ def main() -> None:
     zero3 = {"zero3_enabled": is_deepspeed_zero3_enabled(),
              "ds_partitioned": any(hasattr(p, "ds_id") for p in model.parameters())}
     data = ByteText(64, 32)
-    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Print()])
+    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Print()],
+                      eval_dataset=ByteText(72, 32) if args.eval else None)
     emit("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size, **zero3,
                                  **load}))
-    trainer.train(resume_from_checkpoint=args.resume_from)
+    if args.eval == "only":  # no training: the Trainer prepares the model for inference alone
+        emit("EVAL " + json.dumps({"when": "only", **trainer.evaluate()}))
+    else:
+        trainer.train(resume_from_checkpoint=args.resume_from)
+    if args.eval == "after":
+        emit("EVAL " + json.dumps({"when": "after", **trainer.evaluate()}))
     emit("DATA " + json.dumps({"rank": targs.process_index, "engine": type(trainer.model_wrapped).__name__,
                                 "samples": data.seen}))
     # tear the process group down in step: a live gloo group (with DDP's reducer) can abort at

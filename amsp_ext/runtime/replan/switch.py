@@ -66,7 +66,7 @@ from amsp_ext.runtime.engine import AMSPModule, Engine, build_engine
 from amsp_ext.runtime.preflight import check_same_everywhere, job_of, resolve_on_ranks, run_fingerprint
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 
-__all__ = ["switch_plan"]
+__all__ = ["release_forward_only", "switch_plan"]
 
 
 @torch.no_grad()
@@ -107,6 +107,21 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     engine.switches.append({"step": optimizer.num_steps, "from": str(e.plan), "to": str(new),
                             "seconds": time.perf_counter() - t0})
     return optimizer
+
+
+@torch.no_grad()
+def release_forward_only(model: nn.Module) -> nn.Module:
+    """Take a forward-only engine (sharded with no optimizer) off ``model``: every parameter
+    gathered whole (fp32), FSDP2 and the hooks removed, the user's class back. Collective when
+    sp > 1: every rank calls it. What a route does before it shards the same model for training
+    (the HF Trainer evaluates before it trains: its first prepare has no optimizer)."""
+    e = engine_of(model)
+    if not e.forward_only:
+        raise ValueError("release_forward_only: the model has an optimizer; switch_plan changes its plan")
+    frozen = _gather_frozen(model, e)
+    _teardown(model, e, {}, frozen)
+    C.barrier(e.comm, None, name="world", timeout=e.config.timeout)
+    return model
 
 
 def _check_optimizer_states(opt: AMSPOptimizer) -> None:

@@ -83,7 +83,8 @@ def _full_tensors(model: nn.Module, *, dtype: torch.dtype | None, rank0_only: bo
     # under TP a parameter's full tensor spans the TP group (and, sp > 1, the data-parallel one):
     # every rank takes part in its gather
     gather = not rank0_only or 0 in e.mesh.ranks["param_shard"] or e.world.tensor_parallel > 1
-    use_masters = not e.optimizer._aliased and dtype != compute_dtype(e.config)
+    # a forward-only engine has no masters: its parameters are the values
+    use_masters = e.optimizer is not None and not e.optimizer._aliased and dtype != compute_dtype(e.config)
     by_id = trainable_by_id(e)
     seen: dict[int, torch.Tensor | None] = {}  # tied aliases: gathered (and broadcast) once
     for k, v in model.sharded_state_dict(keep_vars=True).items():

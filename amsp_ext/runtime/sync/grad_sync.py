@@ -31,6 +31,15 @@ its last reduce-scatters land before our flush.
 The sum is exact: every micro-batch's gradient of every rank enters the final replica
 AllReduce exactly once (directly, or through exactly one keeper per gradient group).
 
+[Note: a model without an optimizer]
+A model sharded with no optimizer (a reference, reward or teacher model beside the trained one)
+keeps only its parameters, sharded as the plan's p factors say: no gradient buffers, no masters,
+no optimizer state (engine.py builds it with no local tensors to reduce). Its forward runs as a
+trained model's, in training mode too (DPO's reference runs inside the policy's step). A gradient
+that reaches one of its parameters has nowhere to go: the hook on every parameter that
+requires grad (the sharded one when sp > 1, where FSDP2 hands over its reduce-scattered
+gradient) raises one line naming the model, instead of a gradient silently dropped.
+
 [Note: accumulation across boundary passes]
 ``no_sync()`` only saves communication: a loop that runs several boundary backwards before
 ``step()`` (no ``no_sync`` at all, as most hand-written loops accumulate) gets their sum, as
@@ -120,11 +129,15 @@ class GradSync:
                  replica: GroupHandle, grad: GroupHandle, overlap: bool,
                  exposure: GradExposure, modules: Sequence[nn.Module],
                  reduce_dtype: torch.dtype | None = None,
-                 fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 refuse: tuple[Sequence[torch.Tensor], str] | None = None) -> None:
         """``exposure``: what ``.grad`` holds after a boundary backward (grad_exposure.py);
-        ``modules``: the units' modules, whose forward pre-hooks take it off again."""
+        ``modules``: the units' modules, whose forward pre-hooks take it off again. ``refuse``:
+        a forward-only model's ``(parameters, message)``: a gradient reaching any of them
+        raises the message ([Note: a model without an optimizer])."""
         self.tensors = list(tensors)
         self.exposure, self.modules = exposure, list(modules)
+        self.refuse = refuse
         self.comm = comm
         self.rank, self.dtype, self.device = rank, dtype, device
         self.reduce_dtype = reduce_dtype or dtype  # see [Note: reduce dtype]
@@ -164,6 +177,12 @@ class GradSync:
             self._handles.append(t.param.register_post_accumulate_grad_hook(self._make_hook(t.index)))
         for m in self.modules:
             self._handles.append(m.register_forward_pre_hook(self._before_forward, prepend=True))
+        if self.refuse is not None:
+            params, message = self.refuse
+
+            def refuse(param: torch.Tensor) -> None:
+                raise RuntimeError(message)
+            self._handles += [p.register_post_accumulate_grad_hook(refuse) for p in params if p.requires_grad]
 
     @torch.compiler.disable  # param_sync.py [Note: hooks under torch.compile]
     def _before_forward(self, module, args) -> None:

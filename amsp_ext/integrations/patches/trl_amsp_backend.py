@@ -1,0 +1,55 @@
+"""TRL under AMSP: the ZeRO stage of the DeepSpeed plugin is not what runs.
+
+Symptom (trl 1.16.0): with a ds_config whose ``amsp.enabled`` is true next to the user's
+``"zero_optimization": {"stage": 3}``, TRL's ``DistributedBackend`` reads the plugin's stage (3)
+and takes DeepSpeed ZeRO-3's paths: GRPO's generation runs inside
+``deepspeed.zero.GatheredParameters`` after removing DeepSpeed's hooks from the engine
+(``AttributeError: 'AMSPOptimizer' object has no attribute 'module'``), and ``gather_params``
+wraps adapter merges and reference syncs in DeepSpeed's gather, which knows nothing of AMSP's
+shards.
+
+[Note: the fix]
+``DistributedBackend`` records stage 0 when the accelerator's DeepSpeed config has
+``amsp.enabled``: AMSP's plan replaces ZeRO, as transformers is told through
+``is_deepspeed_zero3_enabled()`` (patches/accelerate_amsp_block.py). TRL then generates with the
+unwrapped AMSP model, whose units are gathered in their own forward when sp > 1 (correct, one
+gather per unit per generated token: a gather-once route is not built yet), and its
+``gather_params`` is a no-op: the policy and its reference share a plan, so a parameter's local
+shards line up one to one.
+
+Checked against trl 1.16.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+NAME = "trl_amsp_backend"
+CHECKED_TRL_VERSIONS = ("1.16.0",)
+_MARK = "_amsp_trl_backend_patch"
+
+
+def apply() -> str:
+    import trl
+    from trl.distributed import DistributedBackend
+
+    if getattr(DistributedBackend.__init__, _MARK, False):
+        return "already applied"
+    if trl.__version__ not in CHECKED_TRL_VERSIONS:
+        warnings.warn(f"{NAME}: trl {trl.__version__} is not among the checked versions "
+                      f"{CHECKED_TRL_VERSIONS}; applying (it only reports ZeRO stage 0 under AMSP)")
+    original = DistributedBackend.__init__
+
+    @functools.wraps(original)
+    def __init__(self, accelerator, *args, **kwargs):
+        original(self, accelerator, *args, **kwargs)
+        from amsp_ext.integrations.settings import amsp_enabled
+
+        plugin = accelerator.state.deepspeed_plugin
+        if plugin is not None and amsp_enabled(plugin.deepspeed_config):
+            self.zero_stage = 0
+
+    setattr(__init__, _MARK, True)
+    DistributedBackend.__init__ = __init__
+    return f"applied (trl {trl.__version__})"
