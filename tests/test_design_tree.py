@@ -177,13 +177,15 @@ def code_only(source: str) -> str:
 
 def test_each_recipe_is_defined_once():
     bad = []
+    code = {path.relative_to(PKG).as_posix(): code_only(path.read_text()).splitlines()
+            for path in sorted(PKG.rglob("*.py"))}
     for pattern, allowed in ONE_DEFINITION.items():
         assert all((PKG / a).is_file() for a in allowed), f"{pattern}: an allowed file is gone: {allowed}"
-        for path in sorted(PKG.rglob("*.py")):
-            rel = path.relative_to(PKG).as_posix()
-            for n, line in enumerate(code_only(path.read_text()).splitlines(), 1):
-                if re.search(pattern, line) and rel not in allowed:
-                    bad.append(f"{rel}:{n}: {pattern}: {line.strip()}")
+        for rel, lines in code.items():
+            if rel in allowed:
+                continue
+            bad += [f"{rel}:{n}: {pattern}: {line.strip()}" for n, line in enumerate(lines, 1)
+                    if re.search(pattern, line)]
     assert not bad, "a second definition:\n" + "\n".join(bad)
 
 

@@ -741,7 +741,8 @@ def test_training_data_loader_epochs_and_position():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("route", ["deepspeed", "trainer"])
+@pytest.mark.parametrize("route", ["deepspeed",  # the slow tier runs the Trainer's route too
+                                   pytest.param("trainer", marks=pytest.mark.slow)])
 def test_an_old_block_warns_the_user_once_under_plain_python(route, tmp_path):
     """Under plain ``python`` (Python's default warning filters) an old-shape block loaded through
     deepspeed.initialize or the HF Trainer prints one warning line naming where the config came
