@@ -92,11 +92,14 @@ def amsp_config_route(launch_env, tmp_path_factory, pretrained):
 
 
 def _same_training(got, ref):
+    """The same samples and losses, and the same EMA of the weights fed right after each step
+    (a stale read of the parameters would differ by a step's update)."""
     assert sorted(got) == sorted(ref) and len(got) == 8  # 2 ranks x 4 steps
     for key, r in got.items():
         assert r["samples"] == ref[key]["samples"], key
         for a, b in zip(r["losses"], ref[key]["losses"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (key, r["losses"], ref[key]["losses"])
+        assert abs(r["ema"] - ref[key]["ema"]) <= 1e-6 * abs(ref[key]["ema"]), (key, r["ema"], ref[key]["ema"])
 
 
 def test_ddp_reference_is_really_distributed(ddp):
@@ -148,6 +151,17 @@ def test_accelerate_explicit_route_and_every_way_to_save(launch_env, ddp, tmp_pa
     assert saves["num_keys"] == 21
     assert saves["max_abs_diff"] == {k: 0.0 for k in ("get_state_dict", "unwrap_model.state_dict",
                                                       "save_pretrained", "save_pretrained+state_dict")}
+
+
+def test_accelerate_ema_reads_current_weights_under_os_sharding(launch_env, ddp):
+    """Optimizer states sharded, parameters whole (p=1x1,g=1x1,os=2x1): each rank steps half of
+    the tensors and receives the rest by broadcast, so an EMA fed right after each step equals
+    DDP's only if the step returned with every parameter current (issue 49)."""
+    amsp = json.dumps({"plan": "p=1x1,g=1x1,os=2x1", "gpus_per_node": 2})
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 SCRIPT, "--explicit-amsp", amsp], launch_env)
+    assert "[amsp] plan p=1x1,g=1x1,os=2x1" in proc.stdout
+    _same_training(_records(proc)[1], ddp[1])
 
 
 def _trainer(env, out, *extra, plan="p=2x1,g=2x1,os=2x1", blocks=True):

@@ -139,6 +139,11 @@ def main() -> None:
                                      "num_processes": accelerator.num_processes,
                                      "model_class": type(model).__name__}))
     model.train()
+    # an EMA of the weights, fed right after each optimizer step from parameter references taken
+    # before training (as EMA helpers keep them); its checksum goes into each RECORD
+    params = list(accelerator.unwrap_model(model).parameters())
+    with torch.no_grad():
+        ema = [p.detach().clone() for p in params]
     step, losses, seen = 0, [], []
     for batch in loader:
         with accelerator.accumulate(model):
@@ -152,8 +157,14 @@ def main() -> None:
         losses.append(loss.item())
         seen.extend(batch["index"].tolist())
         if accelerator.sync_gradients:
+            with torch.no_grad():
+                for e, p in zip(ema, params):
+                    e.mul_(0.5).add_(p.detach(), alpha=0.5)
+                # a DTensor (sharded parameters) is summed whole: collective, every rank calls it
+                checksum = sum(float((e.full_tensor() if hasattr(e, "full_tensor") else e).double().sum())
+                               for e in ema)
             emit("RECORD " + json.dumps({"rank": accelerator.process_index, "step": step,
-                                          "losses": losses, "samples": seen}))
+                                          "losses": losses, "samples": seen, "ema": checksum}))
             step, losses, seen = step + 1, [], []
             if args.save_dir and step == args.save_at:
                 accelerator.save_state(args.save_dir)
