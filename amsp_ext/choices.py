@@ -18,8 +18,8 @@ from typing import Any, Iterable
 
 __all__ = [
     "ALL_REDUCES", "ALL_REDUCE_SETTINGS", "DRYRUN_DEVICES", "DRYRUN_TENSORS", "GRANULARITIES",
-    "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS",
-    "OWNERSHIPS",
+    "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS", "WHOLE_TENSOR_OPTIMIZERS",
+    "OPTIMIZER_KINDS", "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
     "parse_size", "reduce_dtypes",
     "TENSOR_PARALLEL_DEGREES",
@@ -32,6 +32,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 GRANULARITIES = ("module", "layer")
 # inter-tensor optimizer-state ownership (runtime/optim/ownership.py)
 OWNERSHIPS = ("greedy", "blocks")
+# how an optimizer reads a tensor: element by element, or whole (runtime/optim/kinds.py); detect:
+# from its class, never guessing "elementwise" for a class it does not know
+OPTIMIZER_KINDS = ("detect", "elementwise", "whole_tensor")
 # initial weights: rank 0's broadcast to all (as DDP), or compared and refused when they differ
 INIT_WEIGHTS = ("broadcast", "check")
 # what plan "auto" minimises: the paper's Eq. 1 communication time or the modelled step time
@@ -43,7 +46,9 @@ MISSING_MESH = ("error", "fit")
 DRYRUN_TENSORS = ("fake", "real")
 DRYRUN_DEVICES = ("cpu", "cuda")
 # optimizers the planner's memory model knows the state size of
-OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit")
+OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit", "muon", "adafactor")
+# of those, the ones that read each tensor whole (runtime/optim/kinds.py; priced in planner/cost.py)
+WHOLE_TENSOR_OPTIMIZERS = ("muon", "adafactor")
 # how a gradient all-reduce over several ranks on each of several nodes runs: one flat
 # collective, or reduce-scatter in the node / all-reduce across / all-gather in the node
 # (runtime/collectives.py [Note: two-level all-reduce])

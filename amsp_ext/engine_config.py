@@ -31,8 +31,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from amsp_ext.choices import (ALL_REDUCE_SETTINGS, GRANULARITIES, INIT_WEIGHTS, OVERLAP_OPS, OWNERSHIPS, PRECISIONS,
-                              check_one_of, reduce_dtypes)
+from amsp_ext.choices import (ALL_REDUCE_SETTINGS, GRANULARITIES, INIT_WEIGHTS, OPTIMIZER_KINDS, OVERLAP_OPS,
+                              OWNERSHIPS, PRECISIONS, check_one_of, reduce_dtypes)
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_GRANULARITY,
@@ -156,6 +156,11 @@ class EngineConfig:
     overlap: OverlapConfig = section(OverlapConfig)
     ownership: str = option("greedy", choices=OWNERSHIPS,
                             help="inter-tensor optimizer-state ownership policy")
+    optimizer_kind: str = option(
+        "detect", choices=OPTIMIZER_KINDS,
+        help="how the optimizer reads a tensor: elementwise (Adam, SGD, ...: steps row shards), "
+             "whole_tensor (Muon, Adafactor, Shampoo: each tensor stepped whole by one owner), or "
+             "detect from its class (unknown classes, subclasses included, are whole_tensor)")
     timeout: float = option(DEFAULT_TIMEOUT_S, above=0, below=_MAX_TIMEOUT_S,
                             help="seconds a collective may take before CollectiveTimeout")
     fp16: FP16Config = section(FP16Config)

@@ -33,6 +33,19 @@ def run_ranks(nproc: int, module: str, *args: str, timeout: float = 300, env: di
     return proc
 
 
+def start_case_worker(cases) -> tuple[int, list[str], list[str], float]:
+    """Start of a worker run as ``python -m WORKER GPUS_PER_NODE PLAN[;PLAN...] [CASE,...]``:
+    the gloo group up; ``(gpus_per_node, plans, case names, start time)``."""
+    import time
+
+    import torch.distributed as dist
+
+    gpus_per_node, plans = int(sys.argv[1]), sys.argv[2].split(";")
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(cases)
+    dist.init_process_group("gloo")
+    return gpus_per_node, plans, names, time.perf_counter()
+
+
 def end_worker(t0: float) -> None:
     """End of a torchrun worker: rank 0 prints its DONE line, then every rank leaves together."""
     import time

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +22,7 @@ from amsp_ext.common.models import build_llama, causal_lm_loss
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.state.export import consolidated_state_dict
-from tests.dist_utils import end_worker, free_plan_groups
+from tests.dist_utils import end_worker, free_plan_groups, start_case_worker
 
 SEQ, MBS = 16, 1
 
@@ -167,10 +165,7 @@ def diff(a, b):
 
 
 def main():
-    gpus_per_node, plans = int(sys.argv[1]), sys.argv[2].split(";")
-    names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
-    dist.init_process_group("gloo")
-    t0 = time.perf_counter()
+    gpus_per_node, plans, names, t0 = start_case_worker(CASES)
     world, rank = dist.get_world_size(), dist.get_rank()
     refs = {n: reference(n, world) for n in names}
     for plan in plans:

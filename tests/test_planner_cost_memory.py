@@ -71,10 +71,33 @@ def test_model_states_by_hand():
 @pytest.mark.parametrize("opt,prec,k", [
     ("adamw", "bf16", 12), ("adamw", "fp32", 8), ("sgd-momentum", "bf16", 8),
     ("sgd-momentum", "fp32", 4), ("lion", "fp16", 8), ("adam8bit", "bf16", 6 + 8 / 2048),
-    ("adam8bit", "fp32", 2 + 8 / 2048),
+    ("adam8bit", "fp32", 2 + 8 / 2048), ("muon", "bf16", 8), ("muon", "fp32", 4), ("adafactor", "bf16", 4),
+    ("adafactor", "fp32", 0),
 ])
 def test_optimizer_bytes(opt, prec, k):
     assert optimizer_bytes_per_param(opt, prec) == pytest.approx(k)
+
+
+def test_whole_tensor_optimizer_by_hand():
+    """Muon / Adafactor with sp > 1 (cost.py [Note: the whole-tensor exchange], memory.py [Note:
+    whole-tensor optimizers]): Twt = 2 t(RS, 4 Phi / sos) on the p mesh; the optimizer states
+    get one largest tensor more (the toy's embedding and head, 16 x 4 = 64) and, in bf16, the
+    fp32 rows beside the whole masters; the step's exchange buffers 2 * 4 Phi / sos."""
+    muon = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100, optimizer="muon")
+    c = cost(training=muon)
+    assert c.t_wt == pytest.approx(2 * (4 * 436 / 8) / 2e9)  # 218 ns
+    assert c.total == pytest.approx((6540 + 218 + 109 + 54.5 + 218) * 1e-9)
+    m = memory_breakdown(TOY, PLAN, muon, gpus_per_node=4, num_nodes=2)
+    assert m.optim == 8 * 436 // 8 + 8 * 64 + 4 * 436 // 8  # K Phi/sos + K max + fp32 rows = 1166
+    assert m.tmp_parts["whole_tensor_exchange"] == 2 * 4 * 436 // 8
+    assert m.moments["optimizer step"]["tmp"] == (m.tmp_parts["owned_fp32_grads"] + m.tmp_parts["broadcast_staging"]
+                                                  + 2 * 4 * 436 // 8)
+    # sp = 1: every rank holds whole tensors already; nothing is exchanged or added
+    unsharded = parse_plan("p=1x1,g=4x2,os=4x2")
+    assert cost(plan=unsharded, training=muon).t_wt == 0
+    assert memory_breakdown(TOY, unsharded, muon, gpus_per_node=4, num_nodes=2).optim == 8 * 436 // 8
+    # an elementwise optimizer on the same plan pays neither
+    assert cost().t_wt == 0
 
 
 def test_activations_by_hand():

@@ -16,9 +16,14 @@ schedulers see the same group count everywhere.
 [Note: DeepSpeed's optimizer names]
 ``Adam`` in a ds_config runs AdamW (decoupled weight decay) unless ``adam_w_mode`` is false, and
 its default weight decay is 0 (DeepSpeed's FusedAdam), not torch AdamW's 0.01; ``AdamW`` always
-runs AdamW. ``Adagrad`` is torch's. Any other name DeepSpeed does not know is looked up in
-``torch.optim`` (as DeepSpeed does). DeepSpeed's CUDA-only optimizers (Lamb, 1-bit Adam/Lamb,
-0/1 Adam, Lion, Muon) are refused with a one-line error.
+runs AdamW. ``Adagrad`` is torch's. ``Muon`` has DeepSpeed's meaning: Muon for the parameters
+marked ``use_muon`` (DeepSpeed asks the user to mark every one; unmarked, the hidden matrices:
+2-D and neither an embedding nor the head) and AdamW for the rest, with DeepSpeed's keys (lr,
+momentum, weight_decay, muon_lr; betas, eps, adam_lr), run by torch's Muon and AdamW
+(runtime/optim/muon_adamw.py) on whole tensors (runtime/optim/kinds.py). Any other name DeepSpeed
+does not know is looked up in ``torch.optim`` (as DeepSpeed does: ``Adafactor``). DeepSpeed's
+CUDA-only optimizers (Lamb, 1-bit Adam/Lamb, 0/1 Adam, Lion, MuAdam) are refused with a one-line
+error.
 
 [Note: LR schedulers]
 A ``scheduler`` block is built with DeepSpeed's own classes (``deepspeed.runtime.lr_schedules``:
@@ -43,8 +48,11 @@ from amsp_ext.integrations.settings import ConfigError
 
 __all__ = ["GroupSpec", "build_optimizer_factory", "build_scheduler"]
 
-_DS_CUDA_ONLY = ("lamb", "onebitadam", "onebitlamb", "zerooneadam", "lion", "muon", "muadam",
+_DS_CUDA_ONLY = ("lamb", "onebitadam", "onebitlamb", "zerooneadam", "lion", "muadam",
                  "muadamw", "musgd")
+# DeepSpeed's "Muon" block keys, by the half they configure (deepspeed/runtime/engine.py)
+_MUON_KEYS = {"lr": "both", "weight_decay": "both", "momentum": "muon", "muon_lr": "muon", "betas": "adamw",
+              "eps": "adamw", "adam_lr": "adamw"}
 
 
 class GroupSpec:
@@ -205,8 +213,53 @@ def build_optimizer_factory(model: nn.Module, *, client_optimizer: Any, model_pa
     if "optimizer" not in ds_config:
         raise ConfigError("no optimizer: pass optimizer= to initialize or add an 'optimizer' block "
                           "(e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}})")
+    if str(ds_config["optimizer"].get("type", "")).lower() == "muon":
+        return _muon_factory(model, groups, ds_config["optimizer"]), "ds_config Muon -> MuonWithAdamW"
     cls, params = _from_block(ds_config["optimizer"])
     return _factory(cls, params, groups), f"ds_config {ds_config['optimizer']['type']} -> {cls.__name__}"
+
+
+def _muon_factory(model: nn.Module, groups: list[GroupSpec], block: Mapping[str, Any]
+                  ) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """DeepSpeed's Muon ([Note: DeepSpeed's optimizer names]): each param group split in a Muon
+    half and an AdamW half, on every rank in the same order (a half may be empty here)."""
+    from amsp_ext.runtime.optim.muon_adamw import MuonWithAdamW, is_hidden_matrix
+
+    params = dict(block.get("params") or {})
+    for k, v in params.items():
+        if k not in _MUON_KEYS:
+            raise ConfigError(f"optimizer.params.{k}: DeepSpeed's Muon takes {', '.join(_MUON_KEYS)}")
+        if v == "auto":
+            raise ConfigError(f"optimizer.params.{k} is 'auto': the launcher fills it; called directly, give a value")
+    named = list(model.named_parameters())
+    marked = [hasattr(p, "use_muon") for _, p in named]
+    if any(marked) and not all(marked):
+        unmarked = next(n for (n, _), m in zip(named, marked) if not m)
+        raise ConfigError(f"optimizer.type Muon: some parameters carry use_muon and {unmarked!r} does not; "
+                          f"mark every parameter (param.use_muon = True / False), as DeepSpeed asks")
+    muon_names = {n for n, p in named if (bool(p.use_muon) if all(marked) else is_hidden_matrix(n, p))}
+    muon = {k: v for k, v in params.items() if _MUON_KEYS[k] in ("both", "muon") and k != "muon_lr"}
+    adamw = {k: v for k, v in params.items() if _MUON_KEYS[k] in ("both", "adamw") and k != "adam_lr"}
+    if "muon_lr" in params:
+        muon["lr"] = params["muon_lr"]
+    if "adam_lr" in params:
+        adamw["lr"] = params["adam_lr"]
+    for half, kw, cls in (("Muon", muon, torch.optim.Muon), ("AdamW", adamw, torch.optim.AdamW)):
+        try:
+            cls([torch.zeros(2, 2, requires_grad=True)], **kw)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"optimizer.params: {half} refuses them: {str(e).splitlines()[0]}") from None
+
+    def build(masters: list[nn.Parameter]) -> torch.optim.Optimizer:
+        split = []
+        for g in _factory(_Collect, {}, groups)(masters).groups:
+            ps = g.pop("params")
+            split.append({"params": [p for p in ps if getattr(p, "amsp_name", None) in muon_names],
+                          "use_muon": True, **g})
+            split.append({"params": [p for p in ps if getattr(p, "amsp_name", None) not in muon_names],
+                          "use_muon": False, **g})
+        return MuonWithAdamW(split, muon=muon, adamw=adamw)
+    return build
 
 
 def _repoint(client: torch.optim.Optimizer, groups: list[GroupSpec]

@@ -9,8 +9,17 @@ bucket size, and t(op, v, p0 x p1) from the profile (contention-aware, see profi
     Tg    = (M - 1) * e_g*Phi / (U*sp) * t(AR, U, (s0_g/s0_p) x (s1_g/s1_p))
     T0_os = e_g*Phi / (U*sp) * t(AR, U, (R/s0_p) x (N/s1_p))
     T1_os = (sos/sp) * t(BC, e*Phi/sos, (s0_os/s0_p) x (s1_os/s1_p))
-    Tcomm = Tp + Tg + T0_os + T1_os (+ Ttp, the tensor-parallel all-reduces of M micro-batches
-                                      when the job runs TP inside the node, tensor_parallel.py)
+    Twt   = 2 * t(RS, 4*Phi/sos, s0_p x s1_p)   (whole-tensor optimizers with sp > 1 only)
+    Tcomm = Tp + Tg + T0_os + T1_os + Twt (+ Ttp, the tensor-parallel all-reduces of M
+                                      micro-batches when the job runs TP inside the node,
+                                      tensor_parallel.py)
+
+[Note: the whole-tensor exchange]
+A whole-tensor optimizer (Muon, Adafactor) on a plan with sp > 1 sends each rank's owned fp32
+row-shard gradients to their whole owners and the new rows back: two all-to-alls in the
+param_shard group (runtime/optim/whole_tensor.py), each rank sending (sp - 1)/sp of its
+4*Phi/sos bytes, the traffic of a reduce-scatter of that buffer; they run inside the optimizer
+step, so the step model adds them there, unhidden.
 
 [Note: the units Tp sums over]
 The paper writes Tp as M * L * sum over the K modules of a layer. The engine also shards the
@@ -26,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from amsp_ext.planner.memory import grad_bytes, param_bytes
+from amsp_ext.planner.memory import grad_bytes, param_bytes, whole_tensor_rows
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.profile import CommTimer
@@ -42,14 +51,15 @@ class CommCost:
     t0_os: float
     t1_os: float
     t_tp: float = 0.0  # tensor parallelism's all-reduces (tensor_parallel.py), 0 without TP
+    t_wt: float = 0.0  # [Note: the whole-tensor exchange]; 0 for elementwise optimizers or sp = 1
 
     @property
     def total(self) -> float:
-        return self.t_p + self.t_g + self.t0_os + self.t1_os + self.t_tp
+        return self.t_p + self.t_g + self.t0_os + self.t1_os + self.t_tp + self.t_wt
 
     def as_dict(self) -> dict[str, float]:
         return {"total": self.total, "t_p": self.t_p, "t_g": self.t_g,
-                "t0_os": self.t0_os, "t1_os": self.t1_os, "t_tp": self.t_tp}
+                "t0_os": self.t0_os, "t1_os": self.t1_os, "t_tp": self.t_tp, "t_wt": self.t_wt}
 
 
 def param_gather_time(
@@ -94,4 +104,7 @@ def comm_cost(
     t0 = num_buckets * timer.time("allreduce", U, r0, r1)
     b0, b1 = plan.bcast_mesh()
     t1 = (plan.sos / plan.sp) * timer.time("broadcast", e * spec.num_params / plan.sos, b0, b1)
-    return CommCost(t_p=t_p, t_g=t_g, t0_os=t0, t1_os=t1)
+    t_wt = 0.0
+    if whole_tensor_rows(training, plan):  # [Note: the whole-tensor exchange]
+        t_wt = 2 * timer.time("reducescatter", 4 * spec.num_params / plan.sos, *plan.mesh("p"))
+    return CommCost(t_p=t_p, t_g=t_g, t0_os=t0, t1_os=t1, t_wt=t_wt)

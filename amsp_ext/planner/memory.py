@@ -21,7 +21,22 @@ precision and the optimizer:
   sgd-momentum  4 master + 4 momentum = 8                 4
   lion          4 master + 4 momentum = 8                 4
   adam8bit      4 master + 1 m + 1 v + 8/2048 = 6.004     2.004
+  muon          4 master + 4 momentum = 8                 4
+  adafactor     4 master + 0 = 4                          0
   ============  =======================================  =======================
+
+  Muon's row is its hidden matrices' (the AdamW it runs for the rest is not counted apart);
+  Adafactor (no first moment) keeps one row and one column vector per matrix, O(m + n), taken
+  as 0 bytes per parameter.
+
+[Note: whole-tensor optimizers]
+Muon and Adafactor read each tensor whole. With sp > 1 one rank of each param_shard group steps
+a tensor whole (runtime/optim/whole_tensor.py), so a rank's optimizer states are no longer
+exactly K*Phi/sos: ownership is balanced by the optimizer's work, and the owner of the largest
+tensor holds at most one tensor more than its share: K*Phi/sos + K*max_tensor, the bound the
+planner charges. In mixed precision the engine also keeps the fp32 rows of the shards it owns
+beside the whole masters (4*Phi/sos), and the step's exchange buffers (send and receive, fp32)
+add 2*4*Phi/sos to the optimizer-step moment.
 
   8-bit Adam stores m and v as one byte each plus one fp32 absmax per block of 2048 values per
   state (Dettmers et al. 2022, block-wise quantisation).
@@ -154,6 +169,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from amsp_ext.choices import WHOLE_TENSOR_OPTIMIZERS
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.specs import TrainingSpec
@@ -173,7 +189,19 @@ _STATE_BYTES = {  # optimizer state bytes per parameter, master copy excluded
     "sgd-momentum": 4.0,
     "lion": 4.0,
     "adam8bit": 2.0 + 2 * 4 / 2048,
+    "muon": 4.0,
+    "adafactor": 0.0,
 }
+
+
+def whole_tensor_rows(training: TrainingSpec, plan: Plan) -> bool:
+    """The engine steps whole tensors on whole owners ([Note: whole-tensor optimizers])."""
+    return training.optimizer in WHOLE_TENSOR_OPTIMIZERS and plan.sp > 1
+
+
+def _largest_tensor(spec: ModelSpec) -> int:
+    """An upper bound of the largest parameter: the largest Linear or outside unit."""
+    return max([n for _, n in spec.layer_units("module")] + [n for _, n in spec.outside_params()])
 
 
 def param_bytes(precision: str) -> int:
@@ -318,12 +346,17 @@ def memory_breakdown(
                                                          "layer_grad_in"))},
         "optimizer step": {"activations": 0, "tmp": parts["owned_fp32_grads"] + parts["broadcast_staging"]},
     }
+    optim = k * phi / plan.sos
+    if whole_tensor_rows(training, plan):  # [Note: whole-tensor optimizers]
+        optim += k * _largest_tensor(spec) + (4 * phi / plan.sos if training.precision != "fp32" else 0)
+        parts["whole_tensor_exchange"] = int(2 * 4 * phi / plan.sos)
+        moments["optimizer step"]["tmp"] += parts["whole_tensor_exchange"]
     peak = max(moments, key=lambda m: moments[m]["activations"] + moments[m]["tmp"])  # ties: first
     parts["peak_phase"] = peak
     return MemoryBreakdown(
         params=int(e * phi / plan.sp),
         grads=int(g * phi / plan.sg),
-        optim=int(k * phi / plan.sos),
+        optim=int(optim),
         activations=moments[peak]["activations"],
         tmp=moments[peak]["tmp"],
         tmp_parts=parts,

@@ -95,6 +95,9 @@ DEFAULT_EFFICIENCY = 0.65
 _OPT_TRAFFIC = {
     ("adamw", True): 30, ("sgd-momentum", True): 22, ("lion", True): 22, ("adam8bit", True): 18,
     ("adamw", False): 28, ("sgd-momentum", False): 20, ("lion", False): 20, ("adam8bit", False): 16,
+    # the memory traffic only: Muon's Newton-Schulz FLOPs (5 iterations of 3 matmuls per matrix)
+    # are not priced; Adafactor reads the gradient twice (its row and column means)
+    ("muon", True): 22, ("muon", False): 20, ("adafactor", True): 18, ("adafactor", False): 16,
 }
 
 
@@ -419,7 +422,8 @@ def step_estimate(
 
     t_opt = optimizer_step_time(spec, plan, training, cluster, calibration)
     overhead = calibration.step_overhead_s if calibration else 0.0
-    step = float(max(compute_end, rs_tail, ar_tail) + t_opt + overhead)
+    # the whole-tensor exchange runs inside the optimizer step (cost.py [Note: the whole-tensor exchange])
+    step = float(max(compute_end, rs_tail, ar_tail) + t_opt + comm.t_wt + overhead)
     tokens = M * training.tokens_per_micro_batch
     useful = model_flops_per_token(spec, training.seq_len) * tokens
     peak = cluster.peak_flops

@@ -400,6 +400,21 @@ def reduce_scatter_tensor(ctx: CollectiveContext, output: torch.Tensor, input: t
         return _finish(ctx, work, "reduce_scatter", name, output, async_op, timeout, _nbytes(input))
 
 
+def all_to_all(ctx: CollectiveContext, output: torch.Tensor, input: torch.Tensor,
+               group: dist.ProcessGroup | None, *, output_splits: list[int], input_splits: list[int],
+               name: str, stream: torch.Stream | None, async_op: bool = False,
+               timeout=None) -> _Pending | None:
+    """``input_splits[j]`` elements of ``input`` (in order) to the j-th rank of ``group``;
+    ``output_splits[i]`` elements from its i-th rank into ``output`` (whole-tensor optimizers'
+    gradients to the owner and parameters back, optim/whole_tensor.py)."""
+    with _on_stream(stream):
+        with record_function(f"amsp::all_to_all::{_kind(name)}"):
+            _issue(ctx, "all_to_all", name)
+            work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                          async_op=True)
+        return _finish(ctx, work, "all_to_all", name, output, async_op, timeout, _nbytes(input))
+
+
 def _host_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a blocking bookkeeping collective's small tensor lives: NCCL needs it on the GPU."""
     if dist.get_backend(group) == "nccl":

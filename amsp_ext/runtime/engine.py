@@ -37,6 +37,7 @@ from amsp_ext.runtime.sync.grad_sync import GradSync
 from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
+from amsp_ext.runtime.optim.whole_tensor import WholeTensors
 from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.sync.outside_reads import OuterGather
 from amsp_ext.runtime.sync.param_sync import ParamSync
@@ -69,6 +70,9 @@ class EngineParts:
     outer_gather: OuterGather | None
     norm_group: NormGroup  # the gradient norm's reduction (the optimizer's clip and guard)
     comm: C.CollectiveContext  # collectives.py [Note: the collective context]; kept by a switch
+    # a whole-tensor optimizer on row shards (sp > 1): whole owners and their exchange
+    # (optim/whole_tensor.py); ``masters`` are then the whole masters this rank steps
+    whole: WholeTensors | None = None
 
 
 class Engine:
@@ -266,8 +270,8 @@ def run_info(parts: EngineParts) -> dict:
 
 def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig, device: torch.device,
                  comm: C.CollectiveContext, *, optimizer_factory=None, optimizer: AMSPOptimizer | None = None,
-                 monitor: Callable[[EngineParts], Any] | None = None, previous: "Engine | None" = None,
-                 initial=None, profile_source=None) -> Engine:
+                 optimizer_kind: str = "elementwise", monitor: Callable[[EngineParts], Any] | None = None,
+                 previous: "Engine | None" = None, initial=None, profile_source=None) -> Engine:
     """[Note: one assembly of an engine]
     ``shard`` builds the first engine of a model and ``switch_plan`` every next one, both here:
     the parts (``build_parts``), the optimizer over them, the Engine, the hooks (``install``).
@@ -277,18 +281,20 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
     keep (rebound to the new parts; its guard, loss scaler and adaptive run stay) and the engine
     it replaces as ``previous`` (its switch record, retired meshes and state-dict mode go on).
     ``initial``: see ``build_parts``. ``profile_source``: where the first plan's profile came
-    from (runtime/measure/cluster.py), kept by every switch."""
+    from (runtime/measure/cluster.py), kept by every switch. ``optimizer_kind``: what
+    ``optimizer_factory`` builds (optim/kinds.py); a kept optimizer keeps its own."""
     guard = optimizer.guard if optimizer is not None else NonFiniteGuard(max_bad_steps=config.max_bad_steps)
     forward_only = optimizer is None and optimizer_factory is None
+    kind = optimizer.kind if optimizer is not None else optimizer_kind
     parts = build_parts(model, plan, world, config, device, comm, guard=guard, initial=initial,
-                        forward_only=forward_only)
+                        forward_only=forward_only, whole_tensor=kind == "whole_tensor")
     wiring = dict(tensors=parts.tensors, grads=parts.grad_sync, params=parts.param_sync,
-                  norm_group=parts.norm_group, run_info=run_info(parts))
+                  norm_group=parts.norm_group, run_info=run_info(parts), whole=parts.whole)
     if forward_only:  # grad_sync.py [Note: a model without an optimizer]
         pass
     elif optimizer is None:
         optimizer = AMSPOptimizer(parts.masters, optimizer_factory, device=device, precision=config.precision,
-                                  fp16=config.fp16, guard=guard,
+                                  fp16=config.fp16, guard=guard, kind=kind,
                                   adaptive=monitor(parts) if monitor is not None else None, **wiring)
     else:
         optimizer.rebind(parts.masters, **wiring)
@@ -302,7 +308,7 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
 
 def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
                 device: torch.device, comm: C.CollectiveContext, *, guard: NonFiniteGuard,
-                initial=None, forward_only: bool = False) -> EngineParts:
+                initial=None, forward_only: bool = False, whole_tensor: bool = False) -> EngineParts:
     """Steps 3-6 of [Note: order of construction]: the mesh, the units (FSDP2 when sp > 1), the
     layout, the owners' fp32 masters, the model in the compute dtype, GradSync and ParamSync
     (not yet installed), all issuing through ``comm``. ``guard``: the optimizer's non-finite
@@ -315,7 +321,10 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
 
     ``forward_only``: no optimizer will own anything (grad_sync.py [Note: a model without an
     optimizer]): no local tensors are laid out, so no gradient path, master or broadcast exists;
-    the parameters are sharded and filled as for training."""
+    the parameters are sharded and filled as for training.
+
+    ``whole_tensor``: the optimizer reads whole tensors (optim/kinds.py); with sp > 1 its
+    masters are whole ones on whole owners (optim/whole_tensor.py)."""
     tp = world.tensor_parallel > 1
     tp_sharded = tp_sharded_names(model) if tp else set()  # before FSDP2 makes every parameter a DTensor
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
@@ -334,9 +343,11 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     if initial is not None:
         materialize(model, device, dtype)
         refresh_params(units, model)
+    whole_rows = whole_tensor and plan.sp > 1 and not forward_only
     tensors = [] if forward_only else build_layout(
         units, plan=plan, world=world, rank=rank, bcast_ranks=mesh.ranks["optim_bcast"],
-        shard_ranks=mesh.ranks["param_shard"], policy=config.ownership, tp_sharded=frozenset(tp_sharded))
+        shard_ranks=mesh.ranks["param_shard"], policy=config.ownership, tp_sharded=frozenset(tp_sharded),
+        by_global=whole_rows)
     owned = [t for t in tensors if t.owner_rank == rank]
     fp32_rows: dict[int, torch.Tensor] = {}
     if initial is not None:
@@ -347,7 +358,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         masters = _masters(owned, dtype, fp32_rows)
         if dtype != torch.float32 and initial is None:
             to_dtype_keep_buffers(model, dtype)
-
+    whole = _whole_owners(tensors, masters, mesh, config, comm, rank) if whole_rows else None
+    masters = whole.masters if whole is not None else masters
     norm = _norm_group(world, mesh, config, comm)
     grad_sync = GradSync(
         tensors, comm=comm, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
@@ -370,7 +382,15 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         compat.fsdp_lazy_init(model)
     return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,
                        device=device, masters=masters, grad_sync=grad_sync, param_sync=param_sync,
-                       outer_gather=outer_gather, norm_group=norm, comm=comm)
+                       outer_gather=outer_gather, norm_group=norm, comm=comm, whole=whole)
+
+
+def _whole_owners(tensors: list[LocalTensor], rows: dict[int, nn.Parameter], mesh: PlanMesh,
+                  config: ShardConfig, comm: C.CollectiveContext, rank: int) -> WholeTensors:
+    """A whole-tensor optimizer on row shards: ``rows`` (the shard masters) stay this rank's
+    fp32 rows, the whole masters it steps are gathered (optim/whole_tensor.py)."""
+    return WholeTensors(tensors, rank=rank, group=mesh.handle("param_shard", timeout=config.timeout),
+                        group_ranks=mesh.ranks["param_shard"], comm=comm, rows=rows)
 
 
 def _masters(owned: list[LocalTensor], dtype: torch.dtype,

@@ -70,9 +70,10 @@ def main() -> None:
     ap.add_argument("--eval", choices=["only", "after"], default=None,
                     help="only: trainer.evaluate() and no training (the model is prepared for "
                          "inference alone); after: evaluate after train(); print EVAL {json}")
+    ap.add_argument("--optim", default=None, help="TrainingArguments.optim (e.g. adafactor)")
     args = ap.parse_args()
 
-    targs = TrainingArguments(
+    targs = TrainingArguments(**({"optim": args.optim} if args.optim else {}),
         output_dir=args.output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2,
         max_steps=args.steps, learning_rate=1e-3, warmup_steps=1, weight_decay=0.1,
         logging_steps=1, save_steps=args.save_steps or None,

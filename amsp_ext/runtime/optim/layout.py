@@ -63,9 +63,12 @@ class LocalTensor:
 
 def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: Sequence[int],
                  shard_ranks: Sequence[int], policy: str,
-                 tp_sharded: frozenset[str] = frozenset()) -> list[LocalTensor]:
+                 tp_sharded: frozenset[str] = frozenset(), by_global: bool = False) -> list[LocalTensor]:
     """``tp_sharded``: the names of the parameters split over TP (world.tensor_parallel > 1);
-    every other parameter is held whole by the T ranks of a TP group (``tp_replicas``)."""
+    every other parameter is held whole by the T ranks of a TP group (``tp_replicas``).
+    ``by_global``: owners balanced on the parameters' global sizes, so a tensor has the same
+    owner index at every shard position (whole_tensor.py [Note: whole-tensor optimizers on row
+    shards]); else on the local sizes, which may differ by position when rows do not divide."""
     T = world.tensor_parallel
     entries = []
     for ui, u in enumerate(units):
@@ -74,7 +77,7 @@ def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: 
                 continue
             local = compat.dtensor_local(p)
             entries.append((ui, name, p, tuple(p.shape), tuple(local.shape)))
-    numels = [int(torch.Size(e[4]).numel()) for e in entries]
+    numels = [int(torch.Size(e[3] if by_global else e[4]).numel()) for e in entries]
     owners = assign_owners(numels, len(bcast_ranks), policy)
     coords = {r: c for c, r in mesh_ranks(plan, world).items()}
     mine = coords[rank]

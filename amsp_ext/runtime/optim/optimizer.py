@@ -73,6 +73,7 @@ from amsp_ext.runtime.config import FP16Config
 from amsp_ext.runtime.optim.layout import LocalTensor
 from amsp_ext.runtime.optim.loss_scale import DynamicLossScaler
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
+from amsp_ext.runtime.optim.whole_tensor import WholeTensors
 from amsp_ext.topology.mesh import GroupHandle
 
 __all__ = ["AMSPOptimizer", "GradSource", "NormGroup", "ParamBroadcaster", "StepBoundary"]
@@ -134,13 +135,18 @@ class AMSPOptimizer(torch.optim.Optimizer):
                  tensors: Sequence[LocalTensor], grads: GradSource, params: ParamBroadcaster,
                  norm_group: NormGroup, device: torch.device, precision: str,
                  fp16: FP16Config | None = None, run_info: Mapping[str, Any] | None = None,
-                 guard: NonFiniteGuard | None = None, adaptive: StepBoundary | None = None) -> None:
+                 guard: NonFiniteGuard | None = None, adaptive: StepBoundary | None = None,
+                 kind: str = "elementwise", whole: WholeTensors | None = None) -> None:
         self.masters = dict(masters)  # tensor index -> fp32 master (owned only), forward order
         self.tensors = list(tensors)
+        # optim/kinds.py; ``whole``: the masters are whole tensors stepped by their whole owner
+        # (optim/whole_tensor.py [Note: whole-tensor optimizers on row shards])
+        self.kind, self.whole = kind, whole
         self._tp_replicas = _tp_replicas(self.tensors)
         self._grads, self._params, self._norm_group = grads, params, norm_group
         self.device = device
-        self._aliased = precision == "fp32"  # masters share the parameters' storage
+        self._aliased_dtype = precision == "fp32"
+        self._aliased = self._aliased_dtype and whole is None  # masters share the parameters' storage
         self.run_info = dict(run_info or {})  # plan / world, saved in and checked by state dicts
         owned = list(self.masters.values())
         if not owned:  # a rank that owns nothing still has param_groups for schedulers
@@ -171,7 +177,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     def rebind(self, masters: Mapping[int, nn.Parameter], *, tensors: Sequence[LocalTensor],
                grads: GradSource, params: ParamBroadcaster, norm_group: NormGroup,
-               run_info: Mapping[str, Any]) -> None:
+               run_info: Mapping[str, Any], whole: WholeTensors | None = None) -> None:
         """[Note: the same optimizer under another plan]
         ``switch_plan`` (runtime/replan/switch.py) gives this object another plan's owned masters and
         collaborators. It stays the object the user's loop and LR scheduler hold: its hooks,
@@ -187,6 +193,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
             raise ValueError(f"optimizer_factory built a {type(inner).__name__} after a plan switch, "
                              f"{type(self.inner).__name__} before")
         self.masters, self.tensors = dict(masters), list(tensors)
+        self._aliased = self._aliased_dtype and whole is None
+        self.whole = whole
         self._tp_replicas = _tp_replicas(self.tensors)
         self._grads, self._params, self._norm_group = grads, params, norm_group
         self.run_info = dict(run_info)
@@ -323,6 +331,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
                                   ranks=None, norm=self.last_grad_norm, rank=_rank())
             factor = self._grad_coef / (self.scaler.scale if self.scaler else 1.0)
             owned = self._grads.collect()
+            if self.whole is not None:  # row shards in, whole fp32 gradients of my whole masters out
+                owned = self.whole.gather(owned)
             for idx, m in self.masters.items():
                 g = owned.get(idx)
                 if g is None:
@@ -334,14 +344,26 @@ class AMSPOptimizer(torch.optim.Optimizer):
                     g.mul_(factor)
                 m.grad = g
             self.inner.step()
-            if not self._aliased:
-                for idx, m in self.masters.items():
-                    self.tensors[idx].local().copy_(m)
+            self._write_back()
             self._grad_coef = 1.0
             if self.scaler is not None:
                 self.scaler.update(False)
             self.num_steps += 1
         self._params.broadcast_all()
+
+    def _write_back(self) -> None:
+        """The stepped masters into the local parameters this rank holds."""
+        if self.whole is not None:
+            self.whole.scatter(self.masters, self.tensors)
+        elif not self._aliased:
+            for idx, m in self.masters.items():
+                self.tensors[idx].local().copy_(m)
+
+    def _master_metadata(self, idx: int) -> dict:
+        meta = self.tensors[idx].metadata()
+        if self.whole is not None:  # a whole master: the global tensor, not this rank's rows
+            meta.update(local_shape=list(meta["global_shape"]), shard_index=0, whole=True)
+        return meta
 
     def _skip_step(self) -> None:
         """A non-finite step: nothing is applied, on any rank (see nonfinite.py)."""
@@ -392,7 +414,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             "state": inner["state"],
             "param_groups": inner["param_groups"],
             "amsp": {
-                "tensors": [self.tensors[i].metadata() for i in self.masters],
+                "tensors": [self._master_metadata(i) for i in self.masters],
                 "masters": {self.tensors[i].name: m.detach().clone() for i, m in self.masters.items()},
                 "scaler": self.scaler.state_dict() if self.scaler else None,
                 "num_steps": self.num_steps,
@@ -413,7 +435,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             if out is not None:
                 state_dict = out
         a = state_dict.get("amsp") if isinstance(state_dict, Mapping) else None
-        mine = [self.tensors[i].metadata() for i in self.masters]
+        mine = [self._master_metadata(i) for i in self.masters]
         if a is None or a.get("tensors") != mine:
             saved = {k: v for k, v in (a or {}).items() if k not in ("tensors", "masters", "scaler")}
             raise ValueError(
@@ -423,8 +445,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             )
         for i, m in self.masters.items():
             m.copy_(a["masters"][self.tensors[i].name])
-            if not self._aliased:
-                self.tensors[i].local().copy_(m)
+        self._write_back()
         self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         if self.scaler is not None and a.get("scaler"):
             self.scaler.load_state_dict(a["scaler"])
@@ -437,6 +458,8 @@ class AMSPOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> tuple[int, int]:
         """(fp32 master bytes not aliased to the parameters, inner optimizer state bytes)."""
         master = 0 if self._aliased else sum(m.numel() * m.element_size() for m in self.masters.values())
+        if self.whole is not None and not self._aliased_dtype:  # the fp32 rows kept beside them
+            master += sum(r.numel() * r.element_size() for r in self.whole.rows.values())
         states = 0
         for st in self.inner.state.values():
             for v in st.values():

@@ -79,6 +79,10 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     same object too. A no-op (after the agreement check) when the plan does not change.
     """
     e = engine_of(model, optimizer)
+    if optimizer.kind == "whole_tensor":
+        raise ValueError(f"switch_plan: {type(optimizer.inner).__name__} reads whole tensors "
+                         f"(optim/kinds.py) and moving its states between plans is not built yet; "
+                         f"keep plan {e.plan}")
     # e.config's all-reduce mode was decided at shard() and its profile found: a switch keeps
     # both, and plan "auto" is resolved as shard() resolves it (amsp_ext/job.py)
     new = resolve_on_ranks(e.comm, job_of(model, plan, e.config, e.world), e.world)[0].plan

@@ -235,6 +235,7 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     state is staged (see [Note: async save]).
     """
     e = engine_of(model, optimizer)
+    _check_layout_saveable(e, path)
     wait_for_save(model)  # one save at a time; the staging directory is reused
     path = Path(path)
     if e.rank == 0:
@@ -291,6 +292,14 @@ class _Staged:
     files: dict[str, bytes]
     meta: dict | None
     needed: int
+
+
+def _check_layout_saveable(e, path) -> None:
+    """Whole masters on whole owners (optim/whole_tensor.py) have no chunk rows in this format."""
+    if e.optimizer is not None and e.optimizer.whole is not None:
+        raise CheckpointError(f"amsp checkpoint {path}: {type(e.optimizer.inner).__name__} reads whole "
+                              f"tensors and plan {e.plan} shards their rows (sp > 1); checkpoints of "
+                              f"that layout are not built yet (plans with sp = 1 save and resume it)")
 
 
 def _tensors_and_rows(model: nn.Module, e) -> tuple[dict[str, Any], list[dict]]:
@@ -566,6 +575,7 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     path = resolve(Path(path))
     meta = read_checkpoint_meta(path)
     e = engine_of(model, optimizer)
+    _check_layout_saveable(e, path)
     restore_rng = rng and meta.get("rng") and _same_ranks(meta["world"], e.world)
     # the JSON every rank reads is checked (and parsed) by every rank: one line on all of them
     verify_files(path, meta, [STATE_FILE])

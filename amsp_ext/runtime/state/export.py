@@ -107,7 +107,10 @@ def _full_tensors(model: nn.Module, *, dtype: torch.dtype | None, rank0_only: bo
 def _master_shard(e, t) -> torch.Tensor:
     """The fp32 master of ``t``'s local shard on every rank of its optim_bcast group."""
     opt = e.optimizer
-    if t.index in opt.masters:
+    if opt.whole is not None:  # masters are whole tensors; the owner's fp32 rows are kept apart
+        buf = (opt.whole.rows[t.index].detach() if t.index in opt.whole.rows
+               else torch.empty(t.local_shape, dtype=torch.float32, device=e.device))
+    elif t.index in opt.masters:
         buf = opt.masters[t.index].detach()
     else:
         buf = torch.empty(t.local_shape, dtype=torch.float32, device=e.device)
