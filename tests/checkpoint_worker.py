@@ -271,11 +271,15 @@ def suite_errors(root: Path, R):
     fewer, fewer_opt, _ = make("p=1x1,g=1x1,os=2x2", R, model_kw={"num_hidden_layers": 1})
     sgd_model, sgd_opt, _ = make("p=1x1,g=1x1,os=2x2", R, factory=sgd)
     ada_model, ada_opt, _ = make("p=2x1,g=2x1,os=2x2", R, factory=adafactor)
+    # declared elementwise, Adafactor keeps its row/col factors per row shard (a state not shaped
+    # like its parameter): such a checkpoint loads only under the sp it was saved with
+    ew_model, ew_opt, _ = make("p=2x1,g=2x1,os=2x2", R, factory=adafactor, optimizer_kind="elementwise")
     cases = [("missing-path", model, opt, root / "nope"), ("not-a-checkpoint", model, opt, root / "empty"),
              ("other-shapes", other, other_opt, root / "fp32-A"), ("fewer-layers", fewer, fewer_opt, root / "fp32-A"),
              ("other-optimizer", sgd_model, sgd_opt, root / "fp32-A"),
              ("optimizer-of-another-model", model, other_opt, root / "fp32-A"),
-             ("per-shard-state-other-sp", ada_model, ada_opt, root / "adafactor")]
+             ("per-shard-state-other-sp", ada_model, ada_opt, root / "adafactor"),
+             ("per-shard-state-declared-elementwise", ew_model, ew_opt, root / "adafactor")]
     for how, name in (("flipped", "amsp.json"), ("truncated", "amsp.json"), ("flipped", "amsp.state.json"),
                       ("truncated", "amsp.state.json"), ("flipped", "shard-00003-model-00001-of-00001.safetensors"), ("truncated", "shard-00001-model-00001-of-00001.safetensors")):
         case = f"{how}-{name}"

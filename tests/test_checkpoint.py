@@ -146,7 +146,10 @@ def test_errors_are_one_line_and_issue_no_collective(runs):
         "fewer-layers": "tensor 'model.layers.1.self_attn.q_proj.weight' of the checkpoint is not in the model",
         "other-optimizer": "saved from AdamW, this optimizer is SGD",
         "optimizer-of-another-model": "optimizer is not the one amsp_ext.shard returned",
-        "per-shard-state-other-sp": "can only be loaded with the same sp, not sp=2",
+        # Adafactor reads whole tensors: under sp = 2 it is stepped whole (runtime/optim/whole_tensor.py),
+        # a layout checkpoints do not hold yet
+        "per-shard-state-other-sp": "Adafactor reads whole tensors and plan p=2x1,g=2x1,os=2x2 shards their rows",
+        "per-shard-state-declared-elementwise": "can only be loaded with the same sp, not sp=2",
         "flipped-amsp.json": "file amsp.json is damaged",
         "truncated-amsp.json": "file amsp.json is damaged (not valid JSON",
         "flipped-amsp.state.json": "file amsp.state.json is damaged (sha256 mismatch)",
