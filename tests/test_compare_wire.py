@@ -129,6 +129,7 @@ def test_report_refuses_a_ratio_of_rows_that_sent_different_bytes(tmp_path):
     rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32", None), _wire(6_066_688, "bf16", None))
     assert rec["refused"] == ("gradients on the wire differ: AMSP (plan ddp) bf16, DDP fp32")
     assert line == "- AMSP (plan ddp) / DDP: no ratio: gradients on the wire differ: AMSP (plan ddp) bf16, DDP fp32"
+    assert rec["verdict"]["claim"] is False and rec["verdict"]["met"] is None  # a refused ratio claims nothing
     # the same dtype, half the bytes for the same plan shape: refused, with both figures
     rec, line = _crafted(tmp_path, _wire(12_133_376, "fp32"), _wire(6_066_688, "fp32"))
     assert line == ("- AMSP (plan ddp) / DDP: no ratio: same plan shape (ddp) but gradient bytes per step "

@@ -220,10 +220,13 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             steps = [s for s in (timed_steps(num), timed_steps(den)) if s is not None]
             wire_note = ("" if num.get("wire") and den.get("wire")
                          else "wire bytes not measured (no trace): not checked")
+            refused = wire_mismatch(num, den)
+            # a refused ratio is no claim, whatever its rounds: the rows did not send the same
             out.append({"numerator": num["key"], "denominator": den["key"], "text": text,
                         "note": "; ".join(n for n in (note, wire_note) if n), **rec,
-                        "refused": wire_mismatch(num, den),
-                        "verdict": verdict(rec, min(steps) if steps else None)})
+                        "refused": refused,
+                        "verdict": ({"claim": False, "met": None, "text": f"refused: {refused}"} if refused
+                                    else verdict(rec, min(steps) if steps else None))})
 
     ok = [r for r in rows if r.get("status") == "ok"]
     planned = _row(rows, "amsp-plan")
