@@ -47,6 +47,17 @@ def adafactor(params):
     return torch.optim.Adafactor(params, lr=1e-2)
 
 
+def muon(params):
+    return torch.optim.Muon(params, lr=1e-2)
+
+
+def matrices_only(model):
+    """Muon takes 2-D parameters only: the norms are frozen."""
+    for p in model.parameters():
+        if p.dim() != 2:
+            p.requires_grad_(False)
+
+
 def freeze_norm(model):
     model.model.norm.weight.requires_grad_(False)  # frozen: no master, no state, still saved
 
@@ -255,11 +266,31 @@ def suite_save4(root: Path, R):
     model, opt, sched, w, _, ref = save_reference("tied-frozen", "p=1x1,g=1x1,os=2x1", R, root, hf=True, **tied)
     release(model)
     load_case("tied-frozen-sp2:p=2x1,g=2x1,os=2x2", root / "tied-frozen", ref, w, "p=2x1,g=2x1,os=2x2", R, **tied)
-    # a state not shaped like its parameter (Adafactor's row/col factors) is per-shard
+    # Adafactor reads whole tensors: under sp = 1 its masters and row/col factors are whole, and
+    # they load again under sp = 1 or under sp = 2 with whole owners
     model, opt, sched, w, _, ref = save_reference("adafactor", "p=1x1,g=1x1,os=2x2", R, root, factory=adafactor)
     release(model)
     load_case("adafactor-same-sp:p=1x1,g=1x1,os=2x1", root / "adafactor", ref, w, "p=1x1,g=1x1,os=2x1", R,
               factory=adafactor)
+    load_case("whole-adafactor-from-sp1:p=2x1,g=2x1,os=2x2", root / "adafactor", ref, w, "p=2x1,g=2x1,os=2x2",
+              R, factory=adafactor)
+    # declared elementwise, a state not shaped like its parameter (the row/col factors of a row
+    # shard) is per-shard: saved for the error cases below
+    model, *_ = save_reference("adafactor-ew", "p=1x1,g=1x1,os=2x2", R, root, factory=adafactor,
+                               optimizer_kind="elementwise")
+    release(model)
+    # whole-tensor optimizers saved under zero3 (whole masters on whole owners), loaded where the
+    # masters are whole again: sp = 1, and sp = 2 with other whole owners (and on 8 ranks: cross8)
+    model, opt, sched, w, _, ref = save_reference("adafactor-zero3", "p=2x2,g=2x2,os=2x2", R, root,
+                                                  factory=adafactor)
+    release(model)
+    for plan in ("p=1x1,g=1x1,os=2x1", "p=2x1,g=2x1,os=2x2"):
+        load_case(f"whole-adafactor:{plan}", root / "adafactor-zero3", ref, w, plan, R, factory=adafactor)
+    model, opt, sched, w, _, ref = save_reference("muon-zero3", "p=2x2,g=2x2,os=2x2", R, root, factory=muon,
+                                                  prep=matrices_only)
+    release(model)
+    load_case("whole-muon:p=2x1,g=2x1,os=2x2", root / "muon-zero3", ref, w, "p=2x1,g=2x1,os=2x2", R,
+              factory=muon, prep=matrices_only)
     suite_errors(root, R)
 
 
@@ -270,16 +301,16 @@ def suite_errors(root: Path, R):
     other, other_opt, _ = make("p=2x1,g=2x1,os=2x2", R, model_kw={"intermediate_size": 128})
     fewer, fewer_opt, _ = make("p=1x1,g=1x1,os=2x2", R, model_kw={"num_hidden_layers": 1})
     sgd_model, sgd_opt, _ = make("p=1x1,g=1x1,os=2x2", R, factory=sgd)
-    ada_model, ada_opt, _ = make("p=2x1,g=2x1,os=2x2", R, factory=adafactor)
     # declared elementwise, Adafactor keeps its row/col factors per row shard (a state not shaped
-    # like its parameter): such a checkpoint loads only under the sp it was saved with
+    # like its parameter): such a checkpoint loads only under the sp it was saved with; and a
+    # whole tensor's factors never load into an engine that steps row shards
     ew_model, ew_opt, _ = make("p=2x1,g=2x1,os=2x2", R, factory=adafactor, optimizer_kind="elementwise")
     cases = [("missing-path", model, opt, root / "nope"), ("not-a-checkpoint", model, opt, root / "empty"),
              ("other-shapes", other, other_opt, root / "fp32-A"), ("fewer-layers", fewer, fewer_opt, root / "fp32-A"),
              ("other-optimizer", sgd_model, sgd_opt, root / "fp32-A"),
              ("optimizer-of-another-model", model, other_opt, root / "fp32-A"),
-             ("per-shard-state-other-sp", ada_model, ada_opt, root / "adafactor"),
-             ("per-shard-state-declared-elementwise", ew_model, ew_opt, root / "adafactor")]
+             ("per-shard-state-other-sp", ew_model, ew_opt, root / "adafactor-ew"),
+             ("whole-state-into-row-shards", ew_model, ew_opt, root / "adafactor-zero3")]
     for how, name in (("flipped", "amsp.json"), ("truncated", "amsp.json"), ("flipped", "amsp.state.json"),
                       ("truncated", "amsp.state.json"), ("flipped", "shard-00003-model-00001-of-00001.safetensors"), ("truncated", "shard-00001-model-00001-of-00001.safetensors")):
         case = f"{how}-{name}"
@@ -306,7 +337,7 @@ def suite_errors(root: Path, R):
         os.environ.pop("AMSP_CHECKPOINT_KEY", None)
         emit({"case": f"error:{case}", "error": err, "type": kind, "marker": (root / "PWNED").exists(),
               "collectives_issued": sum(m.amsp.comm.counts.values()) - issued}, all_ranks=True)
-    for m in (model, other, fewer, sgd_model, ada_model):
+    for m in (model, other, fewer, sgd_model, ew_model):
         release(m)
 
 
@@ -416,6 +447,9 @@ def suite_cross8(root: Path, R):
     wA = export_weights(root / "fp32-A")
     for plan in ("p=1x1,g=1x1,os=4x2", "p=4x2,g=4x2,os=4x2"):
         load_case(f"4to8:{plan}", root / "fp32-A", refA, wA, plan, R)
+    ref = json.loads((root / "adafactor-zero3.ref.json").read_text())
+    load_case("whole-4to8:p=2x1,g=2x1,os=4x2", root / "adafactor-zero3", ref, export_weights(root / "adafactor-zero3"),
+              "p=2x1,g=2x1,os=4x2", R, factory=adafactor)
     model, opt, sched, w, _, ref = save_reference("fp32-B8", "p=2x1,g=4x2,os=4x2", R, root)
     release(model)
 

@@ -359,6 +359,17 @@ class AMSPOptimizer(torch.optim.Optimizer):
             for idx, m in self.masters.items():
                 self.tensors[idx].local().copy_(m)
 
+    @property
+    def local_masters(self) -> dict[int, torch.Tensor]:
+        """This rank's fp32 masters shaped like its local tensors (tensor index -> rows): the
+        masters themselves, or, with whole masters, the rows kept beside them."""
+        return self.whole.rows if self.whole is not None else self.masters
+
+    @property
+    def mixed_precision(self) -> bool:
+        """fp32 masters are kept apart from the parameters (bf16 / fp16 runs)."""
+        return not self._aliased_dtype
+
     def _master_metadata(self, idx: int) -> dict:
         meta = self.tensors[idx].metadata()
         if self.whole is not None:  # a whole master: the global tensor, not this rank's rows

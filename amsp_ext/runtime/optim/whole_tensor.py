@@ -103,6 +103,12 @@ class WholeTensors:
         for e in self.mine:
             self.masters[e.index].amsp_name = e.name
 
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """The whole masters from the rows (after a checkpoint load wrote the rows): collective."""
+        for i, w in self.gather(self.rows).items():
+            self.masters[i].copy_(w)
+
     def _exchange(self, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int],
                   what: str) -> torch.Tensor:
         out = torch.empty(sum(out_splits), dtype=torch.float32, device=send[0].device if send else None)

@@ -26,7 +26,8 @@ global tensor with the right offsets, and to choose which keys each rank present
   exactly its parameter chunk's offsets; other ranks simply do not present the key. Owner
   replicas (dp / sos of them) are deduplicated like parameter replicas.
 - 0-d states (Adam's ``step``) are replicated scalars; any other shape is per-shard and can
-  only be reloaded under the same sp (checked before any collective).
+  only be reloaded under the same sp (checked before any collective), except a whole-tensor
+  optimizer's (see [Note: whole-tensor optimizers in a checkpoint]).
 - Non-tensor values are JSON (runtime/wire.py, [Note: data, not code]): the param-group
   hyper-parameters and non-tensor optimizer states of each chunk in its row of ``amsp.json``;
   the step counter, loss scaler, LR scheduler and ``extra`` in ``amsp.state.json`` (rank 0);
@@ -38,6 +39,17 @@ global tensor with the right offsets, and to choose which keys each rank present
   size and SHA-256 of every file, and the caller's ``info``. Loading validates the model
   against it on every rank before any collective. The directory is staged next to ``path``
   and published by one rename (see checkpoint_files.py: [Note: atomic publish]).
+
+[Note: whole-tensor optimizers in a checkpoint]
+A whole-tensor optimizer (runtime/optim/kinds.py) keeps whole masters and states: under sp = 1
+because every local tensor is whole, under sp > 1 on whole owners (optim/whole_tensor.py). Its
+masters and param-shaped states are written as one plain chunk at offset 0 (the whole tensor),
+and its other states (Adafactor's row and column factors) as kind ``whole``: one key with no
+shard suffix. So a checkpoint of it loads under any plan and world where the masters are whole
+again - sp = 1, or sp > 1 with whole owners - and DCP cuts the parameters' rows out of the
+masters where the loading plan shards them. Loading whole masters re-gathers them from the rows
+just read (one all-to-all per param_shard group), so only the rows are read from the files.
+Invariant: a ``whole`` state is never loaded by an engine that steps row shards (one line).
 
 [Note: nothing is unpickled]
 DCP's FileSystemWriter pickles its ``.metadata`` (FileSystemReader.read_metadata is
@@ -235,7 +247,6 @@ def save_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, ext
     state is staged (see [Note: async save]).
     """
     e = engine_of(model, optimizer)
-    _check_layout_saveable(e, path)
     wait_for_save(model)  # one save at a time; the staging directory is reused
     path = Path(path)
     if e.rank == 0:
@@ -294,12 +305,15 @@ class _Staged:
     needed: int
 
 
-def _check_layout_saveable(e, path) -> None:
-    """Whole masters on whole owners (optim/whole_tensor.py) have no chunk rows in this format."""
-    if e.optimizer is not None and e.optimizer.whole is not None:
-        raise CheckpointError(f"amsp checkpoint {path}: {type(e.optimizer.inner).__name__} reads whole "
-                              f"tensors and plan {e.plan} shards their rows (sp > 1); checkpoints of "
-                              f"that layout are not built yet (plans with sp = 1 save and resume it)")
+def _master_tensor(e, idx: int) -> "LocalTensor":
+    """The tensor a master of the optimizer describes: its local tensor, or - whole masters on
+    whole owners (optim/whole_tensor.py) - the whole parameter as one chunk at offset 0, a plain
+    tensor DCP writes once and any layout reads its rows of ([Note: whole-tensor optimizers in
+    a checkpoint])."""
+    t = e.tensors[idx]
+    if e.optimizer.whole is None:
+        return t
+    return dataclasses.replace(t, local_shape=t.global_shape, shard_index=0, param=e.optimizer.masters[idx])
 
 
 def _tensors_and_rows(model: nn.Module, e) -> tuple[dict[str, Any], list[dict]]:
@@ -313,12 +327,12 @@ def _tensors_and_rows(model: nn.Module, e) -> tuple[dict[str, Any], list[dict]]:
     group_of = {id(p): g for g in opt.inner.param_groups for p in g["params"]}
     rows = []
     for idx, m in opt.masters.items():
-        t = e.tensors[idx]
-        if not opt._aliased:
+        t = _master_tensor(e, idx)
+        if opt.mixed_precision:
             sd[MASTER + t.name] = as_global(t, m)
         kinds, objects = {}, {}
         for k, v in opt.inner.state.get(m, {}).items():
-            kinds[k] = _state_item(sd, t, k, v, e.plan.sp)
+            kinds[k] = _state_item(sd, t, k, v, e.plan.sp, whole=opt.kind == "whole_tensor")
             if kinds[k] == "object":
                 objects[k] = v
         hps = {k: v for k, v in group_of[id(m)].items() if k != "params"}
@@ -435,7 +449,10 @@ def _drop_staging(rank: int, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:
+def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int, *, whole: bool = False) -> str:
+    """The kind of one optimizer state, written into ``sd``: object, scalar, param (shaped like
+    its tensor), whole (another shape, of a whole-tensor optimizer's whole tensor: one key any
+    whole layout reads) or shard (another shape, of a row shard: its sp only)."""
     key = f"{STATE}{t.name}.{k}"
     if not torch.is_tensor(v):
         return "object"  # in the chunk's row of amsp.json
@@ -445,6 +462,9 @@ def _state_item(sd: dict, t: "LocalTensor", k: str, v: Any, sp: int) -> str:
     if tuple(v.shape) == tuple(t.local_shape):
         sd[key] = as_global(t, v)
         return "param"
+    if whole:
+        sd[key] = v.detach()
+        return "whole"
     sd[f"{key}.shard{t.shard_index}of{sp}"] = v.detach()
     return "shard"
 
@@ -509,7 +529,7 @@ def _meta(model: nn.Module, e: "Engine", rng: bool, info: dict | None) -> dict:
                   "size": e.world.size, "tensor_parallel": e.world.tensor_parallel},
         "precision": e.config.precision, "ownership": e.config.ownership,
         "step": e.optimizer.num_steps, "optimizer": type(e.optimizer.inner).__name__,
-        "masters": not e.optimizer._aliased, "rng": rng, "torch": torch.__version__,
+        "masters": e.optimizer.mixed_precision, "rng": rng, "torch": torch.__version__,
         "info": json.loads(json.dumps(info or {})),
         "model_class": cls, "hf_config": hf, "model": model_rows,
     }
@@ -545,6 +565,19 @@ def _check_optimizer(path: Path, meta: dict, e: "Engine") -> None:
     if meta["optimizer"] != inner:
         raise CheckpointError(f"amsp checkpoint {path}: optimizer states were saved from "
                               f"{meta['optimizer']}, this optimizer is {inner}")
+    whole_here = e.plan.sp == 1 or e.optimizer.whole is not None  # every master a whole tensor
+    for r in meta["tensors"]:
+        for k, kind in r["state"].items():
+            if kind == "shard" and e.optimizer.whole is not None:
+                raise CheckpointError(
+                    f"amsp checkpoint {path}: optimizer state {k!r} of {r['name']!r} belongs to a row shard "
+                    f"(saved by an optimizer declared elementwise under plan {meta['plan']}); this one steps "
+                    f"whole tensors: load it with the same optimizer_kind")
+            if kind == "whole" and not whole_here:
+                raise CheckpointError(
+                    f"amsp checkpoint {path}: optimizer state {k!r} of {r['name']!r} belongs to a whole "
+                    f"tensor (a whole-tensor optimizer saved it); this optimizer steps row shards under "
+                    f"plan {e.plan}: declare it whole-tensor (optimizer_kind) or load with sp = 1")
     if meta["sp"] == e.plan.sp:
         return
     # decided from the checkpoint's table, not from what this rank owns: every rank must agree
@@ -575,7 +608,6 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     path = resolve(Path(path))
     meta = read_checkpoint_meta(path)
     e = engine_of(model, optimizer)
-    _check_layout_saveable(e, path)
     restore_rng = rng and meta.get("rng") and _same_ranks(meta["world"], e.world)
     # the JSON every rank reads is checked (and parsed) by every rank: one line on all of them
     verify_files(path, meta, [STATE_FILE])
@@ -612,7 +644,9 @@ def load_checkpoint(model: nn.Module, optimizer, path, *, lr_scheduler=None, rng
     _read_shared(sd, path, e)
 
     for idx in masters_to_params:
-        e.tensors[idx].local().copy_(opt.masters[idx])
+        e.tensors[idx].local().copy_(opt.local_masters[idx])
+    if opt.whole is not None:  # the whole masters from the rows just read (one all-to-all)
+        opt.whole.refresh_masters()
     if optimizer_states:
         _load_inner(e, meta, states, names)
         opt.num_steps = int(glob["num_steps"])
@@ -692,10 +726,10 @@ def _param_targets(e: "Engine", current: dict, md: dict, sd: dict) -> list[int]:
         if t.name != k:  # a tied alias: loaded through its first name
             continue
         src = MASTER + t.name if MASTER + t.name in md else MODEL + t.name
-        if opt._aliased:
-            sd[src] = v.detach()  # the parameter is the master
-        elif t.index in opt.masters:
-            sd[src] = as_global(t, opt.masters[t.index])
+        if not opt.mixed_precision:
+            sd[src] = v.detach()  # the parameter is the master (or, whole masters, its rows)
+        elif t.index in opt.local_masters:
+            sd[src] = as_global(t, opt.local_masters[t.index])
             after.append(t.index)
         elif md[MODEL + k].properties.dtype == v.dtype:
             sd[MODEL + k] = v.detach()  # the owner's rounding of the same master
@@ -709,7 +743,7 @@ def _state_targets(e: "Engine", meta: dict, md: dict, sd: dict) -> dict[int, dic
     kinds = {r["name"]: r["state"] for r in meta["tensors"]}
     out: dict[int, dict[str, Any]] = {}
     for idx in e.optimizer.masters:
-        t = e.tensors[idx]
+        t = _master_tensor(e, idx)
         st: dict[str, Any] = {}
         for k, kind in kinds.get(t.name, {}).items():
             key = f"{STATE}{t.name}.{k}"
