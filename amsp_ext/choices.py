@@ -17,7 +17,7 @@ import re
 from typing import Any, Iterable
 
 __all__ = [
-    "ALL_REDUCES", "ALL_REDUCE_SETTINGS", "DRYRUN_DEVICES", "DRYRUN_TENSORS", "GRANULARITIES",
+    "ALL_REDUCES", "ALL_REDUCE_SETTINGS", "DRYRUN_DEVICES", "DRYRUN_OPTIMIZERS", "DRYRUN_TENSORS", "GRANULARITIES",
     "INIT_WEIGHTS", "MISSING_MESH", "OBJECTIVES", "OPTIMIZERS", "OVERLAP_OPS", "WHOLE_TENSOR_OPTIMIZERS",
     "OPTIMIZER_KINDS", "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
@@ -44,6 +44,8 @@ MISSING_MESH = ("error", "fit")
 # a dry run's tensors: without storage (any model, any device) or allocated (a GPU's allocator),
 # and where they live (tools/dryrun.py [Note: real tensors on a GPU])
 DRYRUN_TENSORS = ("fake", "real")
+# the optimizers a dry run builds (tools/dryrun.py _optimizer_factory), by the planner's names
+DRYRUN_OPTIMIZERS = ("adamw", "muon", "adafactor")
 DRYRUN_DEVICES = ("cpu", "cuda")
 # optimizers the planner's memory model knows the state size of
 OPTIMIZERS = ("adamw", "sgd-momentum", "lion", "adam8bit", "muon", "adafactor")

@@ -43,9 +43,27 @@ def test_zero3_at_1024_ranks_bytes_by_hand():
     n = _padded(1024)
     # M = 1: every unit gathered in forward and again in backward (bf16, 2 bytes), one
     # reduce-scatter per unit in the fp32 reduce dtype (4 bytes); no all-reduce, no broadcast
-    assert got == {"all_gather": 2 * 2 * n, "reduce_scatter": 4 * n, "all_reduce": 0, "broadcast": 0}
+    assert got == {"all_gather": 2 * 2 * n, "reduce_scatter": 4 * n, "all_reduce": 0, "broadcast": 0,
+                   "all_to_all": 0}
     assert {(c["group_size"], c["cross_node"]) for c in rank["collectives"]
             if c["kind"] != "all_reduce"} == {(1024, True)}
+
+
+@pytest.mark.distributed
+def test_whole_tensor_optimizer_under_zero3_bytes_by_hand():
+    """Adafactor under zero3 on 2 x 2 ranks (fp32): each step adds two all-to-alls in the
+    param_shard group (runtime/optim/whole_tensor.py). A rank sends every owned row shard's
+    gradient, padded to its chunk, to its whole owner (4 bytes x padded Phi / 4), and each whole
+    owner sends every rank its rows back (4 ranks x its tensors' padded chunks): summed over the
+    four ranks 4 x padded Phi each way, 8 x padded Phi bytes; the planner's 2 x 4 Phi / sos per
+    rank is that mean. Nothing else changes: no broadcast under zero3."""
+    r = dry_run(DryRunSpec(engine=EngineConfig(), model="tiny-llama", num_nodes=2, gpus_per_node=2, plan="zero3",
+                           seq_len=32, steps=1, ranks=(0, 1, 2, 3), optimizer="adafactor"))
+    got = [bytes_per_kind(rank) for rank in r["ranks"]]
+    n = _padded(4)
+    assert sum(g["all_to_all"] for g in got) == 8 * n
+    assert all(g["all_gather"] == 2 * 4 * n and g["reduce_scatter"] == 4 * n and g["broadcast"] == 0 for g in got)
+    assert r["planner"]["bytes"]["all_to_all"] == 8 * n // 4  # the mean over the ranks
 
 
 @pytest.mark.distributed
@@ -55,7 +73,8 @@ def test_os_only_at_1024_ranks_bytes_by_hand():
     got = bytes_per_kind(r["ranks"][0])
     # gradients all-reduced in fp32 over the 128 replicas, then each of 8 owners broadcasts
     # its bf16 parameters in the node: this rank takes part in all 8 broadcasts (2 Phi bytes)
-    assert got == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4 * PHI, "broadcast": 2 * PHI}
+    assert got == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4 * PHI, "broadcast": 2 * PHI,
+                   "all_to_all": 0}
     assert r["world"] == 1024 and r["ranks"][0]["rank"] == 1023
 
 
@@ -136,7 +155,8 @@ def test_tensor_parallel_at_1024_ranks_tp_and_amsp_traffic_by_hand():
     assert tp_bytes_per_phase(rank) == {"forward": 4 * act, "backward": 4 * act, "optimizer": 0}
     assert tp["step_bytes"] == {"forward": 4 * act, "backward": 4 * act} and tp["activation_allreduce_bytes"] == act
     n = sum(-(-s[0] // 512) * 512 * math.prod(s[1:]) for s in _TP2_SHAPES)
-    assert bytes_per_kind(rank) == {"all_gather": 2 * 2 * n, "reduce_scatter": 4 * n, "all_reduce": 0, "broadcast": 0}
+    assert bytes_per_kind(rank) == {"all_gather": 2 * 2 * n, "reduce_scatter": 4 * n, "all_reduce": 0, "broadcast": 0,
+                                    "all_to_all": 0}
     assert {c["group_size"] for c in rank["collectives"] if c["group"] == "param_shard"} == {512}
     assert rank["model_state_bytes"]["master"] == 4 * n // 512  # fp32 masters of this rank's rows
     # start-up: lm_head (the last module) built whole in fp32, beside every rank's bf16 rows and

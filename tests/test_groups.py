@@ -119,7 +119,7 @@ def test_a_two_level_all_reduce_is_counted_as_its_groups_all_reduce():
         {"kind": "all_reduce", "group": "grad", "bytes": 300},
         {"kind": "all_gather", "group": "param_shard", "bytes": 70},
         {"kind": "all_reduce", "group": "world", "bytes": 4}]}
-    assert bytes_per_kind(rank) == {"all_gather": 70, "reduce_scatter": 0, "all_reduce": 1300, "broadcast": 0}
+    assert bytes_per_kind(rank) == {"all_gather": 70, "reduce_scatter": 0, "all_reduce": 1300, "broadcast": 0, "all_to_all": 0}
 
 
 def test_process_groups_only_where_collectives_run_by_hand():

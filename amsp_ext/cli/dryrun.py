@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from amsp_ext import schema
 from amsp_ext.cli.plan import add_planned_job
 from amsp_ext.cli.planner_flags import ModelChoice, World, gpu_memory_option, missing_mesh_option, profile_option
-from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS
+from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_OPTIMIZERS, DRYRUN_TENSORS
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.schema import check_options, option, section
 
@@ -57,6 +57,9 @@ class DryRunRun:
     tensors: str | None = option(None, choices=DRYRUN_TENSORS,
                                  help="fake: no storage (any model on any machine); real: allocated, on "
                                       "--device (tools/dryrun.py [Note: real tensors on a GPU])")
+    optimizer: str | None = option(None, choices=DRYRUN_OPTIMIZERS,
+                                   help="adamw (default), muon or adafactor: the last two read whole "
+                                        "tensors (their all-to-alls are counted)")
     device: str | None = option(None, choices=DRYRUN_DEVICES,
                                 help="cuda: this machine's GPU (its streams, events and allocator; one "
                                      "rank at a time)")
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                       micro_batches=args.micro_batches,
                       engine=dataclasses.replace(schema.from_namespace(EngineConfig, args), gpus_per_node=None),
                       ranks=_ranks(args.ranks), profile=args.profile, missing_mesh=args.missing_mesh,
-                      **{k: getattr(args, k) for k in ("steps", "tensors", "device")
+                      **{k: getattr(args, k) for k in ("steps", "tensors", "device", "optimizer")
                          if getattr(args, k) is not None})
     result = dry_run(spec)
     if args.out:

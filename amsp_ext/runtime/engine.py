@@ -390,7 +390,8 @@ def _whole_owners(tensors: list[LocalTensor], rows: dict[int, nn.Parameter], mes
     """A whole-tensor optimizer on row shards: ``rows`` (the shard masters) stay this rank's
     fp32 rows, the whole masters it steps are gathered (optim/whole_tensor.py)."""
     return WholeTensors(tensors, rank=rank, group=mesh.handle("param_shard", timeout=config.timeout),
-                        group_ranks=mesh.ranks["param_shard"], comm=comm, rows=rows)
+                        group_ranks=mesh.ranks["param_shard"], comm=comm, rows=rows,
+                        aliased=compute_dtype(config) == torch.float32)
 
 
 def _masters(owned: list[LocalTensor], dtype: torch.dtype,

@@ -85,7 +85,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from amsp_ext import schema
-from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_TENSORS, MISSING_MESH, check_int, check_one_of
+from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_OPTIMIZERS, DRYRUN_TENSORS, MISSING_MESH, check_int, check_one_of
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
@@ -112,6 +112,7 @@ class DryRunSpec:
     missing_mesh: str = DEFAULT_MISSING_MESH  # --plan auto: a mesh the profile lacks (error | fit)
     tensors: str = "fake"  # [Note: real tensors on a GPU]
     device: str = "cpu"
+    optimizer: str = "adamw"  # muon, adafactor: whole-tensor (runtime/optim/whole_tensor.py)
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
@@ -120,6 +121,7 @@ class DryRunSpec:
         check_one_of(self.missing_mesh, MISSING_MESH, "dryrun: missing_mesh")
         check_one_of(self.tensors, DRYRUN_TENSORS, "dryrun: tensors")
         check_one_of(self.device, DRYRUN_DEVICES, "dryrun: device")
+        check_one_of(self.optimizer, DRYRUN_OPTIMIZERS, "dryrun: optimizer")
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"dryrun: engine must be an EngineConfig, got {type(self.engine).__name__}")
         world = self.world
@@ -184,7 +186,7 @@ def _training(spec: DryRunSpec):
     # the memory model and the bytes below do not read the all-reduce mode, which may be "auto"
     return job_spec(planner_settings(spec.engine), seq_len=spec.seq_len,
                     micro_batch_size=spec.micro_batch_size, num_micro_batches=spec.micro_batches,
-                    all_reduce=DEFAULT_ALL_REDUCE)
+                    all_reduce=DEFAULT_ALL_REDUCE, optimizer=spec.optimizer)
 
 
 def job_of(spec: DryRunSpec):
@@ -195,7 +197,8 @@ def job_of(spec: DryRunSpec):
 
     auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
                           num_micro_batches=spec.micro_batches, profile=spec.profile,
-                          missing=spec.missing_mesh, gpu_memory_bytes=spec.gpu_memory_bytes)
+                          missing=spec.missing_mesh, gpu_memory_bytes=spec.gpu_memory_bytes,
+                          optimizer=spec.optimizer)
     engine = dataclasses.replace(spec.engine, gpus_per_node=spec.gpus_per_node, auto=auto)
     return Job(model=model_spec_of(spec), num_nodes=spec.num_nodes, engine=engine, plan=spec.plan)
 
@@ -207,7 +210,7 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     (planner/tensor_parallel.py [Note: a TP job is an AMSP job of TP shards]), plus the TP
     all-reduces of ``tensor_parallel``: per layer 2 in forward and 2 in backward of b x s x h
     compute-dtype bytes each (2 more with recompute), none outside the layers."""
-    from amsp_ext.planner.memory import grad_bytes, memory_breakdown, param_bytes
+    from amsp_ext.planner.memory import grad_bytes, memory_breakdown, param_bytes, whole_tensor_rows
     from amsp_ext.planner.tensor_parallel import tp_shard_spec
 
     whole, training, T = model_spec_of(spec), _training(spec), spec.tensor_parallel
@@ -224,13 +227,15 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     if size(plan.replica_mesh(R, spec.num_nodes)) > 1:
         ar += e_g * phi // plan.sp                                  # T0_os
     bc = e * phi // plan.sp if size(plan.bcast_mesh()) > 1 else 0   # T1_os
+    # Twt (cost.py [Note: the whole-tensor exchange]): a rank's two all-to-alls, on average
+    a2a = 2 * 4 * phi // plan.sos if whole_tensor_rows(training, plan) else 0
     return {"memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim,
                        "activations": mem.activations, "temporary": mem.tmp, "total": mem.total,
                        "step_total": mem.step_total, "startup": mem.startup},
             "peak_moment": mem.tmp_parts["peak_phase"],
             "moments": {m: {"activations": v["activations"], "temporary": v["tmp"]}
                         for m, v in mem.moments.items()},
-            "bytes": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "broadcast": bc},
+            "bytes": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "broadcast": bc, "all_to_all": a2a},
             "tensor_parallel": _tp_bytes(whole, training, T, M)}
 
 
@@ -583,10 +588,27 @@ def _start(model, spec: DryRunSpec, config, comm, device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with startup, torch.device(device):
-        model, opt = shard(model, spec.plan, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                           config=config, comm=comm)
+        model, opt = shard(model, spec.plan, _optimizer_factory(spec.optimizer), config=config, comm=comm)
     allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return model, opt, memory_categories(startup.get_tracker_snapshot("peak")), allocated
+
+
+def _optimizer_factory(name: str):
+    """The optimizer a dry run steps: AdamW, Muon for the hidden matrices with AdamW for the rest
+    (DeepSpeed's "Muon"), or torch's Adafactor."""
+    import torch
+
+    from amsp_ext.runtime.optim.muon_adamw import MuonWithAdamW, is_hidden_matrix
+
+    if name == "muon":
+        def muon(ps):
+            hidden = [p for p in ps if is_hidden_matrix(getattr(p, "amsp_name", ""), p)]
+            rest = [p for p in ps if not is_hidden_matrix(getattr(p, "amsp_name", ""), p)]
+            return MuonWithAdamW([{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}])
+        return muon
+    if name == "adafactor":
+        return lambda ps: torch.optim.Adafactor(ps, lr=1e-2)
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-4)
 
 
 def memory_categories(peak: dict) -> dict:

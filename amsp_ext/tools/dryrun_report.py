@@ -11,7 +11,7 @@ from amsp_ext.topology.groups import ALL_REDUCE_KINDS, group_kind
 __all__ = ["bytes_per_kind", "format_text", "planner_at", "tp_bytes_per_phase", "write_out"]
 
 CATS = ("params", "grads", "optimizer", "activations", "temporary")
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 
 def _gib(n: float) -> str:

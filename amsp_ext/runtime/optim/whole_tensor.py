@@ -74,10 +74,11 @@ class WholeTensors:
 
     def __init__(self, tensors: Sequence[LocalTensor], *, rank: int, group: GroupHandle,
                  group_ranks: Sequence[int], comm: C.CollectiveContext,
-                 rows: Mapping[int, torch.Tensor]) -> None:
-        """``rows``: this rank's fp32 rows of each tensor it owns (the shard masters; under fp32
-        the local parameter's own storage). Collective over ``group``: gathers the whole fp32
-        masters to their owners."""
+                 rows: Mapping[int, torch.Tensor], aliased: bool) -> None:
+        """``rows``: this rank's fp32 rows of each tensor it owns (the shard masters); ``aliased``:
+        they are the local parameters' own storage (fp32 compute). Collective over ``group``:
+        gathers the whole fp32 masters to their owners."""
+        self.aliased = aliased
         self.comm, self.group = comm, group
         self.size = len(group_ranks)
         self.pos = list(group_ranks).index(rank)
@@ -175,7 +176,7 @@ class WholeTensors:
                 n = e.rows[self.pos] * e.row_numel
                 rows = self.rows[e.index]
                 new = out[off: off + n].view(rows.shape)
-                if rows.data_ptr() != tensors[e.index].local().data_ptr():
+                if not self.aliased:
                     rows.copy_(new)
-                tensors[e.index].local().copy_(new)
+                tensors[e.index].local().copy_(new)  # under fp32 that is ``rows`` too
                 off += e.padded
