@@ -8,6 +8,7 @@ Prints ``RESULT {json}`` per plan on rank 0 (every rank's worst difference, all-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -67,8 +68,26 @@ def run(plan: str, gpus_per_node: int) -> dict:
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     out["local_param_bytes"] = 4 * local
     free_plan_groups(model.amsp.mesh)
+    out["sharded_after_fused_forward"] = sharded_after_fused_forward(plan, config, ids)
     out["policy_with_reference"] = policy_with_reference(plan, config)
     return out
+
+
+def sharded_after_fused_forward(plan: str, config: ShardConfig, ids) -> bool:
+    """A forward-only model whose loss reads ``lm_head.weight`` outside lm_head's forward (TRL's
+    fused head) holds only its shards once the forward returns (outside_reads.py): no backward
+    will come to reshard the gathered head."""
+    from torch.distributed.tensor import DTensor
+    from trl.trainer.utils import add_fused_lm_head
+
+    fused = build_llama("tiny-llama", seed=1)
+    add_fused_lm_head(fused)
+    model, _ = shard(fused, plan, None, config=config)
+    model.train()
+    model(input_ids=ids, labels=ids.clone(), fused_lm_head=True)
+    ok = model.amsp.plan.sp == 1 or all(isinstance(p, DTensor) for p in model.parameters())
+    free_plan_groups(model.amsp.mesh)
+    return ok
 
 
 def same_generation(model, ref, ids) -> bool:
@@ -119,6 +138,33 @@ def policy_with_reference(plan: str, config: ShardConfig) -> float:
     return worst(worst_diff)
 
 
+def frozen_counted(gpus_per_node: int) -> dict:
+    """Plan "auto" of a policy built after a forward-only reference counts it (planner/specs.py
+    [Note: frozen models]); an explicit ``frozen_models`` wins."""
+    import gc
+
+    from amsp_ext.runtime.config import AutoPlanConfig
+
+    gc.collect()  # the earlier cases' engines
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731
+    auto = AutoPlanConfig(seq_len=16, micro_batch_size=1, num_micro_batches=1, gpu_memory_bytes=4 << 30,
+                          profile="paper-a800")
+    before, _ = shard(build_llama("tiny-llama", seed=2), "auto", sgd,
+                      config=ShardConfig(gpus_per_node=gpus_per_node, auto=auto))
+    reference, _ = shard(build_llama("tiny-llama", seed=2), "zero3", None,
+                         config=ShardConfig(gpus_per_node=gpus_per_node))
+    after, _ = shard(build_llama("tiny-llama", seed=2), "auto", sgd,
+                     config=ShardConfig(gpus_per_node=gpus_per_node, auto=auto))
+    told, _ = shard(build_llama("tiny-llama", seed=2), "auto", sgd,
+                    config=ShardConfig(gpus_per_node=gpus_per_node,
+                                       auto=dataclasses.replace(auto, frozen_models=3)))
+    out = {"case": "frozen_counted", "before": before.amsp.config.auto.frozen_models,
+           "after": after.amsp.config.auto.frozen_models, "told": told.amsp.config.auto.frozen_models}
+    for m in (before, reference, after, told):
+        free_plan_groups(m.amsp.mesh)
+    return out
+
+
 def main():
     gpus_per_node, plans = int(sys.argv[1]), sys.argv[2].split(";")
     dist.init_process_group("gloo")
@@ -128,6 +174,10 @@ def main():
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(out), flush=True)
         dist.barrier()
+    if dist.get_world_size() == 2:
+        out = frozen_counted(gpus_per_node)
+        if dist.get_rank() == 0:
+            print("FROZEN " + json.dumps(out), flush=True)
     end_worker(t0)
 
 

@@ -33,13 +33,21 @@ SHAPES = [(256, 64)] + 2 * [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (
 
 def _results(nproc, plans):
     proc = run_ranks(nproc, "tests.forward_only_worker", "2", ";".join(plans), timeout=400)
-    return {r["plan"]: r for r in (json.loads(l[7:]) for l in proc.stdout.splitlines()
-                                   if l.startswith("RESULT "))}
+    out = {r["plan"]: r for r in (json.loads(l[7:]) for l in proc.stdout.splitlines()
+                                  if l.startswith("RESULT "))}
+    out.update({"frozen": json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("FROZEN ")})
+    return out
 
 
 @pytest.fixture(scope="module")
 def results():
     return {**_results(2, TWO), **_results(4, FOUR)}
+
+
+def test_plan_auto_counts_the_forward_only_engines_beside_it(results):
+    """planner/specs.py [Note: frozen models]: a policy planned after its forward-only reference
+    (TRL's order) is priced with it; before it, with none; an explicit count wins."""
+    assert results["frozen"] == {"case": "frozen_counted", "before": 0, "after": 1, "told": 3}
 
 
 def _shard_rows(d0: int, sp: int, index: int) -> int:
@@ -59,6 +67,7 @@ def test_forward_only_model_runs_as_the_unsharded_one_and_keeps_only_its_shard(r
     by_hand = 4 * sum(_shard_rows(d0, sp, 0) * row for d0, row in SHAPES)
     assert r["local_param_bytes"] == by_hand
     assert r["state_bytes"] == {"params": by_hand, "grads": 0, "master": 0, "optim_states": 0, "total": by_hand}
+    assert r["sharded_after_fused_forward"], r  # a head read by a fused loss is resharded after the forward
 
 
 @pytest.mark.parametrize("plan", TWO + FOUR)

@@ -124,6 +124,18 @@ def math_finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+@pytest.mark.slow
+def test_dpo_sync_ref_model_writes_the_policy_into_the_sharded_reference(env, assets, tmp_path):
+    """sync_ref_model (alpha 0.5, every step): TRL mixes the policy's weights into the reference
+    model's (both sharded by the plan's p: the same row shards, an elementwise update of the
+    local tensors); the losses after step 1 read the synced reference, and equal DDP's. Without
+    the sync the step-2 and step-3 losses differ (checked by the reference run's own numbers)."""
+    ref = _logs(_run(env, assets, tmp_path, "dpo", "--sync-ref"))
+    plain = _logs(_run(env, assets, tmp_path / "nosync", "dpo"))
+    assert any(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(ref[1:], plain[1:])), (ref, plain)
+    _same_steps(_logs(_run(env, assets, tmp_path, "dpo", "--sync-ref", plan=SHARDED)), ref)
+
+
 @pytest.mark.slow  # the default tier runs GRPO under AMSP alone and DPO against DDP
 @pytest.mark.parametrize("trainer,extra", [("grpo", []), ("dpo", ["--peft"]), ("grpo", ["--peft"])])
 def test_dpo_and_grpo_train_as_ddp_also_with_lora(env, assets, tmp_path, trainer, extra):

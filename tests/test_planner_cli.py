@@ -31,7 +31,7 @@ def test_json_contract(capsys):
     d = json.loads(out)
     assert set(d["plan"]) == {"s0_p", "s1_p", "s0_g", "s1_g", "s0_os", "s1_os", "tensor_parallel"}
     assert d["plan"]["tensor_parallel"] == 1 and d["t_comm_s"]["t_tp"] == 0.0
-    assert set(d["t_comm_s"]) == {"total", "t_p", "t_g", "t0_os", "t1_os", "t_tp", "t_wt"}
+    assert set(d["t_comm_s"]) == {"total", "t_p", "t_g", "t0_os", "t1_os", "t_tp", "t_wt", "t_frozen"}
     t = d["t_comm_s"]
     assert t["total"] == pytest.approx(t["t_p"] + t["t_g"] + t["t0_os"] + t["t1_os"])
     mem = d["memory_bytes"]

@@ -100,6 +100,23 @@ def test_whole_tensor_optimizer_by_hand():
     assert cost().t_wt == 0
 
 
+def test_frozen_models_by_hand():
+    """A frozen reference of the same shape beside the trained model (specs.py [Note: frozen
+    models]): its parameter shard e Phi / sp more memory, and one forward all-gather per unit per
+    micro-batch on the p mesh: Tfz = M * 2 Phi / 1 GB/s = 3 * 872 ns = 2616 ns."""
+    dpo = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100, frozen_models=1)
+    c = cost(training=dpo)
+    assert c.t_frozen == pytest.approx(2616e-9)
+    assert c.total == pytest.approx((6540 + 218 + 109 + 54.5 + 2616) * 1e-9)
+    m = memory_breakdown(TOY, PLAN, dpo, gpus_per_node=4, num_nodes=2)
+    assert m.params == 2 * (2 * 436 // 2)  # the policy's and the reference's shards
+    assert m.grads == 2 * 436 // 8 and m.optim == 12 * 436 // 8  # the reference has neither
+    two = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100, frozen_models=2)
+    assert cost(training=two).t_frozen == pytest.approx(2 * 2616e-9)
+    # p = 1: a frozen model is held whole and gathers nothing
+    assert cost(plan=parse_plan("p=1x1,g=4x2,os=4x2"), training=dpo).t_frozen == 0
+
+
 def test_activations_by_hand():
     # A_layer = e(4h + 2q + 2kv + 4i) + 8h + 4a + 8 = 2(16 + 8 + 4 + 32) + 32 + 8 + 8 = 168
     # per token (8h: the unfused RMSNorms' fp32 inputs); A_out = 4h + 2eh + 4 + 4V (the final

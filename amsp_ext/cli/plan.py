@@ -57,6 +57,9 @@ class PlanJob:
     micro_batches: int | None = option(None, one_of="batch", required=True, minimum=1,
                                        help="M per step, directly")
     optimizer: str = option(DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
+    frozen_models: int = option(0, minimum=0, help="frozen models of this shape on the same GPUs (a DPO/GRPO "
+                                                   "reference, a same-size reward model): their shards, "
+                                                   "forward gathers and forward compute are priced")
     # not named tensor_parallel: that is the engine's T of a running job (EngineConfig, an int),
     # which `amsp plan` builds from the same flags; this is the planner's choice, 1..8 or auto
     tp_degree: str = tensor_parallel_option(
@@ -224,7 +227,8 @@ def _search(args: argparse.Namespace, settings: dict, spec, cluster, profile, as
         training = job_spec(
             settings, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
             global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
-            num_micro_batches=args.micro_batches, optimizer=args.optimizer, all_reduce=all_reduce)
+            num_micro_batches=args.micro_batches, optimizer=args.optimizer, all_reduce=all_reduce,
+            frozen_models=args.frozen_models)
         return make_problem(
             spec, cluster, training, profile, objective=args.objective,
             missing=args.missing_mesh,

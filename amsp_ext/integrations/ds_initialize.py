@@ -122,7 +122,7 @@ def _shard_config(settings: AMSPSettings, cfg: Mapping[str, Any], prec: Precisio
         auto = AutoPlanConfig(seq_len=settings.seq_len, micro_batch_size=batch.micro_batch_size,
                               num_micro_batches=batch.gradient_accumulation_steps,
                               profile=settings.profile, objective=settings.objective,
-                              missing=settings.missing_mesh,
+                              missing=settings.missing_mesh, frozen_models=settings.frozen_models,
                               gpu_memory_bytes=settings.gpu_memory_bytes)
     fp16 = FP16Config(initial_scale=prec.initial_scale, growth_interval=prec.growth_interval,
                       min_scale=prec.min_scale)

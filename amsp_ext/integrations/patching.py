@@ -42,6 +42,8 @@ def patch_deepspeed() -> dict[str, str]:
         try:
             module = importlib.import_module(f"amsp_ext.integrations.patches.{name}")
             done[module.NAME] = module.apply()
+            if name == "trl_amsp_backend":
+                done["trl_sync_ref_model"] = module.apply_sync_ref()
         except ImportError:  # peft / trl / transformers not installed
             pass
     try:

@@ -14,6 +14,9 @@ DeepSpeed's own batch, precision, clipping, optimizer and scheduler keys.
       "profile": "cluster",                 # this cluster's (cached or measured), a bundled name or a JSON path
       "missing_mesh": "error",              # a mesh the profile lacks: "error" or "fit"
       "objective": "comm",                  # "comm" (paper Eq. 1) or "step"
+      "frozen_models": 1,                   # frozen models of this shape beside it (a DPO/GRPO
+                                            #   reference) that plan "auto" prices; absent: the
+                                            #   forward-only engines this process already built
       "adaptive": {"band": [0.67, 1.5], "window": 20, "min_steps_between_switches": 50,
                    "hysteresis": 0.1, "allow_replan": true,
                    "horizon_steps": 1000},          # absent or null: off
@@ -198,6 +201,7 @@ class AMSPSettings:
     profile: str = CLUSTER_PROFILE
     missing_mesh: str = DEFAULT_MISSING_MESH
     objective: str = DEFAULT_OBJECTIVE
+    frozen_models: int | None = None
     adaptive: AdaptiveConfig | None = None
     log_plan: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -209,6 +213,9 @@ class AMSPSettings:
         self._check_plan_text()
         _positive_int_or_none(self.seq_len, "amsp.seq_len")
         _size(self.gpu_memory, "amsp.gpu_memory")
+        if self.frozen_models is not None and (isinstance(self.frozen_models, bool)
+                                               or not isinstance(self.frozen_models, int) or self.frozen_models < 0):
+            raise ConfigError(f"amsp.frozen_models must be an integer >= 0, got {self.frozen_models!r}")
         if not isinstance(self.profile, str) or not self.profile:
             raise ConfigError(f"amsp.profile must be a bundled profile name or a JSON path, got {self.profile!r}")
         for name, allowed in (("missing_mesh", MISSING_MESH), ("objective", OBJECTIVES)):

@@ -19,8 +19,9 @@ setup.py) runs one line at every interpreter start:
   AMSP ds_config is in play, and each rank later reads only its share
   (patches/transformers_meta_load.py); when it imports ``peft``'s tuners, a model left on meta
   is filled before adapters are injected into it (patches/peft_meta_load.py); when it imports
-  ``trl.distributed``, TRL sees AMSP's plan, not ZeRO-3 (patches/trl_amsp_backend.py); when it
-  imports ``transformers.trainer``, an evaluation before training prepares a forward-only engine
+  ``trl.distributed``, TRL sees AMSP's plan, not ZeRO-3, and when it imports
+  ``trl.trainer.callbacks``, ``sync_ref_model`` writes every rank's shards
+  (patches/trl_amsp_backend.py); when it imports ``transformers.trainer``, an evaluation before training prepares a forward-only engine
   (patches/transformers_ds_inference.py).
 
 [Note: why always, and no environment variable]
@@ -86,6 +87,12 @@ def _patch_trl(_module) -> None:
     _say(f"trl DistributedBackend {trl_amsp_backend.apply()}")
 
 
+def _patch_trl_callbacks(_module) -> None:
+    from amsp_ext.integrations.patches import trl_amsp_backend
+
+    _say(f"trl SyncRefModelCallback {trl_amsp_backend.apply_sync_ref()}")
+
+
 def activate() -> bool:
     """Install the post-import hooks (idempotent: site processes a venv's ``lib`` and its
     ``lib64`` symlink as two site directories, so .pth lines may run twice)."""
@@ -102,5 +109,6 @@ def activate() -> bool:
     when_imported("transformers.modeling_utils", _patch_transformers)
     when_imported("peft.tuners.tuners_utils", _patch_peft)
     when_imported("trl.distributed", _patch_trl)
+    when_imported("trl.trainer.callbacks", _patch_trl_callbacks)
     when_imported("transformers.trainer", _patch_trainer)
     return True

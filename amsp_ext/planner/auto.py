@@ -39,6 +39,9 @@ class AutoPlanConfig:
     objective: str = DEFAULT_OBJECTIVE  # "comm" (Eq. 1) or "step"
     missing: str = DEFAULT_MISSING_MESH  # profile meshes the table lacks: "error" or "fit"
     optimizer: str = DEFAULT_OPTIMIZER
+    # frozen models of this shape beside it (specs.py [Note: frozen models]); None: shard()
+    # counts the forward-only engines already built in the process
+    frozen_models: int | None = None
     gpu_memory_bytes: int | None = None  # None: the device's (CPU: RAM / gpus_per_node)
     memory_reserve_bytes: int | None = None  # None: the planner's default reserve
 
@@ -50,6 +53,9 @@ class AutoPlanConfig:
         check_one_of(self.objective, OBJECTIVES, "auto.objective")
         check_one_of(self.missing, MISSING_MESH, "auto.missing")
         check_one_of(self.optimizer, OPTIMIZERS, "auto.optimizer")
+        if self.frozen_models is not None and (isinstance(self.frozen_models, bool)
+                                               or not isinstance(self.frozen_models, int) or self.frozen_models < 0):
+            raise ValueError(f"auto.frozen_models must be an integer >= 0 or None, got {self.frozen_models!r}")
         if self.gpu_memory_bytes is not None and (
             not isinstance(self.gpu_memory_bytes, int) or self.gpu_memory_bytes < 1
         ):
@@ -75,7 +81,8 @@ def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
     settings = dict(precision=precision, grad_bucket_bytes=grad_bucket_bytes, granularity=granularity,
                     recompute=recompute, reduce_dtype=reduce_dtype, all_reduce=all_reduce)
     training = job_spec(settings, seq_len=auto.seq_len, micro_batch_size=auto.micro_batch_size,
-                        num_micro_batches=auto.num_micro_batches, optimizer=auto.optimizer)
+                        num_micro_batches=auto.num_micro_batches, optimizer=auto.optimizer,
+                        frozen_models=auto.frozen_models or 0)
     reserve = {} if auto.memory_reserve_bytes is None else {"memory_reserve_bytes": auto.memory_reserve_bytes}
     return make_problem(model, cluster, training, auto.profile, objective=auto.objective,
                         missing=auto.missing, tensor_parallel=tensor_parallel, **reserve)

@@ -10,7 +10,9 @@ bucket size, and t(op, v, p0 x p1) from the profile (contention-aware, see profi
     T0_os = e_g*Phi / (U*sp) * t(AR, U, (R/s0_p) x (N/s1_p))
     T1_os = (sos/sp) * t(BC, e*Phi/sos, (s0_os/s0_p) x (s1_os/s1_p))
     Twt   = 2 * t(RS, 4*Phi/sos, s0_p x s1_p)   (whole-tensor optimizers with sp > 1 only)
-    Tcomm = Tp + Tg + T0_os + T1_os + Twt (+ Ttp, the tensor-parallel all-reduces of M
+    Tfz   = F * M * sum_i t(AG, e*Phi_i, s0_p x s1_p)   (F frozen models, specs.py [Note:
+                                                        frozen models])
+    Tcomm = Tp + Tg + T0_os + T1_os + Twt + Tfz (+ Ttp, the tensor-parallel all-reduces of M
                                       micro-batches when the job runs TP inside the node,
                                       tensor_parallel.py)
 
@@ -52,14 +54,16 @@ class CommCost:
     t1_os: float
     t_tp: float = 0.0  # tensor parallelism's all-reduces (tensor_parallel.py), 0 without TP
     t_wt: float = 0.0  # [Note: the whole-tensor exchange]; 0 for elementwise optimizers or sp = 1
+    # the frozen models' forward all-gathers (specs.py [Note: frozen models]); 0 without them
+    t_frozen: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.t_p + self.t_g + self.t0_os + self.t1_os + self.t_tp + self.t_wt
+        return self.t_p + self.t_g + self.t0_os + self.t1_os + self.t_tp + self.t_wt + self.t_frozen
 
     def as_dict(self) -> dict[str, float]:
-        return {"total": self.total, "t_p": self.t_p, "t_g": self.t_g,
-                "t0_os": self.t0_os, "t1_os": self.t1_os, "t_tp": self.t_tp, "t_wt": self.t_wt}
+        return {"total": self.total, "t_p": self.t_p, "t_g": self.t_g, "t0_os": self.t0_os,
+                "t1_os": self.t1_os, "t_tp": self.t_tp, "t_wt": self.t_wt, "t_frozen": self.t_frozen}
 
 
 def param_gather_time(
@@ -107,4 +111,8 @@ def comm_cost(
     t_wt = 0.0
     if whole_tensor_rows(training, plan):  # [Note: the whole-tensor exchange]
         t_wt = 2 * timer.time("reducescatter", 4 * spec.num_params / plan.sos, *plan.mesh("p"))
-    return CommCost(t_p=t_p, t_g=t_g, t0_os=t0, t1_os=t1, t_wt=t_wt)
+    t_frozen = 0.0
+    if training.frozen_models:  # one forward gather per unit, no reduce-scatter, per micro-batch
+        t_frozen = training.frozen_models * M * param_gather_time(
+            spec, training, timer, plan.mesh("p"), num_gathers=1, reduce_scatter=False)
+    return CommCost(t_p=t_p, t_g=t_g, t0_os=t0, t1_os=t1, t_wt=t_wt, t_frozen=t_frozen)

@@ -354,7 +354,7 @@ def memory_breakdown(
     peak = max(moments, key=lambda m: moments[m]["activations"] + moments[m]["tmp"])  # ties: first
     parts["peak_phase"] = peak
     return MemoryBreakdown(
-        params=int(e * phi / plan.sp),
+        params=int(e * phi / plan.sp * (1 + training.frozen_models)),  # specs.py [Note: frozen models]
         grads=int(g * phi / plan.sg),
         optim=int(optim),
         activations=moments[peak]["activations"],

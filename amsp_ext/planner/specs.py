@@ -117,6 +117,9 @@ class TrainingSpec:
     granularity: str = DEFAULT_GRANULARITY
     reduce_dtype: str | None = DEFAULT_REDUCE_DTYPE
     all_reduce: str = DEFAULT_ALL_REDUCE
+    # frozen models of this model's shape on the same ranks (a DPO / GRPO reference, a same-size
+    # reward model), each a forward-only engine sharded by the plan's p ([Note: frozen models])
+    frozen_models: int = 0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "micro_batch_size", "bucket_bytes"):
@@ -136,6 +139,8 @@ class TrainingSpec:
             )
         if not isinstance(self.recompute, bool):
             raise SpecError(f"recompute must be true or false, got {self.recompute!r}")
+        if isinstance(self.frozen_models, bool) or not isinstance(self.frozen_models, int) or self.frozen_models < 0:
+            raise SpecError(f"frozen_models must be an integer >= 0, got {self.frozen_models!r}")
         for name, allowed in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS),
                               ("granularity", GRANULARITIES), ("all_reduce", ALL_REDUCES)):
             check_one_of(getattr(self, name), allowed, name, error=SpecError)
@@ -172,7 +177,7 @@ class TrainingSpec:
 def job_spec(settings: Mapping[str, Any], *, seq_len: int, micro_batch_size: int = 1,
              num_micro_batches: int | None = None, global_batch_tokens: int | None = None,
              global_batch_size: int | None = None, optimizer: str | None = None,
-             all_reduce: str | None = None) -> TrainingSpec:
+             all_reduce: str | None = None, frozen_models: int = 0) -> TrainingSpec:
     """The job an engine runs: the batch, and ``settings``, the engine's settings as
     ``engine_config.planner_settings`` names them (auto_problem's keywords; ``nodes_per_leaf``,
     a cluster setting, is not the job's). ``all_reduce``: the mode the engine runs, where the
@@ -183,8 +188,18 @@ def job_spec(settings: Mapping[str, Any], *, seq_len: int, micro_batch_size: int
                         global_batch_size=global_batch_size, recompute=settings["recompute"],
                         precision=settings["precision"], reduce_dtype=settings["reduce_dtype"],
                         bucket_bytes=settings["grad_bucket_bytes"], granularity=settings["granularity"],
-                        all_reduce=settings["all_reduce"] if all_reduce is None else all_reduce, **kw)
+                        all_reduce=settings["all_reduce"] if all_reduce is None else all_reduce,
+                        frozen_models=frozen_models, **kw)
 
+
+# [Note: frozen models]
+# Post-training jobs run frozen models beside the trained one on the same ranks: DPO's and
+# GRPO's reference, a reward model, a teacher. Each is a forward-only engine (runtime/sync/
+# grad_sync.py [Note: a model without an optimizer]) sharded by the same plan's p factors. The
+# planner charges ``frozen_models`` copies of the trained model's shape: their parameter shards
+# (e*Phi/sp each, memory.py), their forward all-gathers (one per unit per micro-batch, no
+# reduce-scatter, cost.py) and their forward compute (step.py). A frozen model of another size
+# is not priced apart: count it as the number of trained-model sizes it covers, rounded up.
 
 # [Note: the paper's job]
 # The paper's equations and results (Eq. 1-7, Table IV, Fig. 16) are for bf16 training with

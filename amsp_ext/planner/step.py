@@ -424,6 +424,10 @@ def step_estimate(
     overhead = calibration.step_overhead_s if calibration else 0.0
     # the whole-tensor exchange runs inside the optimizer step (cost.py [Note: the whole-tensor exchange])
     step = float(max(compute_end, rs_tail, ar_tail) + t_opt + comm.t_wt + overhead)
+    if training.frozen_models:  # specs.py [Note: frozen models]: their forwards, each gather under its compute
+        frozen_fwd = training.frozen_models * M * float(c_f.sum())
+        compute += frozen_fwd
+        step += max(frozen_fwd, comm.t_frozen)
     tokens = M * training.tokens_per_micro_batch
     useful = model_flops_per_token(spec, training.seq_len) * tokens
     peak = cluster.peak_flops

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import weakref
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -83,6 +84,9 @@ class Engine:
     # whole (integrations/patches/transformers_meta_load.py [Note: which from_pretrained loads
     # on meta])
     built: ClassVar[int] = 0
+    # the engines alive in this process: plan "auto" counts the forward-only ones beside the
+    # model it plans (planner/specs.py [Note: frozen models])
+    live: ClassVar["weakref.WeakSet[Engine]"] = weakref.WeakSet()
 
     def __init__(self, parts: EngineParts, optimizer: AMSPOptimizer | None, *, full_state_dict: bool = False,
                  switches: list[dict] | None = None, retired_meshes: list[PlanMesh] | None = None,
@@ -102,7 +106,9 @@ class Engine:
         # where the profile that planned the job came from (ProfileSource.as_dict() of
         # topology/profile_cache.py; None: no profile, or the launcher planned)
         self.profile_source = profile_source
+        self.num_params = sum(u.numel for u in self.units)  # global elements (DTensors count whole)
         Engine.built += 1
+        Engine.live.add(self)
 
     def group(self, kind: str) -> dist.ProcessGroup:
         return self.mesh.group(kind)
@@ -377,7 +383,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         prefetch=fwd_prefetch, overlap=config.overlap.broadcast,
         bucket_bytes=config.broadcast_staging_bytes,
         after_wait=(lambda: fsdp_streams_wait_current(model)) if plan.sp > 1 and device.type != "cpu" else None)
-    outer_gather = OuterGather(model, units, tensors, plan=str(plan)) if plan.sp > 1 else None
+    outer_gather = (OuterGather(model, units, tensors, plan=str(plan), forward_only=forward_only)
+                    if plan.sp > 1 else None)
     if plan.sp > 1:  # its parameters are real now (meta ones fail it); see the compat note
         compat.fsdp_lazy_init(model)
     return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,

@@ -31,7 +31,7 @@ from amsp_ext.runtime.replan.adaptive import AdaptiveRun
 from amsp_ext.runtime.state.init_source import open_init_source
 from amsp_ext.runtime.tensor_parallel import check_tensor_parallel, check_tp_plan
 from amsp_ext.runtime.config import ShardConfig
-from amsp_ext.runtime.engine import build_engine
+from amsp_ext.runtime.engine import Engine, build_engine
 from amsp_ext.planner.defaults import DEFAULT_OPTIMIZER
 from amsp_ext.runtime.optim.kinds import detect_kind, planner_optimizer
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
@@ -74,6 +74,7 @@ def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
     config, comm = _checked(model, plan, optimizer_factory, config, init_from, comm, resolved)
     world = plan_world(config)
     kind, config = _optimizer_kind(model, optimizer_factory, config, world, resolved)
+    config = _frozen_beside(model, optimizer_factory, config, resolved)
     job = resolved.job if resolved is not None else job_of(model, plan, config, world)
     # -- resolve: the plan and the all-reduce mode (amsp_ext/job.py) ---------------------------
     profile_source = resolved.profile_source if resolved is not None else None
@@ -142,6 +143,20 @@ def _optimizer_kind(model: nn.Module, optimizer_factory, config: ShardConfig, wo
             config = dataclasses.replace(config, auto=dataclasses.replace(
                 config.auto, optimizer=planner_optimizer(name)))
     return kind, config
+
+
+def _frozen_beside(model: nn.Module, optimizer_factory, config: ShardConfig,
+                   resolved: ResolvedJob | None) -> ShardConfig:
+    """Plan "auto" of a trained model with ``auto.frozen_models`` unset counts the forward-only
+    engines already alive in this process (TRL builds the reference before the policy) in
+    model-sized units, rounded up (planner/specs.py [Note: frozen models])."""
+    if optimizer_factory is None or resolved is not None or config.auto is None \
+            or config.auto.frozen_models is not None:
+        return config
+    size = sum(p.numel() for p in model.parameters())
+    frozen = sum(e.num_params for e in list(Engine.live) if e.forward_only)
+    return dataclasses.replace(config, auto=dataclasses.replace(
+        config.auto, frozen_models=-(-frozen // size) if size else 0))
 
 
 def _forward_only(plan: Plan) -> Plan:

@@ -85,7 +85,9 @@ def build_trainer(args, tok, peft_config):
     if args.trainer == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        config = DPOConfig(**common(args), train_sampling_strategy="sequential", beta=0.1, max_length=32)
+        # --sync-ref: TRL's sync_ref_model writes the policy into the reference after every step
+        sync = dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5) if args.sync_ref else {}
+        config = DPOConfig(**common(args), train_sampling_strategy="sequential", beta=0.1, max_length=32, **sync)
         data = Dataset.from_dict({"prompt": [p for p, _, _ in DPO], "chosen": [c for _, c, _ in DPO],
                                   "rejected": [r for _, _, r in DPO]})
         return DPOTrainer(model=args.model, args=config, processing_class=tok, train_dataset=data,
@@ -109,6 +111,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=3)
     ap.add_argument("--peft", action="store_true", help="train a LoRA adapter (r=4 on q_proj, v_proj)")
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--sync-ref", action="store_true", help="DPO: sync_ref_model every step (alpha 0.5)")
     args = ap.parse_args()
 
     peft_config = None

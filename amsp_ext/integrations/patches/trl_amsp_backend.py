@@ -17,6 +17,15 @@ gather per unit per generated token: a gather-once route is not built yet), and 
 ``gather_params`` is a no-op: the policy and its reference share a plan, so a parameter's local
 shards line up one to one.
 
+The same holds for ``SyncRefModelCallback.sync_target_model`` (DPO's ``sync_ref_model``), which
+reads the plugin's stage itself: at stage 3 it wraps the write in DeepSpeed's
+``GatheredParameters(..., modifier_rank=0)`` and lets rank 0 alone write, counting on DeepSpeed
+to broadcast rank 0's full tensors afterwards. AMSP parameters are not DeepSpeed's, so nothing
+was broadcast: rank 0's shards were synced and the others not, and the step-2 loss came out
+0.698156 where DDP's is 0.695772, with no error. Under AMSP every rank writes its own shards
+(the non-ZeRO-3 branch): the policy's parameters are current when ``step()`` returns, and its
+shards line up with the reference's.
+
 Checked against trl 1.16.0.
 """
 
@@ -53,3 +62,29 @@ def apply() -> str:
     setattr(__init__, _MARK, True)
     DistributedBackend.__init__ = __init__
     return f"applied (trl {trl.__version__})"
+
+
+def apply_sync_ref() -> str:
+    """``SyncRefModelCallback.sync_target_model``: every rank writes its shards under AMSP (see
+    the module docstring); its own hook, on ``trl.trainer.callbacks`` (DPO never imports
+    ``trl.distributed``)."""
+    from accelerate.state import AcceleratorState
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    original = SyncRefModelCallback.sync_target_model
+    if getattr(original, _MARK, False):
+        return "already applied"
+
+    @functools.wraps(original)
+    def sync_target_model(model, target_model, alpha):
+        from amsp_ext.integrations.settings import amsp_enabled
+
+        plugin = AcceleratorState().deepspeed_plugin
+        if plugin is not None and amsp_enabled(plugin.deepspeed_config):
+            SyncRefModelCallback._sync_target_model(model, target_model, alpha)  # each rank its shards
+            return
+        original(model, target_model, alpha)
+
+    setattr(sync_target_model, _MARK, True)
+    SyncRefModelCallback.sync_target_model = staticmethod(sync_target_model)
+    return "applied"

@@ -24,7 +24,10 @@ units: embedding, final norm, head, tied weights) are valid for the whole forwar
   pass) runs before that backward. The cost: the head's all-gather is issued at the start of
   the forward rather than prefetched before the head (FSDP2 pays the same for its root group),
   and a head that only a fused loss reads stays gathered from one forward to the next
-  backward.
+  backward. A forward with no backward to come - under ``torch.no_grad()``, or of a forward-only
+  engine (a reference model) - reshards the outer units when the model's forward returns: no
+  post-backward would, and a reference kept its gathered head and embedding from one step to
+  the next (TRL's ``sync_ref_model`` then met a plain tensor beside the policy's DTensor).
 - A decoder layer's parameter stays valid only in its layer's forward. Used elsewhere with
   sp > 1 it is the sharded DTensor, and any gradient autograd computes for it directly (FSDP2
   never lets autograd reach a sharded parameter: it assigns the reduce-scattered ``.grad``)
@@ -50,8 +53,9 @@ class OuterGather:
     sharded parameter ([Note: parameters read outside their module's forward])."""
 
     def __init__(self, model: nn.Module, units: Sequence[Unit], tensors: Sequence[LocalTensor], *,
-                 plan: str) -> None:
+                 plan: str, forward_only: bool = False) -> None:
         self.model = model
+        self.forward_only = forward_only
         self.outer = [u.module for u in units if u.kind == "outer"]
         self.tensors = list(tensors)
         self.plan = plan
@@ -61,6 +65,7 @@ class OuterGather:
         if self.outer:
             # appended: after FSDP2's root pre-forward (lazy init, root gather)
             self._handles.append(self.model.register_forward_pre_hook(self._gather))
+            self._handles.append(self.model.register_forward_hook(self._release))
         for t in self.tensors:
             self._handles.append(t.param.register_hook(self._guard(t.name)))
 
@@ -74,6 +79,13 @@ class OuterGather:
         with record_function("amsp::gather_outer_units::param_shard"):
             for m in self.outer:
                 m.unshard()  # type: ignore[operator]  (an FSDPModule)
+
+    @torch.compiler.disable
+    def _release(self, module, args, output) -> None:
+        if self.forward_only or not torch.is_grad_enabled():  # no post-backward will reshard them
+            with record_function("amsp::reshard_outer_units::param_shard"):
+                for m in self.outer:
+                    m.reshard()  # type: ignore[operator]  (an FSDPModule)
 
     def _guard(self, name: str):
         def hook(grad):
