@@ -64,6 +64,16 @@ def apply() -> str:
     return f"applied (trl {trl.__version__})"
 
 
+def _mix_into(target, source, alpha: float) -> None:
+    """TR-DPO's reference update, target <- (1 - alpha) target + alpha source, on every rank's
+    own shards (the two models share a plan: their local shards line up)."""
+    import torch
+
+    with torch.no_grad():
+        for t, s in zip(target.parameters(), source.parameters(), strict=True):
+            t.mul_(1.0 - alpha).add_(s, alpha=alpha)
+
+
 def apply_sync_ref() -> str:
     """``SyncRefModelCallback.sync_target_model``: every rank writes its shards under AMSP (see
     the module docstring); its own hook, on ``trl.trainer.callbacks`` (DPO never imports
@@ -81,7 +91,7 @@ def apply_sync_ref() -> str:
 
         plugin = AcceleratorState().deepspeed_plugin
         if plugin is not None and amsp_enabled(plugin.deepspeed_config):
-            SyncRefModelCallback._sync_target_model(model, target_model, alpha)  # each rank its shards
+            _mix_into(target_model, model, alpha)
             return
         original(model, target_model, alpha)
 

@@ -7,7 +7,10 @@ alone, so ``param_groups`` (and LR schedulers) work as usual. With ``precision="
 master *is* the local parameter storage (a second Parameter object on the same memory), so no
 copy and no extra 4 bytes per parameter. Owned gradients arrive in the reduce dtype
 (ShardConfig.reduce_dtype): under "fp32" they are used as they are; a compute-dtype gradient
-is upcast one tensor at a time (D_tmp, not model state).
+is upcast one tensor at a time (D_tmp, not model state). An optimizer that reads whole tensors
+under a plan that shards their rows (sp > 1) keeps instead the whole fp32 masters of the
+tensors it is whole owner of, and the rows of its owned shards beside them (``local_masters``;
+whole_tensor.py [Note: whole-tensor optimizers on row shards]).
 
 [Note: an Optimizer by torch's rules]
 ``AMSPOptimizer`` runs ``torch.optim.Optimizer.__init__`` over the inner optimizer's param

@@ -24,10 +24,10 @@ units: embedding, final norm, head, tied weights) are valid for the whole forwar
   pass) runs before that backward. The cost: the head's all-gather is issued at the start of
   the forward rather than prefetched before the head (FSDP2 pays the same for its root group),
   and a head that only a fused loss reads stays gathered from one forward to the next
-  backward. A forward with no backward to come - under ``torch.no_grad()``, or of a forward-only
-  engine (a reference model) - reshards the outer units when the model's forward returns: no
-  post-backward would, and a reference kept its gathered head and embedding from one step to
-  the next (TRL's ``sync_ref_model`` then met a plain tensor beside the policy's DTensor).
+  backward. A forward-only engine (a reference model) has no backward to come: it reshards its
+  outer units when its forward returns, or it kept its gathered head and embedding from one step
+  to the next (TRL's ``sync_ref_model`` then met a plain tensor beside the policy's DTensor). A
+  trained model's no-grad forward does not: it may run between a forward and its backward.
 - A decoder layer's parameter stays valid only in its layer's forward. Used elsewhere with
   sp > 1 it is the sharded DTensor, and any gradient autograd computes for it directly (FSDP2
   never lets autograd reach a sharded parameter: it assigns the reduce-scattered ``.grad``)
@@ -82,7 +82,7 @@ class OuterGather:
 
     @torch.compiler.disable
     def _release(self, module, args, output) -> None:
-        if self.forward_only or not torch.is_grad_enabled():  # no post-backward will reshard them
+        if self.forward_only:  # no post-backward will reshard them
             with record_function("amsp::reshard_outer_units::param_shard"):
                 for m in self.outer:
                     m.reshard()  # type: ignore[operator]  (an FSDPModule)
