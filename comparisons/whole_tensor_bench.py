@@ -33,17 +33,7 @@ from pathlib import Path
 LAYOUTS = ("ddp", "p=1x1,g=1x1,os=2x2", "zero3")
 
 
-def muon_adamw(masters):
-    from amsp_ext.runtime.optim.muon_adamw import MuonWithAdamW, is_hidden_matrix
-
-    hidden = [m for m in masters if is_hidden_matrix(getattr(m, "amsp_name", ""), m)]
-    rest = [m for m in masters if not is_hidden_matrix(getattr(m, "amsp_name", ""), m)]
-    return MuonWithAdamW([{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}],
-                         muon={"lr": 0.02}, adamw={"lr": 3e-4})
-
-
 def run_layout(plan: str, args, rank: int, world: int) -> dict:
-    import torch
     import torch.distributed as dist
 
     from amsp_ext.common.data import micro_batch
@@ -52,7 +42,9 @@ def run_layout(plan: str, args, rank: int, world: int) -> dict:
     from amsp_ext.runtime.config import ShardConfig
     from amsp_ext.runtime.shard import shard
 
-    model, opt = shard(build_llama(args.model, seed=0), plan, muon_adamw,
+    from amsp_ext.runtime.optim.muon_adamw import muon_adamw_factory
+
+    model, opt = shard(build_llama(args.model, seed=0), plan, muon_adamw_factory(muon={"lr": 0.02}, adamw={"lr": 3e-4}),
                        config=ShardConfig(gpus_per_node=args.gpus_per_node, timeout=600))
     steps, opt_s, sent = [], [], collections.Counter()
 

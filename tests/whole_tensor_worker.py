@@ -62,12 +62,9 @@ def matrices_only():
 
 def muon_adamw(masters):
     """docs/usage.md's factory: Muon for the hidden matrices, AdamW for the rest."""
-    from amsp_ext.runtime.optim.muon_adamw import MuonWithAdamW, is_hidden_matrix
+    from amsp_ext.runtime.optim.muon_adamw import muon_adamw_factory
 
-    muon = [m for m in masters if is_hidden_matrix(m.amsp_name, m)]
-    rest = [m for m in masters if not is_hidden_matrix(m.amsp_name, m)]
-    return MuonWithAdamW([{"params": muon, "use_muon": True}, {"params": rest, "use_muon": False}],
-                         muon={"lr": 0.02}, adamw={"lr": 3e-4})
+    return muon_adamw_factory(muon={"lr": 0.02}, adamw={"lr": 3e-4})(masters)
 
 
 CASES = {

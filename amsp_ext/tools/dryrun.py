@@ -598,14 +598,10 @@ def _optimizer_factory(name: str):
     (DeepSpeed's "Muon"), or torch's Adafactor."""
     import torch
 
-    from amsp_ext.runtime.optim.muon_adamw import MuonWithAdamW, is_hidden_matrix
+    from amsp_ext.runtime.optim.muon_adamw import muon_adamw_factory
 
     if name == "muon":
-        def muon(ps):
-            hidden = [p for p in ps if is_hidden_matrix(getattr(p, "amsp_name", ""), p)]
-            rest = [p for p in ps if not is_hidden_matrix(getattr(p, "amsp_name", ""), p)]
-            return MuonWithAdamW([{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}])
-        return muon
+        return muon_adamw_factory()
     if name == "adafactor":
         return lambda ps: torch.optim.Adafactor(ps, lr=1e-2)
     return lambda ps: torch.optim.AdamW(ps, lr=1e-4)

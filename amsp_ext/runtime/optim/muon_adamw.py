@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["MuonWithAdamW", "is_hidden_matrix"]
+__all__ = ["MuonWithAdamW", "is_hidden_matrix", "muon_adamw_factory"]
 
 MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "eps", "adjust_lr_fn")
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
@@ -30,6 +30,17 @@ def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
     low = name.lower()
     return param.dim() == 2 and "embed" not in low and "lm_head" not in low and "wte" not in low \
         and "wpe" not in low
+
+
+def muon_adamw_factory(*, muon: dict[str, Any] | None = None, adamw: dict[str, Any] | None = None):
+    """An ``optimizer_factory`` for ``shard()``: Muon for the hidden matrices (by each master's
+    ``amsp_name``, ``is_hidden_matrix``), AdamW for the rest, with these keyword defaults."""
+    def build(masters: list[torch.nn.Parameter]) -> "MuonWithAdamW":
+        hidden = [m for m in masters if is_hidden_matrix(getattr(m, "amsp_name", ""), m)]
+        rest = [m for m in masters if not is_hidden_matrix(getattr(m, "amsp_name", ""), m)]
+        return MuonWithAdamW([{"params": hidden, "use_muon": True}, {"params": rest, "use_muon": False}],
+                             muon=muon, adamw=adamw)
+    return build
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

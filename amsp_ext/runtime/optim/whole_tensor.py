@@ -98,6 +98,7 @@ class WholeTensors:
             self.entries.append(_Entry(t.index, t.name, tuple(t.global_shape), rows_at, chunk,
                                        math.prod(t.global_shape[1:]), j))
         self.rows = dict(rows)  # tensor index -> this rank's fp32 rows (kept current by scatter)
+        self.device = next(iter(self.rows.values())).device if self.rows else torch.device("cpu")
         self.mine = [e for e in self.entries if e.whole_owner == self.pos]
         self.masters: dict[int, torch.nn.Parameter] = {
             i: torch.nn.Parameter(w) for i, w in self.gather(self.rows).items()}
@@ -110,10 +111,9 @@ class WholeTensors:
         for i, w in self.gather(self.rows).items():
             self.masters[i].copy_(w)
 
-    def _exchange(self, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int],
+    def _exchange(self, inp: torch.Tensor, in_splits: list[int], out_splits: list[int],
                   what: str) -> torch.Tensor:
-        out = torch.empty(sum(out_splits), dtype=torch.float32, device=send[0].device if send else None)
-        inp = torch.cat(send) if send else torch.empty(0, dtype=torch.float32, device=out.device)
+        out = torch.empty(sum(out_splits), dtype=torch.float32, device=inp.device)
         with record_function(f"amsp::whole_tensor::{what}"):
             C.all_to_all(self.comm, out, inp, self.group.pg, output_splits=out_splits, input_splits=in_splits,
                          name=self.group.name, stream=None, timeout=self.group.timeout)
@@ -125,17 +125,15 @@ class WholeTensors:
         tensor without a gradient has none on any rank)."""
         if not self.entries:  # every rank of the group owns the same (no) tensors
             return {}
-        send, in_splits = [], [0] * self.size
-        device = next(iter(self.rows.values())).device
-        for e in self.entries:
-            buf = torch.zeros(e.padded, dtype=torch.float32, device=device)
+        # one flat send buffer, the shards in destination order, each padded to its chunk
+        in_splits = [sum(e.padded for e in self.entries if e.whole_owner == j) for j in range(self.size)]
+        send = torch.zeros(sum(in_splits), dtype=torch.float32, device=self.device)
+        off = 0
+        for e in sorted(self.entries, key=lambda e: e.whole_owner):  # stable: forward order within
             g = shards.get(e.index)
             if g is not None:
-                buf[: g.numel()].copy_(g.reshape(-1))
-            send.append(buf)
-            in_splits[e.whole_owner] += e.padded
-        order = sorted(range(len(send)), key=lambda k: self.entries[k].whole_owner)  # by destination
-        send = [send[k] for k in order]
+                send[off: off + g.numel()].copy_(g.reshape(-1))
+            off += e.padded
         mine = sum(e.padded for e in self.mine)
         out = self._exchange(send, in_splits, [mine] * self.size, "gather")
         whole: dict[int, list[torch.Tensor]] = {e.index: [] for e in self.mine}
@@ -153,17 +151,15 @@ class WholeTensors:
         rank writes its rows into its fp32 rows and its local parameter."""
         if not self.entries:
             return
-        send = []
-        for i in range(self.size):
-            for e in self.mine:
-                w = wholes[e.index].detach().reshape(e.global_shape[0], -1)
-                start = i * e.chunk
-                buf = torch.zeros(e.padded, dtype=torch.float32, device=w.device)
-                part = w[start: start + e.rows[i]].reshape(-1)
-                buf[: part.numel()].copy_(part)
-                send.append(buf)
         mine = sum(e.padded for e in self.mine)
         in_splits = [mine] * self.size
+        send = torch.zeros(mine * self.size, dtype=torch.float32, device=self.device)
+        off = 0
+        for i in range(self.size):  # rank i's rows of every tensor this rank is whole owner of
+            for e in self.mine:
+                part = wholes[e.index].detach().reshape(e.global_shape[0], -1)[i * e.chunk: i * e.chunk + e.rows[i]]
+                send[off: off + part.numel()].copy_(part.reshape(-1))
+                off += e.padded
         out_splits = [0] * self.size
         for e in self.entries:
             out_splits[e.whole_owner] += e.padded

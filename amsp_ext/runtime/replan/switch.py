@@ -124,6 +124,7 @@ def release_forward_only(model: nn.Module) -> nn.Module:
         raise ValueError("release_forward_only: the model has an optimizer; switch_plan changes its plan")
     frozen = _gather_frozen(model, e)
     _teardown(model, e, {}, frozen)
+    Engine.live.discard(e)  # no longer a frozen model beside the next one planned
     C.barrier(e.comm, None, name="world", timeout=e.config.timeout)
     return model
 
