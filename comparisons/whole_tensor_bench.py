@@ -93,17 +93,19 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     args = ap.parse_args()
+    from amsp_ext.runtime import collectives as C
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
     rank, world = dist.get_rank(), dist.get_world_size()
+    comm = C.CollectiveContext(timeout=900)
     rounds = []
     for r in range(args.rounds):
         order = LAYOUTS if r % 2 == 0 else tuple(reversed(LAYOUTS))
         got = {}
         for plan in order:
             res = run_layout(plan, args, rank, world)
-            every = [None] * world
-            dist.all_gather_object(every, res)
-            got[plan] = every
+            # JSON over the wire (runtime/wire.py), not all_gather_object's pickles
+            got[plan] = C.all_gather_objects(comm, res, None, name="world")
         rounds.append({"order": list(order), "layouts": got})
     if rank == 0:
         summary = {}

@@ -30,7 +30,8 @@ Checked against accelerate 1.15.0.
 from __future__ import annotations
 
 import functools
-import warnings
+
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "accelerate_amsp_block"
 CHECKED_ACCELERATE_VERSIONS = ("1.15.0",)
@@ -63,10 +64,9 @@ def apply() -> str:
     if getattr(DeepSpeedPlugin.deepspeed_config_process, _MARK, False):
         return "already applied"
     _patch_stage()
-    if accelerate.__version__ not in CHECKED_ACCELERATE_VERSIONS:
-        warnings.warn(f"{NAME}: accelerate {accelerate.__version__} is not among the checked "
-                      f"versions {CHECKED_ACCELERATE_VERSIONS}; applying (it only hides the amsp "
-                      f"block from deepspeed_config_process)")
+    warn_unchecked(NAME, "accelerate", accelerate.__version__, CHECKED_ACCELERATE_VERSIONS,
+                   "applying (it only hides the amsp "
+                   "block from deepspeed_config_process)")
     original = DeepSpeedPlugin.deepspeed_config_process
 
     @functools.wraps(original)

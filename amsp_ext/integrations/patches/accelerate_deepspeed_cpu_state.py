@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
+
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "accelerate_deepspeed_cpu_state"
 CHECKED_ACCELERATE_VERSIONS = ("1.15.0",)
@@ -66,10 +67,9 @@ def apply() -> str:
 
     if getattr(PartialState.__init__, _MARK, False):
         return "already applied"
-    if accelerate.__version__ not in CHECKED_ACCELERATE_VERSIONS:
-        warnings.warn(f"{NAME}: accelerate {accelerate.__version__} is not among the checked "
-                      f"versions {CHECKED_ACCELERATE_VERSIONS}; the fix only acts on a DEEPSPEED "
-                      f"state whose world disagrees with torch.distributed")
+    warn_unchecked(NAME, "accelerate", accelerate.__version__, CHECKED_ACCELERATE_VERSIONS,
+                   "the fix only acts on a DEEPSPEED "
+                   "state whose world disagrees with torch.distributed")
     original = PartialState.__init__
 
     @functools.wraps(original)

@@ -21,7 +21,8 @@ untouched. ``restore()`` puts the original back.
 from __future__ import annotations
 
 import functools
-import warnings
+
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "deepspeed_initialize"
 CHECKED_DEEPSPEED_VERSIONS = ("0.18.9",)
@@ -71,10 +72,9 @@ def apply() -> str:
 
     if getattr(deepspeed.initialize, _MARK, None) is not None:
         return "already applied"
-    if deepspeed.__version__ not in CHECKED_DEEPSPEED_VERSIONS:
-        warnings.warn(f"{NAME}: DeepSpeed {deepspeed.__version__} is not among the checked versions "
-                      f"{CHECKED_DEEPSPEED_VERSIONS}; routing deepspeed.initialize anyway (same "
-                      f"signature checked at call time)")
+    warn_unchecked(NAME, "DeepSpeed", deepspeed.__version__, CHECKED_DEEPSPEED_VERSIONS,
+                   "routing deepspeed.initialize anyway (same "
+                   "signature checked at call time)")
     deepspeed.initialize = _route(deepspeed.initialize)
     return f"applied (DeepSpeed {deepspeed.__version__})"
 

@@ -30,7 +30,8 @@ run after ``torch.distributed.init_process_group``.
 from __future__ import annotations
 
 import functools
-import warnings
+
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "deepspeed_mics_gloo"
 CHECKED_DEEPSPEED_VERSIONS = ("0.18.9",)
@@ -90,9 +91,8 @@ def apply() -> str:
     why = needed()
     if why is None:
         return "not needed: no MiCS in this DeepSpeed, or the backend can coalesce"
-    if deepspeed.__version__ not in CHECKED_DEEPSPEED_VERSIONS:
-        warnings.warn(f"{NAME}: DeepSpeed {deepspeed.__version__} not among the checked versions "
-                      f"{CHECKED_DEEPSPEED_VERSIONS}; applying because the probe says: {why}")
+    warn_unchecked(NAME, "DeepSpeed", deepspeed.__version__, CHECKED_DEEPSPEED_VERSIONS,
+                   f"applying because the probe says: {why}")
     import torch.distributed as tdist
     from deepspeed.comm.torch import TorchBackend
 

@@ -22,7 +22,8 @@ shows the flattening keeps autograd history.
 from __future__ import annotations
 
 import functools
-import warnings
+
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "deepspeed_zero12_flat_buffer"
 CHECKED_DEEPSPEED_VERSIONS = ("0.18.9",)
@@ -57,9 +58,8 @@ def apply() -> str:
     why = needed()
     if why is None:
         return "not needed: the flat buffer has no autograd history"
-    if deepspeed.__version__ not in CHECKED_DEEPSPEED_VERSIONS:
-        warnings.warn(f"{NAME}: DeepSpeed {deepspeed.__version__} not among the checked versions "
-                      f"{CHECKED_DEEPSPEED_VERSIONS}; applying because the probe says: {why}")
+    warn_unchecked(NAME, "DeepSpeed", deepspeed.__version__, CHECKED_DEEPSPEED_VERSIONS,
+                   f"applying because the probe says: {why}")
     original = DeepSpeedZeroOptimizer.flatten_dense_tensors_aligned
 
     @functools.wraps(original)

@@ -17,7 +17,8 @@ Checked against peft 0.21.2.
 from __future__ import annotations
 
 import functools
-import warnings
+
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "peft_meta_load"
 CHECKED_PEFT_VERSIONS = ("0.21.2",)
@@ -30,10 +31,9 @@ def apply() -> str:
 
     if getattr(BaseTuner.inject_adapter, _MARK, False):
         return "already applied"
-    if peft.__version__ not in CHECKED_PEFT_VERSIONS:
-        warnings.warn(f"{NAME}: peft {peft.__version__} is not among the checked versions "
-                      f"{CHECKED_PEFT_VERSIONS}; applying (it only fills a model left on meta "
-                      f"before adapters are injected)")
+    warn_unchecked(NAME, "peft", peft.__version__, CHECKED_PEFT_VERSIONS,
+                   "applying (it only fills a model left on meta "
+                   "before adapters are injected)")
     original = BaseTuner.inject_adapter
 
     @functools.wraps(original)

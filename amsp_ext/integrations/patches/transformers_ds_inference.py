@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
+
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "transformers_ds_inference"
 CHECKED_TRANSFORMERS_VERSIONS = ("5.24.0",)
@@ -61,10 +62,9 @@ def apply() -> str:
     if getattr(ds.deepspeed_init, _MARK, None) is not None:
         rebind_trainer()
         return "already applied"
-    if transformers.__version__ not in CHECKED_TRANSFORMERS_VERSIONS:
-        warnings.warn(f"{NAME}: transformers {transformers.__version__} is not among the checked "
-                      f"versions {CHECKED_TRANSFORMERS_VERSIONS}; applying (it only lets evaluation "
-                      f"before training prepare a forward-only engine under AMSP)")
+    warn_unchecked(NAME, "transformers", transformers.__version__, CHECKED_TRANSFORMERS_VERSIONS,
+                   "applying (it only lets evaluation "
+                   "before training prepare a forward-only engine under AMSP)")
     ds.deepspeed_init = _wrap(ds.deepspeed_init)
     rebind_trainer()
     return f"applied (transformers {transformers.__version__})"

@@ -50,6 +50,7 @@ import sys
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "transformers_meta_load"
 CHECKED_TRANSFORMERS_VERSIONS = ("5.24.0",)
@@ -175,10 +176,9 @@ def apply() -> str:
     cls = modeling_utils.PreTrainedModel
     if getattr(cls.from_pretrained, _MARK, False):
         return "already applied"
-    if transformers.__version__ not in CHECKED_TRANSFORMERS_VERSIONS:
-        warnings.warn(f"{NAME}: transformers {transformers.__version__} is not among the checked "
-                      f"versions {CHECKED_TRANSFORMERS_VERSIONS}; applying (it only adds "
-                      f"device_map='meta' under an AMSP ds_config)")
+    warn_unchecked(NAME, "transformers", transformers.__version__, CHECKED_TRANSFORMERS_VERSIONS,
+                   "applying (it only adds "
+                   "device_map='meta' under an AMSP ds_config)")
     original = cls.from_pretrained.__func__
 
     @functools.wraps(original)

@@ -32,7 +32,8 @@ Checked against trl 1.16.0.
 from __future__ import annotations
 
 import functools
-import warnings
+
+from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 
 NAME = "trl_amsp_backend"
 CHECKED_TRL_VERSIONS = ("1.16.0",)
@@ -45,9 +46,8 @@ def apply() -> str:
 
     if getattr(DistributedBackend.__init__, _MARK, False):
         return "already applied"
-    if trl.__version__ not in CHECKED_TRL_VERSIONS:
-        warnings.warn(f"{NAME}: trl {trl.__version__} is not among the checked versions "
-                      f"{CHECKED_TRL_VERSIONS}; applying (it only reports ZeRO stage 0 under AMSP)")
+    warn_unchecked(NAME, "trl", trl.__version__, CHECKED_TRL_VERSIONS,
+                   "applying (it only reports ZeRO stage 0 under AMSP)")
     original = DistributedBackend.__init__
 
     @functools.wraps(original)
