@@ -161,6 +161,8 @@ CLI = [
     ("compare:plan-unknown-name", ["compare", "--amsp-plan", "zero9"], "--amsp-plan must be 'auto', a baseline name"),
     ("compare:profile-unknown", ["compare", "--profile", "nosuch"], "got 'nosuch'"),
     ("compare:timeout-nan", ["compare", "--timeout", "nan"], "--timeout must be a number > 0, got nan"),
+    ("compare:ddp-buckets-3", ["compare", "--ddp-buckets", "1,3"],
+     "--ddp-buckets must be comma-separated bucket_cap_mb sizes from 1, 5, 25, got '1,3'"),
     ("compare:out-a-file", ["compare", "--out", "{a_file}"], "is a file, not a folder"),
     ("dryrun:out-a-file", ["dryrun", "--model", "tiny-llama", "--nodes", "1", "--gpus-per-node", "2", "--seq-len",
                            "32", "--out", "{a_file}"], "is a file, not a folder"),

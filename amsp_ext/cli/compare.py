@@ -12,6 +12,9 @@ HSDP and AMSP on the same model, data, batch and steps.
     amsp compare --reduce-dtype bf16 --steps 13 --warmup-steps 3 --repeats 5
                                                            # bf16 gradients for every row; enough
                                                            # steps and rounds for a claim
+    amsp compare --systems ddp,amsp-plan --ddp-buckets 1,5,25 --repeats 6
+                                                           # DDP at three bucket sizes; ratios
+                                                           # against the fastest of them
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="baselines", choices=("baselines", "dissociation", "ablation"))
     p.add_argument("--systems", help="comma-separated subset (baselines mode), e.g. ddp,zero1,mics; ablation "
                    "mode: peers timed beside the AMSP rows (default none)")
+    p.add_argument("--ddp-buckets", metavar="MB,...",
+                   help="run DDP at each bucket_cap_mb (of 1, 5, 25; e.g. 1,5,25) in the same rounds "
+                   "(ddp, torch's default 25, gives its place to the 25 row); ratios are against the "
+                   "fastest by median step (compare/peers.py)")
     flag = {f.name: schema.flag_of(f) for _, f in schema.options(RunSpec)}
     full = ", ".join(f"{flag[k]} {v}" for k, v in FULL.items() if k in PRESET and v is not None)
     quick = ", ".join(f"{flag[k]} {v}" for k, v in QUICK.items() if k in PRESET)
@@ -104,6 +111,7 @@ def _check_before_launch(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from amsp_ext.choices import check_number
+    from amsp_ext.compare.peers import parse_ddp_buckets
     from amsp_ext.planner.plan import check_plan_text
     from amsp_ext.planner.profile import load_profile
 
@@ -112,11 +120,24 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         raise ValueError(f"--systems {args.systems!r} names no system (comma-separated, e.g. ddp,zero1,amsp-plan)")
     if args.amsp_plan is not None:
         check_plan_text(args.amsp_plan, "--amsp-plan")
+    if args.ddp_buckets is not None:
+        parse_ddp_buckets(args.ddp_buckets)
     if args.profile != CLUSTER_PROFILE:
         load_profile(args.profile)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
+
+
+def _systems(args: argparse.Namespace) -> list[str] | None:
+    """The rows --systems names (None: the mode's own), with --ddp-buckets' sweep in place of ddp."""
+    from amsp_ext.compare.peers import parse_ddp_buckets, with_ddp_sweep
+    from amsp_ext.compare.systems import default_systems
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
+    if args.ddp_buckets is None:
+        return systems
+    return with_ddp_sweep(systems or default_systems(args.mode), parse_ddp_buckets(args.ddp_buckets))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     pick = lambda v, k: d[k] if v is None else v  # noqa: E731
     launch = LaunchConfig(launcher=args.launcher, nproc_per_node=pick(args.nproc_per_node, "nproc_per_node"),
                           cluster_name=args.cluster_name, timeout_s=args.timeout)
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
+    systems = _systems(args)
     command = "amsp compare " + shlex.join(sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "compare"
                                            else sys.argv[1:])
     planner = PlannerInputs(profile=args.profile, missing=args.missing_mesh,

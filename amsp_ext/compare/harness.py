@@ -26,7 +26,7 @@ from amsp_ext.compare.config import COMPARE_MISSING_MESH, OVERLAP_LABELS, OVERLA
 from amsp_ext.compare.launch import LaunchConfig, find_cluster_profile, run_system
 from amsp_ext.compare.rounds import combine_rounds, overloaded_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
-from amsp_ext.compare.systems import SYSTEMS
+from amsp_ext.compare.systems import SYSTEMS, default_systems
 from amsp_ext.common.metrics import mfu
 from amsp_ext.job import Job, resolve
 from amsp_ext.planner.auto import AutoPlanConfig
@@ -59,8 +59,7 @@ def plan_runs(mode: str, spec: RunSpec, systems: list[str] | None = None,
     if mode not in MODES:
         raise SpecError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode != "ablation":
-        return _system_rows(systems or (list(SYSTEMS) if mode == "baselines" else ["mics", "amsp-mics", "amsp-plan"]),
-                            spec)
+        return _system_rows(systems or default_systems(mode), spec)
     peers = _system_rows(systems or [], spec)
     ms = ablation_micro_batches or [spec.num_micro_batches]
     if any(m < 1 for m in ms):

@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from amsp_ext.compare.peers import at_best, sweeps
 from amsp_ext.compare.rounds import (CLAIM_AGREE, CLAIM_MIN_ROUNDS, CLAIM_MIN_TIMED_STEPS, TARGET,
                                     paired_ratio, timed_steps, verdict)
 from amsp_ext.compare.wire import BYTES_TOLERANCE, not_as_asked, wire_mismatch
 
-__all__ = ["breakdown_table", "cpu_table", "format_table", "ratio_records", "ratios", "wire_table", "write_plots",
-           "write_report", "write_timeline"]
+__all__ = ["breakdown_table", "cpu_table", "format_table", "ratio_records", "ratios", "sweep_lines", "wire_table",
+           "write_plots", "write_report", "write_timeline"]
 
 MIB = 2**20
 
@@ -231,9 +232,10 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ok = [r for r in rows if r.get("status") == "ok"]
     planned = _row(rows, "amsp-plan")
     settings = _ablation_rows(ok)
-    for peer in (r for r in ok if not r["system"].startswith("amsp")):
+    swept = sweeps(ok)
+    for peer in at_best(ok):  # a swept peer at its best only (peers.py)
         for num in ([planned] if planned else []) + settings:
-            add(num, peer, f"{num['label']} / {peer['label']}")
+            add(num, peer, f"{num['label']} / {peer['label']}", _best_note(peer, swept))
     amsp_mics, ds_mics = _row(rows, "amsp-mics"), _row(rows, "mics")
     if amsp_mics and ds_mics:
         add(amsp_mics, ds_mics, "AMSP (MiCS config) / DeepSpeed-MiCS",
@@ -245,6 +247,38 @@ def ratio_records(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if amsp_mics and planned:
         add(planned, amsp_mics, f"{planned['label']} / AMSP (MiCS config)",
             "sharding strategy only: same engine")
+    return out
+
+
+def _sizes(mbs: list) -> str:
+    return ", ".join(f"{mb:g}" for mb in mbs if mb is not None)
+
+
+def _best_note(peer: dict[str, Any], swept: dict[str, dict[str, Any]]) -> str:
+    """A ratio's note when its peer is the best of a sweep: which setting won, of which."""
+    sweep = next((s for s in swept.values() if s["best"] == peer["key"]), None)
+    if sweep is None:
+        return ""
+    won = next(m for m in sweep["rows"] if m["key"] == peer["key"])
+    return (f"DDP at its best: bucket_cap_mb {won['bucket_cap_mb']:g} of "
+            f"{_sizes([m['bucket_cap_mb'] for m in sweep['rows']])} (lowest median step)")
+
+
+def sweep_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Every row of a swept peer (DDP's bucket sizes) with its median step, and which won."""
+    out = []
+    for sweep in sweeps(rows).values():
+        best = next((m for m in sweep["rows"] if m["key"] == sweep["best"]), None)
+        won = (f"**bucket_cap_mb {best['bucket_cap_mb']:g}** ({best['label']}) had the lowest median step "
+               "over the rounds; the ratios above are against it" if best else "no setting ran: no ratio")
+        out += [(f"DDP ran at bucket_cap_mb {_sizes([m['bucket_cap_mb'] for m in sweep['rows']])} in the same "
+                 f"rounds: {won} (amsp_ext/compare/peers.py). FSDP2/HSDP run with their defaults."), "",
+                "| row | bucket_cap_mb | median step (s) | |", "|---|---:|---:|---|"]
+        for m in sweep["rows"]:
+            step = "—" if m["median_step_s"] is None else f"{m['median_step_s']:.3f}"
+            mark = "best" if m["key"] == sweep["best"] else ("" if m["status"] == "ok" else m["status"])
+            out.append(f"| {m['label']} | {_fmt(m['bucket_cap_mb'], 'g')} | {step} | {mark} |")
+        out.append("")
     return out
 
 
@@ -410,7 +444,7 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[str]:
     plt.close(fig)
     files.append("memory.png")
 
-    ref = next((r for r in ok if r["key"] == "ddp"), ok[0])
+    ref = _ddp_reference(ok) or ok[0]
     fig, (ax, dax) = plt.subplots(1, 2, figsize=(12, 4))
     for r in ok:
         steps = range(len(r["loss"]))
@@ -432,8 +466,17 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[str]:
     return files + ([tl] if tl else [])
 
 
+def _ddp_reference(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row losses are compared with: ``ddp``, or with the bucket sweep in its place the
+    first swept row that ran (bucket sizes change no gradient, only when it is reduced)."""
+    from amsp_ext.compare.systems import peer_family
+
+    return _row(rows, "ddp") or next((r for r in rows if r.get("status") == "ok"
+                                      and peer_family(r.get("system", "")) == "ddp"), None)
+
+
 def _loss_agreement(rows: list[dict[str, Any]]) -> list[str]:
-    ref = _row(rows, "ddp")
+    ref = _ddp_reference(rows)
     if not ref:
         return []
     out = []
@@ -534,6 +577,9 @@ def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str,
     lines = ["## Results", "", format_table(rows), ""]
     rat = [_ratio_line(rec) for rec in ratio_recs] or [_no_ratio_line(rows, meta)]
     lines += ["### Ratios (tokens/GPU/s)", "", RATIO_RULES, "", *rat, ""]
+    swept = sweep_lines(rows)
+    if swept:
+        lines += ["### Peers at their best (DDP bucket sweep)", "", *swept]
     wire = wire_table(rows)
     if wire:
         lines += ["### What each row sent (one profiled step, rank 0)", "", WIRE_TEXT, "", *wire, ""]

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from amsp_ext.compare.systems import DDP_BUCKETS_MB, ddp_bucket_system
 from amsp_ext.topology.groups import is_cross_node_level
 
 __all__ = ["BYTES_TOLERANCE", "GRAD_KINDS", "PARAM_KINDS", "grad_counts", "not_as_asked", "plan_shape",
@@ -85,7 +86,9 @@ def wire_of(collectives: Iterable[Any]) -> dict[str, Any]:
 # the plan shape of each non-AMSP system, as AMSP names it (planner/plan.py); AMSP rows: their
 # plan. Two rows of one shape should move the same gradient bytes.
 SHAPE_OF = {"ddp": "ddp", "ddp-bf16": "ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-            "fsdp2": "zero3", "mics": "mics", "hsdp": "mics", "zeropp": "zero3", "zeropp-q": "zero3"}
+            "fsdp2": "zero3", "mics": "mics", "hsdp": "mics", "zeropp": "zero3", "zeropp-q": "zero3",
+            # DDP's bucket sweep: the bucket size changes when gradients go, not their bytes
+            **{ddp_bucket_system(mb): "ddp" for mb in DDP_BUCKETS_MB}}
 
 
 def plan_shape(row: dict[str, Any]) -> str | None:

@@ -7,6 +7,10 @@ halve gradient traffic (config.py [Note: one wire dtype for every system]). Grad
 as Accelerate and the HF Trainer do, so one bucketed all-reduce per step overlaps the last
 backward. Clipping is ``clip_grad_norm_`` on the (replicated) gradients.
 
+``ddp-b1`` / ``ddp-b5`` / ``ddp-b25`` are ``ddp`` with ``bucket_cap_mb`` given (the sweep of
+``amsp compare --ddp-buckets``, systems/__init__.py [Note: DDP at its best]); ``ddp`` leaves it to
+torch's default (25). Every row's settings record the cap the module ran with.
+
 ``ddp-bf16`` is DDP's closer variant for bf16 rows (base.py [Note: mixed precision of the same
 kind]): the model's parameters in bf16, DDP over them, and an fp32 master copy of every
 parameter in the optimizer (Megatron-LM's Float16OptimizerWithFloat16Params, apex's O2): the
@@ -54,12 +58,21 @@ def _fp32_on_the_wire(state, bucket):
     return fut.then(back)
 
 
+def _bucket_kwargs(name: str) -> dict:
+    """``bucket_cap_mb`` of a bucket-sweep row (systems/__init__.py [Note: DDP at its best]);
+    nothing for ``ddp``, which runs torch's default as its users do."""
+    from amsp_ext.compare.systems import SYSTEMS
+
+    mb = SYSTEMS[name].bucket_cap_mb
+    return {} if mb is None else {"bucket_cap_mb": mb}
+
+
 def setup(name: str, model, ctx: Context) -> SystemRun:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if name == "ddp-bf16":
         return _setup_bf16_params(model, ctx)
-    ddp = DDP(model)
+    ddp = DDP(model, **_bucket_kwargs(name))
     if ctx.spec.reduce_dtype == "bf16":
         ddp.register_comm_hook(None, _bf16_compress_on_gloo)
     return _ddp_run(ddp, ctx.optimizer_factory(ddp.parameters()), ctx, mixed_precision=(
@@ -131,7 +144,9 @@ def _ddp_run(ddp, optimizer, ctx: Context, *, mixed_precision: str, reduce: str,
         return sum(losses) / len(losses)
 
     return SystemRun(train_step=train_step, mixed_precision=mixed_precision, settings={
-        "wrapper": "torch.nn.parallel.DistributedDataParallel (defaults: 25 MiB buckets)",
+        "wrapper": "torch.nn.parallel.DistributedDataParallel",
+        # read back from the module, not the name: what DDP really bucketed by
+        "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
         "reduce": reduce,
         "accumulation": "no_sync() on micro-batches 0..M-2",
     })
