@@ -29,9 +29,10 @@ def patch_deepspeed() -> dict[str, str]:
 
     Returns ``{patch name: what happened}``.
     """
-    from amsp_ext.integrations.patches import deepspeed_initialize
+    from amsp_ext.integrations.patches import deepspeed_gathered_parameters, deepspeed_initialize
 
-    done = {deepspeed_initialize.NAME: deepspeed_initialize.apply()}
+    done = {deepspeed_initialize.NAME: deepspeed_initialize.apply(),
+            deepspeed_gathered_parameters.NAME: deepspeed_gathered_parameters.apply()}
     try:
         from amsp_ext.integrations.patches import transformers_meta_load
 

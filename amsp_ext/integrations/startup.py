@@ -8,7 +8,8 @@ setup.py) runs one line at every interpreter start:
 ``activate`` installs post-import hooks (import_hooks.py, no heavy import: about a millisecond):
 
 - when the script imports ``deepspeed``: ``deepspeed.initialize`` is routed
-  (patches/deepspeed_initialize.py). The routing reads each call's config: ``amsp.enabled``
+  (patches/deepspeed_initialize.py), and ``deepspeed.zero.GatheredParameters`` gathers and
+  writes AMSP parameters (patches/deepspeed_gathered_parameters.py). The routing reads each call's config: ``amsp.enabled``
   true runs AMSP, anything else calls DeepSpeed's own ``initialize`` untouched;
 - when it imports ``accelerate``: the fixes of patches/accelerate_*.py, each acting only for a
   ds_config that carries an ``"amsp"`` block (amsp_ext.integrations.guard): the block hidden
@@ -51,9 +52,10 @@ def _say(what: str) -> None:
 
 
 def _patch_deepspeed(_module) -> None:
-    from amsp_ext.integrations.patches import deepspeed_initialize
+    from amsp_ext.integrations.patches import deepspeed_gathered_parameters, deepspeed_initialize
 
     _say(f"deepspeed.initialize routing {deepspeed_initialize.apply()}")
+    _say(f"deepspeed.zero.GatheredParameters on AMSP parameters {deepspeed_gathered_parameters.apply()}")
 
 
 def _patch_accelerate(_module) -> None:

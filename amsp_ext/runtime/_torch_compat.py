@@ -34,7 +34,7 @@ __all__ = [
     "copy_state_dict_metadata", "check_torch_version", "default_group", "dtensor_local",
     "end_coalescing", "flatten_dense_tensors",
     "fake_store", "fake_tensor_mode", "nominal_fake_scalars", "fsdp_all_gather_streams",
-    "fsdp_unsharded_tensors",
+    "fsdp_unsharded_tensors", "fsdp_params_of", "fsdp_unit_state", "fsdp_unsharded_param", "fsdp_param_home", "tensor_version",
     "fsdp_lazy_init", "live_process_groups", "local_chunk", "local_chunk_offset", "mem_tracker", "mesh_flatten",
     "mesh_root",
     "mesh_unflatten", "op_observer",
@@ -112,6 +112,39 @@ def fsdp_unsharded_tensors(root: nn.Module) -> Callable[[], list[torch.Tensor]]:
               for group in m._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
               for fp in group.fsdp_params]
     return lambda: [t for fp in params for t in fp.all_gather_outputs]
+
+
+def fsdp_params_of(module: nn.Module) -> list:
+    """The FSDPParams of one FSDP module (not recursive; empty when it holds none): each has
+    ``sharded_param`` (the DTensor Parameter), ``_unsharded_param`` once gathered, and
+    ``_module_info`` (``module``, ``param_name``). Reads 2.13's ``FSDPState._fsdp_param_groups``
+    and ``FSDPParamGroup.fsdp_params``."""
+    return [fp for group in module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+            for fp in group.fsdp_params]
+
+
+def fsdp_unit_state(module: nn.Module) -> tuple[bool, bool]:
+    """(every param group unsharded, every param group reshards after forward) of one FSDP
+    module: ``FSDPParamGroup.is_unsharded`` and ``_reshard_after_forward`` (2.13)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    return (all(g.is_unsharded for g in groups), all(g._reshard_after_forward for g in groups))
+
+
+def fsdp_unsharded_param(fsdp_param) -> nn.Parameter | None:
+    """An FSDPParam's gathered Parameter (``_unsharded_param``), None before its first gather."""
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+def fsdp_param_home(fsdp_param) -> tuple[nn.Module, str]:
+    """(module, attribute name) an FSDPParam is registered on (``_module_info``, 2.13)."""
+    info = fsdp_param._module_info
+    return info.module, info.param_name
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The in-place write counter of a tensor (``Tensor._version``): it moves on every in-place
+    op on the tensor or a view of its storage made through it."""
+    return t._version
 
 
 # -- DTensor ---------------------------------------------------------------------------------

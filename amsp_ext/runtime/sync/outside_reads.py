@@ -60,6 +60,9 @@ class OuterGather:
         self.tensors = list(tensors)
         self.plan = plan
         self._handles: list = []
+        # id(outer unit) -> open GatheredParameters contexts keeping it gathered
+        # (integrations/gathered.py [Note: GatheredParameters under AMSP])
+        self._kept: dict[int, int] = {}
 
     def install(self) -> None:
         if self.outer:
@@ -80,12 +83,23 @@ class OuterGather:
             for m in self.outer:
                 m.unshard()  # type: ignore[operator]  (an FSDPModule)
 
+    def keep(self, module: nn.Module) -> None:
+        """Not released after forwards until ``release(module)``: a GatheredParameters context
+        holds it gathered (generation inside gathers once)."""
+        self._kept[id(module)] = self._kept.get(id(module), 0) + 1
+
+    def release(self, module: nn.Module) -> None:
+        n = self._kept.pop(id(module), 0) - 1
+        if n > 0:
+            self._kept[id(module)] = n
+
     @torch.compiler.disable
     def _release(self, module, args, output) -> None:
         if self.forward_only:  # no post-backward will reshard them
             with record_function("amsp::reshard_outer_units::param_shard"):
                 for m in self.outer:
-                    m.reshard()  # type: ignore[operator]  (an FSDPModule)
+                    if id(m) not in self._kept:
+                        m.reshard()  # type: ignore[operator]  (an FSDPModule)
 
     def _guard(self, name: str):
         def hook(grad):
