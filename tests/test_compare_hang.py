@@ -51,7 +51,7 @@ def test_hung_system_is_stopped_and_the_next_one_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("AMSP_TEST_TAG", tag)
     spec = RunSpec(model="tiny-llama", seq_len=16, micro_batch_size=1, num_micro_batches=1,
                    num_steps=2, num_warmup_steps=1, precision="fp32", trace=False,
-                   dist_timeout_s=300)
+                   limit_rounds=0, dist_timeout_s=300)
     # [Note: the hang test's timeout]
     # The timeout is what this test waits for (then 10 s of SIGTERM grace, which rank 1
     # ignores). It must leave the ddp row time to reach step 0, where rank 1 starts to spin: the

@@ -125,7 +125,7 @@ def test_harness_end_to_end_two_ranks(tmp_path):
 
     spec = RunSpec(model="tiny-llama", seq_len=32, micro_batch_size=1, num_micro_batches=2,
                    num_steps=2, num_warmup_steps=1, precision="fp32", amsp_plan="zero1",
-                   dist_timeout_s=120)
+                   limit_rounds=0, dist_timeout_s=120)
     launch = LaunchConfig(nproc_per_node=2, timeout_s=240)
     path, rows = run_comparison(mode="baselines", spec=spec, launch=launch, out_dir=tmp_path,
                                 command="pytest", systems=["zero1"], progress=lambda s: None)

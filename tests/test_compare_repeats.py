@@ -203,7 +203,7 @@ def test_harness_rounds_order_and_failed_round_without_launching(tmp_path, monke
 
     monkeypatch.setattr(harness, "run_system", fake_run_system)
     spec = RunSpec(model="tiny-llama", seq_len=32, micro_batch_size=1, num_micro_batches=2,
-                   num_steps=2, num_warmup_steps=1, precision="fp32")
+                   num_steps=2, num_warmup_steps=1, precision="fp32", limit_rounds=0)
     path, rows = harness.run_comparison(mode="baselines", spec=spec, launch=LaunchConfig(nproc_per_node=2),
                                         out_dir=tmp_path, command="pytest", systems=["ddp", "zero1", "zero3"],
                                         repeats=3, progress=lambda s: None)
@@ -233,7 +233,7 @@ def test_harness_two_rounds_two_ranks(tmp_path):
 
     spec = RunSpec(model="tiny-llama", seq_len=32, micro_batch_size=1, num_micro_batches=2,
                    num_steps=2, num_warmup_steps=1, precision="fp32", amsp_plan="zero1",
-                   trace=False, dist_timeout_s=120)
+                   trace=False, limit_rounds=0, dist_timeout_s=120)
     path, _ = run_comparison(mode="baselines", spec=spec, launch=LaunchConfig(nproc_per_node=2, timeout_s=240),
                              out_dir=tmp_path, command="pytest", systems=["ddp", "amsp-plan"],
                              repeats=2, progress=lambda s: None)

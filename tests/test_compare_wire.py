@@ -173,13 +173,13 @@ def _expected_grad_bytes(system: str, plan: str | None, *, P: int, M: int, elem:
     raise AssertionError(system)
 
 
-def _compare(tmp_path, systems, *, reduce_dtype, plan="ddp"):
+def _compare(tmp_path, systems, *, reduce_dtype, plan="ddp", limit_rounds=0, num_steps=2):
     from amsp_ext.compare.harness import run_comparison
     from amsp_ext.compare.launch import LaunchConfig
 
-    spec = RunSpec(model="tiny-llama", seq_len=32, micro_batch_size=1, num_micro_batches=2, num_steps=2,
+    spec = RunSpec(model="tiny-llama", seq_len=32, micro_batch_size=1, num_micro_batches=2, num_steps=num_steps,
                    num_warmup_steps=1, precision="bf16", reduce_dtype=reduce_dtype, gpus_per_node=2,
-                   amsp_plan=plan, amsp_all_reduce="flat", dist_timeout_s=120)
+                   amsp_plan=plan, amsp_all_reduce="flat", limit_rounds=limit_rounds, dist_timeout_s=120)
     path, rows = run_comparison(mode="baselines", spec=spec, launch=LaunchConfig(nproc_per_node=4, timeout_s=300),
                                 out_dir=tmp_path, command="pytest", systems=systems, progress=lambda s: None)
     return spec, path, {r["key"]: r for r in rows}
@@ -226,8 +226,22 @@ def test_every_row_sends_the_asked_gradient_bytes_bf16(tmp_path):
 def test_every_row_sends_the_asked_gradient_bytes_fp32_and_zero1(tmp_path):
     P, _ = _num_params("tiny-llama")
     systems = ["ddp", "ddp-bf16", "hsdp", "amsp-plan"]
-    spec, _, by = _compare(tmp_path / "fp32", systems, reduce_dtype="fp32")
+    spec, path, by = _compare(tmp_path / "fp32", systems, reduce_dtype="fp32", limit_rounds=1, num_steps=4)
     _check_bytes(spec, by, systems, elem=4)  # ddp-bf16: its hook all-reduces each bf16 bucket in fp32
+    # every row against its limit (compare/limit.py): the compute-only job ran on the fake
+    # group, the step's collectives were replayed; compute alone is no slower than the step that
+    # also communicates, but it is a second job a minute later on a shared host: 10 % of slack
+    for key in systems:
+        lim, run = by[key]["limit"], by[key]["compute_only_run"]
+        assert run["status"] == "ok" and run["backends"] == ["fake"], (key, run)
+        assert 0 < lim["compute_only_s"] <= 1.1 * by[key]["median_step_s"], (key, lim, by[key]["median_step_s"])
+        assert 0 < lim["last_backward_s"] < lim["compute_only_s"], (key, lim)
+        assert lim["comm_only_s"] > 0, (key, lim)
+        assert lim["bound_s"] == max(lim["compute_only_s"], lim["comm_only_s"]), (key, lim)
+        assert lim["efficiency"] == lim["bound_s"] / by[key]["median_step_s"], (key, lim)
+        assert lim["hidden_fraction"] == 1 - by[key]["exposed_comm_s"] / lim["comm_only_s"], (key, lim)
+    assert "### Each row against its limit" in path.read_text()
+    assert (path.with_suffix("") / "limit.png").exists()
     for reduce_dtype, elem in (("fp32", 4), ("bf16", 2)):
         spec, _, by = _compare(tmp_path / f"z1{reduce_dtype}", ["zero1", "amsp-plan"], reduce_dtype=reduce_dtype,
                                plan="zero1")

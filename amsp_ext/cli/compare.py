@@ -42,7 +42,7 @@ FULL = dict(model="small-llama", seq_len=256, micro_batch_size=2, num_micro_batc
 SPEC_FLAGS = ("model", "seq_len", "micro_batch_size", "num_micro_batches", "num_steps",
               "num_warmup_steps", "seed", "precision", "reduce_dtype", "gpus_per_node", "mics_shard_size",
               "hpz_partition_size", "amsp_plan", "amsp_granularity", "amsp_all_reduce", "trace",
-              "trace_steps")
+              "trace_steps", "limit_rounds")
 # unset on the command line: --quick's or the full table's value; precision: cpu_precision's
 PRESET = tuple(k for k in QUICK if k != "nproc_per_node")
 

@@ -109,6 +109,10 @@ class RunSpec:
     trace_steps: int = option(1, minimum=1,
                               help="steps profiled per round (after one more that is not read); "
                                    "the breakdown is the one whose exposed time is the median")
+    limit_rounds: int = option(1, minimum=0,
+                               help="rounds (the first N) in which each row's steps also run under "
+                                    "the fake process group for its compute-only time "
+                                    "(compare/limit.py); 0: none")
     dist_timeout_s: float = option(WORKER_TIMEOUT_S, above=0)
 
     def __post_init__(self) -> None:

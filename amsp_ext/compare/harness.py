@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from amsp_ext.compare.config import COMPARE_MISSING_MESH, OVERLAP_LABELS, OVERLAPS, RunSpec, SpecError
-from amsp_ext.compare.launch import LaunchConfig, find_cluster_profile, run_system
+from amsp_ext.compare.launch import LaunchConfig, find_cluster_profile, run_compute_only, run_system
 from amsp_ext.compare.rounds import combine_rounds, overloaded_rounds, round_order, validate_repeats
 from amsp_ext.compare.summary import peak_flops, summarize
 from amsp_ext.compare.systems import SYSTEMS, default_systems
@@ -342,6 +342,11 @@ class _Comparison:
             res = run_system(p.item.system, run_spec,
                              folder / p.item.key.replace("[", "_").replace("]", ""),
                              self.launch, row_key=p.item.key)
+            if res.get("status") == "ok" and r < run_spec.limit_rounds:
+                # compare/limit.py [Note: a row's limit]: right after the row, at its size
+                res["compute_only"] = run_compute_only(
+                    p.item.system, run_spec, folder / (p.item.key.replace("[", "_").replace("]", "") + "-compute"),
+                    self.launch, world_size=res["world_size"], gpus_per_node=res["gpus_per_node"])
             res.update(p.base)
             res.update(round=r + 1, position=position, started_at=started_at)
             if r > 0:

@@ -7,6 +7,7 @@ reproduced on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -21,7 +22,7 @@ from amsp_ext.reap import JOB_ENV, new_job_id, stop_job
 from amsp_ext.compare.config import SYSTEM_TIMEOUT_S, RunSpec
 from amsp_ext.tools.rendezvous import loopback_env, loopback_torchrun_args
 
-__all__ = ["LAUNCHERS", "LaunchConfig", "run_system", "worker_command"]
+__all__ = ["LAUNCHERS", "LaunchConfig", "run_compute_only", "run_system", "worker_command"]
 
 LAUNCHERS = ("torchrun", "cluster")
 REPO = Path(__file__).resolve().parents[2]
@@ -147,5 +148,29 @@ def run_system(system: str, spec: RunSpec, out: Path, launch: LaunchConfig,
     result_file = out / "result.json"
     if rc == 0 and result_file.exists():
         return {**base, **json.loads(result_file.read_text())}
+    tail = (out / "log.txt").read_text(errors="replace")[-4000:]
+    return {**base, **_failure(out, rc, tail, launch.timeout_s)}
+
+
+def run_compute_only(system: str, spec: RunSpec, out: Path, launch: LaunchConfig, *, world_size: int,
+                     gpus_per_node: int) -> dict[str, Any]:
+    """``system``'s timed steps on ``world_size`` ranks of this machine under the fake process
+    group (compare/limit.py [Note: a row's limit]), as ``run_system`` runs it with
+    ``gpus_per_node`` ranks per logical node: ``{"status": "ok", "ranks": [...], "command",
+    "wall_s"}`` or status + one-line reason. No lab: nothing crosses a link."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("error-rank*.json"), *out.glob("compute-rank*.json")]:
+        stale.unlink(missing_ok=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(spec.replace(gpus_per_node=gpus_per_node).to_json() + "\n")
+    local = dataclasses.replace(launch, launcher="torchrun", nproc_per_node=world_size)
+    cmd = on_ranks(["-m", "amsp_ext.compare.worker", "--spec", str(spec_path), "--system", system,
+                    "--out", str(out), "--compute-only"], local)
+    t0 = time.perf_counter()
+    rc, _ = _run_job(cmd, local, out / "log.txt")
+    base = {"command": shlex.join(cmd), "wall_s": time.perf_counter() - t0}
+    files = sorted(out.glob("compute-rank*.json"))
+    if rc == 0 and len(files) == world_size:
+        return {**base, "status": "ok", "ranks": [json.loads(f.read_text()) for f in files]}
     tail = (out / "log.txt").read_text(errors="replace")[-4000:]
     return {**base, **_failure(out, rc, tail, launch.timeout_s)}

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from amsp_ext.compare import limit
 from amsp_ext.compare.peers import at_best, sweeps
 from amsp_ext.compare.rounds import (CLAIM_AGREE, CLAIM_MIN_ROUNDS, CLAIM_MIN_TIMED_STEPS, TARGET,
                                     paired_ratio, timed_steps, verdict)
@@ -462,6 +463,9 @@ def write_plots(rows: list[dict[str, Any]], folder: Path) -> list[str]:
     fig.savefig(folder / "loss.png", dpi=120)
     plt.close(fig)
     files.append("loss.png")
+    bound = limit.write_limit_plot(rows, folder)
+    if bound:
+        files.append(bound)
     tl = write_timeline(rows, folder)
     return files + ([tl] if tl else [])
 
@@ -580,6 +584,10 @@ def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str,
     swept = sweep_lines(rows)
     if swept:
         lines += ["### Peers at their best (DDP bucket sweep)", "", *swept]
+    lim = limit.limit_table(rows)
+    if lim:
+        lines += ["### Each row against its limit, max(compute, communication)", "", limit.LIMIT_TEXT, "",
+                  *lim, ""]
     wire = wire_table(rows)
     if wire:
         lines += ["### What each row sent (one profiled step, rank 0)", "", WIRE_TEXT, "", *wire, ""]

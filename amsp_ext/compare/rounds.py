@@ -31,6 +31,7 @@ import math
 import statistics
 from typing import Any, Sequence
 
+from amsp_ext.compare import limit
 from amsp_ext.compare.config import SpecError
 
 __all__ = ["CLAIM_AGREE", "CLAIM_MIN_ROUNDS", "CLAIM_MIN_TIMED_STEPS", "TARGET", "combine_rounds",
@@ -124,6 +125,7 @@ def combine_rounds(rounds: list[dict[str, Any]], *, mfu_of=None) -> dict[str, An
     if cpu:
         row["cpu_s_per_step"] = {k: statistics.median(c[k] for c in cpu) for k in cpu[0]}
     _comm_over_rounds(row, ok)
+    row["limit"] = limit.combine(ok, step_s=row["median_step_s"], exposed_comm_s=row.get("exposed_comm_s"))
     return row
 
 

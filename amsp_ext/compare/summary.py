@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from amsp_ext.compare import limit
 from amsp_ext.compare.config import RunSpec
 from amsp_ext.common.metrics import flops_per_token, median_after_warmup, mfu
 
@@ -81,6 +82,8 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
     tgs = spec.tokens_per_rank_per_step / median_step
     fpt = flops_per_token(llama_config_dict(spec.model), spec.seq_len)
     comm = [r["comm"] for r in ranks if r.get("comm")]
+    exposed = _median([c["exposed_comm_s"] for c in comm]) if comm else None
+    compute_only = result.get("compute_only") or {}
     row.update({
         "step_s": times,
         "median_step_s": median_step,
@@ -91,7 +94,17 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
         "peak_rss_delta_bytes": [r["peak_rss_delta_bytes"] for r in ranks],
         "live_tensor_delta_bytes": [r["live_tensor_delta_bytes"] for r in ranks],
         "comm_s": _median([c["comm_s"] for c in comm]) if comm else None,
-        "exposed_comm_s": _median([c["exposed_comm_s"] for c in comm]) if comm else None,
+        "exposed_comm_s": exposed,
+        "limit": limit.limit_of(
+            step_s=median_step, exposed_comm_s=exposed, comm_only_s=limit.comm_only_of(ranks),
+            compute_only_s=(limit.compute_only_of(compute_only["ranks"], spec.num_warmup_steps)
+                            if compute_only.get("status") == "ok" else None),
+            last_backward_s=(limit.compute_only_of(compute_only["ranks"], spec.num_warmup_steps,
+                                                   "last_backward_s")
+                             if compute_only.get("status") == "ok" else None)),
+        "compute_only_run": {**{k: compute_only.get(k) for k in ("status", "reason", "command", "wall_s")},
+                             "backends": sorted({r.get("backend") for r in compute_only.get("ranks") or []})}
+        if compute_only else None,
         "cpu_s_per_step": _cpu(ranks, spec.num_warmup_steps),
         "breakdown": _breakdown(ranks),
         "setup_s": max(r["setup_s"] for r in ranks),

@@ -103,19 +103,70 @@ def _profiled_steps(sysrun, spec, rank: int, out: Path) -> tuple[dict, dict | No
     return comm, steps_breakdown
 
 
-def run(system: str, spec, out: Path, coll) -> dict:
+# Replays of the profiled step's collectives (compare/limit.py [Note: a row's limit]): the
+# row's comm_only_s is their median, each replay's time the slowest rank's.
+COMM_REPLAYS = 3
+
+
+def _comm_alone(sysrun, step: int, coll) -> list[dict]:
+    """One more step with its collectives recorded, then those collectives replayed alone
+    ``COMM_REPLAYS`` times (runtime/collectives.py [Note: a step's collectives replayed
+    alone]): this rank's time, count and bytes of each replay."""
+    from amsp_ext.runtime import collectives as C
+
+    sysrun.drain()
+    with C.recording_collectives() as ops:
+        sysrun.train_step(step)
+        sysrun.drain()
+    return [C.replay_alone(coll, ops, name="world") for _ in range(COMM_REPLAYS)]
+
+
+def _timed_steps(sysrun, ctx, system: str) -> dict[str, list]:
+    """The ``spec.num_steps`` timed steps: per step this rank's loss, wall time, CPU times and
+    its last micro-batch's backward (``ctx.spans``; compare/limit.py)."""
+    from amsp_ext.common.faults import faults, hang_now
+    from amsp_ext.compare import cpu
+
+    fs = faults()  # test-only fault injection (AMSP_FAULTS; never set in normal runs)
+    out: dict[str, list] = {"loss": [], "step_s": [], "cpu_s": [], "last_backward_s": []}
+    for step in range(ctx.spec.num_steps):
+        hang_now(fs, rank=ctx.rank, step=step, system=system)
+        cpu0 = cpu.thread_cpu_s()  # compare/cpu.py [Note: CPU time beside wall time]
+        ctx.spans.clear()
+        t = time.perf_counter()
+        out["loss"].append(sysrun.train_step(step))
+        out["step_s"].append(time.perf_counter() - t)
+        out["cpu_s"].append(cpu.step_cpu(cpu0, cpu.thread_cpu_s()))
+        backward = [b - a for name, a, b in ctx.spans if name == "backward"]
+        out["last_backward_s"].append(backward[-1] if backward else None)
+    return out
+
+
+def _no_deepspeed_rank_checks() -> None:
+    """ZeRO-3's parameter coordinator checks every step, by collectives, that the ranks traced
+    the same module order; under the fake group those collectives carry nothing, so the check
+    reads garbage and fails. A compute-only run (compare/limit.py) takes that communication out
+    with the rest."""
+    from deepspeed.runtime.zero import partition_parameters, partitioned_param_coordinator, stage3
+
+    for module in (partition_parameters, partitioned_param_coordinator, stage3):
+        module.assert_ints_same_as_other_ranks = lambda ints: None
+
+
+def run(system: str, spec, out: Path, coll, *, compute_only: bool = False) -> dict:
     """One system on this rank; ``coll``: this worker's collective context (the peak's and the
-    records' collectives; an AMSP engine makes its own)."""
+    records' collectives; an AMSP engine makes its own). ``compute_only``: the process group
+    is the fake backend (compare/limit.py [Note: a row's limit]): only the timed steps run, and
+    this rank's record is returned, not gathered."""
     import torch
     import torch.distributed as dist
 
-    from amsp_ext.compare import cpu, memory
+    from amsp_ext.compare import memory
     from amsp_ext.runtime.measure.peak import device_peak
     from amsp_ext.runtime import collectives as C
     from amsp_ext.compare.config import resolve_topology
     from amsp_ext.compare.systems import SYSTEMS, runner
     from amsp_ext.compare.systems.base import Context
-    from amsp_ext.common.faults import faults, hang_now
     from amsp_ext.common.models import build_llama
 
     info = SYSTEMS[system]
@@ -123,15 +174,17 @@ def run(system: str, spec, out: Path, coll) -> dict:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     num_nodes, gpus_per_node = resolve_topology(spec, world_size=world, local_world_size=local_world)
     ctx = Context(spec=spec, rank=rank, world_size=world, num_nodes=num_nodes,
-                  gpus_per_node=gpus_per_node)
+                  gpus_per_node=gpus_per_node, compute_only=compute_only, spans=[])
     patches_applied: dict[str, str] = {}
     if info.uses_deepspeed:
         from amsp_ext.integrations import patches
 
         patches_applied = patches.apply_needed()
+        if compute_only:
+            _no_deepspeed_rank_checks()
 
     # the MFU denominator: common/metrics.py [Note: one MFU] (every rank at once, best of trials)
-    peak_flops = device_peak(torch.device("cpu"), ctx.param_dtype, comm=coll).flops
+    peak_flops = None if compute_only else device_peak(torch.device("cpu"), ctx.param_dtype, comm=coll).flops
 
     _warm_process(ctx)
     live0 = memory.live_tensor_bytes()
@@ -142,29 +195,24 @@ def run(system: str, spec, out: Path, coll) -> dict:
     sysrun = runner(system).setup(system, model, ctx)
     setup_s = time.perf_counter() - t_setup
 
-    fs = faults()  # test-only fault injection (AMSP_FAULTS; never set in normal runs)
-    losses, step_s, step_cpu = [], [], []
-    for step in range(spec.num_steps):
-        hang_now(fs, rank=rank, step=step, system=system)
-        cpu0 = cpu.thread_cpu_s()  # compare/cpu.py [Note: CPU time beside wall time]
-        t = time.perf_counter()
-        losses.append(sysrun.train_step(step))
-        step_s.append(time.perf_counter() - t)
-        step_cpu.append(cpu.step_cpu(cpu0, cpu.thread_cpu_s()))
-
+    timed = _timed_steps(sysrun, ctx, system)
+    if compute_only:
+        return {"rank": rank, "backend": dist.get_backend(), **timed}
     comm, steps_breakdown = _profiled_steps(sysrun, spec, rank, out) if spec.trace else (None, None)
+    comm_alone = _comm_alone(sysrun, spec.num_steps + 1 + spec.trace_steps, coll) if spec.trace else None
 
     record = {
         "rank": rank,
-        "loss": losses,
-        "step_s": step_s,
-        "cpu_s": step_cpu,
+        "loss": timed["loss"],
+        "step_s": timed["step_s"],
+        "cpu_s": timed["cpu_s"],
         "setup_s": setup_s,
         "peak_flops": peak_flops,
         "peak_rss_delta_bytes": (memory.peak_rss_bytes() - rss0) if hwm_reset and rss0 else None,
         "live_tensor_delta_bytes": memory.live_tensor_bytes() - live0,
         "comm": comm,
         "breakdown": steps_breakdown,
+        "comm_alone": comm_alone,
     }
     records = C.gather_objects(coll, record, dist.group.WORLD, name="world")  # rank 0 writes the row
     return {
@@ -186,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", required=True, help="RunSpec JSON file")
     p.add_argument("--system", required=True)
     p.add_argument("--out", required=True, help="directory for result.json / error-rank*.json")
+    p.add_argument("--compute-only", action="store_true",
+                   help="the fake process group: the steps with the communication taken out; each "
+                        "rank writes compute-rank<r>.json (compare/limit.py [Note: a row's limit])")
     args = p.parse_args(argv)
 
     out = Path(args.out)
@@ -202,12 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         # [Note: CPU only] The runners place models on CPU (FSDP meshes, autocast, DeepSpeed's
         # CPU accelerator); a GPU path needs per-rank devices and NCCL and is not built yet.
-        backend = "gloo"
-        from amsp_ext.tools.rendezvous import init_process_group
+        backend = "fake" if args.compute_only else "gloo"
+        if args.compute_only:
+            from amsp_ext.runtime._torch_compat import fake_store
 
-        init_process_group(backend, timeout=datetime.timedelta(seconds=spec.dist_timeout_s))
+            dist.init_process_group(backend, store=fake_store(), rank=rank,
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+        else:
+            from amsp_ext.tools.rendezvous import init_process_group
+
+            init_process_group(backend, timeout=datetime.timedelta(seconds=spec.dist_timeout_s))
         coll = C.CollectiveContext(timeout=spec.dist_timeout_s)
-        result = run(args.system, spec, out, coll)
+        result = run(args.system, spec, out, coll, compute_only=args.compute_only)
+        if args.compute_only:  # no real collective: each rank's record, merged by the launcher
+            _write_json(out / f"compute-rank{rank}.json", result)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         if dist.get_rank() == 0:
             result["backend"] = backend
             result["versions"] = _versions()

@@ -188,6 +188,20 @@ def op_observer(callback):
     return _Observer()
 
 
+def op_recorder(callback):
+    """Like ``op_observer``, with ``callback(op_name, op, args, kwargs)`` also given the
+    OpOverload itself (a recorded collective is issued again through it:
+    runtime/collectives.py [Note: a step's collectives replayed alone])."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            callback(func._schema.name, func, args, kwargs)
+            return func(*args, **(kwargs or {}))
+
+    return _Recorder()
+
+
 # -- DeviceMesh ------------------------------------------------------------------------------
 # FSDP2 under TP needs its shard mesh cut from the TP DTensors' own root mesh
 # (runtime/tensor_parallel.py [Note: FSDP2's mesh under TP]); DeviceMesh exposes the root and

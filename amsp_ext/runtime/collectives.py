@@ -116,6 +116,8 @@ __all__ = [
     "gather_objects",
     "observing",
     "reduce_scatter_tensor",
+    "recording_collectives",
+    "replay_alone",
     "wait",
     "WorkHandle",
 ]
@@ -523,6 +525,92 @@ def wait(pending: "_Pending | _TwoLevel | None", *, name: str | None = None, tim
         pending.work = None
         if ctx.observers:
             ctx.notify("wait_end", pending.op, label, pending)
+
+
+# -- a step's collectives alone -----------------------------------------------------------------
+# [Note: a step's collectives replayed alone]
+# A step's limit (compare/limit.py) needs what its collectives cost with nothing else running,
+# on the same links. Every system's collectives - DDP's C++ reducer, FSDP2, DeepSpeed and this
+# engine - reach the dispatcher as ``c10d::`` ops with their process group among the
+# arguments, so a dispatch observer records one step's ops as they are issued (the op, its
+# group and other arguments, each tensor's shape and dtype), and ``replay_alone`` issues them
+# again in the recorded order on fresh zero tensors of those shapes, every one without waiting,
+# then waits for all. Every rank recorded the same step, so each group sees the same sequence
+# on every rank and the replay cannot deadlock; ops on different groups overlap as far as the
+# links and gloo's worker threads allow. The time is what the step's bytes need on these links
+# with no compute and no program order - a floor, not what the step's own order allows (that
+# is the step's exposed time). Functional collectives (``_c10d_functional::``, DTensor's) are
+# not recorded: the compared systems issue none.
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _described(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return _Shape(tuple(a.shape), a.dtype, a.device)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_described(x) for x in a)
+    return a
+
+
+def _fresh(a: Any) -> Any:
+    if isinstance(a, _Shape):
+        return torch.zeros(a.shape, dtype=a.dtype, device=a.device)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fresh(x) for x in a)
+    return a
+
+
+def _nbytes_of(a: Any) -> int:
+    if isinstance(a, _Shape):
+        return int(torch.Size(a.shape).numel()) * a.dtype.itemsize
+    if isinstance(a, (list, tuple)):
+        return sum(_nbytes_of(x) for x in a)
+    return 0
+
+
+@contextlib.contextmanager
+def recording_collectives():
+    """Inside the block, every ``c10d::`` op this thread (and the autograd work it starts)
+    dispatches is appended, as it is issued, to the yielded list as ``(op name, op, args,
+    kwargs)`` with tensors described by shape ([Note: a step's collectives replayed alone])."""
+    from amsp_ext.runtime._torch_compat import op_recorder
+
+    ops: list[tuple[str, Any, Any, Any]] = []
+
+    def record(op_name: str, func, args, kwargs) -> None:
+        if op_name.startswith("c10d::"):
+            ops.append((op_name, func, _described(args), _described(kwargs or {})))
+
+    with op_recorder(record):
+        yield ops
+
+
+def replay_alone(ctx: CollectiveContext, ops: list, *, name: str, timeout=None) -> dict[str, float]:
+    """Issue ``ops`` (from ``recording_collectives``) again on fresh tensors, all before any
+    wait, after a barrier of the world; ``{"s": seconds from the first issue to the last
+    completion on this rank, "count", "bytes"}`` (the bytes of every tensor argument, outputs
+    included). ``name``: the replay's label for the barrier and a timeout."""
+    barrier(ctx, None, name=name, timeout=timeout)
+    seconds = _seconds(ctx, timeout)
+    with record_function(f"amsp::replay::{name}"):
+        t0 = time.perf_counter()
+        works = []
+        for op_name, func, args, kwargs in ops:
+            out = func(*_fresh(args), **_fresh(kwargs))
+            boxed = out[-1] if isinstance(out, (list, tuple)) else out
+            works.append((op_name, dist.Work.unbox(boxed)))
+        for op, work in works:
+            try:
+                work.wait(datetime.timedelta(seconds=seconds))
+            except RuntimeError as e:
+                raise CollectiveTimeout(f"amsp: replayed {op} ({name}) did not complete within "
+                                        f"{seconds:g}s: {str(e).splitlines()[0] if str(e) else e}") from e
+        elapsed = time.perf_counter() - t0
+    return {"s": elapsed, "count": len(ops), "bytes": sum(_nbytes_of(a) for _, _, a, _ in ops)}
 
 
 # -- checkpoint I/O ------------------------------------------------------------------------------

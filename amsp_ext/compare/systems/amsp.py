@@ -20,7 +20,7 @@ reduction costs.
 from __future__ import annotations
 
 from amsp_ext.compare.config import OVERLAP_SWITCHES
-from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable, phase
+from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable
 from amsp_ext.engine_config import EngineConfig, OverlapConfig
 from amsp_ext.planner.plan import is_auto
 from amsp_ext.common.models import causal_lm_loss
@@ -63,7 +63,7 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
 
     def train_step(step: int) -> float:
         done = engine_step(model, optimizer, ctx.batches(step), causal_lm_loss,
-                           clip=ctx.spec.grad_clip, phase=phase)
+                           clip=ctx.spec.grad_clip, phase=ctx.phase)
         losses = [loss.item() for loss in done.losses]
         return sum(losses) / len(losses)
 

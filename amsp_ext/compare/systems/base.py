@@ -23,7 +23,8 @@ __all__ = ["Context", "SystemRun", "SystemUnavailable", "phase"]
 
 def phase(name: str):
     """``record_function("phase::<name>")``: forward, backward or optimizer, the phases the
-    step breakdown (compare/breakdown.py) files each collective under."""
+    step breakdown (compare/breakdown.py) files each collective under (``Context.phase`` also
+    times them)."""
     from torch.profiler import record_function
 
     return record_function(f"phase::{name}")
@@ -45,6 +46,25 @@ class Context:
     world_size: int
     num_nodes: int
     gpus_per_node: int
+    # the fake process group (compare/limit.py [Note: a row's limit]): a system whose own code
+    # reads a collective's result (DDP's reducer) takes that communication out itself
+    compute_only: bool = False
+    # (name, start, end) of each phase while the worker collects them (the last backward of a
+    # compute-only step, compare/limit.py); None: not collected
+    spans: list[tuple[str, float, float]] | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """``phase(name)`` of a system's step, timed into ``spans`` when collected."""
+        import time
+
+        with phase(name):
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self.spans is not None:
+                    self.spans.append((name, t0, time.perf_counter()))
 
     def batches(self, step: int) -> list:
         """This rank's ``M`` micro-batches of optimizer step ``step`` (the same for every system)."""

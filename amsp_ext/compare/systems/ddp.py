@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 
-from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable, phase
+from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable
 from amsp_ext.common.models import causal_lm_loss
 
 __all__ = ["setup"]
@@ -73,8 +73,7 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
     if name == "ddp-bf16":
         return _setup_bf16_params(model, ctx)
     ddp = DDP(model, **_bucket_kwargs(name))
-    if ctx.spec.reduce_dtype == "bf16":
-        ddp.register_comm_hook(None, _bf16_compress_on_gloo)
+    _hook(ddp, ctx, _bf16_compress_on_gloo if ctx.spec.reduce_dtype == "bf16" else None)
     return _ddp_run(ddp, ctx.optimizer_factory(ddp.parameters()), ctx, mixed_precision=(
         "autocast over fp32 parameters (torch.autocast(cpu, bf16)); fp32 gradients and optimizer"
         if ctx.spec.precision == "bf16" else "fp32"), reduce=(
@@ -95,8 +94,7 @@ def _setup_bf16_params(model, ctx: Context) -> SystemRun:
         for p in params:
             p.data = p.data.to(torch.bfloat16)
     ddp = DDP(model)
-    if ctx.spec.reduce_dtype == "fp32":
-        ddp.register_comm_hook(None, _fp32_on_the_wire)
+    _hook(ddp, ctx, _fp32_on_the_wire if ctx.spec.reduce_dtype == "fp32" else None)
     optimizer = ctx.optimizer_factory(masters)
 
     def to_masters() -> None:
@@ -117,6 +115,25 @@ def _setup_bf16_params(model, ctx: Context) -> SystemRun:
         clip_params=masters, after_step=from_masters, autocast=False)
 
 
+def _local_bucket(state, bucket):
+    """The bucket's own gradients, no collective: compute-only runs (compare/limit.py), where
+    the fake group's all-reduce future carries no tensor and DDP's reducer asserts on it."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _hook(ddp, ctx: Context, hook=None) -> None:
+    """Register ``hook`` (None: DDP's own all-reduce) on ``ddp``, or ``_local_bucket`` in a
+    compute-only run: a DDP takes one hook, once."""
+    if ctx.compute_only:
+        ddp.register_comm_hook(None, _local_bucket)
+    elif hook is not None:
+        ddp.register_comm_hook(None, hook)
+
+
 def _ddp_run(ddp, optimizer, ctx: Context, *, mixed_precision: str, reduce: str,
              before_step=lambda: None, clip_params=None, after_step=lambda: None,
              autocast: bool = True) -> SystemRun:
@@ -130,12 +147,12 @@ def _ddp_run(ddp, optimizer, ctx: Context, *, mixed_precision: str, reduce: str,
         for m, batch in enumerate(ctx.batches(step)):
             sync = contextlib.nullcontext() if m == M - 1 else ddp.no_sync()
             with sync:
-                with phase("forward"), (ctx.autocast() if autocast else contextlib.nullcontext()):
+                with ctx.phase("forward"), (ctx.autocast() if autocast else contextlib.nullcontext()):
                     loss = causal_lm_loss(ddp, batch)
-                with phase("backward"):
+                with ctx.phase("backward"):
                     (loss / M).backward()
             losses.append(loss.item())
-        with phase("optimizer"):
+        with ctx.phase("optimizer"):
             before_step()
             torch.nn.utils.clip_grad_norm_(clip_params, ctx.spec.grad_clip)
             optimizer.step()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable, phase
+from amsp_ext.compare.systems.base import Context, SystemRun, SystemUnavailable
 from amsp_ext.common.models import causal_lm_loss, llama_config_dict
 
 __all__ = ["ds_config", "setup"]
@@ -100,11 +100,11 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
     def train_step(step: int) -> float:
         losses = []
         for batch in ctx.batches(step):
-            with phase("forward"):
+            with ctx.phase("forward"):
                 loss = causal_lm_loss(engine, batch)
-            with phase("backward"):
+            with ctx.phase("backward"):
                 engine.backward(loss)
-            with phase("optimizer"):  # a no-op but at the accumulation boundary
+            with ctx.phase("optimizer"):  # a no-op but at the accumulation boundary
                 engine.step()
             losses.append(loss.item())
         return sum(losses) / len(losses)

@@ -22,7 +22,7 @@ neither knob is touched: the rows run FSDP2 exactly as its users would.
 
 from __future__ import annotations
 
-from amsp_ext.compare.systems.base import Context, SystemRun, phase
+from amsp_ext.compare.systems.base import Context, SystemRun
 from amsp_ext.common.models import causal_lm_loss
 
 __all__ = ["setup"]
@@ -54,12 +54,12 @@ def setup(name: str, model, ctx: Context) -> SystemRun:
         for m, batch in enumerate(ctx.batches(step)):
             if name == "hsdp":
                 model.set_requires_all_reduce(m == M - 1)
-            with phase("forward"):
+            with ctx.phase("forward"):
                 loss = causal_lm_loss(model, batch)
-            with phase("backward"):
+            with ctx.phase("backward"):
                 (loss / M).backward()
             losses.append(loss.item())
-        with phase("optimizer"):
+        with ctx.phase("optimizer"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), ctx.spec.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
