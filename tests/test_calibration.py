@@ -291,7 +291,7 @@ def test_issued_collectives_match_the_engines_own_bucketing_and_packing():
     from amsp_ext.runtime.sync.grad_sync import _plan_buckets
     from amsp_ext.runtime.optim.ownership import assign_greedy
     from amsp_ext.runtime.sync.param_sync import broadcast_items as engine_items
-    from amsp_ext.runtime.sync.units import list_units
+    from amsp_ext.runtime.sync.units import layout_order, list_units
 
     model = build_llama("tiny-llama")
     units = list_units(model, "layer")
@@ -304,7 +304,8 @@ def test_issued_collectives_match_the_engines_own_bucketing_and_packing():
         def local(self):
             return self._t
 
-    params = [(ui, p.detach()) for ui, u in enumerate(units) for _, p in u.params]
+    # the engine's layout order (units.py [Note: one root unit]); sp = 1: registration order
+    params = [(ui, p.detach()) for ui, _, p in layout_order(units, root_reduced_last=False)]
     owners = assign_greedy([p.numel() for _, p in params], 2)  # the engine's default ownership
     tensors = [T(i, p, owners[i], ui) for i, (ui, p) in enumerate(params)]
     spec = _problem(None).spec

@@ -22,12 +22,13 @@ PAPER_ENGINE = EngineConfig(precision="bf16", reduce_dtype="fp32", granularity="
 # 4 heads of 16, 2 kv heads -> (rows, cols) of every parameter
 _LAYER = [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176), (64,), (64,)]
 _SHAPES = [(256, 64)] + _LAYER * 2 + [(64,), (256, 64)]
+_ROOT = [(256, 64), (64,), (256, 64)]  # embedding, final norm, lm_head: one unit (units.py)
 PHI = sum(math.prod(s) for s in _SHAPES)
 
 
-def _padded(world: int) -> int:
+def _padded(world: int, shapes=_SHAPES) -> int:
     """FSDP2 pads each parameter's dim 0 to a multiple of the shard group (the gathered size)."""
-    return sum(-(-s[0] // world) * world * math.prod(s[1:]) for s in _SHAPES)
+    return sum(-(-s[0] // world) * world * math.prod(s[1:]) for s in shapes)
 
 
 def test_tiny_phi_by_hand():
@@ -40,11 +41,16 @@ def test_zero3_at_1024_ranks_bytes_by_hand():
                            seq_len=32, steps=1, ranks=(5,)))
     rank = r["ranks"][0]
     got = bytes_per_kind(rank)
-    n = _padded(1024)
-    # M = 1: every unit gathered in forward and again in backward (bf16, 2 bytes), one
-    # reduce-scatter per unit in the fp32 reduce dtype (4 bytes); no all-reduce, no broadcast
-    assert got == {"all_gather": 2 * 2 * n, "reduce_scatter": 4 * n, "all_reduce": 0, "broadcast": 0,
+    n, root = _padded(1024), _padded(1024, _ROOT)
+    # M = 1: every unit of the layers gathered in forward and again in backward (bf16, 2 bytes),
+    # the root unit (embedding, final norm, lm_head) once: it stays gathered into the backward
+    # (units.py [Note: one root unit]); one reduce-scatter per unit in the fp32 reduce dtype
+    # (4 bytes); no all-reduce, no broadcast
+    assert got == {"all_gather": 2 * (2 * n - root), "reduce_scatter": 4 * n, "all_reduce": 0, "broadcast": 0,
                    "all_to_all": 0}
+    # one per unit and pass: 2 layers x 8 units (module granularity) twice, the root once
+    kinds = [c["kind"] for c in rank["collectives"]]
+    assert (kinds.count("all_gather"), kinds.count("reduce_scatter")) == (2 * 16 + 1, 16 + 1)
     assert {(c["group_size"], c["cross_node"]) for c in rank["collectives"]
             if c["kind"] != "all_reduce"} == {(1024, True)}
 
@@ -60,9 +66,11 @@ def test_whole_tensor_optimizer_under_zero3_bytes_by_hand():
     r = dry_run(DryRunSpec(engine=EngineConfig(), model="tiny-llama", num_nodes=2, gpus_per_node=2, plan="zero3",
                            seq_len=32, steps=1, ranks=(0, 1, 2, 3), optimizer="adafactor"))
     got = [bytes_per_kind(rank) for rank in r["ranks"]]
-    n = _padded(4)
+    n, root = _padded(4), _padded(4, _ROOT)
     assert sum(g["all_to_all"] for g in got) == 8 * n
-    assert all(g["all_gather"] == 2 * 4 * n and g["reduce_scatter"] == 4 * n and g["broadcast"] == 0 for g in got)
+    # fp32: the layers gathered twice, the root unit once (units.py [Note: one root unit])
+    assert all(g["all_gather"] == 4 * (2 * n - root) and g["reduce_scatter"] == 4 * n and g["broadcast"] == 0
+               for g in got)
     assert r["planner"]["bytes"]["all_to_all"] == 8 * n // 4  # the mean over the ranks
 
 
@@ -155,8 +163,9 @@ def test_tensor_parallel_at_1024_ranks_tp_and_amsp_traffic_by_hand():
     assert tp_bytes_per_phase(rank) == {"forward": 4 * act, "backward": 4 * act, "optimizer": 0}
     assert tp["step_bytes"] == {"forward": 4 * act, "backward": 4 * act} and tp["activation_allreduce_bytes"] == act
     n = sum(-(-s[0] // 512) * 512 * math.prod(s[1:]) for s in _TP2_SHAPES)
-    assert bytes_per_kind(rank) == {"all_gather": 2 * 2 * n, "reduce_scatter": 4 * n, "all_reduce": 0, "broadcast": 0,
-                                    "all_to_all": 0}
+    root = _padded(512, _ROOT)  # kept whole on every TP rank; gathered once (units.py [Note: one root unit])
+    assert bytes_per_kind(rank) == {"all_gather": 2 * (2 * n - root), "reduce_scatter": 4 * n, "all_reduce": 0,
+                                    "broadcast": 0, "all_to_all": 0}
     assert {c["group_size"] for c in rank["collectives"] if c["group"] == "param_shard"} == {512}
     assert rank["model_state_bytes"]["master"] == 4 * n // 512  # fp32 masters of this rank's rows
     # start-up: lm_head (the last module) built whole in fp32, beside every rank's bf16 rows and

@@ -16,8 +16,10 @@ def test_units_cover_every_param_once_in_forward_order():
     model = build_llama("tiny-llama")
     units = list_units(model, "module")
     names = [u.name for u in units]
-    assert names[:4] == ["", "model.embed_tokens", "model.layers.0", "model.layers.0.self_attn.q_proj"]
-    assert names[-2:] == ["model.norm", "lm_head"]
+    # units.py [Note: one root unit]: everything outside the layers is the root unit, first
+    assert names[:3] == ["", "model.layers.0", "model.layers.0.self_attn.q_proj"]
+    assert names[-1] == "model.layers.1.mlp.down_proj"
+    assert [n for n, _ in units[0].params] == ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     layer0 = [u for u in units if u.layer_index == 0]
     assert [u.name.rsplit(".", 1)[-1] for u in layer0] == [
         "0", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -27,14 +29,15 @@ def test_units_cover_every_param_once_in_forward_order():
     counts = dict(unit_param_counts(model, "module"))
     assert sum(counts.values()) == sum(p.numel() for p in model.parameters())
     assert counts["model.layers.1.mlp.down_proj"] == 64 * 176
-    assert len(list_units(model, "layer")) == 1 + 1 + 2 + 2  # root, embed, 2 layers, norm, head
+    assert counts["<root>"] == 2 * 256 * 64 + 64  # embedding, lm_head, final norm
+    assert len(list_units(model, "layer")) == 1 + 2  # root (embed, norm, head), 2 layers
 
 
 def test_tied_weights_go_to_the_root_unit():
     model = build_llama("tiny-llama", tie_word_embeddings=True)
     units = list_units(model, "module")
-    assert [n for n, _ in units[0].params] == ["model.embed_tokens.weight"]
-    assert "model.embed_tokens" not in [u.name for u in units]
+    assert [n for n, _ in units[0].params] == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert [u.kind for u in units].count("root") == 1
     assert sum(u.numel for u in units) == sum(p.numel() for p in model.parameters())
 
 
@@ -46,9 +49,10 @@ def test_backward_prefetch_follows_reverse_post_forward_order():
     order = [max(bwd, key=lambda k: 0 if k in bwd.values() else 1)]
     while order[-1] in bwd:
         order.append(bwd[order[-1]])
-    assert [name[i] for i in order][:6] == ["lm_head", "model.norm", "L1", "L1.down_proj", "L1.up_proj", "L1.gate_proj"]
-    assert name[order[-1]] == "model.embed_tokens"
-    assert fwd[1] == 2  # embed prefetches layer 0's unit
+    # the root (kept gathered since the forward) prefetches the last layer, never itself
+    assert [name[i] for i in order][:5] == ["", "L1", "L1.down_proj", "L1.up_proj", "L1.gate_proj"]
+    assert name[order[-1]] == "L0.q_proj" and 0 not in bwd.values()
+    assert fwd[0] == 1 and 0 not in fwd.values()  # the root prefetches layer 0's unit
 
 
 def test_ownership_policies():

@@ -32,8 +32,10 @@ def test_toy_has_436_params():
 
 def test_four_terms_by_hand():
     c = cost()
-    # Tp = M * sum_i [2 * 2Phi_i / 1e9 + 2Phi_i / 2e9] = 3 * (4 + 1) * 436 ns = 6540 ns
-    assert c.t_p == pytest.approx(6540e-9)
+    # Tp = M * sum_i [2 * 2Phi_i / 1e9 + 2Phi_i / 2e9] over the layers' units, but the root unit
+    # (embedding 64 + lm_head 64 + final norm 4 = 132 params) gathered once, not again in
+    # backward (units.py [Note: one root unit]): 3 * ((872 + 872 - 264) + 436) ns = 5748 ns
+    assert c.t_p == pytest.approx(5748e-9)
     # buckets = 2Phi / (U sp) = 872 / 200 = 4.36; t(AR, 100 B) = 25 ns
     # Tg = (M - 1) * 4.36 * 25 ns = 218 ns (grad mesh (4/2) x (2/1))
     assert c.t_g == pytest.approx(218e-9)
@@ -41,13 +43,13 @@ def test_four_terms_by_hand():
     assert c.t0_os == pytest.approx(109e-9)
     # T1_os = (sos/sp) t(BC, 2Phi/sos) = 4 * (872/8 B) / 8e9 = 54.5 ns
     assert c.t1_os == pytest.approx(54.5e-9)
-    assert c.total == pytest.approx((6540 + 218 + 109 + 54.5) * 1e-9)
+    assert c.total == pytest.approx((5748 + 218 + 109 + 54.5) * 1e-9)
 
 
 def test_single_group_profile_charges_contention():
     c = cost("single_group")
     # cross-node meshes 2x2 are shared by R/p0 = 4/2 = 2 groups per node; Tp (2x1) is intra-node
-    assert c.t_p == pytest.approx(6540e-9)
+    assert c.t_p == pytest.approx(5748e-9)
     assert (c.t_g, c.t0_os, c.t1_os) == pytest.approx((436e-9, 218e-9, 109e-9))
 
 
@@ -86,7 +88,7 @@ def test_whole_tensor_optimizer_by_hand():
     muon = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100, optimizer="muon")
     c = cost(training=muon)
     assert c.t_wt == pytest.approx(2 * (4 * 436 / 8) / 2e9)  # 218 ns
-    assert c.total == pytest.approx((6540 + 218 + 109 + 54.5 + 218) * 1e-9)
+    assert c.total == pytest.approx((5748 + 218 + 109 + 54.5 + 218) * 1e-9)
     m = memory_breakdown(TOY, PLAN, muon, gpus_per_node=4, num_nodes=2)
     assert m.optim == 8 * 436 // 8 + 8 * 64 + 4 * 436 // 8  # K Phi/sos + K max + fp32 rows = 1166
     assert m.tmp_parts["whole_tensor_exchange"] == 2 * 4 * 436 // 8
@@ -107,7 +109,7 @@ def test_frozen_models_by_hand():
     dpo = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100, frozen_models=1)
     c = cost(training=dpo)
     assert c.t_frozen == pytest.approx(2616e-9)
-    assert c.total == pytest.approx((6540 + 218 + 109 + 54.5 + 2616) * 1e-9)
+    assert c.total == pytest.approx((5748 + 218 + 109 + 54.5 + 2616) * 1e-9)
     m = memory_breakdown(TOY, PLAN, dpo, gpus_per_node=4, num_nodes=2)
     assert m.params == 2 * (2 * 436 // 2)  # the policy's and the reference's shards
     assert m.grads == 2 * 436 // 8 and m.optim == 12 * 436 // 8  # the reference has neither
@@ -148,19 +150,23 @@ def test_tmp_buffers_by_hand():
     assert parts["loss_grads"] == 8 * 8 * 16  # two fp32 T x V tensors, T = 8, V = 16
     # 2U in flight + the bucket being filled: U = 100 > the largest layer tensor's 2 * 32 / sp
     assert parts["buckets"] == 2 * 100 + 100
-    # largest unit is the embedding/lm_head (64 params): current + prefetched, bf16, + one
+    # largest layer unit is gate/up/down (32 params): current + prefetched, bf16, + one
     # reduce-scatter input in the reduce dtype (bf16 here)
-    assert parts["gathered_params"] == 2 * (64 + 64) + 2 * 64
+    assert parts["gathered_params"] == 2 * (32 + 32) + 2 * 32
+    # the root unit (embedding + lm_head + final norm: 132 params) gathered since the forward,
+    # bf16, and lm_head's and the final norm's unsharded bf16 gradients waiting for its one
+    # reduce-scatter (memory.py [Note: the root unit's memory])
+    assert (parts["root_gathered"], parts["root_grads"]) == (2 * 132, 2 * (64 + 4))
     assert parts["owned_fp32_grads"] == 4 * 436 // 8
     assert parts["broadcast_staging"] == 100  # sos > sp
     assert parts["layer_grad_in"] == 8 * 2 * 4  # the gradient flowing into a layer, T e h
-    # loss backward: 8 * 436 kept + 1024 = 4512; layer backward: 8 * (436 - 100) + 300 + 384 + 64
-    # = 3436; optimizer step: 218 + 100
-    assert m.moments == {"loss backward": {"activations": 3488, "tmp": 1024},
-                         "layer backward": {"activations": 2688, "tmp": 748},
+    # loss backward: 8 * 436 kept + 1024 + 264 = 4776; layer backward: 8 * (436 - 100) + 300
+    # + 192 + 264 + 136 + 64 = 3644; optimizer step: 218 + 100
+    assert m.moments == {"loss backward": {"activations": 3488, "tmp": 1024 + 264},
+                         "layer backward": {"activations": 2688, "tmp": 300 + 192 + 264 + 136 + 64},
                          "optimizer step": {"activations": 0, "tmp": 318}}
     assert parts["peak_phase"] == "loss backward"
-    assert (m.activations, m.tmp, m.kept_activations) == (3488, 1024, 3488)
+    assert (m.activations, m.tmp, m.kept_activations) == (3488, 1288, 3488)
     rec = paper_job(seq_len=8, num_micro_batches=3, bucket_bytes=100, recompute=True)
     mr = memory_breakdown(TOY, PLAN, rec, gpus_per_node=4, num_nodes=2)
     # the whole layer the recomputation gathered (152), nothing prefetched beside it (module
@@ -168,10 +174,10 @@ def test_tmp_buffers_by_hand():
     # largest layer unit (gate, up, down: 32), bf16
     assert mr.tmp_parts["gathered_params"] == 2 * 152 + 2 * 32
     assert mr.tmp_parts["recomputed_layer"] == 8 * 168
-    # kept 8 * (8 + 8 + 100) = 928: loss backward 928 + 1024 = 1952 < layer backward
-    # 8 * 16 + 1344 + 300 + 368 + 64 = 2204
+    # kept 8 * (8 + 8 + 100) = 928: loss backward 928 + 1024 + 264 = 2216 < layer backward
+    # 8 * 16 + 1344 + 300 + 368 + 264 + 136 + 64 = 2604
     assert mr.tmp_parts["peak_phase"] == "layer backward"
-    assert (mr.activations, mr.tmp) == (128, 1344 + 300 + 368 + 64)
+    assert (mr.activations, mr.tmp) == (128, 1344 + 300 + 368 + 264 + 136 + 64)
     # units that are whole layers: the previous layer is prefetched beside the held one, and
     # the reduce-scatter input is a whole layer's gradients
     ml = memory_breakdown(TOY, PLAN, paper_job(seq_len=8, num_micro_batches=3, bucket_bytes=100,
@@ -181,7 +187,8 @@ def test_tmp_buffers_by_hand():
     ddp = memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), TRAIN, gpus_per_node=4,
                            num_nodes=2)
     assert ddp.tmp_parts == {"loss_grads": 1024, "recomputed_layer": 0, "buckets": 300,
-                             "layer_grad_in": 64, "gathered_params": 0, "owned_fp32_grads": 4 * 436,
+                             "layer_grad_in": 64, "gathered_params": 0, "root_gathered": 0,
+                             "root_grads": 0, "owned_fp32_grads": 4 * 436,
                              "broadcast_staging": 0, "peak_phase": "loss backward"}
     assert ddp.tmp == 1024  # 3488 + 1024 > 2688 + 300 + 64 > 4 * 436
     short = paper_job(seq_len=1, num_micro_batches=3, bucket_bytes=100)  # kept 436 (2 x 168 + 100)

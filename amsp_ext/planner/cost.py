@@ -25,10 +25,13 @@ step, so the step model adds them there, unhidden.
 
 [Note: the units Tp sums over]
 The paper writes Tp as M * L * sum over the K modules of a layer. The engine also shards the
-units outside the layers (embedding, final norm, lm_head), and Phi in the other three terms and
-in the memory model counts them, so Tp sums over every unit: M * (L * sum over a layer's units
-+ sum over the outside units). Without the outside units it is exactly the paper's sum. The
-bucket counts e_g*Phi/(U*sp) are kept fractional, as in the paper.
+parameters outside the layers (embedding, final norm, lm_head), as ONE root unit
+(runtime/sync/units.py [Note: one root unit]), and Phi in the other three terms and in the
+memory model counts them, so Tp sums over every unit the engine issues collectives for:
+M * (L * sum over a layer's units of 2 AG + RS, + one AG and one RS of the root unit), from
+issued.py ``unit_gathers``, the list the step model prices: each collective's latency is
+counted as many times as the engine pays it. Without the root unit it is exactly the paper's
+sum. The bucket counts e_g*Phi/(U*sp) are kept fractional, as in the paper.
 
 Pure Python.
 """
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from amsp_ext.planner.issued import unit_gathers
 from amsp_ext.planner.memory import grad_bytes, param_bytes, whole_tensor_rows
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
@@ -70,21 +74,18 @@ def param_gather_time(
     spec: ModelSpec, training: TrainingSpec, timer: CommTimer, mesh: tuple[int, int],
     *, num_gathers: int = 2, reduce_scatter: bool = True,
 ) -> float:
-    """One micro-batch's ``sum_i [num_gathers * t(AG, e*Phi_i) + t(RS, e_g*Phi_i)]`` on ``mesh``."""
+    """One micro-batch's gathers (the forward's; with ``num_gathers`` 2 the backward's too) and
+    reduce-scatters on ``mesh``, over the engine's units ([Note: the units Tp sums over])."""
     p0, p1 = mesh
     if p0 * p1 == 1:
         return 0.0
     e, e_g = param_bytes(training.precision), grad_bytes(training)
-
-    def per_unit(n: int) -> float:
-        t = num_gathers * timer.time("allgather", e * n, p0, p1)
-        if reduce_scatter:
-            t += timer.time("reducescatter", e_g * n, p0, p1)
-        return t
-
-    layer = sum(per_unit(n) for _, n in spec.layer_units(training.granularity))
-    outside = sum(per_unit(n) for _, n in spec.outside_params())
-    return spec.num_layers * layer + outside
+    fwd, bwd, red = unit_gathers(spec, training.granularity)
+    gathered = fwd + (bwd if num_gathers >= 2 else [])
+    t = sum(timer.time("allgather", e * n, p0, p1) for n in gathered if n > 0)
+    if reduce_scatter:
+        t += sum(timer.time("reducescatter", e_g * n, p0, p1) for n in red if n > 0)
+    return t
 
 
 def comm_cost(

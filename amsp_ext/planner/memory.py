@@ -153,11 +153,24 @@ the one that wins, so they compare with the dry run's categories at the engine's
   layer's recomputed activations (all of A_layer), the layer gathered whole, down_proj's
   unsharded gradient, the previous layer's gradients in flight, the incoming gradient, and the
   L - 1 layer inputs not yet consumed. The planner charges L inputs (one more, 1/L of them).
+* both backward moments, when sp > 1: the root unit, gathered whole since the forward
+  ([Note: the root unit's memory]).
 * optimizer step: the activations are gone; in mixed precision the owner steps its fp32 master
   copy with fp32 gradients, 4 bytes per owned parameter (Phi/sos), and when sos > sp one
   bucket-sized staging buffer holds the broadcast of updated parameters.
 
     D_total = D_modelstate + max(loss backward, layer backward, optimizer step)
+
+[Note: the root unit's memory]
+With sp > 1 the parameters outside the layers are one unit (runtime/sync/units.py [Note: one
+root unit]) that FSDP2 gathers at the start of the forward and keeps gathered until its
+reduce-scatter after the backward: e*Phi_root bytes at both backward moments
+(``root_gathered``; the dry run files them as temporaries). From lm_head's backward on, the
+gradients autograd accumulates on the gathered final norm and lm_head (the embedding's too,
+when tied: it is lm_head's weight) wait unsharded, in the compute dtype, for that one
+reduce-scatter: e*(Phi_root - embedding) at the layer-backward moment (``root_grads``; the
+whole root when tied). FSDP2 pays the same for its root group. The layer units' gathers stay
+as below: two of the largest layer unit and one reduce-scatter input.
 
 Summing every buffer instead would charge 4*Phi/sos twice over (16 GB for LLaMA-30B at sos = 8)
 and push the search to shard more than it must.
@@ -294,6 +307,7 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *, phi: int,
              "buckets": min(2 * U + filling, rank_grads) if (replica > 1 or grad_group > 1) else 0,
              "layer_grad_in": T * e * spec.hidden_size}
     parts["gathered_params"] = _gathered_bytes(spec, plan, training) if plan.sp > 1 else 0
+    parts["root_gathered"], parts["root_grads"] = _root_bytes(spec, e) if plan.sp > 1 else (0, 0)
     mixed = training.precision != "fp32"
     parts["owned_fp32_grads"] = int(4 * phi / plan.sos) if mixed else 0
     parts["broadcast_staging"] = U if plan.sos > plan.sp else 0
@@ -309,8 +323,17 @@ def _gathered_bytes(spec: ModelSpec, plan: Plan, training: TrainingSpec) -> int:
     if training.recompute:
         prefetched = max(layer_units) if training.granularity == "layer" else 0
         return e * (spec.params_per_layer + prefetched) + reduced
-    largest = max(layer_units + [n for _, n in spec.outside_params()])
+    largest = max(layer_units)  # the root unit is charged apart ([Note: the root unit's memory])
     return 2 * e * largest + g * largest
+
+
+def _root_bytes(spec: ModelSpec, e: int) -> tuple[int, int]:
+    """(the root unit gathered, its unsharded gradients at the layer-backward moment) when
+    sp > 1 ([Note: the root unit's memory])."""
+    outside = dict(spec.outside_params())
+    root = sum(outside.values())
+    waiting = root if spec.tie_word_embeddings else root - outside["embedding"]
+    return e * root, e * waiting
 
 
 def startup_bytes(spec: ModelSpec, plan: Plan, training: TrainingSpec) -> int:
@@ -340,10 +363,10 @@ def memory_breakdown(
     kept = activation_bytes(spec, training)
     head = training.tokens_per_micro_batch * _head_activations_per_token(spec, e)
     moments = {
-        "loss backward": {"activations": kept, "tmp": parts["loss_grads"]},
+        "loss backward": {"activations": kept, "tmp": parts["loss_grads"] + parts["root_gathered"]},
         "layer backward": {"activations": kept - head,
                            "tmp": sum(parts[k] for k in ("recomputed_layer", "buckets", "gathered_params",
-                                                         "layer_grad_in"))},
+                                                         "root_gathered", "root_grads", "layer_grad_in"))},
         "optimizer step": {"activations": 0, "tmp": parts["owned_fp32_grads"] + parts["broadcast_staging"]},
     }
     optim = k * phi / plan.sos

@@ -169,7 +169,10 @@ class ModelSpec:
         return self.layer_module_params()
 
     def units(self, granularity: str) -> list[Unit]:
-        """Every sharding unit of the model in forward order, named by HF module path."""
+        """Every module group of the model in forward order, named by HF module path: the layers'
+        sharding units and, apart, the embedding, final norm and lm_head, which the engine
+        shards as ONE root unit (runtime/sync/units.py [Note: one root unit]; its collectives:
+        issued.py ``unit_gathers``)."""
         _check_granularity(granularity)
         paths = {
             "layer": ("",), "norms": ("input_layernorm", "post_attention_layernorm"),

@@ -25,6 +25,10 @@ Recomputation adds one more forward of every layer to the *time* but not to the 
   T0_os's all-reduce over the replica group; in the others it is Tg's (when sg > sp).
 * BC behind the next forward: the broadcasts of updated parameters run in forward order from
   the start of the step; a unit (or, when sp > 1, its all-gather) waits for its own broadcasts.
+* The root unit (embedding, final norm and lm_head: runtime/sync/units.py [Note: one root
+  unit]) is gathered once, before the embedding, kept into the backward (no gather there) and
+  reduce-scattered once after the embedding's backward, so with sp > 1 its gradients reach
+  the all-reduce buckets last. The compute stays per module (embedding, final norm, lm_head).
 * The step ends when compute and every stream are done, plus the optimizer step, which is
   memory-bound: (bytes touched per owned parameter) x Phi/sos / HBM bandwidth.
 [Note: calibrated constants]
@@ -66,7 +70,12 @@ import numpy as np
 
 from amsp_ext.planner.calibration import KINDS, Calibration
 from amsp_ext.planner.cost import CommCost
-from amsp_ext.planner.issued import broadcast_items, grad_buckets
+from amsp_ext.planner.issued import (
+    broadcast_items,
+    grad_buckets,
+    root_tasks,
+    unit_gathers,
+)
 from amsp_ext.planner.memory import grad_bytes, param_bytes
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
@@ -411,7 +420,7 @@ def step_estimate(
         tp_f, tp_b = _tp_unit_times(spec, training.granularity, tensor_parallel)
         c_f, c_b = c_f + tp_f, c_b + tp_b
         tp_s = M * tensor_parallel.per_micro_batch_s
-    unit = _unit_collectives(price, params, plan, training, bwd_gather_mesh)
+    unit = _unit_collectives(price, spec, plan, training, bwd_gather_mesh)
     t1_os, h1_os, bc_end = _broadcast_schedule(price, params, plan, spec, training, comm, calibration,
                                                on, drop_kind)
     fwd, first_fwd = _first_forward(plan, c_f, unit, t1_os, h1_os, bc_end, on)
@@ -489,21 +498,34 @@ class _UnitCollectives:
     hr: np.ndarray
 
 
-def _unit_collectives(price, params: np.ndarray, plan: Plan, training: TrainingSpec,
+def _unit_collectives(price, spec: ModelSpec, plan: Plan, training: TrainingSpec,
                       bwd_gather_mesh: tuple[int, int] | None) -> _UnitCollectives:
+    """Per task, its collectives as the engine issues them (issued.py ``unit_gathers``: the root
+    unit gathered once before the embedding, not again in backward, reduce-scattered once after
+    the embedding's backward); a task with none gets zeros."""
     e, e_g = param_bytes(training.precision), grad_bytes(training)
     p_mesh = plan.mesh("p")
     q_mesh = bwd_gather_mesh or p_mesh
-    sizes = dict.fromkeys(params.tolist())  # one price per distinct unit size
-    ag = {n: price("AG", "allgather", e * n, p_mesh) for n in sizes}
-    ag_b = {n: price("AG", "allgather", e * n, q_mesh) for n in sizes}
-    rs = {n: price("RS", "reducescatter", e_g * n, p_mesh) for n in sizes}
+    fwd, bwd, red = unit_gathers(spec, training.granularity)
+    cache: dict = {}
 
-    def per_unit(table, i):
-        return np.array([table[n][i] for n in params.tolist()])
+    def priced(kind, op, nbytes, mesh):
+        if nbytes <= 0:
+            return 0.0, 0.0
+        key = (kind, op, nbytes, mesh)
+        if key not in cache:  # one price per distinct unit size
+            cache[key] = price(kind, op, nbytes, mesh)
+        return cache[key]
 
-    return _UnitCollectives(g=per_unit(ag, 0), hg=per_unit(ag, 1), g_b=per_unit(ag_b, 0),
-                            hg_b=per_unit(ag_b, 1), r=per_unit(rs, 0), hr=per_unit(rs, 1))
+    ag = [priced("AG", "allgather", e * n, p_mesh) for n in fwd]
+    ag_b = [priced("AG", "allgather", e * n, q_mesh) for n in bwd]
+    rs = [priced("RS", "reducescatter", e_g * n, p_mesh) for n in red]
+
+    def col(table, i):
+        return np.array([t[i] for t in table])
+
+    return _UnitCollectives(g=col(ag, 0), hg=col(ag, 1), g_b=col(ag_b, 0), hg_b=col(ag_b, 1),
+                            r=col(rs, 0), hr=col(rs, 1))
 
 
 def _broadcast_schedule(price, params: np.ndarray, plan: Plan, spec: ModelSpec,
@@ -586,6 +608,18 @@ def _backward(plan: Plan, training: TrainingSpec, layer_of: np.ndarray, c_f: np.
                      rs_issue=rs_issue, grad_ready=grad_ready)
 
 
+def _gradient_arrival(bwd: _Backward, roots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(tasks, when their gradients reach the buckets) in arrival order. ``roots``: the root
+    unit's tasks when sp > 1, whose gradients all arrive with its one reduce-scatter, after the
+    embedding's backward (runtime/sync/units.py [Note: one root unit]); empty when sp = 1."""
+    if not roots:
+        return bwd.units, bwd.grad_ready
+    at = float(bwd.grad_ready[bwd.units.tolist().index(0)])
+    keep = ~np.isin(bwd.units, roots)
+    return (np.concatenate([bwd.units[keep], np.asarray(roots)]),
+            np.concatenate([bwd.grad_ready[keep], np.full(len(roots), at)]))
+
+
 def _micro_batches(plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster: ClusterSpec,
                    timer: CommTimer, comm: CommCost, price, calibration: Calibration | None,
                    drop_kind: str | None, on: dict, params: np.ndarray, unit: _UnitCollectives,
@@ -594,9 +628,10 @@ def _micro_batches(plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster:
     micro-batches with their gradient all-reduce buckets."""
     g_mesh, U = plan.grad_mesh(), training.bucket_bytes
     rs = (bwd.done if calibration is None else bwd.rs_issue, unit.r[bwd.units]) if bwd.rs_async else None
+    tasks, ready = _gradient_arrival(bwd, root_tasks(spec, training.granularity) if plan.sp > 1 else [])
     if calibration is None:
-        unit_grad_bytes = grad_bytes(training) * params[bwd.units] / plan.sp
-        b_ready, b_bytes = _bucket_ready(unit_grad_bytes, bwd.grad_ready, U)
+        unit_grad_bytes = grad_bytes(training) * params[tasks] / plan.sp
+        b_ready, b_bytes = _bucket_ready(unit_grad_bytes, ready, U)
         t_ar_g, t_ar_last = 0.0, 0.0
         if drop_kind != "AR":
             t_ar_g = timer.time("allreduce", U, *g_mesh)
@@ -607,7 +642,7 @@ def _micro_batches(plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster:
     # the engine's buckets (issued.py), each ready when its units' gradients are
     buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
                            elem_bytes=grad_bytes(training))
-    ready_of = dict(zip(bwd.units.tolist(), bwd.grad_ready.tolist()))
+    ready_of = dict(zip(tasks.tolist(), ready.tolist()))
     b_ready = np.array([max(ready_of[u] for u in units) for _, units in buckets])
     replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
     order_b = np.argsort(b_ready, kind="stable")
@@ -650,17 +685,17 @@ def issued_profile_times(plan: Plan, spec: ModelSpec, training: TrainingSpec,
     time for them: what a calibration is fitted against."""
     M, U = num_micro_batches, training.bucket_bytes
     e, e_g = param_bytes(training.precision), grad_bytes(training)
-    params, _, _ = _units(spec, training.seq_len, training.granularity)
     p_mesh = plan.mesh("p")
     out = {k: Issued() for k in KINDS}
-    if plan.sp > 1:
+    if plan.sp > 1:  # the engine's own units (issued.py unit_gathers): its count, its bytes
         q_mesh = bwd_gather_mesh or p_mesh
-        ag = sum(timer.time("allgather", e * n, *p_mesh) + timer.time("allgather", e * n, *q_mesh)
-                 for n in params.tolist())
-        rs = sum(timer.time("reducescatter", e_g * n, *p_mesh) for n in params.tolist())
-        phi = float(params.sum())
-        out["AG"] = Issued(time_s=M * ag, count=2 * M * len(params), nbytes=2 * M * e * phi)
-        out["RS"] = Issued(time_s=M * rs, count=M * len(params), nbytes=M * e_g * phi)
+        fwd, bwd, red = unit_gathers(spec, training.granularity)
+        gathers = [(n, p_mesh) for n in fwd if n > 0] + [(n, q_mesh) for n in bwd if n > 0]
+        ag = sum(timer.time("allgather", e * n, *mesh) for n, mesh in gathers)
+        rs = sum(timer.time("reducescatter", e_g * n, *p_mesh) for n in red if n > 0)
+        out["AG"] = Issued(time_s=M * ag, count=M * len(gathers),
+                           nbytes=M * e * sum(n for n, _ in gathers))
+        out["RS"] = Issued(time_s=M * rs, count=M * sum(n > 0 for n in red), nbytes=M * e_g * sum(red))
     buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
                            elem_bytes=e_g)
     replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
@@ -699,12 +734,12 @@ def kind_times(
         return KindTimes(busy_s=busy, exposed_s=_exposed(plan, spec, training, cluster, timer,
                                                          comm, M, step, busy, options))
     e, e_g = param_bytes(training.precision), grad_bytes(training)
-    params, _, _ = _units(spec, training.seq_len, training.granularity)
+    fwd, bwd, red = unit_gathers(spec, training.granularity)
     p0, p1 = plan.mesh("p")
     q0, q1 = options.get("bwd_gather_mesh") or (p0, p1)
-    ag = sum(timer.time("allgather", e * n, p0, p1) + timer.time("allgather", e * n, q0, q1)
-             for n in params.tolist())
-    rs = sum(timer.time("reducescatter", e_g * n, p0, p1) for n in params.tolist())
+    ag = (sum(timer.time("allgather", e * n, p0, p1) for n in fwd if n > 0)
+          + sum(timer.time("allgather", e * n, q0, q1) for n in bwd if n > 0))
+    rs = sum(timer.time("reducescatter", e_g * n, p0, p1) for n in red if n > 0)
     busy = {"AG": M * ag, "RS": M * rs, "AR": comm.t_g + comm.t0_os, "BC": comm.t1_os}
     return KindTimes(busy_s=busy, exposed_s=_exposed(plan, spec, training, cluster, timer, comm,
                                                      M, step, busy, options))

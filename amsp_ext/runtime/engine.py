@@ -66,7 +66,7 @@ class EngineParts:
     masters: dict[int, nn.Parameter]  # tensor index -> fp32 master, owned only
     grad_sync: GradSync
     param_sync: ParamSync
-    # sp > 1: the outer units gathered for the whole forward, and the sharded-parameter guard
+    # sp > 1: a forward-only engine's root unit resharded after forward, and the sharded-parameter guard
     # (outside_reads.py [Note: parameters read outside their module's forward])
     outer_gather: OuterGather | None
     norm_group: NormGroup  # the gradient norm's reduction (the optimizer's clip and guard)

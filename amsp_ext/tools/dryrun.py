@@ -89,7 +89,8 @@ from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_OPTIMIZERS, DRYRUN_TENSORS, 
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
-__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "TPLog", "build_model", "dry_step", "dry_run", "memory_categories",
+__all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "TPLog", "build_model", "collective_counts", "dry_step",
+           "dry_run", "memory_categories",
            "dry_run_many", "planner_numbers", "run_rank", "hf_config_of"]
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +211,7 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     (planner/tensor_parallel.py [Note: a TP job is an AMSP job of TP shards]), plus the TP
     all-reduces of ``tensor_parallel``: per layer 2 in forward and 2 in backward of b x s x h
     compute-dtype bytes each (2 more with recompute), none outside the layers."""
+    from amsp_ext.planner.issued import unit_gathers
     from amsp_ext.planner.memory import grad_bytes, memory_breakdown, param_bytes, whole_tensor_rows
     from amsp_ext.planner.tensor_parallel import tp_shard_spec
 
@@ -219,7 +221,8 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     phi, M = ms.num_params, spec.micro_batches
     e, e_g = param_bytes(spec.precision), grad_bytes(training)
     size = lambda m: m[0] * m[1]  # noqa: E731
-    ag = M * 2 * e * phi if size(plan.mesh("p")) > 1 else 0        # Tp: two gathers per micro-batch
+    fwd, bwd, _ = unit_gathers(ms, spec.granularity)  # the root unit is not gathered in backward
+    ag = M * e * int(sum(fwd) + sum(bwd)) if size(plan.mesh("p")) > 1 else 0  # Tp's gathers
     rs = M * e_g * phi if size(plan.mesh("p")) > 1 else 0          # Tp: one reduce-scatter
     ar = 0
     if size(plan.grad_mesh()) > 1:
@@ -229,7 +232,7 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     bc = e * phi // plan.sp if size(plan.bcast_mesh()) > 1 else 0   # T1_os
     # Twt (cost.py [Note: the whole-tensor exchange]): a rank's two all-to-alls, on average
     a2a = 2 * 4 * phi // plan.sos if whole_tensor_rows(training, plan) else 0
-    return {"memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim,
+    return {"collectives": collective_counts(ms, plan, spec), "memory": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optim,
                        "activations": mem.activations, "temporary": mem.tmp, "total": mem.total,
                        "step_total": mem.step_total, "startup": mem.startup},
             "peak_moment": mem.tmp_parts["peak_phase"],
@@ -237,6 +240,27 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
                         for m, v in mem.moments.items()},
             "bytes": {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar, "broadcast": bc, "all_to_all": a2a},
             "tensor_parallel": _tp_bytes(whole, training, T, M)}
+
+
+def collective_counts(ms, plan, spec: DryRunSpec) -> dict:
+    """Per step: the all-gathers and reduce-scatters of ``param_shard`` the planner prices (the
+    engine's units, planner/issued.py), and what FSDP2's ZeRO-3 of the same sharding would
+    issue, wrapped the usual way (issued.py [Note: FSDP2's count]): fully sharded over the
+    plan's p group, HSDP (one all-reduce per group per micro-batch) when that group is
+    replicated."""
+    from amsp_ext.planner.issued import (
+        collectives_per_micro_batch,
+        fsdp2_collectives_per_micro_batch,
+    )
+
+    M = spec.micro_batches
+    if plan.sp == 1:
+        return {"planner": {}, "fsdp2": {}}
+    hsdp = plan.sp < spec.world // spec.tensor_parallel
+    ours = collectives_per_micro_batch(ms, spec.granularity)
+    fsdp2 = fsdp2_collectives_per_micro_batch(ms.num_layers, hsdp=hsdp)
+    return {"planner": {k: M * n for k, n in ours.items()},
+            "fsdp2": {k: M * n for k, n in fsdp2.items()}}
 
 
 def _tp_bytes(whole, training, T: int, M: int) -> dict:

@@ -8,7 +8,7 @@ import os
 
 from amsp_ext.topology.groups import ALL_REDUCE_KINDS, group_kind
 
-__all__ = ["bytes_per_kind", "format_text", "planner_at", "tp_bytes_per_phase", "write_out"]
+__all__ = ["bytes_per_kind", "counts_per_group", "format_text", "planner_at", "tp_bytes_per_phase", "write_out"]
 
 CATS = ("params", "grads", "optimizer", "activations", "temporary")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
@@ -36,6 +36,30 @@ def bytes_per_kind(rank: dict) -> dict[str, int]:
             continue
         out[c["kind"]] += c["bytes"]
     return {k: out.get(k, 0) for k in KINDS}
+
+
+def counts_per_group(rank: dict) -> dict[tuple[str, str], int]:
+    """One step's collectives per (kind, group kind), as the engine issued them."""
+    out = collections.Counter((c["kind"], group_kind(c["group"])) for c in rank["collectives"])
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][0])))
+
+
+def _count_rows(result: dict, rank: dict) -> list[str]:
+    """Collectives per step per group beside the planner's count and FSDP2's ZeRO-3 of the same
+    sharding (planner/issued.py [Note: FSDP2's count]; '-': not one of its collectives)."""
+    counts = result["planner"].get("collectives", {})
+    planner, fsdp2 = counts.get("planner", {}), counts.get("fsdp2", {})
+    fsdp2_group = {"all_gather": "param_shard", "reduce_scatter": "param_shard", "all_reduce": "param_replica"}
+    head = (f"  {'collectives per step':<36} {'engine':>7} {'planner':>8} {'FSDP2':>7}"
+            f"   (FSDP2: fully_shard per layer, then the root)")
+    lines = [head]
+    got = counts_per_group(rank)
+    for kind, group in sorted(set(got) | {(k, g) for k, g in fsdp2_group.items() if k in fsdp2},
+                              key=lambda kg: (kg[1], kg[0])):
+        p = planner.get(kind, "-") if group == "param_shard" else "-"
+        f = fsdp2.get(kind, "-") if fsdp2_group.get(kind) == group else "-"
+        lines.append(f"  {kind + ' ' + group:<36} {got.get((kind, group), 0):>7} {p:>8} {f:>7}")
+    return lines
 
 
 def tp_bytes_per_phase(rank: dict) -> dict[str, int]:
@@ -87,6 +111,7 @@ def _rows(result: dict) -> list[str]:
         lines.append(f"  {'collective':<15} {'engine MiB':>11} {'planner MiB':>12}")
         for k in KINDS:
             lines.append(f"  {k:<15} {got[k] / 2**20:>11.2f} {want[k] / 2**20:>12.2f}")
+        lines += _count_rows(result, rank)
         tp = result["planner"].get("tensor_parallel") or {}
         if tp.get("degree", 1) > 1:
             got_tp = tp_bytes_per_phase(rank)

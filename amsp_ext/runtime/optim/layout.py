@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime.optim.ownership import assign_owners
-from amsp_ext.runtime.sync.units import Unit
+from amsp_ext.runtime.sync.units import Unit, layout_order
 from amsp_ext.topology.groups import MESH_AXES, mesh_ranks
 
 __all__ = ["LocalTensor", "build_layout"]
@@ -71,12 +71,13 @@ def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: 
     shards]); else on the local sizes, which may differ by position when rows do not divide."""
     T = world.tensor_parallel
     entries = []
-    for ui, u in enumerate(units):
-        for name, p in u.params:
-            if not p.requires_grad:  # frozen: no gradient, no optimizer state, never changes
-                continue
-            local = compat.dtensor_local(p)
-            entries.append((ui, name, p, tuple(p.shape), tuple(local.shape)))
+    # units.py [Note: one root unit]: where the root's tensors go depends on when their
+    # gradients arrive, hence on sp
+    for ui, name, p in layout_order(list(units), root_reduced_last=plan.sp > 1):
+        if not p.requires_grad:  # frozen: no gradient, no optimizer state, never changes
+            continue
+        local = compat.dtensor_local(p)
+        entries.append((ui, name, p, tuple(p.shape), tuple(local.shape)))
     numels = [int(torch.Size(e[3] if by_global else e[4]).numel()) for e in entries]
     owners = assign_owners(numels, len(bcast_ranks), policy)
     coords = {r: c for c, r in mesh_ranks(plan, world).items()}

@@ -10,22 +10,20 @@ sharded DTensor (TRL then calls ``full_tensor()``, whose gradient skips the redu
 each rank steps its own micro-batch's gradient, with no error), and with sp = 1 under
 optimizer-state sharding a non-owner reads last step's weight until the broadcast lands.
 
-The rule is FSDP2's root rule: parameters outside the decoder layers (the root and ``outer``
-units: embedding, final norm, head, tied weights) are valid for the whole forward of the model.
-- sp = 1: the first forward pre-hook of a forward waits for the outer units' broadcasts
+The rule is FSDP2's root rule: parameters outside the decoder layers (the root unit: embedding,
+final norm, head, tied weights; units.py [Note: one root unit]) are valid for the whole forward of
+the model.
+- sp = 1: the first forward pre-hook of a forward waits for the root unit's broadcasts
   (param_sync.py), whichever unit's hook runs first.
-- sp > 1: ``OuterGather`` unshards the outer units right after FSDP2's root pre-forward
-  (``FSDPModule.unshard``). A unit whose forward runs reshards after it and is gathered again
-  for its backward, as before. One whose forward never runs (the fused head) stays gathered
-  into the backward, where FSDP2's final callback runs its post-backward: the gradient
-  accumulated on the gathered weight is reduce-scattered, reaches the engine like any other,
-  and the unit reshards. Nothing reshards it in between, so a weight a fused kernel saved for
-  backward keeps its storage even when another forward of the same model (DPO's reference
-  pass) runs before that backward. The cost: the head's all-gather is issued at the start of
-  the forward rather than prefetched before the head (FSDP2 pays the same for its root group),
-  and a head that only a fused loss reads stays gathered from one forward to the next
-  backward. A forward-only engine (a reference model) has no backward to come: it reshards its
-  outer units when its forward returns, or it kept its gathered head and embedding from one step
+- sp > 1: the root unit is FSDP2's root group: its root pre-forward gathers it before anything
+  runs and, as it does not reshard after forward, it stays gathered into the backward, where
+  FSDP2's final callback runs its post-backward: every gradient accumulated on a gathered
+  weight (lm_head's, whether lm_head ran or only a fused loss read its weight) is
+  reduce-scattered once, reaches the engine like any other, and the root reshards. Nothing
+  reshards it in between, so a weight a fused kernel saved for backward keeps its storage even
+  when another forward of the same model (DPO's reference pass) runs before that backward. A
+  forward-only engine (a reference model) has no backward to come: ``OuterGather`` reshards
+  its root when its forward returns, or it kept its gathered head and embedding from one step
   to the next (TRL's ``sync_ref_model`` then met a plain tensor beside the policy's DTensor). A
   trained model's no-grad forward does not: it may run between a forward and its backward.
 - A decoder layer's parameter stays valid only in its layer's forward. Used elsewhere with
@@ -49,14 +47,15 @@ __all__ = ["OuterGather"]
 
 
 class OuterGather:
-    """sp > 1: the outer units gathered for the model's whole forward, and the guard on every
-    sharded parameter ([Note: parameters read outside their module's forward])."""
+    """sp > 1: a forward-only engine's root unit resharded after its forward, and the guard on
+    every sharded parameter ([Note: parameters read outside their module's forward])."""
 
     def __init__(self, model: nn.Module, units: Sequence[Unit], tensors: Sequence[LocalTensor], *,
                  plan: str, forward_only: bool = False) -> None:
         self.model = model
         self.forward_only = forward_only
-        self.outer = [u.module for u in units if u.kind == "outer"]
+        # the root unit, when it has parameters (FSDP2's root group gathers it)
+        self.outer = [u.module for u in units if u.kind == "root" and u.params]
         self.tensors = list(tensors)
         self.plan = plan
         self._handles: list = []
@@ -65,9 +64,7 @@ class OuterGather:
         self._kept: dict[int, int] = {}
 
     def install(self) -> None:
-        if self.outer:
-            # appended: after FSDP2's root pre-forward (lazy init, root gather)
-            self._handles.append(self.model.register_forward_pre_hook(self._gather))
+        if self.outer and self.forward_only:
             self._handles.append(self.model.register_forward_hook(self._release))
         for t in self.tensors:
             self._handles.append(t.param.register_hook(self._guard(t.name)))
@@ -76,12 +73,6 @@ class OuterGather:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-    @torch.compiler.disable  # param_sync.py [Note: hooks under torch.compile]
-    def _gather(self, module, args) -> None:
-        with record_function("amsp::gather_outer_units::param_shard"):
-            for m in self.outer:
-                m.unshard()  # type: ignore[operator]  (an FSDPModule)
 
     def keep(self, module: nn.Module) -> None:
         """Not released after forwards until ``release(module)``: a GatheredParameters context
@@ -93,7 +84,7 @@ class OuterGather:
         if n > 0:
             self._kept[id(module)] = n
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # param_sync.py [Note: hooks under torch.compile]
     def _release(self, module, args, output) -> None:
         if self.forward_only:  # no post-backward will reshard them
             with record_function("amsp::reshard_outer_units::param_shard"):

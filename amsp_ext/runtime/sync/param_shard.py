@@ -5,7 +5,8 @@
 - AG per module, prefetched: one FSDP unit per module (see units.py) and explicit prefetch one
   unit ahead in forward (``set_modules_to_forward_prefetch``) and in backward
   (``set_modules_to_backward_prefetch``, reverse post-forward order: layer, down, up, gate, o, v,
-  k, q, ...). Non-root units reshard after forward.
+  k, q, ...). Non-root units reshard after forward; the root (everything outside the layers)
+  does not (units.py [Note: one root unit]).
 - RS decoupled from the module's backward: FSDP2 launches the reduce-scatter from its
   post-backward hook and accumulates the output into the sharded ``.grad`` later, then calls
   the parameter's ``_post_accumulate_grad_hooks``: that is where grad_sync.py picks the
@@ -124,10 +125,14 @@ def prefetch_targets(units: Sequence[Unit]) -> tuple[dict[int, int], dict[int, i
     """(forward, backward) prefetch: unit index -> the unit index it prefetches.
 
     Backward order is the reverse of post-forward order; a layer unit finishes its forward
-    after its linears, so in backward it comes before them.
+    after its linears, so in backward it comes before them. The root unit (units.py [Note: one
+    root unit]) is gathered first and finishes its forward last: it prefetches the first unit in
+    forward and the last one in backward, and is itself never prefetched (it stays gathered).
     """
+    root = [i for i, u in enumerate(units) if u.kind == "root" and u.params]
     idx = [i for i, u in enumerate(units) if u.kind != "root"]
-    fwd = {a: b for a, b in zip(idx, idx[1:])}
+    fwd_order = root + idx
+    fwd = {a: b for a, b in zip(fwd_order, fwd_order[1:])}
     post_forward: list[int] = []
     pending_layer: int | None = None
     for i in idx:
@@ -136,16 +141,11 @@ def prefetch_targets(units: Sequence[Unit]) -> tuple[dict[int, int], dict[int, i
             if pending_layer is not None:
                 post_forward.append(pending_layer)
             pending_layer = i
-        elif u.kind == "linear":
-            post_forward.append(i)
-        else:
-            if pending_layer is not None:
-                post_forward.append(pending_layer)
-                pending_layer = None
+        else:  # "linear": a layer's linears finish their forward before the layer does
             post_forward.append(i)
     if pending_layer is not None:
         post_forward.append(pending_layer)
-    bwd_order = list(reversed(post_forward))
+    bwd_order = root + list(reversed(post_forward))
     bwd = {a: b for a, b in zip(bwd_order, bwd_order[1:])}
     return fwd, bwd
 
@@ -154,7 +154,9 @@ def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, comm: 
                *, name: str,
                timeout: float, overlap_allgather: bool,
                reduce_dtype: torch.dtype | None = None) -> None:
-    """``fully_shard`` every unit (children first), then the root; wire comms and prefetch.
+    """``fully_shard`` every unit (children first), then the root, which keeps its parameters
+    gathered from its forward into its backward (units.py [Note: one root unit]); wire comms
+    and prefetch.
 
     ``reduce_dtype``: the reduce-scatter's dtype (None: the parameters' dtype)."""
     order = [u for u in units if u.kind == "linear"] + [u for u in units if u.kind not in ("linear", "root")]

@@ -18,7 +18,7 @@ A unit's broadcasts must be complete before anything reads its parameters. For s
 the unit's own forward. For sp > 1 it is FSDP2's all-gather of the unit, which is issued either
 by the unit's own pre-forward or, earlier, as a prefetch from the previous unit's pre-forward.
 So the pre-hook of unit i waits for the items holding tensors of unit i *and* of the unit it
-prefetches (and, first, those of the root and outer units, which the model may read anywhere in
+prefetches (and, first, those of the root unit, which the model may read anywhere in
 its forward: outside_reads.py [Note: parameters read outside their module's forward]), and it is registered with ``prepend=True`` after ``fully_shard`` so it runs before
 FSDP2's pre-forward hook issues those gathers. With ``overlap.broadcast`` off, all broadcasts are
 waited for right after the step (the paper's Table V ablation).
@@ -109,7 +109,7 @@ class ParamSync:
                 self._items_of[u].append(k)
         # waited for by the first pre-hook of a forward, whichever unit's it is
         # (outside_reads.py [Note: parameters read outside their module's forward])
-        self._outer_items = sorted({k for i, u in enumerate(self.units) if u.kind in ("root", "outer")
+        self._outer_items = sorted({k for i, u in enumerate(self.units) if u.kind == "root"
                                     for k in self._items_of.get(i, ())})
         self._inflight: dict[int, tuple] = {}  # item -> (pending, packed buffer or None)
         self._staging = 0  # packed bytes in flight

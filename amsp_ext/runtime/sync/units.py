@@ -5,9 +5,25 @@ pre-hook waits for (broadcasts), and what the planner costs as one AllGather/Red
 ``granularity="module"`` (the paper's module-level AG/RS): every ``nn.Linear`` of a decoder layer
 (q, k, v, o, gate, up, down for Llama) is its own unit, and the layer's remaining parameters
 (the two RMSNorms) form the layer unit, which runs first (its pre-forward fires before the
-attention). ``"layer"``: one unit per decoder layer. Outside the layers, every module that owns
-parameters directly (embedding, final norm, lm_head) is a unit. Parameters left to the root
-(tied weights, parameters registered on the root itself) form a "root" unit, listed first.
+attention). ``"layer"``: one unit per decoder layer. Every parameter outside the decoder layers
+(embedding, final norm, lm_head, tied weights, parameters registered on the root itself) is in
+ONE "root" unit, listed first: see [Note: one root unit].
+
+[Note: one root unit]
+Invariant: outside the decoder layers there is exactly one unit, the root (``fully_shard`` of
+the model itself), gathered once at the start of the forward and kept gathered into the
+backward, reduce-scattered once after it. Why: every unit costs one all-gather in forward, one
+in backward and one reduce-scatter, each paying a collective's latency; with the embedding,
+final norm and lm_head as units of their own a micro-batch issued 2L + 6 all-gathers and
+L + 3 reduce-scatters where FSDP2 (``fully_shard`` per layer, then the root) issues 2L + 1 and
+L + 1 (planner/issued.py [Note: FSDP2's count]). The root is needed first in backward (lm_head),
+so resharding it after the forward would only gather it again at once; FSDP2 keeps it too, and
+the memory model charges it whole from the forward into the backward, with lm_head's unsharded
+gradient (planner/memory.py [Note: the root unit's memory]). Its reduce-scatter runs in FSDP2's
+final backward callback, after the embedding's gradient, so its tensors come last in the
+gradient layout when sp > 1 (:func:`layout_order`). A fused loss that reads ``lm_head.weight``
+directly finds it gathered for the whole forward (outside_reads.py). A forward-only engine
+reshards the root after its forward (no backward will).
 
 Decoder layers are found through Hugging Face's ``_no_split_modules`` class names when the model
 has them, else as the entries of the largest ``nn.ModuleList``. Forward order is taken to be
@@ -23,14 +39,14 @@ import torch.nn as nn
 
 from amsp_ext.choices import GRANULARITIES, check_one_of
 
-__all__ = ["Unit", "decoder_layers", "list_units", "refresh_params", "unit_param_counts"]
+__all__ = ["Unit", "decoder_layers", "layout_order", "list_units", "refresh_params", "unit_param_counts"]
 
 
 @dataclass(kw_only=True)
 class Unit:
     name: str  # module path ("" = root)
     module: nn.Module
-    kind: str  # "root" | "outer" | "layer" | "linear"
+    kind: str  # "root" | "layer" | "linear"
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)  # (full name, param)
     layer_index: int | None = None
 
@@ -92,17 +108,39 @@ def list_units(model: nn.Module, granularity: str) -> list[Unit]:
                                               params=ps, layer_index=layers[id(m)]))
             layer.params = direct(m, recurse=True)
             return
-        if m is not model:
-            ps = direct(m, recurse=False)
-            if ps:
-                units.append(Unit(name=names[id(m)], module=m, kind="outer", params=ps))
         for child in m.children():
             visit(child)
 
     visit(model)
+    # [Note: one root unit]: everything outside the layers, in registration order
     rest = [(pnames[id(p)], p) for p in model.parameters() if id(p) not in claimed]
     units.insert(0, Unit(name="", module=model, kind="root", params=rest))
     return units
+
+
+def layout_order(units: list[Unit], *, root_reduced_last: bool) -> list[tuple[int, str, nn.Parameter]]:
+    """``(unit index, name, parameter)`` of every parameter in the order the engine lays its
+    local tensors out: forward order, whose reverse is the order gradients arrive (gradient
+    buckets are laid out backward and launched strictly in order, grad_sync.py).
+
+    ``root_reduced_last`` (sp > 1): the root unit's gradients all arrive after the backward
+    (its one reduce-scatter, [Note: one root unit]), so its tensors come first. Else (sp = 1)
+    autograd hands each gradient over when it is computed: lm_head's at the start of the
+    backward, the embedding's at the end, so the root's tensors keep their registration place,
+    those registered before the first decoder layer first and the others after the layers."""
+    root = [(i, u) for i, u in enumerate(units) if u.kind == "root"]
+    rest = [(i, n, p) for i, u in enumerate(units) if u.kind != "root" for n, p in u.params]
+    if not root:
+        return rest
+    ri, ru = root[0]
+    mine = [(ri, n, p) for n, p in ru.params]
+    if root_reduced_last or not rest:
+        return mine + rest
+    position = {n: k for k, (n, _) in enumerate(ru.module.named_parameters())}
+    first_layer = min(position.get(n, len(position)) for _, n, _ in rest)
+    before = [t for t in mine if position[t[1]] < first_layer]
+    after = [t for t in mine if position[t[1]] >= first_layer]
+    return before + rest + after
 
 
 def refresh_params(units: list[Unit], model: nn.Module) -> None:

@@ -1,0 +1,92 @@
+"""Worker of tests/test_collective_counts.py: the all-gathers and reduce-scatters of one
+micro-batch of tiny-llama, under AMSP's ``zero3`` and under FSDP2's ``fully_shard`` of the same
+model wrapped the usual way (each decoder layer, then the root), on the same 2 gloo ranks.
+
+Both are observed the same way, below every library: a TorchDispatchMode counts the c10d ops
+that reach the backend (``_allgather_base_``, ``_reduce_scatter_base_``), so FSDP2's count does
+not depend on which torch.distributed function it calls. AMSP's count is also read from the
+engine's own counters (collectives.py [Note: counters]). Prints one ``RESULT {json}`` on rank 0.
+
+Usage: python -m tests.collective_counts_worker
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from amsp_ext.common.models import build_llama, causal_lm_loss
+from amsp_ext.runtime.shard import shard
+
+OPS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+       "allgather_into_tensor_coalesced_": "all_gather", "reduce_scatter_tensor_coalesced_": "reduce_scatter"}
+
+
+class C10dOps(TorchDispatchMode):
+    """Counts the c10d all-gathers and reduce-scatters dispatched inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func.overloadpacket.__name__
+            if name in OPS:
+                self.counts[OPS[name]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _micro_batch(model, batch) -> dict:
+    with C10dOps() as seen:
+        causal_lm_loss(model, batch).backward()
+    return dict(seen.counts)
+
+
+def amsp_counts(batch) -> dict:
+    model, opt = shard(build_llama("tiny-llama"), "zero3", lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    comm = model.amsp.comm
+    out = {}
+    for step in range(2):  # the second step: after the first step's broadcasts and lazy init
+        before = collections.Counter(comm.counts)
+        seen = _micro_batch(model, batch)
+        counted = {op: n - before[(op, "param_shard")] for (op, g), n in comm.counts.items() if g == "param_shard"}
+        opt.step()
+        opt.zero_grad()
+        out = {"observed": seen, "engine": counted}
+    return out
+
+
+def fsdp2_counts(batch) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_llama("tiny-llama")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = {}
+    for step in range(2):
+        seen = _micro_batch(model, batch)
+        opt.step()
+        opt.zero_grad()
+    return {"observed": seen, "num_layers": len(model.model.layers)}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    batch = torch.randint(0, 256, (2, 17))
+    rec = {"amsp": amsp_counts(batch), "fsdp2": fsdp2_counts(batch)}
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(rec), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
