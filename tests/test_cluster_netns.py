@@ -121,6 +121,7 @@ def test_a_hung_job_times_out(lab, tmp_path):
         assert pids.strip() == "", f"processes left in {LAB}-n{i}: {pids}"
 
 
+@pytest.mark.slow  # ~20 s: measuring over the lab reaches the default tier through test_collective_across_the_lab
 def test_quick_profile_on_the_lab(lab, tmp_path):
     out = tmp_path / "lab-2x2.json"
     t0 = time.monotonic()

@@ -227,6 +227,7 @@ def test_harness_rounds_order_and_failed_round_without_launching(tmp_path, monke
 
 # -- end to end ---------------------------------------------------------------------------------
 @pytest.mark.distributed
+@pytest.mark.slow  # four launches, ~30 s: rounds and medians reach the default tier through the stand-in runs above, launches through test_compare_harness.py::test_harness_end_to_end_two_ranks
 def test_harness_two_rounds_two_ranks(tmp_path):
     from amsp_ext.compare.harness import run_comparison
     from amsp_ext.compare.launch import LaunchConfig

@@ -201,6 +201,7 @@ def _check_bytes(spec, by, systems, elem):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # four 4-rank launches, ~70 s: the launch and report reach the default tier through test_compare_harness.py::test_harness_end_to_end_two_ranks, the byte count through test_wire_counts_reduction_inputs_and_leaves_scalars_out
 def test_every_row_sends_the_asked_gradient_bytes_bf16(tmp_path):
     """--reduce-dtype bf16: DDP (bf16 hook), DDP over bf16 parameters, HSDP and AMSP's replicate
     plan send 2 B per gradient element; DDP and AMSP's ddp plan, the same shape, get a ratio.

@@ -294,6 +294,7 @@ def test_equivalent_to_a_real_4_rank_run(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~20 s: the dry run's memory count reaches the default tier through test_equivalent_to_a_real_4_rank_run
 def test_plan_verify_drops_a_candidate_that_does_not_fit_by_the_engine(capsys):
     """amsp plan --verify K: first every fitting candidate is verified at a roomy GPU (all fit);
     then the GPU memory is set between the model's and the engine's count of one whose engine

@@ -23,6 +23,7 @@ def _run(script: str, *args: str, out: Path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~20 s: the same script's dry-run path reaches the default tier through test_gpu_scale_profile_dry_run_times_both_systems
 def test_gpu_check_dry_run_answers_every_check(tmp_path):
     _run("gpu_check.py", out=tmp_path)
     r = json.loads((tmp_path / "gpu_check.json").read_text())
