@@ -61,6 +61,21 @@ def amsp_counts(batch) -> dict:
     return out
 
 
+def loss_after_step(batch, *, no_grad_forward: bool) -> float:
+    """The loss after one SGD step, with or without a no-grad forward between the backward and
+    the step: the root stays gathered after it (outside_reads.py [Note: a gathered root after a
+    step]), and the step must not leave the next forward its old values."""
+    model, opt = shard(build_llama("tiny-llama"), "zero3", lambda ps: torch.optim.SGD(ps, lr=1.0))
+    causal_lm_loss(model, batch).backward()
+    if no_grad_forward:
+        with torch.no_grad():
+            model(input_ids=batch[:, :-1])
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        return causal_lm_loss(model, batch).item()
+
+
 def fsdp2_counts(batch) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -81,7 +96,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     batch = torch.randint(0, 256, (2, 17))
-    rec = {"amsp": amsp_counts(batch), "fsdp2": fsdp2_counts(batch)}
+    rec = {"amsp": amsp_counts(batch), "fsdp2": fsdp2_counts(batch),
+           "loss_after_step": [loss_after_step(batch, no_grad_forward=f) for f in (False, True)]}
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rec), flush=True)
     dist.barrier()

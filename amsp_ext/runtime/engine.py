@@ -385,6 +385,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         after_wait=(lambda: fsdp_streams_wait_current(model)) if plan.sp > 1 and device.type != "cpu" else None)
     outer_gather = (OuterGather(model, units, tensors, plan=str(plan), forward_only=forward_only)
                     if plan.sp > 1 else None)
+    if outer_gather is not None:  # outside_reads.py [Note: a gathered root after a step]
+        param_sync.params_changed = outer_gather.drop_stale
     if plan.sp > 1:  # its parameters are real now (meta ones fail it); see the compat note
         compat.fsdp_lazy_init(model)
     return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,

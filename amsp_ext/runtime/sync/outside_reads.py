@@ -26,6 +26,14 @@ the model.
   its root when its forward returns, or it kept its gathered head and embedding from one step
   to the next (TRL's ``sync_ref_model`` then met a plain tensor beside the policy's DTensor). A
   trained model's no-grad forward does not: it may run between a forward and its backward.
+- [Note: a gathered root after a step] A forward that no backward follows (a no-grad forward
+  between the last backward and ``step()``, an evaluation) leaves the root gathered, and FSDP2's
+  next root pre-forward reuses a gathered group without gathering again: after the step it
+  would compute with the old embedding and head. So when the owners write new parameters (the
+  step, a loaded optimizer state: ``ParamSync.broadcast_all``) ``OuterGather.drop_stale``
+  reshards a gathered root; the next forward gathers the new values. A root held by an open
+  GatheredParameters context is left to it. Nothing a backward still needs can be dropped
+  there: the step comes after the backward.
 - A decoder layer's parameter stays valid only in its layer's forward. Used elsewhere with
   sp > 1 it is the sharded DTensor, and any gradient autograd computes for it directly (FSDP2
   never lets autograd reach a sharded parameter: it assigns the reduce-scattered ``.grad``)
@@ -83,6 +91,14 @@ class OuterGather:
         n = self._kept.pop(id(module), 0) - 1
         if n > 0:
             self._kept[id(module)] = n
+
+    def drop_stale(self) -> None:
+        """The parameters changed: reshard a root a forward left gathered ([Note: a gathered
+        root after a step]). No collective."""
+        with record_function("amsp::reshard_stale_root::param_shard"):
+            for m in self.outer:
+                if id(m) not in self._kept:
+                    m.reshard()  # type: ignore[operator]  (an FSDPModule; a no-op when sharded)
 
     @torch.compiler.disable  # param_sync.py [Note: hooks under torch.compile]
     def _release(self, module, args, output) -> None:

@@ -117,6 +117,9 @@ class ParamSync:
         self._handles = []
         self.log: list[tuple[str, int]] | None = None  # ("issue"/"wait", unit) when enabled
         self.after_wait = after_wait
+        # called first by broadcast_all, when the owners have written new parameters: drops a
+        # gathered copy of the old ones (outside_reads.py [Note: a gathered root after a step])
+        self.params_changed: Callable[[], None] | None = None
         self.wait_seconds = 0.0  # time spent blocked in broadcast waits (benchmarks)
 
     @property
@@ -155,6 +158,8 @@ class ParamSync:
     # -- issuing -----------------------------------------------------------------------------
     def broadcast_all(self) -> None:
         """Issue this step's broadcasts, in forward order (call after the owners' step)."""
+        if self.params_changed is not None:
+            self.params_changed()
         if self.size == 1:
             return
         self.wait_all()  # a previous round still open (e.g. two steps without a forward)
