@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from amsp_ext.planner import buckets
 from amsp_ext.planner.issued import grad_buckets
 from amsp_ext.planner.model_spec import ModelSpec
@@ -145,3 +147,21 @@ def test_a_bucket_owned_in_part_is_copied_out(monkeypatch):
     assert torch.equal(gs.owned[0], torch.tensor([4.0, 5.0, 6.0]))
     assert gs.owned[0].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
     assert torch.equal(buf, torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 12.0]))  # left as reduced
+
+
+@pytest.mark.distributed
+def test_cross_node_reductions_start_before_the_backward_ends():
+    """Issue 51, buckets: small-llama's replicate plan with the two-level all-reduce on 2 x 2
+    ranks puts at least 3 cross-node all-reduces on the link before the backward reaches the
+    embedding (its last gradient): each layer's bucket (about 2.9 MB, above the 1 MiB a bucket
+    must hold to close at a unit boundary) goes out as its backward ends, not at the flush.
+    8 x 128 tokens per rank: a layer's backward outlasts the skew between 4 ranks on 2 cores."""
+    import json
+
+    from tests.dist_utils import run_ranks
+
+    proc = run_ranks(4, "tests.bucket_timing_worker", timeout=300)
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("TIMING "))[7:])
+    assert "param_replica_node" in got["groups"], got["groups"]
+    before = [t for t in got["node_issued"] if t < got["backward_end"]]
+    assert len(before) >= 3, (len(before), len(got["node_issued"]), got)
