@@ -142,6 +142,26 @@ def _timed_steps(sysrun, ctx, system: str) -> dict[str, list]:
     return out
 
 
+def _finite_fake_broadcasts() -> None:
+    """The fake group's broadcast leaves a receiver's tensor as it was: a buffer allocated for
+    it (AMSP's packed post-step broadcasts) holds whatever memory it got, and the parameters
+    unpacked from it went non-finite (the engine stopped the run after 3 such steps). A
+    compute-only run (compare/limit.py) zeroes what a receiver gets instead: finite, and the
+    same work for every op that reads it."""
+    import torch.distributed as dist
+
+    original = dist.broadcast
+
+    def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+        work = original(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+        me = dist.get_rank() if group_src is None else dist.get_rank(group)
+        if me != (src if group_src is None else group_src):
+            tensor.zero_()
+        return work
+
+    dist.broadcast = broadcast
+
+
 def _no_deepspeed_rank_checks() -> None:
     """ZeRO-3's parameter coordinator checks every step, by collectives, that the ranks traced
     the same module order; under the fake group those collectives carry nothing, so the check
@@ -259,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
             dist.init_process_group(backend, store=fake_store(), rank=rank,
                                     world_size=int(os.environ["WORLD_SIZE"]))
+            _finite_fake_broadcasts()
         else:
             from amsp_ext.tools.rendezvous import init_process_group
 
