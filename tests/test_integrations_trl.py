@@ -116,6 +116,10 @@ def test_grpo_with_a_reference_model_generates_and_trains(env, assets, tmp_path)
     got = _logs(proc)
     assert [l["step"] for l in got] == [1, 2, 3] and all(math_finite(l["loss"]) for l in got), got
     assert all("kl" in l for l in got)  # beta > 0: the reference model scored every step
+    # patches/trl_amsp_backend.py [Note: generation gathers once]: the policy is gathered around
+    # each generation, none inside it (without the route: one all-gather per unit per token)
+    gens = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("GEN ")]
+    assert len(gens) == 3 and all(g["all_gathers"] == 0 for g in gens), gens
 
 
 def math_finite(x) -> bool:

@@ -410,7 +410,7 @@ def test_startup_pth_needs_no_environment_variable_and_stays_light():
     assert got["active"] is True and got["torch"] is False and "_Finder" in got["finders"], got
     assert got["watched"] == ["accelerate", "deepspeed", "peft.tuners.tuners_utils",
                               "transformers.modeling_utils", "transformers.trainer", "trl.distributed",
-                              "trl.trainer.callbacks"], got
+                              "trl.models.utils", "trl.trainer.callbacks"], got
     off = _run_pth_line({"AMSP_STARTUP": "0"})
     assert off["active"] is None and "_Finder" not in off["finders"], off
 

@@ -45,6 +45,7 @@ def patch_deepspeed() -> dict[str, str]:
             done[module.NAME] = module.apply()
             if name == "trl_amsp_backend":
                 done["trl_sync_ref_model"] = module.apply_sync_ref()
+                done["trl_generation"] = module.apply_generation()
         except ImportError:  # peft / trl / transformers not installed
             pass
     try:

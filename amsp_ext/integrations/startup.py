@@ -21,8 +21,8 @@ setup.py) runs one line at every interpreter start:
   (patches/transformers_meta_load.py); when it imports ``peft``'s tuners, a model left on meta
   is filled before adapters are injected into it (patches/peft_meta_load.py); when it imports
   ``trl.distributed``, TRL sees AMSP's plan, not ZeRO-3, and when it imports
-  ``trl.trainer.callbacks``, ``sync_ref_model`` writes every rank's shards
-  (patches/trl_amsp_backend.py); when it imports ``transformers.trainer``, an evaluation before training prepares a forward-only engine
+  ``trl.trainer.callbacks``, ``sync_ref_model`` writes every rank's shards, and when it imports
+  ``trl.models.utils``, a generation gathers the policy once (patches/trl_amsp_backend.py); when it imports ``transformers.trainer``, an evaluation before training prepares a forward-only engine
   (patches/transformers_ds_inference.py).
 
 [Note: why always, and no environment variable]
@@ -95,6 +95,12 @@ def _patch_trl_callbacks(_module) -> None:
     _say(f"trl SyncRefModelCallback {trl_amsp_backend.apply_sync_ref()}")
 
 
+def _patch_trl_generation(_module) -> None:
+    from amsp_ext.integrations.patches import trl_amsp_backend
+
+    _say(f"trl unwrap_model_for_generation {trl_amsp_backend.apply_generation()}")
+
+
 def activate() -> bool:
     """Install the post-import hooks (idempotent: site processes a venv's ``lib`` and its
     ``lib64`` symlink as two site directories, so .pth lines may run twice)."""
@@ -112,5 +118,6 @@ def activate() -> bool:
     when_imported("peft.tuners.tuners_utils", _patch_peft)
     when_imported("trl.distributed", _patch_trl)
     when_imported("trl.trainer.callbacks", _patch_trl_callbacks)
+    when_imported("trl.models.utils", _patch_trl_generation)
     when_imported("transformers.trainer", _patch_trainer)
     return True

@@ -102,6 +102,33 @@ def build_trainer(args, tok, peft_config):
                        callbacks=[Print()])
 
 
+def count_gathers_in_generate(model) -> None:
+    """Print ``GEN {"all_gathers": n}`` (rank 0) for every ``generate`` call: the all-gathers
+    dispatched inside it (ZeRO-3 and AMSP's sharded plans gather the weights once around the
+    generation, not once per token)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "allgather" in func.__name__ or "all_gather" in func.__name__:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        Count.n = 0
+        with Count():
+            out = original(*args, **kwargs)
+        if torch.distributed.get_rank() == 0:
+            emit("GEN " + json.dumps({"all_gathers": Count.n}))
+        return out
+
+    model.generate = generate
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trainer", choices=["sft", "dpo", "grpo"], required=True)
@@ -122,6 +149,8 @@ def main() -> None:
                                  task_type="CAUSAL_LM")
     tok = AutoTokenizer.from_pretrained(args.model)
     trainer = build_trainer(args, tok, peft_config)
+    if args.trainer == "grpo":
+        count_gathers_in_generate(trainer.model)
     out = trainer.train()
     if trainer.args.process_index == 0:
         emit("DONE " + json.dumps({**out.metrics, "global_step": out.global_step,

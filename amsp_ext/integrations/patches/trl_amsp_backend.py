@@ -12,10 +12,19 @@ shards.
 ``DistributedBackend`` records stage 0 when the accelerator's DeepSpeed config has
 ``amsp.enabled``: AMSP's plan replaces ZeRO, as transformers is told through
 ``is_deepspeed_zero3_enabled()`` (patches/accelerate_amsp_block.py). TRL then generates with the
-unwrapped AMSP model, whose units are gathered in their own forward when sp > 1 (correct, one
-gather per unit per generated token: a gather-once route is not built yet), and its
-``gather_params`` is a no-op: the policy and its reference share a plan, so a parameter's local
-shards line up one to one.
+unwrapped AMSP model and its ``gather_params`` is a no-op: the policy and its reference share
+a plan, so a parameter's local shards line up one to one.
+
+[Note: generation gathers once]
+At stage 0 TRL's ``unwrap_model_for_generation`` yields the model as it is, and with sp > 1
+every unit's forward gathers its parameters again: one all-gather per unit per generated token
+(GRPO, 4 new tokens: 20 all-gathers for 4 units where DeepSpeed ZeRO-3 gathers once). Under
+AMSP, with ``gather_deepspeed3_params`` true (TRL's default, ``ds3_gather_for_generation``), the
+generation runs inside ``GatheredParameters`` over the policy's parameters
+(integrations/gathered.py): each unit is gathered once for the whole ``generate`` and
+resharded after it, as ZeRO-3's route does, holding the whole model on every rank meanwhile.
+With it false, the model is yielded as it is (DeepSpeed's choice too: less memory, a gather
+per unit per token).
 
 The same holds for ``SyncRefModelCallback.sync_target_model`` (DPO's ``sync_ref_model``), which
 reads the plugin's stage itself: at stage 3 it wraps the write in DeepSpeed's
@@ -31,6 +40,7 @@ Checked against trl 1.16.0.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from amsp_ext.integrations.patches.checked_versions import warn_unchecked
@@ -38,6 +48,7 @@ from amsp_ext.integrations.patches.checked_versions import warn_unchecked
 NAME = "trl_amsp_backend"
 CHECKED_TRL_VERSIONS = ("1.16.0",)
 _MARK = "_amsp_trl_backend_patch"
+_UNWRAP = "_unwrap_model_for_generation"  # in trl.models.utils
 
 
 def apply() -> str:
@@ -97,4 +108,40 @@ def apply_sync_ref() -> str:
 
     setattr(sync_target_model, _MARK, True)
     SyncRefModelCallback.sync_target_model = staticmethod(sync_target_model)
+    return "applied"
+
+
+def apply_generation() -> str:
+    """``trl.models.utils._unwrap_model_for_generation`` under AMSP: the generation inside one
+    ``GatheredParameters`` over the policy ([Note: generation gathers once]); its own hook, on
+    ``trl.models.utils`` (every trainer's ``unwrap_model_for_generation`` calls it there)."""
+    import trl.models.utils as trl_utils
+
+    # TRL's own (private) helper: the public unwrap_model_for_generation calls it through the
+    # module, so replacing it there reaches every trainer that imported the public name
+    original = getattr(trl_utils, _UNWRAP)
+    if getattr(original, _MARK, False):
+        return "already applied"
+
+    @contextlib.contextmanager
+    def unwrap(model, accelerator, gather_deepspeed3_params: bool = True, gradient_checkpointing_kwargs=None):
+        from amsp_ext.integrations.gathered import amsp_gathered
+
+        with original(model, accelerator, gather_deepspeed3_params=gather_deepspeed3_params,
+                      gradient_checkpointing_kwargs=gradient_checkpointing_kwargs) as unwrapped:
+            gathered = amsp_gathered(list(unwrapped.parameters()), None) if gather_deepspeed3_params else None
+            if gathered is None:  # not AMSP's parameters, or TRL asked for no gather
+                yield unwrapped
+                return
+            gathered.enter()
+            failed = True
+            try:
+                yield unwrapped
+                failed = False
+            finally:
+                gathered.exit(failed=failed)
+
+    functools.update_wrapper(unwrap, original)
+    setattr(unwrap, _MARK, True)
+    setattr(trl_utils, _UNWRAP, unwrap)
     return "applied"
