@@ -219,6 +219,9 @@ def run(system: str, spec, out: Path, coll, *, compute_only: bool = False) -> di
     if compute_only:
         return {"rank": rank, "backend": dist.get_backend(), **timed}
     comm, steps_breakdown = _profiled_steps(sysrun, spec, rank, out) if spec.trace else (None, None)
+    # memory before the replay: its fresh buffers, all in flight at once, are not the row's
+    peak_rss_delta = (memory.peak_rss_bytes() - rss0) if hwm_reset and rss0 else None
+    live_delta = memory.live_tensor_bytes() - live0
     comm_alone = _comm_alone(sysrun, spec.num_steps + 1 + spec.trace_steps, coll) if spec.trace else None
 
     record = {
@@ -228,8 +231,8 @@ def run(system: str, spec, out: Path, coll, *, compute_only: bool = False) -> di
         "cpu_s": timed["cpu_s"],
         "setup_s": setup_s,
         "peak_flops": peak_flops,
-        "peak_rss_delta_bytes": (memory.peak_rss_bytes() - rss0) if hwm_reset and rss0 else None,
-        "live_tensor_delta_bytes": memory.live_tensor_bytes() - live0,
+        "peak_rss_delta_bytes": peak_rss_delta,
+        "live_tensor_delta_bytes": live_delta,
         "comm": comm,
         "breakdown": steps_breakdown,
         "comm_alone": comm_alone,
