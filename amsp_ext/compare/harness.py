@@ -339,14 +339,13 @@ class _Comparison:
             # communication figures as medians over rounds (rounds.combine_rounds).
             run_spec = p.spec
             started_at = time.time()
-            res = run_system(p.item.system, run_spec,
-                             folder / p.item.key.replace("[", "_").replace("]", ""),
-                             self.launch, row_key=p.item.key)
+            row_dir = folder / p.item.key.replace("[", "_").replace("]", "")
+            res = run_system(p.item.system, run_spec, row_dir, self.launch, row_key=p.item.key)
             if res.get("status") == "ok" and r < run_spec.limit_rounds:
                 # compare/limit.py [Note: a row's limit]: right after the row, at its size
                 res["compute_only"] = run_compute_only(
-                    p.item.system, run_spec, folder / (p.item.key.replace("[", "_").replace("]", "") + "-compute"),
-                    self.launch, world_size=res["world_size"], gpus_per_node=res["gpus_per_node"])
+                    p.item.system, run_spec, row_dir.with_name(row_dir.name + "-compute"), self.launch,
+                    world_size=res["world_size"], gpus_per_node=res["gpus_per_node"])
             res.update(p.base)
             res.update(round=r + 1, position=position, started_at=started_at)
             if r > 0:

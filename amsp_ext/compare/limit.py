@@ -41,6 +41,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from amsp_ext.common.metrics import median_after_warmup
+
 __all__ = ["LIMIT_FIELDS", "combine", "compute_only_of", "comm_only_of", "limit_of"]
 
 LIMIT_FIELDS = ("compute_only_s", "comm_only_s", "bound_s", "efficiency", "hidden_fraction", "last_backward_s")
@@ -53,8 +55,7 @@ def compute_only_of(ranks: list[dict], num_warmup: int, field: str = "step_s") -
     if not ranks or any(not r.get(field) or None in r[field] for r in ranks):
         return None
     steps = [max(r[field][i] for r in ranks) for i in range(min(len(r[field]) for r in ranks))]
-    timed = steps[num_warmup:] or steps
-    return statistics.median(timed)
+    return median_after_warmup(steps, num_warmup)
 
 
 def comm_only_of(ranks: list[dict]) -> float | None:

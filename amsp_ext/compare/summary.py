@@ -84,6 +84,7 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
     comm = [r["comm"] for r in ranks if r.get("comm")]
     exposed = _median([c["exposed_comm_s"] for c in comm]) if comm else None
     compute_only = result.get("compute_only") or {}
+    co_ranks = compute_only["ranks"] if compute_only.get("status") == "ok" else []
     row.update({
         "step_s": times,
         "median_step_s": median_step,
@@ -97,13 +98,10 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
         "exposed_comm_s": exposed,
         "limit": limit.limit_of(
             step_s=median_step, exposed_comm_s=exposed, comm_only_s=limit.comm_only_of(ranks),
-            compute_only_s=(limit.compute_only_of(compute_only["ranks"], spec.num_warmup_steps)
-                            if compute_only.get("status") == "ok" else None),
-            last_backward_s=(limit.compute_only_of(compute_only["ranks"], spec.num_warmup_steps,
-                                                   "last_backward_s")
-                             if compute_only.get("status") == "ok" else None)),
+            compute_only_s=limit.compute_only_of(co_ranks, spec.num_warmup_steps),
+            last_backward_s=limit.compute_only_of(co_ranks, spec.num_warmup_steps, "last_backward_s")),
         "compute_only_run": {**{k: compute_only.get(k) for k in ("status", "reason", "command", "wall_s")},
-                             "backends": sorted({r.get("backend") for r in compute_only.get("ranks") or []})}
+                             "backends": sorted({r.get("backend") for r in co_ranks})}
         if compute_only else None,
         "cpu_s_per_step": _cpu(ranks, spec.num_warmup_steps),
         "breakdown": _breakdown(ranks),

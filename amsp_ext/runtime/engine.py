@@ -378,15 +378,15 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         fold_verdict=guard.fold if not norm.reduce else None,
         refuse=(list(model.parameters()), _forward_only_message(model, plan)) if forward_only else None)
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
+    outer_gather = (OuterGather(model, units, tensors, plan=str(plan), forward_only=forward_only)
+                    if plan.sp > 1 else None)
     param_sync = ParamSync(
         tensors, units, comm=comm, group=mesh.handle("optim_bcast", timeout=config.timeout), rank=rank,
         prefetch=fwd_prefetch, overlap=config.overlap.broadcast,
         bucket_bytes=config.broadcast_staging_bytes,
-        after_wait=(lambda: fsdp_streams_wait_current(model)) if plan.sp > 1 and device.type != "cpu" else None)
-    outer_gather = (OuterGather(model, units, tensors, plan=str(plan), forward_only=forward_only)
-                    if plan.sp > 1 else None)
-    if outer_gather is not None:  # outside_reads.py [Note: a gathered root after a step]
-        param_sync.params_changed = outer_gather.drop_stale
+        after_wait=(lambda: fsdp_streams_wait_current(model)) if plan.sp > 1 and device.type != "cpu" else None,
+        # outside_reads.py [Note: a gathered root after a step]
+        params_changed=outer_gather.drop_stale if outer_gather is not None else None)
     if plan.sp > 1:  # its parameters are real now (meta ones fail it); see the compat note
         compat.fsdp_lazy_init(model)
     return EngineParts(plan=plan, world=world, mesh=mesh, config=config, units=units, tensors=tensors,

@@ -95,7 +95,8 @@ def broadcast_items(tensors: Sequence[LocalTensor], bucket_bytes: int) -> list[B
 class ParamSync:
     def __init__(self, tensors: Sequence[LocalTensor], units: Sequence[Unit], *,
                  comm: C.CollectiveContext, group: GroupHandle, rank: int, prefetch: dict[int, int],
-                 overlap: bool, bucket_bytes: int, after_wait: Callable[[], None] | None = None) -> None:
+                 overlap: bool, bucket_bytes: int, after_wait: Callable[[], None] | None = None,
+                 params_changed: Callable[[], None] | None = None) -> None:
         self.tensors, self.units = list(tensors), list(units)
         self.comm = comm
         self.group, self.rank = group, rank
@@ -119,7 +120,7 @@ class ParamSync:
         self.after_wait = after_wait
         # called first by broadcast_all, when the owners have written new parameters: drops a
         # gathered copy of the old ones (outside_reads.py [Note: a gathered root after a step])
-        self.params_changed: Callable[[], None] | None = None
+        self.params_changed = params_changed
         self.wait_seconds = 0.0  # time spent blocked in broadcast waits (benchmarks)
 
     @property
