@@ -202,3 +202,35 @@ def test_ds_muon_block_is_checked_in_one_line():
     assert source == "ds_config Muon -> MuonWithAdamW"
     assert [(g["use_muon"], [p.amsp_name for p in g["params"]], g["lr"]) for g in opt.param_groups] == [
         (True, ["0.weight"], 0.02), (False, ["0.bias", "1.weight", "1.bias"], 1e-3)]
+
+
+# -- resume on fewer ranks (tests/whole_resume_worker.py) --------------------------------------
+
+@pytest.mark.slow  # a 4-rank launch (~8 s on 2 cores) and a 2-rank one (~6 s); the default tier's
+# test_checkpoint.py::test_whole_tensor_optimizer_saved_on_row_shards_resumes_elsewhere loads the
+# same whole masters on 4 and 8 ranks
+def test_whole_tensor_optimizer_resumes_on_fewer_ranks(tmp_path):
+    """Adafactor trained 2 steps on 4 ranks under ``zero3`` and under ``p=2x1,g=2x1,os=2x2``
+    (whole owners on row shards), saved, resumed on 2 ranks under ``p=1x1,g=1x1,os=2x1`` and
+    under ``zero3`` and trained 2 more: the four losses and the final parameters equal one
+    uninterrupted process on the same global batches (fp32, 1e-6). A load without the optimizer
+    states (Adafactor's factors and step counts) must miss, so the comparison can fail."""
+    save = _launch(4, "save4", tmp_path)
+    load = _launch(2, "load2", tmp_path)
+    for name, plan4, plan2 in (("zero3-to-os2", "zero3", "p=1x1,g=1x1,os=2x1"),
+                               ("p2os4-to-zero3", "p=2x1,g=2x1,os=2x2", "zero3")):
+        s, r = save[name], load[name]
+        assert "error" not in r, r
+        assert s["plan"] == plan4 and s["whole"] and r["plan"] == plan2
+        assert r["whole"] == (plan2 == "zero3"), r
+        for a, b in zip(s["losses"] + r["losses"], r["ref_losses"], strict=True):
+            assert abs(a - b) <= 1e-6, (name, s["losses"] + r["losses"], r["ref_losses"])
+        assert r["param_diff"] <= 1e-6, (name, r["param_diff"])
+    c = load["control-no-optimizer-state"]
+    worst = max(abs(a - b) for a, b in zip(c["losses"], c["ref_losses"][2:]))
+    assert worst > 1e-5 or c["param_diff"] > 1e-5, c
+
+
+def _launch(nproc, suite, root):
+    proc = run_ranks(nproc, "tests.whole_resume_worker", suite, str(root), timeout=300)
+    return {r["case"]: r for r in (json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT "))}
