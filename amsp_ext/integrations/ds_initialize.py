@@ -194,7 +194,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             warnings.warn(f"amsp: {note}", stacklevel=2)
 
     from amsp_ext.runtime.collectives import CollectiveContext
-    from amsp_ext.runtime.shard import shard
+    from amsp_ext.runtime.shard import check_not_sharded, shard
 
     from amsp_ext.integrations.patches.transformers_meta_load import adopt
     from amsp_ext.runtime.materialize import model_on_meta
@@ -205,6 +205,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         from amsp_ext.runtime.replan.switch import release_forward_only
 
         release_forward_only(model)
+    check_not_sharded(model)  # [Note: one engine per parameter], before the broadcast
     comm = CollectiveContext(timeout=settings.engine.timeout)  # the engine's, from the first broadcast
     folder = adopt(model)  # [Note: which from_pretrained loads on meta]: no whole fill from here on
     on_meta = model_on_meta(model)

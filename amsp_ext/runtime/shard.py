@@ -38,7 +38,7 @@ from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 from amsp_ext.runtime.preflight import (check_same_everywhere, enable_recompute, engine_device, job_of, plan_world,
                                         resolve_on_ranks, run_fingerprint, same_initial_weights)
 
-__all__ = ["shard"]
+__all__ = ["check_not_sharded", "shard"]
 
 
 def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
@@ -193,9 +193,31 @@ def _checked(model, plan, optimizer_factory, config, init_from, comm, resolved):
                       flag="config.adaptive.allow_replan")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("amsp_ext.shard needs torch.distributed initialized (torchrun + init_process_group)")
+    check_not_sharded(model)
+    return config, comm if comm is not None else C.CollectiveContext(timeout=config.timeout)
+
+
+def check_not_sharded(model: nn.Module) -> None:
+    """[Note: one engine per parameter]
+    A process may hold several engines (an actor and a critic, each with its optimizer; a
+    policy beside a frozen reference), each owning its model's parameters: its gradient hooks,
+    its masters and its post-step broadcasts. A parameter reached by two engines - a critic
+    built around the actor's already sharded backbone - would be reduced, stepped and
+    broadcast twice; with sp = 1 nothing else notices (the parameter is a plain tensor), with
+    sp > 1 the DTensor check read as a tensor-parallel model. Refused here, before any
+    collective (shard's preflight, and ``amsp_ext.initialize`` before its broadcast), naming
+    the parameter and the engine that holds it."""
     if getattr(model, "amsp", None) is not None:
         raise ValueError("model is already sharded by amsp_ext.shard")
-    return config, comm if comm is not None else C.CollectiveContext(timeout=config.timeout)
+    held = {id(p): (e, name) for e in list(Engine.live) for u in e.units for name, p in u.params}
+    for name, p in model.named_parameters():
+        if id(p) in held:
+            e, other = held[id(p)]
+            raise ValueError(
+                f"amsp_ext.shard: parameter {name!r} of {type(model).__name__} already belongs to "
+                f"another engine (its {other!r}, {type(e.units[0].module).__name__} under plan {e.plan}); "
+                f"two engines cannot share a parameter: shard a copy (copy.deepcopy of the module "
+                f"before sharding either model) or one model holding both")
 
 
 def _check_arguments(model, plan, optimizer_factory) -> None:
