@@ -81,23 +81,34 @@ def test_optimizer_bytes(opt, prec, k):
 
 
 def test_whole_tensor_optimizer_by_hand():
-    """Muon / Adafactor with sp > 1 (cost.py [Note: the whole-tensor exchange], memory.py [Note:
-    whole-tensor optimizers]): Twt = 2 t(RS, 4 Phi / sos) on the p mesh; the optimizer states
-    get one largest tensor more (the toy's embedding and head, 16 x 4 = 64) and, in bf16, the
-    fp32 rows beside the whole masters; the step's exchange buffers 2 * 4 Phi / sos."""
+    """Muon / Adafactor (cost.py [Note: the whole-tensor exchange], memory.py [Note: whole-tensor
+    optimizers]): with sp > 1, Twt = 2 t(RS, 4 Phi / sos) on the p mesh and the step's exchange
+    buffers 2 * 4 Phi / sos. The optimizer states are the owners' byte caps (the largest tensor
+    X is the toy's embedding and head, 16 x 4 = 64): sp = 2, b = 4 groups: a rank's rows
+    R = Phi/8 + X/2, whole tensors R + X, K = 8 on them and, in bf16, the fp32 rows beside;
+    sp = 1: Phi/8 + X whole tensors, K = 8 (fp32: K = 4, the masters are the parameters)."""
     muon = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100, optimizer="muon")
     c = cost(training=muon)
     assert c.t_wt == pytest.approx(2 * (4 * 436 / 8) / 2e9)  # 218 ns
     assert c.total == pytest.approx((5748 + 218 + 109 + 54.5 + 218) * 1e-9)
     m = memory_breakdown(TOY, PLAN, muon, gpus_per_node=4, num_nodes=2)
-    assert m.optim == 8 * 436 // 8 + 8 * 64 + 4 * 436 // 8  # K Phi/sos + K max + fp32 rows = 1166
+    rows = 436 / 8 + 64 / 2
+    assert m.optim == int(8 * (rows + 64) + 4 * rows) == 1550
     assert m.tmp_parts["whole_tensor_exchange"] == 2 * 4 * 436 // 8
     assert m.moments["optimizer step"]["tmp"] == (m.tmp_parts["owned_fp32_grads"] + m.tmp_parts["broadcast_staging"]
                                                   + 2 * 4 * 436 // 8)
-    # sp = 1: every rank holds whole tensors already; nothing is exchanged or added
+    fp32 = paper_job(seq_len=8, micro_batch_size=1, num_micro_batches=3, bucket_bytes=100, optimizer="muon",
+                     precision="fp32")
+    # fp32: the rows are the parameters, the whole fp32 masters are the copy
+    assert memory_breakdown(TOY, PLAN, fp32, gpus_per_node=4, num_nodes=2).optim == int((4 + 4) * (rows + 64)) == 1204
+    # sp = 1: every rank holds whole tensors already; nothing is exchanged, the owners are capped
     unsharded = parse_plan("p=1x1,g=4x2,os=4x2")
     assert cost(plan=unsharded, training=muon).t_wt == 0
-    assert memory_breakdown(TOY, unsharded, muon, gpus_per_node=4, num_nodes=2).optim == 8 * 436 // 8
+    assert memory_breakdown(TOY, unsharded, muon, gpus_per_node=4, num_nodes=2).optim == 8 * (436 / 8 + 64) == 948
+    # one owner (sos = sp): it holds everything, exactly
+    assert memory_breakdown(TOY, parse_plan("p=1x1,g=1x1,os=1x1"), muon, gpus_per_node=4, num_nodes=2).optim == 8 * 436
+    # an elementwise optimizer keeps K Phi / sos
+    assert memory_breakdown(TOY, unsharded, TRAIN, gpus_per_node=4, num_nodes=2).optim == 12 * 436 // 8
     # an elementwise optimizer on the same plan pays neither
     assert cost().t_wt == 0
 

@@ -51,7 +51,7 @@ def _results(nproc, plans, cases):
 
 @pytest.fixture(scope="module")
 def two():
-    return _results(2, TWO, (*FP32_CASES, "muon", "muon_adamw", "ds_adafactor", "ds_muon"))
+    return _results(2, TWO, (*FP32_CASES, "muon", "muon_adamw", "muon_adamw_tied", "ds_adafactor", "ds_muon"))
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,27 @@ def test_muon_equals_ddp_bit_for_bit(two, plan, case):
     r = two[(plan, case)]
     _matches(r, tol=0.0)
     assert r["whole"] == (plan in ROW_SHARDED)
+
+
+def test_muon_owners_balance_newton_schulz_work_and_equal_ddp(two):
+    """Muon + AdamW on tiny-llama with tied embeddings under ``p=1x1,g=1x1,os=2x1`` (2 owners):
+    bit for bit the ``ddp`` plan, and the owners split the work - m*n*min(m, n) per hidden
+    matrix, the element count of the AdamW tensors (embedding, norms) - within 5 %. By hand, a
+    byte balance of the same tensors (greedy on elements) gives the owners 3,277,120 and
+    2,375,680 (1.38x); the cost balance 2,834,432 and 2,818,368, with 62,464 and 46,400
+    elements, under the byte cap 54,432 + 16,384 (ownership.py [Note: owners balanced by the
+    optimizer's work])."""
+    r = two[("p=1x1,g=1x1,os=2x1", "muon_adamw_tied")]
+    _matches(r, tol=0.0)
+    work, held = [0, 0], [0, 0]
+    for name, (owner, shape) in r["owners"].items():
+        numel = shape[0] * (shape[1] if len(shape) == 2 else 1)
+        hidden = len(shape) == 2 and "embed" not in name and "lm_head" not in name
+        work[owner] += numel * min(shape) if hidden else numel
+        held[owner] += numel
+    assert sum(work) == 2834432 + 2818368 and sum(held) == 108864, (work, held)  # tiny-llama, tied
+    assert max(work) <= 1.05 * min(work), work
+    assert max(held) <= sum(held) / 2 + 256 * 64, held
 
 
 @pytest.mark.parametrize("nproc,plan", CASES_OF)
@@ -146,6 +167,56 @@ def test_kinds_by_exact_class_or_declaration():
     assert unwrap_optimizer(wrapped) is inner
 
 
+def test_owners_balanced_by_cost_by_hand():
+    """ownership.py [Note: owners balanced by the optimizer's work], hand-computed."""
+    from amsp_ext.runtime.optim.ownership import assign_by_cost, assign_greedy, step_cost
+
+    assert step_cost((64, 64)) == 64 ** 3 and step_cost((1024, 8)) == 1024 * 8 * 8
+    assert step_cost((8, 4, 4)) == 8 * 16 * 8 and step_cost((64,)) == 64 and step_cost((0, 3)) == 1
+    assert step_cost((64, 64), matrix=False) == 4096
+    # two squares and a thin matrix of as many elements as both: bytes put the squares together
+    # (work 524,288 against 65,536), the cost puts the thin one beside a square (327,680 / 262,144)
+    numels, costs = [4096, 4096, 8192], [262144, 262144, 65536]
+    assert assign_greedy(numels, 2) == [1, 1, 0]
+    assert assign_by_cost(costs, numels, 2) == [0, 1, 0]
+    # the byte cap: 31 elements, the largest 10, so an owner holds at most 15.5 + 10; the third
+    # cheap tensor would bring owner 1 to 30 and goes beside the expensive one instead
+    assert assign_by_cost([100, 1, 1, 1], [1, 10, 10, 10], 2) == [0, 1, 1, 0]
+    # 4 owners, forward order S1 S2 T1 T2 S3 S4 T3 T4 V: squares 32 x 32 (32,768 each), thin
+    # 256 x 4 (4,096 each, as many elements), a vector; bytes deal them round-robin, so owners 0
+    # and 1 get two squares each (65,536); the cost gives each owner one square and one thin one
+    S, T = (32, 32), (256, 4)
+    shapes = [S, S, T, T, S, S, T, T, (32,)]
+    numels = [32 * 32] * 8 + [32]
+    assert assign_greedy(numels, 4) == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert assign_by_cost([step_cost(s) for s in shapes], numels, 4) == [0, 1, 0, 1, 2, 3, 2, 3, 0]
+    with pytest.raises(ValueError, match="num_owners must be >= 1"):
+        assign_by_cost([1], [1], 0)
+
+
+def test_tensor_costs_follow_what_the_optimizer_does_with_each_tensor():
+    """Muon's matrices (and an unknown whole-tensor optimizer's) pay m*n*min(m, n); Adafactor's
+    and MuonWithAdamW's AdamW groups the element count."""
+    import torch
+
+    from amsp_ext.runtime.optim.kinds import detect_kind
+    from amsp_ext.runtime.optim.muon_adamw import muon_adamw_factory
+    from tests.whole_tensor_worker import FrobeniusSGD
+
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(100, 8), "proj": torch.nn.Linear(8, 32, bias=False),
+                                 "norm": torch.nn.LayerNorm(32)})
+    mats = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
+    muon = detect_kind(lambda ps: torch.optim.Muon(ps), mats)
+    assert muon.kind == "whole_tensor" and muon.costs == {"embed.weight": 100 * 8 * 8, "proj.weight": 32 * 8 * 8}
+    assert detect_kind(lambda ps: torch.optim.Adafactor(ps), model.named_parameters()).costs == {
+        "embed.weight": 800, "proj.weight": 256, "norm.weight": 32, "norm.bias": 32}
+    assert detect_kind(lambda ps: FrobeniusSGD(ps), model.named_parameters()).costs["proj.weight"] == 32 * 8 * 8
+    # MuonWithAdamW: the embedding and the norm go to AdamW
+    mixed = detect_kind(muon_adamw_factory(), model.named_parameters())
+    assert mixed.costs == {"embed.weight": 800, "proj.weight": 32 * 8 * 8, "norm.weight": 32, "norm.bias": 32}
+    assert detect_kind(lambda ps: torch.optim.AdamW(ps), model.named_parameters()).costs == {}
+
+
 def test_detect_kind_builds_on_meta_and_asks_for_a_declaration_when_it_cannot():
     import torch
 
@@ -158,10 +229,12 @@ def test_detect_kind_builds_on_meta_and_asks_for_a_declaration_when_it_cannot():
         seen.extend((p.device.type, p.amsp_name, tuple(p.shape)) for p in ps)
         return torch.optim.Adafactor(ps)
 
-    assert detect_kind(factory, model.named_parameters()) == ("whole_tensor", "Adafactor")
+    d = detect_kind(factory, model.named_parameters())
+    assert (d.kind, d.name) == ("whole_tensor", "Adafactor")
     assert seen == [("meta", "0.weight", (4, 4)), ("meta", "0.bias", (4,)), ("meta", "1.weight", (4,)),
                     ("meta", "1.bias", (4,))]
-    assert detect_kind(factory, model.named_parameters(), "elementwise") == ("elementwise", "declared")
+    d = detect_kind(factory, model.named_parameters(), "elementwise")
+    assert (d.kind, d.name, d.costs) == ("elementwise", "declared", {})
 
     def needs_real(ps):
         return torch.optim.SGD([p.to("cpu") for p in ps], lr=0.1)

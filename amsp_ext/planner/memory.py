@@ -30,13 +30,19 @@ precision and the optimizer:
   as 0 bytes per parameter.
 
 [Note: whole-tensor optimizers]
-Muon and Adafactor read each tensor whole. With sp > 1 one rank of each param_shard group steps
-a tensor whole (runtime/optim/whole_tensor.py), so a rank's optimizer states are no longer
-exactly K*Phi/sos: ownership is balanced by the optimizer's work, and the owner of the largest
-tensor holds at most one tensor more than its share: K*Phi/sos + K*max_tensor, the bound the
-planner charges. In mixed precision the engine also keeps the fp32 rows of the shards it owns
-beside the whole masters (4*Phi/sos), and the step's exchange buffers (send and receive, fp32)
-add 2*4*Phi/sos to the optimizer-step moment.
+Muon and Adafactor read each tensor whole, and the engine balances their owners by the
+optimizer's work, not by bytes, under a byte cap: an owner holds at most total/b + the largest
+tensor (runtime/optim/ownership.py [Note: owners balanced by the optimizer's work]). So a
+rank's optimizer states are not K*Phi/sos but at most, with X the largest tensor and
+b = sos/sp the optim_bcast owners (X only when b > 1: one owner holds everything exactly):
+* sp = 1: W = Phi/sos + X whole tensors, K*W (the masters are in K, or the parameters in fp32);
+* sp > 1: the b groups are capped as above, then inside a param_shard group one rank steps
+  each tensor whole (runtime/optim/whole_tensor.py), capped again: a rank holds the rows
+  R = Phi/sos + X/sp of its group's tensors and whole tensors W = R + X; K*W plus 4 bytes for
+  the copy beside them: the fp32 rows (4*R) in mixed precision, the whole fp32 masters (4*W)
+  in fp32, where the rows are the parameters.
+These are the bounds the planner charges. The step's exchange buffers (sp > 1, send and
+receive, fp32) add 2*4*Phi/sos to the optimizer-step moment.
 
   8-bit Adam stores m and v as one byte each plus one fp32 absmax per block of 2048 values per
   state (Dettmers et al. 2022, block-wise quantisation).
@@ -217,6 +223,18 @@ def _largest_tensor(spec: ModelSpec) -> int:
     return max([n for _, n in spec.layer_units("module")] + [n for _, n in spec.outside_params()])
 
 
+def _whole_tensor_optim(spec: ModelSpec, plan: Plan, precision: str, *, phi: float, k: float) -> float:
+    """The bound of a rank's optimizer bytes under a whole-tensor optimizer ([Note:
+    whole-tensor optimizers])."""
+    big = _largest_tensor(spec)
+    over = big if plan.sos // plan.sp > 1 else 0  # the optim_bcast owners' cap
+    if plan.sp == 1:
+        return k * (phi / plan.sos + over)
+    rows = phi / plan.sos + over / plan.sp
+    whole = rows + big
+    return k * whole + 4 * (rows if precision != "fp32" else whole)
+
+
 def param_bytes(precision: str) -> int:
     """Bytes of one parameter (and one gradient, one activation element) in ``precision``."""
     return 4 if precision == "fp32" else 2
@@ -370,8 +388,9 @@ def memory_breakdown(
         "optimizer step": {"activations": 0, "tmp": parts["owned_fp32_grads"] + parts["broadcast_staging"]},
     }
     optim = k * phi / plan.sos
+    if training.optimizer in WHOLE_TENSOR_OPTIMIZERS:
+        optim = _whole_tensor_optim(spec, plan, training.precision, phi=phi, k=k)
     if whole_tensor_rows(training, plan):  # [Note: whole-tensor optimizers]
-        optim += k * _largest_tensor(spec) + (4 * phi / plan.sos if training.precision != "fp32" else 0)
         parts["whole_tensor_exchange"] = int(2 * 4 * phi / plan.sos)
         moments["optimizer step"]["tmp"] += parts["whole_tensor_exchange"]
     peak = max(moments, key=lambda m: moments[m]["activations"] + moments[m]["tmp"])  # ties: first

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import datetime
 import weakref
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 import torch.distributed as dist
@@ -276,7 +276,8 @@ def run_info(parts: EngineParts) -> dict:
 
 def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig, device: torch.device,
                  comm: C.CollectiveContext, *, optimizer_factory=None, optimizer: AMSPOptimizer | None = None,
-                 optimizer_kind: str = "elementwise", monitor: Callable[[EngineParts], Any] | None = None,
+                 optimizer_kind: str = "elementwise", optimizer_costs: Mapping[str, int] | None = None,
+                 monitor: Callable[[EngineParts], Any] | None = None,
                  previous: "Engine | None" = None, initial=None, profile_source=None) -> Engine:
     """[Note: one assembly of an engine]
     ``shard`` builds the first engine of a model and ``switch_plan`` every next one, both here:
@@ -288,19 +289,21 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
     it replaces as ``previous`` (its switch record, retired meshes and state-dict mode go on).
     ``initial``: see ``build_parts``. ``profile_source``: where the first plan's profile came
     from (runtime/measure/cluster.py), kept by every switch. ``optimizer_kind``: what
-    ``optimizer_factory`` builds (optim/kinds.py); a kept optimizer keeps its own."""
+    ``optimizer_factory`` builds (optim/kinds.py), ``optimizer_costs`` its work per parameter
+    name (kinds.py ``tensor_costs``); a kept optimizer keeps its own."""
     guard = optimizer.guard if optimizer is not None else NonFiniteGuard(max_bad_steps=config.max_bad_steps)
     forward_only = optimizer is None and optimizer_factory is None
     kind = optimizer.kind if optimizer is not None else optimizer_kind
+    costs = optimizer.step_costs if optimizer is not None else dict(optimizer_costs or {})
     parts = build_parts(model, plan, world, config, device, comm, guard=guard, initial=initial,
-                        forward_only=forward_only, whole_tensor=kind == "whole_tensor")
+                        forward_only=forward_only, whole_tensor=costs if kind == "whole_tensor" else None)
     wiring = dict(tensors=parts.tensors, grads=parts.grad_sync, params=parts.param_sync,
                   norm_group=parts.norm_group, run_info=run_info(parts), whole=parts.whole)
     if forward_only:  # grad_sync.py [Note: a model without an optimizer]
         pass
     elif optimizer is None:
         optimizer = AMSPOptimizer(parts.masters, optimizer_factory, device=device, precision=config.precision,
-                                  fp16=config.fp16, guard=guard, kind=kind,
+                                  fp16=config.fp16, guard=guard, kind=kind, step_costs=costs,
                                   adaptive=monitor(parts) if monitor is not None else None, **wiring)
     else:
         optimizer.rebind(parts.masters, **wiring)
@@ -314,7 +317,7 @@ def build_engine(model: nn.Module, plan: Plan, world: World, config: ShardConfig
 
 def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
                 device: torch.device, comm: C.CollectiveContext, *, guard: NonFiniteGuard,
-                initial=None, forward_only: bool = False, whole_tensor: bool = False) -> EngineParts:
+                initial=None, forward_only: bool = False, whole_tensor: Mapping[str, int] | None = None) -> EngineParts:
     """Steps 3-6 of [Note: order of construction]: the mesh, the units (FSDP2 when sp > 1), the
     layout, the owners' fp32 masters, the model in the compute dtype, GradSync and ParamSync
     (not yet installed), all issuing through ``comm``. ``guard``: the optimizer's non-finite
@@ -329,8 +332,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     optimizer]): no local tensors are laid out, so no gradient path, master or broadcast exists;
     the parameters are sharded and filled as for training.
 
-    ``whole_tensor``: the optimizer reads whole tensors (optim/kinds.py); with sp > 1 its
-    masters are whole ones on whole owners (optim/whole_tensor.py)."""
+    ``whole_tensor``: a whole-tensor optimizer's work per parameter name (optim/kinds.py), its owners'
+    balance (ownership.py); with sp > 1 its masters are whole ones on whole owners (whole_tensor.py)."""
     tp = world.tensor_parallel > 1
     tp_sharded = tp_sharded_names(model) if tp else set()  # before FSDP2 makes every parameter a DTensor
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
@@ -349,11 +352,11 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     if initial is not None:
         materialize(model, device, dtype)
         refresh_params(units, model)
-    whole_rows = whole_tensor and plan.sp > 1 and not forward_only
+    whole_rows = whole_tensor is not None and plan.sp > 1 and not forward_only
     tensors = [] if forward_only else build_layout(
         units, plan=plan, world=world, rank=rank, bcast_ranks=mesh.ranks["optim_bcast"],
         shard_ranks=mesh.ranks["param_shard"], policy=config.ownership, tp_sharded=frozenset(tp_sharded),
-        by_global=whole_rows)
+        by_global=whole_rows, costs=whole_tensor)
     owned = [t for t in tensors if t.owner_rank == rank]
     fp32_rows: dict[int, torch.Tensor] = {}
     if initial is not None:

@@ -33,7 +33,7 @@ from amsp_ext.runtime.tensor_parallel import check_tensor_parallel, check_tp_pla
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.engine import Engine, build_engine
 from amsp_ext.planner.defaults import DEFAULT_OPTIMIZER
-from amsp_ext.runtime.optim.kinds import detect_kind, planner_optimizer
+from amsp_ext.runtime.optim.kinds import Detected, detect_kind, planner_optimizer
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer
 from amsp_ext.runtime.preflight import (check_same_everywhere, enable_recompute, engine_device, job_of, plan_world,
                                         resolve_on_ranks, run_fingerprint, same_initial_weights)
@@ -73,7 +73,7 @@ def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
     resolved = plan if isinstance(plan, ResolvedJob) else None
     config, comm = _checked(model, plan, optimizer_factory, config, init_from, comm, resolved)
     world = plan_world(config)
-    kind, config = _optimizer_kind(model, optimizer_factory, config, world, resolved)
+    detected, config = _optimizer_kind(model, optimizer_factory, config, world, resolved)
     config = _frozen_beside(model, optimizer_factory, config, resolved)
     job = resolved.job if resolved is not None else job_of(model, plan, config, world)
     # -- resolve: the plan and the all-reduce mode (amsp_ext/job.py) ---------------------------
@@ -113,25 +113,26 @@ def shard(model: nn.Module, plan: "Plan | str | ResolvedJob",
             return AdaptiveRun(model, monitor_problem, config.adaptive, plan=parts.plan, world=parts.world,
                                comm=comm, timeout=config.timeout,
                                first_switch_cost_s=time.perf_counter() - t_start, faults=faults())
-    if kind == "whole_tensor" and plan.sp > 1 and dist.get_rank() == 0:
+    if detected.kind == "whole_tensor" and plan.sp > 1 and dist.get_rank() == 0:
         print(f"[amsp] the optimizer reads whole tensors (optimizer_kind {config.optimizer_kind}): under "
               f"plan {plan} each tensor is stepped whole by one rank of its param_shard group "
               f"(optim/whole_tensor.py)", file=sys.stderr, flush=True)
     engine = build_engine(model, plan, world, config, device, comm, optimizer_factory=optimizer_factory,
-                          optimizer_kind=kind, monitor=monitor, initial=(config.init_seed, init) if on_meta else None,
-                          profile_source=profile_source)
+                          optimizer_kind=detected.kind, optimizer_costs=detected.costs, monitor=monitor,
+                          initial=(config.init_seed, init) if on_meta else None, profile_source=profile_source)
     return model, engine.optimizer
 
 
 def _optimizer_kind(model: nn.Module, optimizer_factory, config: ShardConfig, world,
-                    resolved: ResolvedJob | None) -> tuple[str, ShardConfig]:
-    """``(elementwise or whole_tensor, config)`` (optim/kinds.py): the combinations not built
+                    resolved: ResolvedJob | None) -> tuple[Detected, ShardConfig]:
+    """``(what the factory builds, config)`` (optim/kinds.py): the combinations not built
     for a whole-tensor optimizer refused in one line, before any collective; plan "auto" set to
     price the whole-tensor optimizer that will run unless the config names one."""
     if optimizer_factory is None:
-        return "elementwise", config  # no optimizer: nothing is stepped
-    kind, name = detect_kind(optimizer_factory, model.named_parameters(), config.optimizer_kind)
-    if kind == "whole_tensor":
+        return Detected("elementwise", "none"), config  # no optimizer: nothing is stepped
+    detected = detect_kind(optimizer_factory, model.named_parameters(), config.optimizer_kind)
+    name = detected.name
+    if detected.kind == "whole_tensor":
         if world.tensor_parallel > 1:
             raise ValueError(f"optimizer {name} reads whole tensors (optimizer_kind), and tensor "
                              f"parallelism splits them: not built yet; use an elementwise optimizer "
@@ -142,7 +143,7 @@ def _optimizer_kind(model: nn.Module, optimizer_factory, config: ShardConfig, wo
         if resolved is None and config.auto is not None and config.auto.optimizer == DEFAULT_OPTIMIZER:
             config = dataclasses.replace(config, auto=dataclasses.replace(
                 config.auto, optimizer=planner_optimizer(name)))
-    return kind, config
+    return detected, config
 
 
 def _frozen_beside(model: nn.Module, optimizer_factory, config: ShardConfig,

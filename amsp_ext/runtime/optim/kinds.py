@@ -20,19 +20,34 @@ The class is known only once ``optimizer_factory`` runs, and the factory is give
 of a layout that depends on the answer. So ``shard()`` calls the factory once on meta
 placeholders shaped as the trainable parameters (each with ``amsp_name``, in forward order)
 before any collective, reads the class, and drops that optimizer. A factory that fails on
-placeholders is answered in one line asking for the declaration.
+placeholders is answered in one line asking for the declaration. The same placeholder
+optimizer says what each tensor's step costs (``tensor_costs``), which whole-tensor ownership
+balances (ownership.py [Note: owners balanced by the optimizer's work]); a declared kind builds
+nothing, and its tensors are costed as matrices.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.nn as nn
 
 from amsp_ext.choices import OPTIMIZER_KINDS, check_one_of
+from amsp_ext.runtime.optim.ownership import step_cost
 
-__all__ = ["ELEMENTWISE", "detect_kind", "kind_of_class", "planner_optimizer", "unwrap_optimizer"]
+__all__ = ["ELEMENTWISE", "Detected", "detect_kind", "kind_of_class", "planner_optimizer", "tensor_costs",
+           "unwrap_optimizer"]
+
+
+@dataclass(frozen=True)
+class Detected:
+    kind: str  # elementwise | whole_tensor
+    name: str  # the optimizer's class name, or "declared"
+    # parameter name -> the optimizer's work on it (whole-tensor optimizers built on placeholders;
+    # empty otherwise: a tensor not named here is costed by its shape as a matrix)
+    costs: Mapping[str, int] = field(default_factory=dict)
 
 # exact classes, by module and name (no import of DeepSpeed, apex or bitsandbytes here)
 ELEMENTWISE = frozenset({
@@ -76,10 +91,34 @@ def planner_optimizer(class_name: str) -> str:
     return "adafactor" if "adafactor" in class_name.lower() else "muon"
 
 
+def _linear_work(cls: type) -> bool:
+    """An optimizer whose work per tensor is linear in its elements (elementwise ones, and
+    Adafactor: its row and column means are one pass)."""
+    return kind_of_class(cls) == "elementwise" or "adafactor" in cls.__name__.lower()
+
+
+def tensor_costs(opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameter name (``amsp_name``) -> the optimizer's work on it (ownership.py [Note: owners
+    balanced by the optimizer's work]): a group that says ``use_muon`` is Muon's (matrix cost)
+    or AdamW's (element count); otherwise the class decides, and a class not known to be
+    linear is costed as matrices (Muon, Shampoo and unknown ones: never guess cheap)."""
+    linear = _linear_work(type(opt))
+    costs = {}
+    for g in opt.param_groups:
+        use_muon = g.get("use_muon")
+        matrix = use_muon if isinstance(use_muon, bool) else not linear
+        for p in g["params"]:
+            name = getattr(p, "amsp_name", None)
+            if name is not None:
+                costs[name] = step_cost(tuple(p.shape), matrix)
+    return costs
+
+
 def detect_kind(optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                params: Iterable[tuple[str, nn.Parameter]], declared: str = "detect") -> tuple[str, str]:
-    """``(kind, class name)`` of what ``optimizer_factory`` builds ([Note: deciding before the
-    engine exists]); ``declared`` (ShardConfig.optimizer_kind) other than ``detect`` wins."""
+                params: Iterable[tuple[str, nn.Parameter]], declared: str = "detect") -> Detected:
+    """The kind, class name and per-tensor costs of what ``optimizer_factory`` builds ([Note:
+    deciding before the engine exists]); ``declared`` (ShardConfig.optimizer_kind) other than
+    ``detect`` wins."""
     check_one_of(declared, OPTIMIZER_KINDS, "optimizer_kind")
     placeholders = []
     for name, p in params:
@@ -88,7 +127,7 @@ def detect_kind(optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Op
             m.amsp_name = name
             placeholders.append(m)
     if declared != "detect":
-        return declared, "declared"
+        return Detected(declared, "declared")
     try:
         built = optimizer_factory(placeholders or [nn.Parameter(torch.empty(0, device="meta"))])
     except Exception as e:  # noqa: BLE001 - any failure: ask for the declaration
@@ -100,4 +139,5 @@ def detect_kind(optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Op
     opt = unwrap_optimizer(built)
     if not isinstance(opt, torch.optim.Optimizer):
         raise ValueError(f"optimizer_factory must return a torch.optim.Optimizer, got {type(opt).__name__}")
-    return kind_of_class(type(opt)), type(opt).__name__
+    kind = kind_of_class(type(opt))
+    return Detected(kind, type(opt).__name__, tensor_costs(opt) if kind == "whole_tensor" else {})

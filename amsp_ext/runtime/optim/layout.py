@@ -9,14 +9,14 @@ the metadata a checkpoint needs (name, global shape, local shape, shard index, o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from amsp_ext.runtime import _torch_compat as compat
-from amsp_ext.runtime.optim.ownership import assign_owners
+from amsp_ext.runtime.optim.ownership import assign_by_cost, assign_owners, step_cost
 from amsp_ext.runtime.sync.units import Unit, layout_order
 from amsp_ext.topology.groups import MESH_AXES, mesh_ranks
 
@@ -37,6 +37,9 @@ class LocalTensor:
     # how many ranks of my TP group hold this same tensor: 1 for a TP shard, T for a parameter
     # outside the TP plan (tensor_parallel.py [Note: TP shards and replicated parameters])
     tp_replicas: int = 1
+    # the optimizer's work on the whole tensor (ownership.py [Note: owners balanced by the
+    # optimizer's work]); whole-tensor optimizers only, 0 otherwise
+    work: int = 0
 
     @property
     def numel(self) -> int:
@@ -63,12 +66,16 @@ class LocalTensor:
 
 def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: Sequence[int],
                  shard_ranks: Sequence[int], policy: str,
-                 tp_sharded: frozenset[str] = frozenset(), by_global: bool = False) -> list[LocalTensor]:
+                 tp_sharded: frozenset[str] = frozenset(), by_global: bool = False,
+                 costs: Mapping[str, int] | None = None) -> list[LocalTensor]:
     """``tp_sharded``: the names of the parameters split over TP (world.tensor_parallel > 1);
     every other parameter is held whole by the T ranks of a TP group (``tp_replicas``).
     ``by_global``: owners balanced on the parameters' global sizes, so a tensor has the same
     owner index at every shard position (whole_tensor.py [Note: whole-tensor optimizers on row
-    shards]); else on the local sizes, which may differ by position when rows do not divide."""
+    shards]); else on the local sizes, which may differ by position when rows do not divide.
+    ``costs`` (a whole-tensor optimizer's work per parameter name; a name not in it is costed
+    as a matrix by its global shape): the greedy policy balances that work under a byte cap
+    (ownership.py [Note: owners balanced by the optimizer's work]); None balances bytes."""
     T = world.tensor_parallel
     entries = []
     # units.py [Note: one root unit]: where the root's tensors go depends on when their
@@ -79,7 +86,11 @@ def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: 
         local = compat.dtensor_local(p)
         entries.append((ui, name, p, tuple(p.shape), tuple(local.shape)))
     numels = [int(torch.Size(e[3] if by_global else e[4]).numel()) for e in entries]
-    owners = assign_owners(numels, len(bcast_ranks), policy)
+    work = [0] * len(entries) if costs is None else [costs.get(e[1], step_cost(e[3])) for e in entries]
+    if costs is not None and policy == "greedy":
+        owners = assign_by_cost(work, numels, len(bcast_ranks))
+    else:
+        owners = assign_owners(numels, len(bcast_ranks), policy)
     coords = {r: c for c, r in mesh_ranks(plan, world).items()}
     mine = coords[rank]
     grad_axes = [MESH_AXES.index("node_g"), MESH_AXES.index("local_g")]
@@ -98,5 +109,5 @@ def build_layout(units: Sequence[Unit], *, plan, world, rank: int, bcast_ranks: 
         out.append(LocalTensor(index=i, name=name, param=p, unit=ui, global_shape=gshape,
                                local_shape=lshape, shard_index=shard_index,
                                owner_rank=owner_rank, keeper_rank=keeper_of(owner_rank),
-                               tp_replicas=1 if name in tp_sharded else T))
+                               tp_replicas=1 if name in tp_sharded else T, work=work[i]))
     return out

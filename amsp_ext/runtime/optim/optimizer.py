@@ -139,12 +139,15 @@ class AMSPOptimizer(torch.optim.Optimizer):
                  norm_group: NormGroup, device: torch.device, precision: str,
                  fp16: FP16Config | None = None, run_info: Mapping[str, Any] | None = None,
                  guard: NonFiniteGuard | None = None, adaptive: StepBoundary | None = None,
-                 kind: str = "elementwise", whole: WholeTensors | None = None) -> None:
+                 kind: str = "elementwise", whole: WholeTensors | None = None,
+                 step_costs: Mapping[str, int] | None = None) -> None:
         self.masters = dict(masters)  # tensor index -> fp32 master (owned only), forward order
         self.tensors = list(tensors)
         # optim/kinds.py; ``whole``: the masters are whole tensors stepped by their whole owner
-        # (optim/whole_tensor.py [Note: whole-tensor optimizers on row shards])
+        # (optim/whole_tensor.py [Note: whole-tensor optimizers on row shards]); ``step_costs``:
+        # the inner optimizer's work per parameter name, which its owners are balanced by
         self.kind, self.whole = kind, whole
+        self.step_costs = dict(step_costs or {})
         self._tp_replicas = _tp_replicas(self.tensors)
         self._grads, self._params, self._norm_group = grads, params, norm_group
         self.device = device

@@ -25,15 +25,67 @@ gradient group keeps (accumulates) each tensor's reduced gradient, and the other
 gradient group equals the owner's position in the owner's gradient group. So the owner keeps
 its own tensors, every gradient group keeps each tensor exactly once (its sum enters the final
 replica AllReduce exactly once), and each rank keeps about 1/g of the gradients (2 Phi / sg).
+
+[Note: owners balanced by the optimizer's work]
+An elementwise optimizer's step costs about the same per element, so balancing bytes balances
+the step too. A whole-tensor optimizer's does not: Muon's Newton-Schulz on an m x n matrix costs
+about m*n*min(m, n) flops (``step_cost``): min(m, n) per element, so a 4096 x 4096 matrix
+costs 4x a 1024 x 4096 one (a grouped-query key projection) per element, and a byte balance can
+put the square matrices on one owner, whose step then sets everyone's (the broadcast waits for
+it). So whole-tensor owners are
+balanced by ``step_cost`` (``assign_by_cost``: greedy, the costliest tensor first onto the
+owner with the least work), under a byte cap that keeps the memory bound the planner charges
+(planner/memory.py [Note: whole-tensor optimizers]): no owner takes a tensor that would bring
+its bytes above total/b + the largest tensor. The cap never leaves a tensor without an owner:
+before a tensor of n elements is placed the others hold at most total - n, so the least-loaded
+owner holds at most (total - n)/b <= total/b, and adding n <= largest stays under the cap.
+The cost is the optimizer's per tensor (optim/kinds.py ``tensor_costs``): Muon's groups and
+unknown whole-tensor optimizers pay the matrix cost, Adafactor and AdamW's groups the element
+count (their work is linear), for which the cost balance is the byte balance again. The
+``blocks`` policy stays a byte balance: its point is one owner per unit, not the step's work.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from amsp_ext.choices import OWNERSHIPS, check_one_of
 
-__all__ = ["assign_blocks", "assign_greedy", "assign_owners", "load_per_owner"]
+__all__ = ["assign_blocks", "assign_by_cost", "assign_greedy", "assign_owners", "load_per_owner", "step_cost"]
+
+
+def step_cost(shape: Sequence[int], matrix: bool = True) -> int:
+    """The optimizer's work on one tensor ([Note: owners balanced by the optimizer's work]):
+    m*n*min(m, n) for a matrix (flattened past dim 0) when ``matrix``, else the element count
+    (at least 1, so an empty tensor still counts as one)."""
+    n = math.prod(shape)
+    if not matrix or len(shape) < 2 or n == 0:
+        return max(n, 1)
+    m = shape[0]
+    k = n // m
+    return m * k * min(m, k)
+
+
+def assign_by_cost(costs: Sequence[int], numels: Sequence[int], num_owners: int) -> list[int]:
+    """Greedy on ``costs`` (costliest first onto the owner with the least cost; ties: the
+    lower index) among the owners whose bytes stay within sum(numels)/b + max(numels)
+    ([Note: owners balanced by the optimizer's work])."""
+    if num_owners < 1:
+        raise ValueError(f"num_owners must be >= 1, got {num_owners}")
+    if len(costs) != len(numels):
+        raise ValueError(f"costs has {len(costs)} entries, numels {len(numels)}")
+    b = num_owners
+    cap_b = sum(numels) + b * max(numels, default=0)  # the cap times b, to stay in integers
+    work, held = [0] * b, [0] * b
+    owner = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], -numels[i], i)):
+        fits = [k for k in range(b) if b * (held[k] + numels[i]) <= cap_b]
+        k = min(fits, key=lambda k: (work[k], k))  # never empty: see the Note
+        owner[i] = k
+        work[k] += costs[i]
+        held[k] += numels[i]
+    return owner
 
 
 def assign_greedy(numels: Sequence[int], num_owners: int) -> list[int]:

@@ -7,8 +7,8 @@ optimizer (kinds.py) must see the whole matrix. For one, ownership is assigned b
 param_shard group (those with the same optim_bcast coordinate) and every rank of that group owns
 the same tensors. Among them one rank, the tensor's *whole owner*, keeps the fp32 master of the
 whole tensor and the optimizer's states for it; whole owners are spread over the group by the
-optimizer's work (greedy on m*n*min(m, n) for a matrix, Muon's Newton-Schulz cost; the element
-count otherwise). A step is then: one all-to-all in the group sends each rank's reduced,
+optimizer's work under a byte cap (ownership.py [Note: owners balanced by the optimizer's
+work]: m*n*min(m, n) for a matrix Muon orthogonalises, the element count for Adafactor). A step is then: one all-to-all in the group sends each rank's reduced,
 clipped row-shard gradients to their whole owners; the owners step; a second all-to-all sends
 each rank its new rows, which it writes into its fp32 rows and its local parameter and then
 broadcasts to its optim_bcast group as before (param_sync.py). So every rank of the group sends
@@ -32,21 +32,10 @@ from torch.profiler import record_function
 
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.optim.layout import LocalTensor
-from amsp_ext.runtime.optim.ownership import assign_greedy
+from amsp_ext.runtime.optim.ownership import assign_by_cost
 from amsp_ext.topology.mesh import GroupHandle
 
-__all__ = ["WholeTensors", "step_cost"]
-
-
-def step_cost(shape: Sequence[int]) -> int:
-    """The optimizer's work on one tensor, for balancing whole owners: m*n*min(m, n) for a
-    matrix (flattened past dim 0), the element count otherwise."""
-    n = math.prod(shape)
-    if len(shape) < 2 or n == 0:
-        return max(n, 1)
-    m = shape[0]
-    k = n // m
-    return m * k * min(m, k)
+__all__ = ["WholeTensors"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +75,7 @@ class WholeTensors:
             raise RuntimeError(f"{group.name}: group order {dist.get_process_group_ranks(group.pg)} is not "
                                f"the shard order {list(group_ranks)}")
         owned = [t for t in tensors if t.owner_rank == rank]
-        where = assign_greedy([step_cost(t.global_shape) for t in owned], self.size)
+        where = assign_by_cost([t.work for t in owned], [math.prod(t.global_shape) for t in owned], self.size)
         self.entries: list[_Entry] = []
         for t, j in zip(owned, where):
             if not t.global_shape:
