@@ -8,6 +8,9 @@ Usage: python -m tests.fork_launch 2 torch,amsp,deepspeed tests.gathered_worker 
   write     modifier_rank=0 writes reach every rank's shard and the fp32 masters; the next step
             trains from them like the single-process reference
   refuse    unsupported uses stop with one line naming the parameter
+  handle    a handle taken before entering: its .data and conversions are the full weight
+            inside (OpenRLHF's weight sync), a write through it with modifier_rank reaches
+            every shard, one without is refused
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from amsp_ext.common.data import micro_batch
 from amsp_ext.common.models import build_llama, causal_lm_loss
@@ -170,6 +174,53 @@ def case_write(engine, ref, gp):
          q_moved_by_step=moved, exit=exit_counts, units_written=units_of(engine, set(names)))
 
 
+def case_handle(engine, ref, gp):
+    """OpenRLHF's weight sync: each handle taken before its context, read inside through
+    ``p.data`` (and the usual conversions) and broadcast; then a write through ``p.data`` with
+    and without ``modifier_rank`` ([Note: a handle taken before entering])."""
+    m = engine.module
+    rank = dist.get_rank()
+    diff, types, inside, after = 0.0, set(), set(), set()
+    for name, p in m.named_parameters():  # the handle, before any context
+        want = get(ref, name).detach()
+        with gp([p], enabled=True):
+            inside.add(f"{type(p).__name__}:{isinstance(p, DTensor)}")
+            reads = [p.data, p.detach(), p.cpu(), p.to(torch.float32), p.clone(), p.contiguous(), p.float()]
+            types.update(type(r).__name__ for r in reads)
+            diff = max([diff] + [float((r.detach() - want).abs().max()) for r in reads])
+            # rank 0 sends the whole weight (to vLLM in OpenRLHF; to rank 1 here)
+            buf = p.data if rank == 0 else torch.empty(tuple(p.shape), dtype=p.dtype)
+            dist.broadcast(buf, 0)
+            diff = max(diff, float((buf - want).abs().max()))
+        after.add(type(p).__name__)
+    q = get(m, Q)
+    new_q = get(ref, Q).detach() * -0.5
+    with torch.no_grad():
+        get(ref, Q).copy_(new_q)  # the reference takes the modifier's write
+    with gp([q], modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            q.data.copy_(new_q)  # through the handle taken before entering
+    shape, off = compat.local_chunk(q)
+    rows = new_q[tuple(slice(o, o + s) for o, s in zip(off, shape))]
+    written = float((compat.dtensor_local(q) - rows).abs().max())
+    t = next(t for t in m.amsp.tensors if t.name == Q)
+    if t.owner_rank == rank:  # the owner's fp32 master took it too
+        master = engine.optimizer.local_masters[t.index].view(compat.dtensor_local(q).shape)
+        written = max(written, float((master - rows).abs().max()))
+
+    def unflagged():
+        with gp([q]), torch.no_grad():
+            q.data.add_(1.0)
+    refused = one_line(unflagged)
+    kept = float((compat.dtensor_local(q) - rows).abs().max())
+    if m.amsp.plan.sp == 1:  # the handle is the parameter itself: the refused write stays there
+        with torch.no_grad():
+            q.data.sub_(1.0)
+    emit("handle", max_abs_diff=worst(diff), read_types=sorted(types), inside=sorted(inside),
+         after=sorted(after), written_max_abs_diff=worst(written), refused=refused,
+         kept_max_abs_diff=worst(kept), sp=m.amsp.plan.sp)
+
+
 def one_line(fn):
     try:
         fn()
@@ -212,7 +263,8 @@ def case_refuse(engine, ref, gp):
     emit("refuse", messages=out, unchanged_max_abs_diff=worst(same), still_sharded=type(get(m, Q)).__name__)
 
 
-CASES = {"read": case_read, "generate": case_generate, "refuse": case_refuse, "write": case_write}
+CASES = {"read": case_read, "generate": case_generate, "refuse": case_refuse, "write": case_write,
+         "handle": case_handle}
 
 
 def main():

@@ -32,12 +32,12 @@ def launch(plan, cases, *extra):
 
 @pytest.fixture(scope="module")
 def sharded():
-    return launch(SHARDED, "read,generate,refuse,write")
+    return launch(SHARDED, "read,generate,handle,refuse,write")
 
 
 @pytest.fixture(scope="module")
 def whole():
-    return launch(WHOLE, "read,generate,write")
+    return launch(WHOLE, "read,generate,handle,write")
 
 
 def test_reads_are_the_full_weights_in_one_gather_per_unit(sharded):
@@ -65,6 +65,21 @@ def test_modifier_writes_reach_every_shard_and_master(sharded):
     # one all-gather per unit on enter, the flags, one broadcast of the changed tensors
     assert r["exit"] == {"all_gather:param_shard": r["units_written"], "all_reduce:world": 1,
                          "broadcast:world": 1}
+
+
+def test_a_handle_taken_before_entering_reads_and_writes_the_full_weight(sharded, whole):
+    """OpenRLHF's weight sync ([Note: a handle taken before entering]); before: p.data was the
+    sharded DTensor and broadcasting it raised inside DTensor."""
+    for r in (sharded["handle"], whole["handle"]):
+        assert r["max_abs_diff"] == 0.0 and set(r["read_types"]) <= {"Parameter", "Tensor"}, r
+        assert r["written_max_abs_diff"] == 0.0, r  # every shard and the owner's master
+    r = sharded["handle"]
+    assert r["sp"] == 2 and r["inside"] == ["_GatheredHandle:True"] and r["after"] == ["DTensor"], r
+    # a write through the handle without modifier_rank: refused, and it never reached the shards
+    # (with sp = 1 such a .data write goes unseen: [Note: what counts as a write])
+    msg = r["refused"]
+    assert msg and "'model.layers.0.self_attn.q_proj.weight'" in msg and "modifier_rank" in msg, r
+    assert "\n" not in msg and r["kept_max_abs_diff"] == 0.0, r
 
 
 def test_unsupported_uses_are_refused_in_one_line(sharded):

@@ -21,8 +21,8 @@ old weights back). Under AMSP:
   once per token. With sp = 1 every rank holds every parameter whole: nothing is gathered.
 - Inside, the modules' attributes (``module.weight``, ``model.named_parameters()``,
   ``state_dict``-free reads) are the full tensors in the compute dtype. A handle to the sharded
-  parameter taken before entering stays the DTensor (its type cannot change): its reads go
-  through DTensor, and a write through it is refused on exit (below).
+  parameter taken before entering stays the DTensor object, but its ``.data`` and conversions
+  read the full tensor ([Note: a handle taken before entering]).
 - Exit with ``modifier_rank``: one all-reduce of three flag rows (which parameters the modifier
   changed, which it changed to another shape, which any rank wrote through a sharded handle),
   so every rank takes the same branch; then one broadcast per dtype of the changed full
@@ -36,6 +36,33 @@ old weights back). Under AMSP:
   drops it silently); it is refused with one line naming the parameter, on the rank that wrote.
 - The units gathered on enter are resharded on exit, and their reshard-after-forward restored;
   units that were already gathered stay as they were.
+
+[Note: a handle taken before entering]
+Weight syncs to an inference engine (OpenRLHF, verl) take the handle first and gather it after:
+``for name, p in model.named_parameters(): with GatheredParameters([p]): broadcast(p.data, 0)``
+or ``vllm.update_weight(name, p.data)``. Under ZeRO-3 ``p.data`` is then the full tensor. Under
+AMSP with sp > 1 ``p`` is FSDP2's sharded DTensor, and the gathered weight is another object
+(the module's attribute). Found on 2 ranks, p=2x1 (before this): ``p.data``, ``p.detach()``,
+``p.cpu()`` are DTensors of the global shape holding this rank's rows; ``broadcast(p.data)``
+raised "c10d.broadcast_.default does not have a sharding strategy registered", ``.numpy()`` and
+a safetensors save raised, ``torch.equal`` with a plain tensor raised, ``p.full_tensor()`` was
+right (one more all-gather), ``p.data.to_local()`` the shard. Nothing named the parameter.
+
+So, for the context's lifetime, each listed sharded handle gets a subclass of DTensor
+(``__class__`` swapped on enter, restored on exit; ``isinstance(p, DTensor)`` holds throughout)
+whose ``__torch_function__`` answers ``.data``, ``.detach()``, ``.cpu()``, ``.to()``,
+``.clone()``, ``.contiguous()`` and ``.float()``/``.half()``/``.bfloat16()`` from the gathered
+full tensor, as DeepSpeed's parameter does; every other operation stays DTensor's (global
+values, or DTensor's own error), and DTensor's methods (``to_local``, ``full_tensor``) keep
+answering for the shard. Not ``.numpy()``: it shares the gathered storage, which FSDP2 then
+cannot free on exit ("Trying to resize storage that is not resizable"; the same happens to
+``module.weight.data.numpy()``); DTensor refuses it ("not supported for tensor subclasses"). A write through ``p.data`` is then a write to the gathered weight,
+the same as one through ``module.weight`` (kept with ``modifier_rank``, refused without); an
+in-place op on the handle itself still reaches only the rank's rows and is refused on exit
+(``_STALE``). FSDP2 and the engine read the handle only through attributes (``.grad``,
+``_local_tensor``, ``_version``) and DTensor methods, which pass through unchanged. When the
+unit was resharded inside the context (a ``state_dict`` call), the full tensor is gone and the
+handle is DTensor again. With sp = 1 the handle is the full parameter: nothing to do.
 
 [Note: what counts as a write]
 In-place counters (``Tensor._version``) do not see the commonest write, ``p.data.copy_(x)``:
@@ -60,6 +87,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from amsp_ext.runtime import _torch_compat as compat
@@ -89,6 +117,28 @@ class Target:
 
     def attribute(self) -> torch.Tensor:
         return getattr(*self.home)
+
+
+# the reads a gathered handle answers from the full tensor ([Note: a handle taken before entering])
+_FULL_READS = frozenset({torch.Tensor.data.__get__, torch.Tensor.detach, torch.Tensor.cpu, torch.Tensor.to,
+                         torch.Tensor.clone, torch.Tensor.contiguous, torch.Tensor.float, torch.Tensor.half,
+                         torch.Tensor.bfloat16})
+_TARGET = "_amsp_gathered_target"  # the handle's Target while its class is _GatheredHandle
+
+
+class _GatheredHandle(DTensor):
+    """A sharded parameter's class inside a context ([Note: a handle taken before entering])."""
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FULL_READS and args and type(args[0]) is cls:
+            t = args[0].__dict__.get(_TARGET)
+            if t is not None and t.held is not None and compat.fsdp_unit_state(t.unit)[0]:
+                return func(t.held, *args[1:], **kwargs)
+        return DTensor.__torch_function__(func, types, args, kwargs)  # DTensor's: torch function off
 
 
 def _engines():
@@ -179,6 +229,7 @@ class AMSPGathered:
         self._gathered: list[nn.Module] = []  # units this context unsharded
         self._kept: list[tuple[nn.Module, bool]] = []  # (unit, its reshard-after-forward before)
         self._held_outer: list[tuple[object, nn.Module]] = []
+        self._swapped: list[torch.Tensor] = []  # handles this context made _GatheredHandle
 
     # -- enter -------------------------------------------------------------------------------
     def enter(self) -> None:
@@ -189,7 +240,17 @@ class AMSPGathered:
                     self._gather(engine, targets)
                 for t in targets:
                     _see(t, keep=self.src == dist.get_rank())
+                    self._swap_handle(t)
         _OPEN.append(self)
+
+    def _swap_handle(self, t: Target) -> None:
+        """The sharded handle reads the full tensor while this context is open (an enclosing
+        context over the same parameter already did it)."""
+        if t.fsdp_param is None or type(t.param) is not DTensor or t.held is t.param:
+            return
+        t.param.__dict__[_TARGET] = t
+        t.param.__class__ = _GatheredHandle
+        self._swapped.append(t.param)
 
     def _gather(self, engine, targets: list[Target]) -> None:
         units = list({id(t.unit): t.unit for t in targets}.values())
@@ -223,6 +284,10 @@ class AMSPGathered:
             self._release()
 
     def _release(self) -> None:
+        for p in reversed(self._swapped):  # DTensor again before FSDP2 reshards
+            p.__class__ = DTensor
+            p.__dict__.pop(_TARGET, None)
+        self._swapped = []
         for _, targets in self.groups:  # a write dropped or refused leaves the engine's objects
             for t in targets:
                 _put_back(t)
@@ -315,8 +380,9 @@ def _raise_flagged(targets: list[Target], flags: torch.Tensor, src: int | None) 
         if flags[_STALE, i]:
             raise RuntimeError(
                 f"GatheredParameters: AMSP parameter {t.name!r} was written through its sharded "
-                f"handle (a DTensor taken before the context); write the module's attribute inside "
-                f"the context (e.g. module.weight), which holds the full tensor")
+                f"handle (a DTensor taken before the context), which reaches this rank's rows only; "
+                f"write through its .data or the module's attribute (e.g. module.weight) inside "
+                f"the context, which hold the full tensor")
         if flags[_RESHAPED, i]:
             raise ValueError(
                 f"GatheredParameters: AMSP parameter {t.name!r} changed shape on rank {src} "
