@@ -217,6 +217,28 @@ def test_tensor_costs_follow_what_the_optimizer_does_with_each_tensor():
     assert detect_kind(lambda ps: torch.optim.AdamW(ps), model.named_parameters()).costs == {}
 
 
+def test_muon_adamw_state_survives_a_wrapper_replacing_it():
+    """AMSPOptimizer's torch.optim.Optimizer.__init__ assigns a fresh ``state`` to the inner
+    optimizer (muon_adamw.py [Note: one optimizer over two]); the two torch optimizers inside
+    kept writing the old dict, so state_dict() - checkpoints and switch_plan - held no momentum
+    or Adam moments (observed on an amsp checkpoint: no state key saved for any tensor)."""
+    from collections import defaultdict
+
+    import torch
+
+    from amsp_ext.runtime.optim.muon_adamw import muon_adamw_factory
+
+    ps = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    for p, name in zip(ps, ("layers.0.q_proj.weight", "norm.weight")):
+        p.amsp_name, p.grad = name, torch.ones_like(p)
+    opt = muon_adamw_factory()(ps)
+    opt.state = defaultdict(dict)  # what a wrapper's __init__ does
+    opt.step()
+    sd = opt.state_dict()
+    assert sorted(sd["state"][0]) == ["momentum_buffer"], sd["state"]
+    assert sorted(sd["state"][1]) == ["exp_avg", "exp_avg_sq", "step"], sd["state"]
+
+
 def test_detect_kind_builds_on_meta_and_asks_for_a_declaration_when_it_cannot():
     import torch
 

@@ -8,8 +8,12 @@
 (Muon, AdamW) run the groups of their kind. Invariant: their ``param_groups`` are the very dicts
 of this optimizer's list (in the same order: Muon's groups, then AdamW's) and their ``state`` is
 this optimizer's dict, so LR schedulers, ``state_dict`` and checkpoints see one optimizer in
-torch's layout. ``load_state_dict`` (which replaces both) re-points them. Its class is not listed
-as elementwise (kinds.py): it is stepped on whole tensors.
+torch's layout. ``load_state_dict`` (which replaces both) re-points them, and so does every
+``step``: a wrapper may replace ``state`` or ``param_groups`` from outside (AMSPOptimizer's
+``torch.optim.Optimizer.__init__`` assigns a fresh ``state`` dict through its ``state``
+setter), and before this re-point the two torch optimizers kept stepping into the old dict while
+``state_dict()`` - so checkpoints and ``switch_plan`` - saw no state at all. Its class is not
+listed as elementwise (kinds.py): it is stepped on whole tensors.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._repoint()  # [Note: one optimizer over two]: the state written is this one's
         for o in (self._muon, self._adamw):
             if o is not None:
                 o.step()
