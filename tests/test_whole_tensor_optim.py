@@ -51,7 +51,8 @@ def _results(nproc, plans, cases):
 
 @pytest.fixture(scope="module")
 def two():
-    return _results(2, TWO, (*FP32_CASES, "muon", "muon_adamw", "muon_adamw_tied", "ds_adafactor", "ds_muon"))
+    return _results(2, TWO, (*FP32_CASES, "muon", "muon_adamw", "muon_adamw_tied", "adafactor_switch",
+                             "muon_adamw_switch", "ds_adafactor", "ds_muon"))
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,19 @@ def test_muon_owners_balance_newton_schulz_work_and_equal_ddp(two):
     assert sum(work) == 2834432 + 2818368 and sum(held) == 108864, (work, held)  # tiny-llama, tied
     assert max(work) <= 1.05 * min(work), work
     assert max(held) <= sum(held) / 2 + 256 * 64, held
+
+
+def test_switch_plan_moves_whole_tensor_optimizers(two):
+    """switch_plan after step 1 (zero3 -> p=1x1,g=1x1,os=2x1) and after step 2 (back to zero3),
+    runtime/replan/switch.py [Note: whole-tensor optimizers in a switch]: Adafactor (its row and
+    column factors travel whole) equals one process on the whole batch (1e-6); MuonWithAdamW
+    equals the ddp plan bit for bit (its momenta and Adam moments travel)."""
+    for case, tol in (("adafactor_switch", 1e-6), ("muon_adamw_switch", 0.0)):
+        r = two[("zero3", case)]
+        _matches(r, tol=tol)
+        assert r["switched"] == [["p=2x1,g=2x1,os=2x1", "p=1x1,g=1x1,os=2x1"],
+                                 ["p=1x1,g=1x1,os=2x1", "p=2x1,g=2x1,os=2x1"]], r["switched"]
+        assert r["whole"], r  # back on whole owners of row shards
 
 
 @pytest.mark.parametrize("nproc,plan", CASES_OF)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from amsp_ext.common.data import micro_batch
 from amsp_ext.common.models import build_llama, causal_lm_loss
 from amsp_ext.runtime.config import ShardConfig
+from amsp_ext.runtime.replan.switch import switch_plan
 from amsp_ext.runtime.shard import shard
 from amsp_ext.runtime.state.export import consolidated_state_dict
 from tests.dist_utils import end_worker, start_case_worker
@@ -77,6 +78,12 @@ CASES = {
     # tied embeddings break tiny-llama's pairs of equal shapes: a byte balance of the 2 owners
     # puts 1.4x the other's Newton-Schulz work on one (ownership.py [Note: owners balanced by
     # the optimizer's work])
+    # switch_plan between steps (runtime/replan/switch.py [Note: whole-tensor optimizers in a
+    # switch]): whole owners on row shards -> inter-tensor owners -> back
+    "adafactor_switch": dict(model=plain, opt=lambda ps: torch.optim.Adafactor(ps, lr=0.02), plans=("zero3",),
+                             switches={0: "p=1x1,g=1x1,os=2x1", 1: "zero3"}),
+    "muon_adamw_switch": dict(model=plain, opt=muon_adamw, against="ddp", plans=("zero3",),
+                              switches={0: "p=1x1,g=1x1,os=2x1", 1: "zero3"}),
     "muon_adamw_tied": dict(model=lambda: build_llama("tiny-llama", seed=0, tie_word_embeddings=True),
                             opt=muon_adamw, against="ddp", plans=("p=1x1,g=1x1,os=2x1",)),
     # the DeepSpeed route: a ds_config "optimizer" block, deepspeed.initialize routed to AMSP
@@ -124,7 +131,8 @@ def batch(step, rank, world):
     return micro_batch(step, 0, rank, world_size=world, num_micro_batches=1, micro_batch_size=MBS, seq_len=SEQ)
 
 
-def train(model, opt, world, *, sharded):
+def train(model, opt, world, *, sharded, switches=None):
+    """``switches``: step -> the plan switched to after that step."""
     rank = dist.get_rank() if sharded else 0
     losses = []
     for step in range(STEPS):
@@ -142,6 +150,8 @@ def train(model, opt, world, *, sharded):
         losses.append(float(total))
         opt.step()
         opt.zero_grad()
+        if step in (switches or {}):
+            switch_plan(model, opt, switches[step])
     return losses
 
 
@@ -168,7 +178,8 @@ def main():
                     model, opt = ds_engine(case["model"](), plan, gpus_per_node, case["block"])
                 else:
                     model, opt = shard(case["model"](), plan, case["opt"], config=config)
-                losses = train(model, opt, world, sharded=True)
+                losses = train(model, opt, world, sharded=True,
+                               switches=case.get("switches") if plan != case.get("against") else None)
                 full = consolidated_state_dict(model, rank0_only=False)
                 if plan == case.get("against") and name not in refs:
                     refs[name] = (losses, {k: v.clone() for k, v in full.items()})
@@ -177,7 +188,8 @@ def main():
                 rec.update(losses=losses, ref_losses=ref_losses, kind=opt.kind, whole=opt.whole is not None,
                            groups=[[bool(g.get("use_muon")), len(g["params"])] for g in inner.param_groups],
                            param_diff=max(float((full[k] - v).abs().max()) for k, v in ref_params.items()),
-                           owners={t.name: [t.owner_rank, list(t.global_shape)] for t in model.amsp.tensors})
+                           owners={t.name: [t.owner_rank, list(t.global_shape)] for t in model.amsp.tensors},
+                           switched=[[w["from"], w["to"]] for w in model.amsp.switches])
             except Exception as e:  # the test decides
                 rec["error"] = f"{type(e).__name__}: {e}"
             if rank == 0:

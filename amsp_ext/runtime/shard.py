@@ -138,8 +138,9 @@ def _optimizer_kind(model: nn.Module, optimizer_factory, config: ShardConfig, wo
                              f"parallelism splits them: not built yet; use an elementwise optimizer "
                              f"(AdamW, SGD, ...) with TP, or declare it optimizer_kind='elementwise'")
         if config.adaptive is not None:
-            raise ValueError(f"config.adaptive: optimizer {name} reads whole tensors, whose states "
-                             f"cannot move between plans yet; turn adaptive off")
+            raise ValueError(f"config.adaptive: optimizer {name} reads whole tensors, and adaptive "
+                             f"re-planning is not tested with them yet; turn adaptive off (amsp_ext."
+                             f"switch_plan moves their states between plans by hand)")
         if resolved is None and config.auto is not None and config.auto.optimizer == DEFAULT_OPTIMIZER:
             config = dataclasses.replace(config, auto=dataclasses.replace(
                 config.auto, optimizer=planner_optimizer(name)))

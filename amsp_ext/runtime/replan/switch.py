@@ -24,12 +24,21 @@ construction on an fp32 model (engine.build_engine): the new owners' masters are
 of the old masters bit for bit, and a non-owner's compute-dtype parameter is the same rounding
 of the master it held before. Step 5 gives the inner optimizer the slices of the states.
 
+[Note: whole-tensor optimizers in a switch]
+A whole-tensor optimizer (optim/kinds.py) holds each master and every state whole on one owner
+per replica under every plan: the tensor itself under sp = 1, a whole master on a whole owner
+under sp > 1 (optim/whole_tensor.py). So its chunk is the whole tensor at offset 0, each state
+travels whole in its own shape (Adafactor's row and column factors too, which an elementwise
+layout cannot slice), and the new plan's owner takes it whole; step 4 then gathers the new
+whole masters from the rows as ``shard`` does. The owners come from the same per-tensor costs
+as before the switch (``AMSPOptimizer.step_costs``).
+
 Cost (the weak part, measured by the adaptive benchmarks): every rank holds the whole model
 state for the duration of a switch (the full masters and states of step 2: 12 Phi bytes for
 AdamW) and receives it over the world; a point-to-point exchange of only the overlapping
-chunks would move (and hold) what each rank needs. Optimizer states that are neither shaped
-like the parameter nor scalars (e.g. factored states) are refused with one line, before any
-change.
+chunks would move (and hold) what each rank needs. An elementwise optimizer's states that are
+neither shaped like the parameter nor scalars (e.g. factored states of row shards) are refused
+with one line, before any change.
 
 [Note: the old plan's groups stay alive]
 A switch keeps the old plan's process groups (``engine.retired_meshes``) instead of destroying
@@ -79,10 +88,6 @@ def switch_plan(model: nn.Module, optimizer: AMSPOptimizer, plan: "Plan | str") 
     same object too. A no-op (after the agreement check) when the plan does not change.
     """
     e = engine_of(model, optimizer)
-    if optimizer.kind == "whole_tensor":
-        raise ValueError(f"switch_plan: {type(optimizer.inner).__name__} reads whole tensors "
-                         f"(optim/kinds.py) and moving its states between plans is not built yet; "
-                         f"keep plan {e.plan}")
     # e.config's all-reduce mode was decided at shard() and its profile found: a switch keeps
     # both, and plan "auto" is resolved as shard() resolves it (amsp_ext/job.py)
     new = resolve_on_ranks(e.comm, job_of(model, plan, e.config, e.world), e.world)[0].plan
@@ -130,6 +135,8 @@ def release_forward_only(model: nn.Module) -> nn.Module:
 
 
 def _check_optimizer_states(opt: AMSPOptimizer) -> None:
+    if opt.kind == "whole_tensor":  # every state travels whole ([Note: whole-tensor optimizers in a switch])
+        return
     for idx, m in opt.masters.items():
         for k, v in opt.inner.state.get(m, {}).items():
             if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) != tuple(m.shape):
@@ -139,14 +146,20 @@ def _check_optimizer_states(opt: AMSPOptimizer) -> None:
                     f"such states can be re-sharded")
 
 
-def _chunk(t) -> tuple[int, int]:
-    """(offset, length) of this rank's chunk of ``t`` on dim 0."""
+def _chunk(t, whole: bool = False) -> tuple[int, int]:
+    """(offset, length) of this rank's chunk of ``t``'s master on dim 0: the whole tensor for a
+    whole-tensor optimizer ([Note: whole-tensor optimizers in a switch])."""
+    if whole:
+        return 0, (t.global_shape[0] if t.global_shape else 1)
     off = compat.local_chunk_offset(t.param)
     return (off[0] if off else 0), (t.local_shape[0] if t.local_shape else 1)
 
 
-def _rows(full: torch.Tensor, offset: int, length: int) -> torch.Tensor:
-    """Rows ``offset:offset+length`` of ``full`` on dim 0, flat (a 0-d tensor is one row)."""
+def _rows(full: torch.Tensor, offset: int, length: int, whole: bool = False) -> torch.Tensor:
+    """Rows ``offset:offset+length`` of ``full`` on dim 0, flat (a 0-d tensor is one row); all of
+    it for a whole-tensor optimizer's state, whatever its shape."""
+    if whole:
+        return full.reshape(-1)
     row = full[0].numel() if full.dim() else 1
     return full.reshape(-1)[offset * row: (offset + length) * row]
 
@@ -155,18 +168,19 @@ def _gather(e: Engine, opt: AMSPOptimizer) -> dict[str, dict[str, Any]]:
     """Steps 1 and 2 of [Note: the resharding layout]: name -> {"master": full fp32 tensor,
     "states": {key: full tensor}, "scalars", "objects", "hp"} on every rank."""
     group_of = {id(p): g for g in opt.inner.param_groups for p in g["params"]}
+    whole = opt.kind == "whole_tensor"
     mine = []
     for idx, m in opt.masters.items():
         t = e.tensors[idx]
-        off, n = _chunk(t)
+        off, n = _chunk(t, whole)
         params, scalars, objects = {}, {}, {}
         for k, v in opt.inner.state.get(m, {}).items():
             if not torch.is_tensor(v):
                 objects[k] = v
             elif v.dim() == 0:
                 scalars[k] = v.detach().clone()
-            else:
-                params[k] = v.dtype
+            else:  # the full tensor's shape: a whole-tensor optimizer's states are full already
+                params[k] = (v.dtype, tuple(v.shape) if whole else tuple(t.global_shape))
         mine.append({"index": idx, "offset": off, "length": n, "states": params, "scalars": scalars,
                      "objects": objects,
                      "hp": {k: v for k, v in group_of[id(m)].items() if k != "params"}})
@@ -182,14 +196,14 @@ def _gather(e: Engine, opt: AMSPOptimizer) -> dict[str, dict[str, Any]]:
         chunks = sorted((off, src) for (i, off), src in source.items() if i == t.index)
         first = chunks[0][1][1]
         f = {"master": torch.empty(t.global_shape, dtype=torch.float32, device=e.device),
-             "states": {k: torch.empty(t.global_shape, dtype=dt, device=e.device)
-                        for k, dt in sorted(first["states"].items())},
+             "states": {k: torch.empty(shape, dtype=dt, device=e.device)
+                        for k, (dt, shape) in sorted(first["states"].items())},
              "scalars": first["scalars"], "objects": first["objects"], "hp": first["hp"]}
         pending = []
         for off, (rank, r) in chunks:
             m = opt.masters.get(r["index"]) if rank == e.rank else None
             for key, target in [("master", f["master"]), *sorted(f["states"].items())]:
-                piece = _rows(target, off, r["length"])
+                piece = _rows(target, off, r["length"], whole)
                 if piece.numel() == 0:
                     continue
                 if m is not None:
@@ -241,11 +255,12 @@ def _load_states(engine: Engine, opt: AMSPOptimizer, full: dict) -> None:
     inner_sd = opt.inner.state_dict()
     pos = {id(p): i for i, p in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
     state = {}
+    whole = opt.kind == "whole_tensor"
     for idx, m in opt.masters.items():
         t = engine.tensors[idx]
         f = full[t.name]
-        off, n = _chunk(t)
-        st: dict[str, Any] = {k: _rows(v, off, n).clone().view(t.local_shape)
+        off, n = _chunk(t, whole)
+        st: dict[str, Any] = {k: v.clone() if whole else _rows(v, off, n).clone().view(t.local_shape)
                               for k, v in f["states"].items()}
         st.update({k: v.clone() for k, v in f["scalars"].items()})
         st.update(f["objects"])
