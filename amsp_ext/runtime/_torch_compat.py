@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 
 __all__ = [
     "CHECKED_TORCH", "FSDPAllGatherBase", "FSDPReduceScatterBase", "UncheckedTorchError",
@@ -39,7 +40,7 @@ __all__ = [
     "mesh_root",
     "mesh_unflatten", "op_observer",
     "real_device_meshes", "real_tensors", "optimizer_hooks",
-    "queue_backward_callback", "RaisingTensor",
+    "label", "profiling", "queue_backward_callback", "RaisingTensor",
     "set_fsdp_unshard_async_op", "start_coalescing",
 ]
 
@@ -273,6 +274,31 @@ class RaisingTensor(torch.Tensor):
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once when the current backward pass ends (what FSDP2 and DDP use too)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+# -- profiler labels ---------------------------------------------------------------------------------
+# [Note: labels cost nothing unprofiled]
+# ``record_function`` builds a RecordFunction through the dispatcher on every entry, whether or
+# not anything records it: about 6 us in a loop, and about 75 us per gradient hook measured in
+# a backward, where the matmuls just before leave the caches cold (39 hooks a step: about 3 ms
+# of one rank's 0.68 s small-llama step; comparisons/results/engine_cpu_overhead_2026-12-07.md).
+# The engine's labels (a project rule, docs/DESIGN.md) are read only from profiler traces, so
+# ``label`` enters one only while a profiler records: torch.autograd.profiler's flag, which every
+# profiler started from Python sets (torch.profiler.profile, the legacy profile, emit_nvtx,
+# emit_itt; torch's dynamo and inductor read it for the same reason), or a profiler started from
+# C++ on this thread. A profiler started while a label is open sees only the labels entered
+# after its start, as it would see only the ops run after it.
+def profiling() -> bool:
+    """Whether a profiler is recording ([Note: labels cost nothing unprofiled])."""
+    return torch.autograd.profiler._is_profiler_enabled or torch.autograd._profiler_enabled()
+
+
+def label(name: str):
+    """``record_function(name)`` while a profiler records, else a no-op context
+    ([Note: labels cost nothing unprofiled])."""
+    if profiling():
+        return record_function(name)
+    return contextlib.nullcontext()
 
 
 # -- undoing fully_shard (runtime/replan/switch.py) -----------------------------------------------------

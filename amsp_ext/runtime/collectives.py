@@ -5,7 +5,9 @@ its all-gathers and reduce-scatters through :mod:`amsp_ext.runtime.sync.param_sh
 which call back into here). Each function takes the ``CollectiveContext`` first ([Note: the
 collective context]), its group as an argument plus a ``name`` (the group's label, e.g.
 ``param_replica[0,2]``, see ``PlanMesh.name``) and, when it can run async, its ``stream``; it runs under
-``record_function("amsp::<op>::<group kind>")`` and returns a work handle when ``async_op``.
+the label ``amsp::<op>::<group kind>`` (``compat.label``: a ``record_function`` while a profiler
+records, [Note: labels cost nothing unprofiled] in _torch_compat.py) and returns a work handle
+when ``async_op``.
 
 [Note: timeouts that name their group]
 A collective that never completes (a rank died, or skipped a collective) must not hang silently.
@@ -94,7 +96,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
+
+from amsp_ext.runtime import _torch_compat as compat
 
 __all__ = [
     "barrier",
@@ -237,7 +240,7 @@ def all_reduce(ctx: CollectiveContext, tensor: torch.Tensor, group: dist.Process
     """Sum (or ``op``) ``tensor`` in place over ``group``, issued (and, if not ``async_op``,
     waited for) on ``stream`` ([Note: streams are explicit])."""
     with _on_stream(stream):
-        with record_function(f"amsp::all_reduce::{_kind(name)}"):
+        with compat.label(f"amsp::all_reduce::{_kind(name)}"):
             _issue(ctx, "all_reduce", name)
             work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         return _finish(ctx, work, "all_reduce", name, tensor, async_op, timeout, _nbytes(tensor))
@@ -369,7 +372,7 @@ def broadcast(ctx: CollectiveContext, tensor: torch.Tensor, src: int, group: dis
               timeout=None) -> _Pending | None:
     """Broadcast ``tensor`` from global rank ``src`` to the other ranks of ``group``."""
     with _on_stream(stream):
-        with record_function(f"amsp::broadcast::{_kind(name)}"):
+        with compat.label(f"amsp::broadcast::{_kind(name)}"):
             _issue(ctx, "broadcast", name)
             work = dist.broadcast(tensor, src=src, group=group, async_op=True)
         return _finish(ctx, work, "broadcast", name, tensor, async_op, timeout, _nbytes(tensor))
@@ -385,7 +388,7 @@ def all_gather_into_tensor(ctx: CollectiveContext, output: torch.Tensor, input: 
                            group: dist.ProcessGroup | None, *, name: str, stream: torch.Stream | None,
                            async_op: bool = True, timeout=None) -> _Pending | None:
     with _on_stream(stream):
-        with record_function(f"amsp::all_gather::{_kind(name)}"):
+        with compat.label(f"amsp::all_gather::{_kind(name)}"):
             _issue(ctx, "all_gather", name)
             work = _ALL_GATHER_SINGLE(output, input, group=group, async_op=True)
         return _finish(ctx, work, "all_gather", name, output, async_op, timeout, _nbytes(output))
@@ -396,7 +399,7 @@ def reduce_scatter_tensor(ctx: CollectiveContext, output: torch.Tensor, input: t
                           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = True,
                           timeout=None) -> _Pending | None:
     with _on_stream(stream):
-        with record_function(f"amsp::reduce_scatter::{_kind(name)}"):
+        with compat.label(f"amsp::reduce_scatter::{_kind(name)}"):
             _issue(ctx, "reduce_scatter", name)
             work = _REDUCE_SCATTER_SINGLE(output, input, op=op, group=group, async_op=True)
         return _finish(ctx, work, "reduce_scatter", name, output, async_op, timeout, _nbytes(input))
@@ -410,7 +413,7 @@ def all_to_all(ctx: CollectiveContext, output: torch.Tensor, input: torch.Tensor
     ``output_splits[i]`` elements from its i-th rank into ``output`` (whole-tensor optimizers'
     gradients to the owner and parameters back, optim/whole_tensor.py)."""
     with _on_stream(stream):
-        with record_function(f"amsp::all_to_all::{_kind(name)}"):
+        with compat.label(f"amsp::all_to_all::{_kind(name)}"):
             _issue(ctx, "all_to_all", name)
             work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
                                           async_op=True)
@@ -503,7 +506,7 @@ def wait(pending: "_Pending | _TwoLevel | None", *, name: str | None = None, tim
         return
     ctx = pending.ctx
     label = name or pending.name
-    with record_function(f"amsp::wait::{pending.op}::{_kind(label)}"):
+    with compat.label(f"amsp::wait::{pending.op}::{_kind(label)}"):
         if ctx.observers:
             ctx.notify("wait_begin", pending.op, label, pending)
         work = pending.work
@@ -596,7 +599,7 @@ def replay_alone(ctx: CollectiveContext, ops: list, *, name: str, timeout=None) 
     included). ``name``: the replay's label for the barrier and a timeout."""
     barrier(ctx, None, name=name, timeout=timeout)
     seconds = _seconds(ctx, timeout)
-    with record_function(f"amsp::replay::{name}"):
+    with compat.label(f"amsp::replay::{name}"):
         t0 = time.perf_counter()
         works = []
         for op_name, func, args, kwargs in ops:
@@ -651,7 +654,7 @@ def full_tensor(ctx: CollectiveContext, tensor: torch.Tensor, *, name: str) -> t
 
     if not isinstance(tensor, DTensor):
         return tensor
-    with record_function(f"amsp::all_gather::{_kind(name)}"):
+    with compat.label(f"amsp::all_gather::{_kind(name)}"):
         _issue(ctx, "all_gather", name)
         return tensor.full_tensor()
 

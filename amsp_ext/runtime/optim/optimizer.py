@@ -68,7 +68,6 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.profiler import record_function
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
@@ -267,7 +266,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
         """Global gradient norm (of the unscaled, averaged gradients); clip to ``max_norm``."""
         if norm_type not in (2.0, 2, math.inf):
             raise ValueError(f"clip_grad_norm_: norm_type must be 2 or inf, got {norm_type}")
-        with record_function(f"amsp::clip_grad_norm::{self._norm_group.name.split('[', 1)[0]}"):
+        with compat.label(f"amsp::clip_grad_norm::{self._norm_group.name.split('[', 1)[0]}"):
             owned = self._grads.collect()
             grads = list(owned.values())
             if norm_type == math.inf:
@@ -325,7 +324,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> None:
         self._params.wait_all()
-        with record_function("amsp::optimizer_step"):
+        with compat.label("amsp::optimizer_step"):
             checked = self.scaler is not None or self.guard.enabled
             if checked and self._found_inf is None:  # no clip this step: the guard needs the norm
                 self.clip_grad_norm_(math.inf)
@@ -408,7 +407,7 @@ class AMSPOptimizer(torch.optim.Optimizer):
             self.adaptive.switch_if_decided(self)
 
     def _zero_grad(self, set_to_none: bool) -> None:
-        with record_function("amsp::zero_grad"):
+        with compat.label("amsp::zero_grad"):
             self._found_inf = None
             self.guard.reset_loss()
             self._grads.zero_grad(set_to_none)

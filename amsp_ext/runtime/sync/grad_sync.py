@@ -90,7 +90,6 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.profiler import record_function
 
 from amsp_ext.planner.buckets import bucket_layout, in_flight_cap
 from amsp_ext.runtime import _torch_compat as compat
@@ -251,7 +250,7 @@ class GradSync:
                 self._accumulate_local(index)
             return
         t = self.tensors[index]
-        with (record_function(f"amsp::grad_hook::{'param_replica' if self.mode == 'replica' else 'grad'}"),
+        with (compat.label(f"amsp::grad_hook::{'param_replica' if self.mode == 'replica' else 'grad'}"),
               self._on_side_stream(), torch.no_grad()):
             b, off, n = self.slot_of[index]
             if index in self.filled[b]:
@@ -285,7 +284,7 @@ class GradSync:
     def _accumulate_local(self, index: int) -> None:
         """Local mode, reduce dtype wider than the compute dtype: keep the running sum in it."""
         t = self.tensors[index]
-        with record_function("amsp::grad_hook::local"), self._on_side_stream(), torch.no_grad():
+        with compat.label("amsp::grad_hook::local"), self._on_side_stream(), torch.no_grad():
             grad = self._take_grad(t)
             if grad is None:
                 return
@@ -355,7 +354,7 @@ class GradSync:
     def _complete(self, b: int, pending) -> None:
         C.wait(pending)  # with its group's timeout, given at issue
         buf = self.buffers.pop(b)
-        with record_function("amsp::select_and_drop"), torch.no_grad():
+        with compat.label("amsp::select_and_drop"), torch.no_grad():
             whole = self.mode == "replica" and self.owned_whole[b]  # see the Note above
             if whole and not self.predivide:
                 buf.div_(self.dp_size)
@@ -382,7 +381,7 @@ class GradSync:
             self.pending_local = True
             self._end_pass()
             return
-        with record_function("amsp::flush_buckets"), self._on_side_stream(), torch.no_grad():
+        with compat.label("amsp::flush_buckets"), self._on_side_stream(), torch.no_grad():
             for b, bk in enumerate(self.buckets):
                 if self.ready[b]:
                     continue

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch.profiler import record_function
 
 from amsp_ext.planner.buckets import packable
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.optim.layout import LocalTensor
 from amsp_ext.runtime.sync.units import Unit
@@ -147,7 +147,7 @@ class ParamSync:
         @torch.compiler.disable
         def hook(module, args):
             if self._inflight:
-                with record_function("amsp::pre_forward_wait::optim_bcast"):
+                with compat.label("amsp::pre_forward_wait::optim_bcast"):
                     self.wait_unit(unit, first=self._outer_items)
                     nxt = self.prefetch.get(unit)
                     if nxt is not None:
@@ -164,7 +164,7 @@ class ParamSync:
         if self.size == 1:
             return
         self.wait_all()  # a previous round still open (e.g. two steps without a forward)
-        with record_function("amsp::broadcast_params::optim_bcast"), torch.no_grad():
+        with compat.label("amsp::broadcast_params::optim_bcast"), torch.no_grad():
             for k in range(len(self.items)):
                 self._issue(k)
         if not self.overlap:
