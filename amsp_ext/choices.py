@@ -22,7 +22,7 @@ __all__ = [
     "OPTIMIZER_KINDS", "OWNERSHIPS",
     "PLANNER_OVERLAP_OF", "PRECISIONS", "check_bool", "check_int", "check_number", "check_one_of", "is_int",
     "parse_size", "reduce_dtypes",
-    "TENSOR_PARALLEL_DEGREES",
+    "TENSOR_PARALLEL_DEGREES", "OPTION_KEY", "described",
 ]
 
 # compute dtype of parameters and gradients (masters and optimizer states are always fp32)
@@ -66,6 +66,23 @@ PLANNER_OVERLAP_OF = {"allgather": "ag_rs", "allreduce": "ar", "broadcast": "bc"
 # tensor-parallel degrees `amsp plan --tensor-parallel` takes and "auto" searches: inside one
 # node of up to 8 GPUs (planner/tensor_parallel.py)
 TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
+
+
+# [Note: a field described below the schema]
+# A field the planner declares (planner/specs.py StepShape) is also a flag of every command that
+# takes it, and the planner may not import the schema (docs/DESIGN.md). So the planner describes
+# it with ``described`` (help and bounds as plain values, under the key the schema reads) and
+# the schema turns the description into an Option like its own ``option(...)``: one declaration,
+# one default, on every surface.
+OPTION_KEY = "amsp_option"
+
+
+def described(default: Any, *, help: str = "", **meta: Any) -> Any:
+    """A dataclass field with a default and the flag's description (schema.Option's keywords:
+    ``help``, ``minimum``, ``flag``, ...), for a module below the schema."""
+    import dataclasses
+
+    return dataclasses.field(default=default, metadata={OPTION_KEY: {"help": help, **meta}})
 
 
 def is_int(v: Any) -> bool:

@@ -5,7 +5,7 @@
 engine keys of a ds_config's ``"amsp"`` block and of the Accelerate route, the AMSP rows of
 ``amsp compare`` and ``amsp plan``'s engine flags all read these fields: each setting, its
 default, its help and its validation exist here and nowhere else. The planner gets the settings
-it charges through :func:`planner_settings`, the one translation.
+it charges as a TrainingSpec made by :func:`training_spec`, the one translation.
 
 Pure Python (no torch): the launchers validate with it before any rank starts. The engine
 derives torch dtypes from the names (runtime/config.py).
@@ -20,7 +20,7 @@ Where the routes used to differ, the default is what a DeepSpeed or FSDP user ex
   (torchtitan) and as ``amsp compare``'s FSDP2 rows do; the paper's per-Linear units are
   ``granularity="module"`` (tiny-llama on 4 CPU ranks trained 2.4x slower with them);
 - ``reduce_dtype`` fp32: see [Note: reduce_dtype defaults to fp32] below; the planner charges the
-  same bytes (planner_settings), so plan "auto" fits the gradients the engine really holds.
+  same bytes (training_spec), so plan "auto" fits the gradients the engine really holds.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_GRANULARITY,
                                        DEFAULT_PRECISION, DEFAULT_REDUCE_DTYPE)
+from amsp_ext.planner.plan import is_auto
+from amsp_ext.planner.specs import StepShape, TrainingSpec
 from amsp_ext.schema import check_options, name_of, option, section
 
 __all__ = ["AdaptiveConfig", "AutoPlanConfig", "DEFAULT_TIMEOUT_S", "EngineConfig", "FP16Config",
-           "OverlapConfig", "planner_settings"]
+           "OverlapConfig", "training_spec"]
 
 # seconds a collective may take before it counts as hung, for every route and tool that issues
 # collectives (the engine, amsp profile's measurements); see [Note: one default per setting]
@@ -211,14 +213,25 @@ class EngineConfig:
         return hashlib.sha256(repr(sorted(self.fingerprint_fields().items())).encode()).hexdigest()[:16]
 
 
-def planner_settings(config: EngineConfig) -> dict[str, Any]:
-    """The engine settings the planner charges (planner.auto.auto_problem's keywords): every
-    route plans with these, so a plan is costed for the bytes its engine moves and holds."""
-    return dict(nodes_per_leaf=config.nodes_per_leaf, precision=config.precision,
-                grad_bucket_bytes=config.grad_bucket_bytes, granularity=config.granularity,
-                recompute=config.recompute, reduce_dtype=config.reduce_dtype,
-                all_reduce=config.all_reduce)
-
+def training_spec(config: EngineConfig, shape: StepShape, *, all_reduce: str | None = None,
+                  optimizer: str | None = None, frozen_models: int | None = None) -> TrainingSpec:
+    """The job as the planner charges it: ``shape``'s step run by an engine with ``config``'s
+    settings, every route's one translation, so a plan is costed for the bytes its engine moves
+    and holds. ``shape`` may be an AutoPlanConfig, whose optimizer and frozen models are then
+    read unless given. ``all_reduce``: the mode to price (None: the config's; a config asking
+    for "auto" must be given one, resolve_auto prices each)."""
+    mode = config.all_reduce if all_reduce is None else all_reduce
+    if is_auto(mode):
+        raise ValueError("training_spec: config.all_reduce is 'auto'; pass the all-reduce mode to price "
+                         "(flat or two_level)")
+    if optimizer is None:
+        optimizer = getattr(shape, "optimizer", None)
+    if frozen_models is None:
+        frozen_models = getattr(shape, "frozen_models", None) or 0
+    kw = {} if optimizer is None else {"optimizer": optimizer}
+    return TrainingSpec(**vars(shape.shape()), recompute=config.recompute, precision=config.precision,
+                        reduce_dtype=config.reduce_dtype, bucket_bytes=config.grad_bucket_bytes,
+                        granularity=config.granularity, all_reduce=mode, frozen_models=frozen_models, **kw)
 
 
 def engine_default(name: str) -> Any:

@@ -12,12 +12,16 @@ reader). A Job is:
   name; None where the model has no readable shape: only explicit plans then);
 - ``num_nodes`` and ``engine``: the engine's settings (EngineConfig: ranks per node, tensor
   parallelism, dtypes, buckets, units, recompute, the all-reduce request) with, in
-  ``engine.auto`` (AutoPlanConfig), the step's shape and the planner's inputs (seq_len,
-  micro-batch, micro-batches, profile, objective, missing meshes, optimizer, memory);
+  ``engine.auto`` (AutoPlanConfig), the step's shape (planner/specs.py StepShape, declared
+  once) and the planner's inputs (profile, objective, missing meshes, the optimizer the
+  planner prices, the frozen models beside the trained one, memory); the engine's own
+  ``optimizer_kind`` says whether the optimizer reads whole tensors;
 - ``plan``: the request ("auto", a name, factors or a Plan).
 
 ``needs(job)`` says what resolving still lacks: the profile of *this* cluster ("cluster": only
 its ranks can measure it) and the memory of a rank's device (only a rank can read its GPU).
+The planner takes typed inputs, one conversion away: ``engine_config.training_spec`` (the
+step under the engine's settings, a TrainingSpec) and a ClusterSpec of the world.
 A launcher that has both (a cached profile; a CPU's RAM or ``--gpu-memory``) resolves and hands
 the ranks the result, ``ResolvedJob.to_dict`` (``amsp train``, ``amsp compare`` and ``amsp
 dryrun`` do); otherwise the ranks fill what is missing and call the same function with the
@@ -37,13 +41,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from amsp_ext.choices import ALL_REDUCES
-from amsp_ext.engine_config import EngineConfig, planner_settings
+from amsp_ext.engine_config import EngineConfig, training_spec
 from amsp_ext.planner import auto as planner_auto
 from amsp_ext.planner.auto import AllReduceChoice, AutoPlanConfig
 from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_PROFILE
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan, PlanError, is_auto, resolve_plan, validate_plan
 from amsp_ext.planner.profile import BandwidthProfile
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 
 __all__ = ["Job", "ResolvedJob", "check_fits", "needs", "problem", "resolve"]
 
@@ -209,7 +214,9 @@ def resolve(job: Job, *, profile: str | BandwidthProfile | None = None, gpu_memo
         return ResolvedJob(job=job, plan=plan, all_reduce=choice)  # type: ignore[arg-type]
     auto = _planning_inputs(job, profile, gpu_memory_bytes)
     # through the module: tests observe the one call every route makes
-    planned = planner_auto.resolve_auto(_model(job), auto, plan=plan, **_settings(job, auto))
+    training, cluster = _planner_inputs(job, auto, job.engine.all_reduce)
+    planned = planner_auto.resolve_auto(_model(job), auto, training, cluster, all_reduce=job.engine.all_reduce,
+                                        plan=plan, tensor_parallel=job.tensor_parallel)
     return ResolvedJob(job=job, plan=planned.plan, all_reduce=planned.all_reduce, profile=auto.profile,
                        gpu_memory_bytes=auto.gpu_memory_bytes, profile_source=profile_source)
 
@@ -222,9 +229,9 @@ def problem(job: "Job | ResolvedJob", *, all_reduce: str | None = None):
     job = resolved.job if resolved is not None else job
     auto = _planning_inputs(job, resolved.profile if resolved else None,
                             resolved.gpu_memory_bytes if resolved else None)
-    settings = _settings(job, auto)
-    settings["all_reduce"] = all_reduce or (resolved.all_reduce.mode if resolved else job.engine.all_reduce)
-    return planner_auto.auto_problem(_model(job), auto, **settings)
+    mode = all_reduce or (resolved.all_reduce.mode if resolved else job.engine.all_reduce)
+    training, cluster = _planner_inputs(job, auto, mode)
+    return planner_auto.auto_problem(_model(job), auto, training, cluster, tensor_parallel=job.tensor_parallel)
 
 
 def check_fits(job: Job, plan: Plan, gpu_memory_bytes: int, *, all_reduce: str | None = None,
@@ -241,10 +248,9 @@ def check_fits(job: Job, plan: Plan, gpu_memory_bytes: int, *, all_reduce: str |
         auto = dataclasses.replace(auto, profile=profile)
     elif isinstance(auto.profile, str) and auto.profile == CLUSTER_PROFILE:
         auto = dataclasses.replace(auto, profile=DEFAULT_PROFILE)
-    settings = _settings(job, auto)
-    if is_auto(settings["all_reduce"]) or all_reduce is not None:
-        settings["all_reduce"] = all_reduce or "flat"
-    prob = planner_auto.auto_problem(_model(job), auto, **settings)
+    mode = all_reduce or job.engine.all_reduce
+    training, cluster = _planner_inputs(job, auto, "flat" if is_auto(mode) else mode)
+    prob = planner_auto.auto_problem(_model(job), auto, training, cluster, tensor_parallel=job.tensor_parallel)
     mem = evaluate(prob, plan).memory
     if mem.total > prob.memory_limit:
         raise ValueError(
@@ -269,9 +275,11 @@ def _planning_inputs(job: Job, profile, gpu_memory_bytes) -> AutoPlanConfig:
     return auto
 
 
-def _settings(job: Job, auto: AutoPlanConfig) -> dict[str, Any]:
-    """resolve_auto / auto_problem's keywords: the world (R physical ranks per node and T), the
-    memory per rank and the engine's settings as the planner charges them
-    (engine_config.planner_settings)."""
-    return dict(num_nodes=job.num_nodes, gpus_per_node=job.gpus_per_node, tensor_parallel=job.tensor_parallel,
-                gpu_memory_bytes=auto.gpu_memory_bytes, **planner_settings(job.engine))
+def _planner_inputs(job: Job, auto: AutoPlanConfig, all_reduce: str) -> tuple[TrainingSpec, ClusterSpec]:
+    """The planner's typed inputs of ``job``: its step run by its engine's settings, priced
+    under ``all_reduce`` ("auto": priced flat here, resolve_auto prices each mode), and its
+    world (R physical ranks per node; T is passed beside it) with the memory per rank."""
+    mode = "flat" if is_auto(all_reduce) else all_reduce
+    cluster = ClusterSpec(num_nodes=job.num_nodes, gpus_per_node=job.gpus_per_node,
+                          gpu_memory_bytes=auto.gpu_memory_bytes, nodes_per_leaf=job.engine.nodes_per_leaf)
+    return training_spec(job.engine, auto, all_reduce=mode), cluster

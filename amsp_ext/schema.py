@@ -34,14 +34,14 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from amsp_ext.choices import check_bool, check_int, check_number, check_one_of, parse_size
+from amsp_ext.choices import OPTION_KEY, check_bool, check_int, check_number, check_one_of, parse_size
 
 __all__ = [
     "Option", "add_arguments", "check_options", "flag_of", "from_dict", "from_json", "name_of",
     "from_namespace", "option", "options", "section", "to_dict", "to_json",
 ]
 
-_KEY = "amsp_option"
+_KEY = OPTION_KEY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +107,10 @@ def name_of(obj: Any, field_name: str) -> str:
 
 
 def _meta(f: dataclasses.Field) -> Option | None:
-    return f.metadata.get(_KEY)
+    meta = f.metadata.get(_KEY)
+    if isinstance(meta, typing.Mapping):  # choices.described ([Note: a field described below the schema])
+        meta = Option(**{k: tuple(v) if k == "choices" else v for k, v in meta.items()})
+    return meta
 
 
 def flag_of(f: dataclasses.Field) -> str:

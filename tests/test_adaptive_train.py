@@ -74,7 +74,7 @@ def reference_losses() -> list[float]:
     from amsp_ext.train.config import BatchOptions, TrainConfig
 
     torch.manual_seed(0)
-    config = TrainConfig(batch=BatchOptions(steps=STEPS, micro_batches=1, micro_batch_size=1, seq_len=16))
+    config = TrainConfig(batch=BatchOptions(steps=STEPS, num_micro_batches=1, micro_batch_size=1, seq_len=16))
     o = config.optim
     model = build_llama("tiny-llama", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)

@@ -22,9 +22,14 @@ REPO = Path(__file__).resolve().parents[1]
 LAB = REPO / "comparisons/results/tune_small-llama_cpu-2x2-lab_2026-12-01"
 # amsp compare's job on the 2x2 lab (small-llama, seq 256, micro-batch 2, M = 4, fp32, layer
 # units, 25 MiB buckets): the job the paired runs of two_level_allreduce_lab_2026-12-03.md timed
-SETTINGS = dict(num_nodes=2, gpus_per_node=2, gpu_memory_bytes=8 * 2**30, precision="fp32",
-                reduce_dtype="fp32", grad_bucket_bytes=25 * 2**20, granularity="layer",
-                recompute=False)
+ENGINE = dict(precision="fp32", reduce_dtype="fp32", bucket_bytes=25 * 2**20, granularity="layer",
+              recompute=False)
+
+
+def _inputs(auto: AutoPlanConfig, nodes: int = 2, gpn: int = 2, **kw) -> tuple[TrainingSpec, ClusterSpec]:
+    """The planner's typed inputs of the job: its step under the engine's settings, its world."""
+    return (TrainingSpec(**vars(auto.shape()), **ENGINE, **kw),
+            ClusterSpec(num_nodes=nodes, gpus_per_node=gpn, gpu_memory_bytes=8 * 2**30))
 
 
 def _auto(link: str, **kw) -> AutoPlanConfig:
@@ -42,9 +47,8 @@ def test_auto_runs_the_mode_the_lab_measured_faster(objective):
     (paired run D) and 1.11-1.17x at 100 Mbit (runs A, B, C, E); "auto" must pick accordingly,
     whichever objective chose the factors."""
     model = llama_config_dict("small-llama")
-    got = {link: resolve_auto(model, _auto(link, objective=objective), plan=_plan("ddp"),
-                              all_reduce="auto", **SETTINGS).all_reduce
-           for link in ("1gbit", "100mbit")}
+    got = {link: resolve_auto(model, a, *_inputs(a), plan=_plan("ddp"), all_reduce="auto").all_reduce
+           for link in ("1gbit", "100mbit") for a in [_auto(link, objective=objective)]}
     assert got["1gbit"].mode == "flat" and got["100mbit"].mode == "two_level"
     assert got["1gbit"].step_s["two_level"] > got["1gbit"].step_s["flat"]
     assert "step model" in got["100mbit"].describe()
@@ -54,19 +58,21 @@ def test_eq1_alone_would_pick_the_mode_the_lab_measured_slower():
     """Why "auto" decides with the step model: Eq. 1 prices bytes only, and at 1 Gbit it has
     two-level cheaper, the opposite of the measurement."""
     model = llama_config_dict("small-llama")
-    comm = {m: evaluate(auto_problem(model, _auto("1gbit"), all_reduce=m, **SETTINGS), _plan("ddp")).comm.total
+    a = _auto("1gbit")
+    comm = {m: evaluate(auto_problem(model, a, *_inputs(a, all_reduce=m)), _plan("ddp")).comm.total
             for m in ("flat", "two_level")}
     assert comm["two_level"] < comm["flat"]
 
 
 def test_auto_plan_searches_the_factors_under_each_mode():
     model = llama_config_dict("small-llama")
-    planned = resolve_auto(model, _auto("100mbit"), all_reduce="auto", **SETTINGS)
+    a = _auto("100mbit")
+    planned = resolve_auto(model, a, *_inputs(a), all_reduce="auto")
     # Eq. 1 picks MiCS's factors under flat and os=2x1 under two-level; the step model prices
     # the second pair lower
     assert planned.all_reduce.plans == {"flat": "p=2x1,g=2x1,os=2x1", "two_level": "p=1x1,g=1x1,os=2x1"}
     assert (str(planned.plan), planned.all_reduce.mode) == ("p=1x1,g=1x1,os=2x1", "two_level")
-    flat = resolve_auto(model, _auto("100mbit"), all_reduce="flat", **SETTINGS)
+    flat = resolve_auto(model, a, *_inputs(a), all_reduce="flat")
     assert (str(flat.plan), flat.all_reduce.mode, dict(flat.all_reduce.step_s)) == \
         ("p=2x1,g=2x1,os=2x1", "flat", {})
 
@@ -76,12 +82,10 @@ def test_no_group_with_several_ranks_on_several_nodes_runs_flat_unpriced(plan, s
     """MiCS's replica group has one rank per node; one node, or one rank per node, has no
     two-level group at all. Nothing is priced, so a profile that lacks the meshes is no error."""
     nodes, gpn = shape
-    settings = {**SETTINGS, "num_nodes": nodes, "gpus_per_node": gpn}
     auto = AutoPlanConfig(seq_len=256, micro_batch_size=2, num_micro_batches=4, missing="error",
                           profile=str(LAB / "profile-1gbit.calibrated.json"))
-    planned = resolve_auto(llama_config_dict("small-llama"), auto,
-                           plan=resolve_plan(plan, gpus_per_node=gpn, num_nodes=nodes),
-                           all_reduce="auto", **settings)
+    planned = resolve_auto(llama_config_dict("small-llama"), auto, *_inputs(auto, nodes, gpn),
+                           plan=resolve_plan(plan, gpus_per_node=gpn, num_nodes=nodes), all_reduce="auto")
     assert planned.all_reduce.mode == "flat" and not planned.all_reduce.step_s
     assert "several ranks on each of several nodes" in planned.all_reduce.why
 

@@ -84,7 +84,7 @@ def test_llama7b_at_1024_ranks_no_more_than_fsdp2_by_hand(plan, hsdp):
     want = {"all_gather": 65, "reduce_scatter": 33}
     if hsdp:
         want["all_reduce"] = 33
-    spec = DryRunSpec(model="llama-7b", num_nodes=128, gpus_per_node=8, plan=plan, micro_batches=2)
+    spec = DryRunSpec(model="llama-7b", num_nodes=128, gpus_per_node=8, plan=plan, num_micro_batches=2)
     ms = model_spec("llama-7b")
     p = named_plan(plan, gpus_per_node=8, num_nodes=128)
     counts = collective_counts(ms, p, spec)

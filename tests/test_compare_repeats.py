@@ -155,7 +155,7 @@ def test_an_ablation_can_time_peers_beside_its_rows():
     from amsp_ext.compare.harness import plan_runs
     from amsp_ext.compare.report import _no_ratio_line, ratio_records
 
-    spec = RunSpec(amsp_plan="mics:2")
+    spec = RunSpec(amsp_plan="mics:2", num_micro_batches=2)
     keys = [i.key for i in plan_runs("ablation", spec, ["hsdp"])]
     assert keys == ["amsp-plan[M=2,all]", "amsp-plan[M=2,no_bc]", "amsp-plan[M=2,no_bc_ar]",
                     "amsp-plan[M=2,none]", "hsdp"]

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from amsp_ext import schema
-from amsp_ext.engine_config import EngineConfig, engine_default, planner_settings
-from amsp_ext.planner.specs import TrainingSpec
+from amsp_ext.engine_config import EngineConfig, engine_default, training_spec
+from amsp_ext.planner.specs import STEP_SHAPE_FIELDS, StepShape, TrainingSpec
 
 PKG = Path(__file__).resolve().parents[1] / "amsp_ext"
 BATCH = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
@@ -96,10 +96,8 @@ def test_defaults_agree_on_every_route(monkeypatch):
     assert (ds.precision, ds.reduce_dtype) == (want["precision"], want["reduce_dtype"])
     import inspect
 
-    from amsp_ext.planner.auto import auto_problem
-
-    # the Python API's plan_auto(**settings) without reduce_dtype plans the engine's gradients
-    assert inspect.signature(auto_problem).parameters["reduce_dtype"].default == want["reduce_dtype"]
+    # the planner's own TrainingSpec without reduce_dtype plans the engine's gradients
+    assert inspect.signature(TrainingSpec).parameters["reduce_dtype"].default == want["reduce_dtype"]
 
 
 def test_the_same_settings_agree_on_every_route(monkeypatch):
@@ -119,7 +117,7 @@ def test_the_same_settings_agree_on_every_route(monkeypatch):
         assert _json(engine) == _json(want), name
     # amsp plan has the planner's part of it; amsp compare holds precision, reduce dtype and unit
     # fixed per row
-    assert planner_settings(via_plan(flags)) == planner_settings(want)
+    assert training_spec(via_plan(flags), StepShape()) == training_spec(want, StepShape())
     compare = via_compare(precision="bf16", reduce_dtype="bf16", amsp_granularity="module",
                           amsp_all_reduce="two_level")
     assert (compare.precision, compare.reduce_dtype, compare.granularity, compare.all_reduce) == \
@@ -142,8 +140,8 @@ def test_plan_auto_on_the_launcher_plans_with_the_engine_reduce_dtype(monkeypatc
 
     seen = {}
 
-    def fake_resolve_auto(model, config, *, plan=None, **settings):
-        seen.update(settings)
+    def fake_resolve_auto(model, config, training, cluster, *, plan=None, **kw):
+        seen.update(vars(training))
         return auto.Planned(plan="ddp", all_reduce=auto.AllReduceChoice(mode="flat"))
 
     monkeypatch.setattr(auto, "resolve_auto", fake_resolve_auto)
@@ -154,30 +152,30 @@ def test_plan_auto_on_the_launcher_plans_with_the_engine_reduce_dtype(monkeypatc
     resolved = cli_train._resolve_before_launch(config, gpus_per_node=2, num_nodes=2)
     assert (str(resolved.plan), resolved.all_reduce.mode) == ("ddp", "flat")
     assert seen["reduce_dtype"] == "fp32" and seen["precision"] == "bf16"
-    assert {k: seen[k] for k in planner_settings(config.engine)} == planner_settings(config.engine)
+    e = config.engine
+    assert (seen["bucket_bytes"], seen["granularity"], seen["recompute"]) == \
+        (e.grad_bucket_bytes, e.granularity, e.recompute)
 
 
 def test_compare_plans_auto_with_the_rows_engine(monkeypatch):
     from amsp_ext.compare import harness
     from amsp_ext.compare.config import RunSpec
-    from amsp_ext.compare.systems.amsp import engine_config
     from amsp_ext.planner import auto
 
     seen = {}
 
-    def fake_resolve_auto(model, config, *, plan=None, **settings):
-        seen.update(settings)
+    def fake_resolve_auto(model, config, training, cluster, *, plan=None, **kw):
+        seen.update(vars(training))
         return auto.Planned(plan="ddp", all_reduce=auto.AllReduceChoice(mode="flat"))
 
     monkeypatch.setattr(auto, "resolve_auto", fake_resolve_auto)
     spec = RunSpec(precision="bf16")
     planner = harness.PlannerInputs(profile="paper-a800")
     harness._resolve_planned(spec, spec.amsp_plan, num_nodes=2, gpus_per_node=2, planner=planner)
-    assert {k: seen[k] for k in planner_settings(engine_config(spec))} == planner_settings(engine_config(spec))
     # what the AMSP rows run with, by the comparison's rule: the --reduce-dtype every row sends
     # (default fp32, the engine's default; compare/config.py [Note: one wire dtype for every
     # system]), the engine's unit and bucket
-    assert (seen["precision"], seen["reduce_dtype"], seen["granularity"], seen["grad_bucket_bytes"]) == \
+    assert (seen["precision"], seen["reduce_dtype"], seen["granularity"], seen["bucket_bytes"]) == \
         ("bf16", "fp32", "layer", 25 * 2**20)
 
 
@@ -201,13 +199,13 @@ def _defined_defaults() -> dict[str, list[str]]:
 def test_each_engine_setting_is_defined_once():
     """The class fields named like an engine setting: only EngineConfig's (the planner's own
     specs name theirs differently, e.g. TrainingSpec.bucket_bytes, and get them through
-    planner_settings)."""
+    training_spec)."""
     allowed_elsewhere = {
-        # the planner's input spec (torch- and schema-free; planner_settings fills it)
+        # the planner's input spec (torch- and schema-free; training_spec fills it)
         ("precision", "planner/specs.py:TrainingSpec"), ("granularity", "planner/specs.py:TrainingSpec"),
         ("recompute", "planner/specs.py:TrainingSpec"), ("reduce_dtype", "planner/specs.py:TrainingSpec"),
         ("all_reduce", "planner/specs.py:TrainingSpec"),
-        # the timer prices an all-reduce the way the engine runs it (planner_settings fills it)
+        # the timer prices an all-reduce the way the engine runs it (training_spec fills it)
         ("all_reduce", "planner/profile.py:CommTimer"),
         ("nodes_per_leaf", "planner/specs.py:ClusterSpec"), ("gpus_per_node", "planner/specs.py:ClusterSpec"),
         # the comparison's settings shared by every system (not only the AMSP rows)
@@ -239,6 +237,51 @@ def test_each_engine_setting_is_defined_once():
     extra = {n: [w for w in where if w != "engine_config.py:EngineConfig" and (n, w) not in allowed_elsewhere]
              for n, where in _defined_defaults().items()}
     assert not {n: w for n, w in extra.items() if w}, extra
+
+
+# the step's shape (planner/specs.py [Note: a step's shape, declared once]) and an older name of
+# its M; a field of that name with a default anywhere but StepShape is a second declaration
+_SHAPE_NAMES = (*STEP_SHAPE_FIELDS, "micro_batches")
+
+
+def _shape_declarations(sources: dict[str, str]) -> list[str]:
+    """``where:Class.field`` of every class field named like the step's shape that has a
+    default other than None (None: "not given here", a surface asking for it by name)."""
+    found = []
+    for where, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                found += [f"{where}:{node.name}.{item.target.id}" for item in node.body
+                          if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                          and item.target.id in _SHAPE_NAMES and item.value is not None
+                          and not (isinstance(item.value, ast.Constant) and item.value.value is None)]
+    return found
+
+
+def test_the_step_shape_is_declared_once():
+    """seq_len, micro_batch_size and M: one declaration (StepShape), one default each, read by
+    every surface (train, compare, plan, dryrun, simulate, config, migrate, the ds_config, the
+    planner's specs). A planted second declaration is found."""
+    sources = {str(p.relative_to(PKG)): p.read_text() for p in sorted(PKG.rglob("*.py"))}
+    assert _shape_declarations(sources) == [f"planner/specs.py:StepShape.{n}" for n in STEP_SHAPE_FIELDS]
+    planted = "class Flags:\n    seq_len: int = option(2048, minimum=1)\n    micro_batches: int | None = None\n"
+    assert _shape_declarations({"cli/x.py": planted}) == ["cli/x.py:Flags.seq_len"]
+    # and each surface's default is that one: no flag, key or field gives another
+    # (`amsp compare` fills its shape from its named presets, --quick and the full table;
+    # `amsp simulate` and `amsp migrate` from the paper's job and the ds_config when not given;
+    # `amsp config` asks for --seq-len with --plan auto, it writes it into the ds_config)
+    from amsp_ext.cli.main import build_parser
+
+    shape = StepShape()
+    for command in ("train", "plan", "dryrun", "config deepspeed"):
+        sub = build_parser()
+        for word in command.split():
+            sub = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+        # (`amsp config`'s --micro-batch-size is the ds_config's key, 'auto' unless given)
+        names = ("seq_len",) if command.startswith("config") else STEP_SHAPE_FIELDS
+        defaults = {a.dest: a.default for a in sub._actions if a.dest in names}
+        want = {n: None if command.startswith("config") else getattr(shape, n) for n in names}
+        assert defaults == want, (command, defaults)
 
 
 # [which configs each `amsp` command builds] A hand-written flag of a command that has the

@@ -125,7 +125,7 @@ def test_the_default_scan_finds_a_planted_literal():
 # The engine is assembled in one function (runtime/engine.py build_engine: shard() and
 # switch_plan() call it), one step's micro-batch loop is written once (runtime/step.py
 # train_step: amsp train, the compare rows, amsp tune and the dry run call it), the job shape
-# from engine settings once (planner/specs.py job_spec), the bucket layout once
+# from engine settings once (engine_config.py training_spec), the bucket layout once
 # (planner/buckets.py). A second copy of any drifts from the first unnoticed. Each pattern's
 # allowed places, with why the others are not copies:
 ONE_DEFINITION = {
@@ -134,8 +134,10 @@ ONE_DEFINITION = {
     r"\bbuild_parts\(": {"runtime/engine.py"},
     # a baseline's own loop (compare/systems/ddp.py: torch DDP's no_sync) is not the engine's step
     r"(?<!ddp)\.no_sync\(\)": {"runtime/step.py"},
-    # every route builds a Job (amsp_ext/job.py), whose settings the planner's job_spec reads
-    r"\bTrainingSpec\(": {"planner/specs.py"},
+    # every route builds a Job (amsp_ext/job.py), whose engine settings engine_config.py's
+    # training_spec turns into the planner's TrainingSpec; planner/specs.py's paper_job is the
+    # paper's job by name
+    r"\bTrainingSpec\(": {"planner/specs.py", "engine_config.py"},
     # the memory a CPU rank gives the planner (topology/profile_cache.py cpu_memory_per_rank)
     r"virtual_memory\(\)\.total\s*//": {"topology/profile_cache.py"},
     r"\bUNIT_BUCKET_MIN_BYTES\s*=|\bIN_FLIGHT_BUCKETS\s*=": {"planner/buckets.py"},

@@ -604,7 +604,8 @@ def test_amsp_config_deepspeed_and_its_errors(capsys, tmp_path):
     capsys.readouterr()
     for argv, message in [(["--plan", "p=3x1"], "amsp.plan: both 'p=' and 'os=' are required"),
                           (["--seq-len", "0"], "--seq-len must be an integer >= 1"),
-                          (["--gradient-clipping", "x"], "--gradient-clipping must be 'auto' or a number")]:
+                          ([], "--seq-len is required with --plan auto"),
+                          (["--seq-len", "8", "--gradient-clipping", "x"], "--gradient-clipping must be 'auto' or a number")]:
         assert main(["config", "deepspeed", *argv, "-o", str(tmp_path / "x.json")]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err

@@ -102,7 +102,7 @@ def test_every_route_resolves_the_same_job_to_the_same_choice(plan, all_reduce):
     ds_config = _shard_config(settings, cfg, PrecisionSettings.from_ds(cfg), resolve_batch(cfg, 4))
     ds = resolve(job_of(hf, settings.plan, ds_config, world))
     dry = resolve(dryrun_job(DryRunSpec(model="small-llama", num_nodes=2, gpus_per_node=2, gpu_memory_bytes=MEMORY,
-                                        plan=plan, seq_len=256, micro_batch_size=2, micro_batches=4,
+                                        plan=plan, seq_len=256, micro_batch_size=2, num_micro_batches=4,
                                         engine=EngineConfig(all_reduce=all_reduce), profile=PROFILE,
                                         missing_mesh="fit")))
     choices = {route: (str(r.plan), r.all_reduce.mode) for route, r in

@@ -49,8 +49,8 @@ def test_micro_batches():
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({}, "give exactly one of"),
-    ({"global_batch_tokens": 8, "global_batch_size": 1}, "give exactly one of"),
+    ({"global_batch_tokens": 64, "num_micro_batches": 2}, "give at most one of"),
+    ({"global_batch_tokens": 8, "global_batch_size": 1}, "give at most one of"),
     ({"global_batch_tokens": 100}, "not a multiple of seq_len"),
     ({"global_batch_size": -4}, "global_batch_size must be an integer >= 1"),
     ({"num_micro_batches": 1, "precision": "fp8"}, "precision must be one of fp32, bf16, fp16"),

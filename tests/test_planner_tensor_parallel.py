@@ -194,13 +194,15 @@ def test_tp_1_keeps_table_iv_plan(capsys):
 def test_plan_auto_under_tp_plans_the_data_parallel_world():
     """What an engine run with TP T asks of plan "auto": factors over (R/T) x N."""
     from amsp_ext.planner.auto import AutoPlanConfig, auto_problem, resolve_auto
+    from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
 
-    settings = dict(num_nodes=2, gpus_per_node=8, gpu_memory_bytes=80 * GiB, precision="bf16",
-                    grad_bucket_bytes=25 * 2**20, granularity="layer", recompute=True, tensor_parallel=4)
     auto = AutoPlanConfig(seq_len=2048, profile="paper-a800")
-    prob = auto_problem("llama-7b", auto, **settings)
+    training = TrainingSpec(seq_len=2048, precision="bf16", bucket_bytes=25 * 2**20, granularity="layer",
+                            recompute=True)
+    cluster = ClusterSpec(num_nodes=2, gpus_per_node=8, gpu_memory_bytes=80 * GiB)
+    prob = auto_problem("llama-7b", auto, training, cluster, tensor_parallel=4)
     assert (prob.cluster.gpus_per_node, prob.node_gpus, prob.tensor_parallel) == (2, 8, 4)
-    planned = resolve_auto("llama-7b", auto, all_reduce="auto", **settings)
+    planned = resolve_auto("llama-7b", auto, training, cluster, all_reduce="auto", tensor_parallel=4)
     assert all(2 % s0 == 0 for s0 in (planned.plan.s0_p, planned.plan.s0_g, planned.plan.s0_os))
 
 

@@ -11,6 +11,7 @@ import pytest
 from amsp_ext.cli.main import main
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.simulate import SimSettings
+from amsp_ext.planner.specs import StepShape
 from amsp_ext.planner.simulate_tp import simulate_tp
 from tests.planner_helpers import constant_profile
 
@@ -23,7 +24,7 @@ SEQ = 64
 
 def _rows(**kw):
     prof = constant_profile(8, 2, dict.fromkeys(("allreduce", "allgather", "reducescatter", "broadcast"), W))
-    settings = SimSettings(models=(TOY8,), gpu_counts=(16,), seq_len=SEQ, **kw)
+    settings = SimSettings(models=(TOY8,), gpu_counts=(16,), shape=StepShape(seq_len=SEQ), **kw)
     return {r.system: r for r in simulate_tp(settings, profile=prof)}
 
 

@@ -31,7 +31,8 @@ def reference_first_loss(*, num_sequences, seq_len):
 
 @pytest.mark.distributed
 def test_train_json_default_plan_matches_reference():
-    proc = amsp("train", "--steps", "3", "--seq-len", "64", "--json")
+    proc = amsp("train", "--steps", "3", "--seq-len", "64", "--micro-batches", "2", "--micro-batch-size", "2",
+                "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["plan_str"] == "p=1x1,g=1x1,os=2x1" and out["world"] == {"num_nodes": 2, "gpus_per_node": 2}

@@ -41,7 +41,7 @@ def test_argv_to_config_to_json_and_back(argv):
     assert json.loads(text) == schema.to_dict(config)
     if argv:  # every flag above moved its field off the default (hand-written values)
         d = schema.to_dict(config)
-        assert d["batch"] == {"steps": 7, "micro_batches": 3, "micro_batch_size": 1, "seq_len": 1024}
+        assert d["batch"] == {"steps": 7, "num_micro_batches": 3, "micro_batch_size": 1, "seq_len": 1024}
         assert d["engine"]["overlap"] == {"allgather": False, "allreduce": True, "broadcast": False}
         assert d["engine"]["grad_bucket_bytes"] == 256 * 1024
         assert d["engine"]["recompute"] is True and d["output"]["json"] is True

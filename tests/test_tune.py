@@ -25,7 +25,7 @@ LAB_PROFILE = str(REPO / "configs" / "clusters" / "lab-2x2.profile.json")
 def config(**tune) -> TuneConfig:
     return schema.from_dict(TuneConfig, {
         "model": "tiny-llama", "planner": {"profile": LAB_PROFILE, "memory_reserve": "0B"},
-        "batch": {"seq_len": 64, "micro_batch_size": 2, "micro_batches": 1, "steps": 3},
+        "batch": {"seq_len": 64, "micro_batch_size": 2, "num_micro_batches": 1, "steps": 3},
         "engine": {"granularity": "layer"}, "tune": tune})
 
 

@@ -28,7 +28,7 @@ from amsp_ext.choices import PRECISIONS, check_int
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_profile
 from amsp_ext.planner.defaults import CLUSTER_PROFILE
-from amsp_ext.planner.defaults import DEFAULT_SEQ_LEN
+from amsp_ext.planner.specs import StepShape
 
 HELP = "write a ready Accelerate YAML + ds_config pair (accelerate) or a ds_config (deepspeed) that runs AMSP"
 
@@ -49,8 +49,8 @@ def _common(p: argparse.ArgumentParser, default_out: str) -> None:
     p.add_argument("--plan", default="auto",
                    help="'auto' (the planner at start-up; default), a baseline (ddp, zero1, zero2, "
                         "zero3, mics:K) or factors such as p=8x1,g=8x1,os=8x4")
-    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
-                   help=f"tokens per sequence, for the planner (plan auto; default {DEFAULT_SEQ_LEN})")
+    # written as amsp.seq_len, for the planner; no guess: plan "auto" sizes activations by it
+    schema.add_arguments(p, StepShape, only=("seq_len",), unset=("seq_len",))
     schema.add_arguments(p, EngineConfig, only=("gpus_per_node",))  # the amsp block's, as it is
     add_gpu_memory(p, default=None, what="memory per GPU for the planner")
     add_profile(p, what="bandwidth profile for the planner", default=CLUSTER_PROFILE)
@@ -106,6 +106,9 @@ def ds_config(args, *, micro_batch: int | None, grad_accum: int | None) -> dict[
     if args.gpu_memory is not None:
         block["gpu_memory"] = args.gpu_memory
     if args.plan.strip().lower() == _AUTO:
+        if args.seq_len is None:
+            raise ValueError("--seq-len is required with --plan auto (the planner sizes activations by it; "
+                             "it is written as amsp.seq_len); or give --plan as factors or a baseline name")
         block["seq_len"] = args.seq_len
         block["profile"] = args.profile
     AMSPSettings.from_dict(block)  # one line naming the field, before anything is written

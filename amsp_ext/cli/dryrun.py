@@ -22,6 +22,7 @@ from amsp_ext.cli.plan import add_planned_job
 from amsp_ext.cli.planner_flags import ModelChoice, World, gpu_memory_option, missing_mesh_option, profile_option
 from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_OPTIMIZERS, DRYRUN_TENSORS
 from amsp_ext.engine_config import EngineConfig
+from amsp_ext.planner.specs import StepShape
 from amsp_ext.schema import check_options, option, section
 
 HELP = ("dry-run the engine for sampled ranks of a large world (fake backend; fake tensors, "
@@ -39,10 +40,8 @@ class DryRunCluster:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DryRunJob:
-    seq_len: int | None = option(None, required=True, minimum=1, help="tokens per sequence")
-    micro_batch_size: int = option(1, minimum=1, help="sequences per micro-batch")
-    micro_batches: int = option(1, minimum=1, help="M per step")
+class DryRunJob(StepShape):
+    """The step's shape (StepShape: --seq-len, --micro-batch-size, --micro-batches)."""
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -111,8 +110,7 @@ def run(args: argparse.Namespace) -> int:
     spec = DryRunSpec(model=args.model, model_config=args.model_config, num_nodes=args.nodes,
                       gpus_per_node=args.gpus_per_node,
                       gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
-                      plan=args.plan, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                      micro_batches=args.micro_batches,
+                      plan=args.plan, **vars(schema.from_namespace(StepShape, args)),
                       engine=dataclasses.replace(schema.from_namespace(EngineConfig, args), gpus_per_node=None),
                       ranks=_ranks(args.ranks), profile=args.profile, missing_mesh=args.missing_mesh,
                       **{k: getattr(args, k) for k in ("steps", "tensors", "device", "optimizer")

@@ -40,6 +40,7 @@ from amsp_ext.choices import PRECISIONS
 from amsp_ext.engine_config import EngineConfig, engine_default
 from amsp_ext.cli.planner_flags import add_gpu_memory, add_memory_reserve, add_missing_mesh, add_profile
 from amsp_ext.planner.defaults import DEFAULT_OPTIMIZER, DEFAULT_SEQ_LEN
+from amsp_ext.planner.specs import STEP_SHAPE_FIELDS, StepShape
 
 HELP = "convert a DeepSpeed ds_config.json to AMSP: plan it, compare old vs new, write the amsp block"
 
@@ -69,12 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_profile(c)
     add_missing_mesh(c)
     t = p.add_argument_group("training (what the ds_config does not say)")
-    t.add_argument("--seq-len", type=int, default=None,
-                   help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}; given, it must fit the model)")
-    t.add_argument("--micro-batch-size", type=int, default=None,
-                   help="needed when train_micro_batch_size_per_gpu is 'auto'")
-    t.add_argument("--micro-batches", type=int, default=None,
-                   help="needed when gradient_accumulation_steps is 'auto'")
+    # the step's shape (StepShape's flags); not given: the seq_len default (given, it must fit the
+    # model), and the ds_config's train_micro_batch_size_per_gpu / gradient_accumulation_steps (the
+    # flags are needed where those are 'auto')
+    schema.add_arguments(t, StepShape, unset=STEP_SHAPE_FIELDS)
     t.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="needed when bf16/fp16.enabled is 'auto'")
     schema.add_arguments(t, EngineConfig, only=("recompute",))
@@ -133,7 +132,7 @@ def _amsp_job(args, job: "_Job", world: int):
     batch_cfg["train_micro_batch_size_per_gpu"] = _auto_value(
         cfg, "train_micro_batch_size_per_gpu", args.micro_batch_size, "--micro-batch-size")
     batch_cfg["gradient_accumulation_steps"] = _auto_value(
-        cfg, "gradient_accumulation_steps", args.micro_batches, "--micro-batches")
+        cfg, "gradient_accumulation_steps", args.num_micro_batches, "--micro-batches")
     if batch_cfg.get("train_batch_size") == "auto":
         batch_cfg.pop("train_batch_size")
     batch = resolve_batch(batch_cfg, world)
@@ -191,6 +190,7 @@ class _Job:
     explicit_bucket: int | None = None
     old_bucket: int = 0
     new_bucket: int = 0
+    seq_len_assumed: bool = False  # --seq-len not given: planned for the default
     batch: Any = None
     amsp: Any = None  # the job AMSP runs (amsp_ext/job.py Job)
     prob_old: Any = None
@@ -217,11 +217,12 @@ def _read_inputs(args) -> _Job:
     """Flags and the ds_config checked (one-line errors) before anything is planned."""
     from amsp_ext.integrations.settings import check_optimizer_block, gradient_clipping, load_ds_config
 
-    for flag in ("nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
-                 "nodes_per_leaf"):
+    for flag, name in (("nodes", "--nodes"), ("gpus_per_node", "--gpus-per-node"), ("seq_len", "--seq-len"),
+                       ("micro_batch_size", "--micro-batch-size"), ("num_micro_batches", "--micro-batches"),
+                       ("nodes_per_leaf", "--nodes-per-leaf")):
         v = getattr(args, flag)
         if v is not None and v < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {v}")
+            raise ValueError(f"{name} must be an integer >= 1, got {v}")
     cfg = load_ds_config(args.config)
     check_optimizer_block(cfg)
     gradient_clipping(cfg)  # the value the written config keeps, refused now if AMSP would refuse it
@@ -238,7 +239,7 @@ def _read_cluster(args, job: _Job) -> None:
 
     job.spec = model_spec(args.model, args.model_config)
     if args.seq_len is None:  # the planner's estimate only; amsp.seq_len can be changed later
-        args.seq_len = DEFAULT_SEQ_LEN
+        args.seq_len, job.seq_len_assumed = DEFAULT_SEQ_LEN, True
     else:
         job.spec.check_seq_len(args.seq_len)
     job.cluster = ClusterSpec(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
@@ -335,7 +336,8 @@ def _report(args, job: _Job, *, label: str, old, hpz: int | None, chosen, new_no
         "cluster": {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
                     "gpu_memory_bytes": job.cluster.gpu_memory_bytes,
                     "memory_limit_bytes": job.prob_new.memory_limit},
-        "training": {"seq_len": args.seq_len, "micro_batch_size": batch.micro_batch_size,
+        "training": {"seq_len": args.seq_len, "seq_len_assumed": job.seq_len_assumed,
+                     "micro_batch_size": batch.micro_batch_size,
                      "gradient_accumulation_steps": batch.gradient_accumulation_steps,
                      "train_batch_size": batch.train_batch_size, "precision": job.precision,
                      "gradient_clipping": cfg.get("gradient_clipping", 0.0),
@@ -444,6 +446,9 @@ def run(args: argparse.Namespace) -> int:
     out, report = build(args)
     for row in report["unmapped"]:
         _err(f"{row['key']}: {_STATUS_WORDS[row['status']]} - {row['note']}")
+    if report["training"]["seq_len_assumed"]:  # said once the inputs are known good
+        _err(f"--seq-len not given: planned for {DEFAULT_SEQ_LEN} tokens per sequence (the default); "
+             "give your job's, its activations decide what fits")
     path = Path(args.output) if args.output else Path(args.config).with_suffix(".amsp.json")
     path.write_text(json.dumps(out, indent=2) + "\n")
     report["output"] = str(path)

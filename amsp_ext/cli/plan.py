@@ -18,15 +18,16 @@ from amsp_ext.choices import OBJECTIVES, OPTIMIZERS, PLANNER_OVERLAP_OF
 from amsp_ext.cli.planner_flags import (ModelChoice, World, gpu_memory_option, max_global_batch_tokens_option,
                                         memory_reserve_option, missing_mesh_option, profile_option,
                                         tensor_parallel_option)
-from amsp_ext.engine_config import EngineConfig, planner_settings
+from amsp_ext.engine_config import EngineConfig, training_spec
 from amsp_ext.planner.defaults import DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER, DEFAULT_PEAK_FLOPS
 from amsp_ext.planner.plan import is_auto
+from amsp_ext.planner.specs import StepShape
 from amsp_ext.schema import check_options, option, section
 
 HELP = "choose the sharding plan (p, g, os factors and meshes) for a model on a cluster"
 
 
-# EngineConfig fields that planner_settings reads: amsp plan's engine flags
+# EngineConfig fields that training_spec reads: amsp plan's engine flags
 PLANNED_ENGINE_FIELDS = ("nodes_per_leaf", "precision", "reduce_dtype", "grad_bucket_bytes",
                          "granularity", "recompute", "all_reduce")
 
@@ -48,14 +49,14 @@ class PlanCluster:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanJob:
-    seq_len: int | None = option(None, required=True, minimum=1, help="tokens per sequence")
-    micro_batch_size: int = option(1, minimum=1, help="sequences per micro-batch")
-    global_batch_tokens: int | None = option(None, one_of="batch", required=True, minimum=1)
-    global_batch_size: int | None = option(None, one_of="batch", required=True, minimum=1,
-                                           help="global batch in sequences")
-    micro_batches: int | None = option(None, one_of="batch", required=True, minimum=1,
-                                       help="M per step, directly")
+class PlanJob(StepShape):
+    """The step's shape (StepShape: --seq-len, --micro-batch-size, --micro-batches) and what
+    the planner prices besides it. A global batch, given, decides M for each world."""
+
+    global_batch_tokens: int | None = option(None, one_of="batch", minimum=1,
+                                             help="global batch in tokens (M follows from the world)")
+    global_batch_size: int | None = option(None, one_of="batch", minimum=1,
+                                           help="global batch in sequences (M follows from the world)")
     optimizer: str = option(DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
     frozen_models: int = option(0, minimum=0, help="frozen models of this shape on the same GPUs (a DPO/GRPO "
                                                    "reference, a same-size reward model): their shards, "
@@ -159,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
     schema.from_namespace(PlanOptions, args)  # one-line error naming the flag
     _check_group_sizes(args)
     engine = schema.from_namespace(EngineConfig, args)
-    settings = planner_settings(engine)
     spec = model_spec(args.model, args.model_config)
     spec.check_seq_len(args.seq_len)
     profile = load_profile(args.profile)
@@ -170,13 +170,13 @@ def run(args: argparse.Namespace) -> int:
     cluster = ClusterSpec(
         num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
-        peak_flops=peak, nodes_per_leaf=settings["nodes_per_leaf"],
+        peak_flops=peak, nodes_per_leaf=engine.nodes_per_leaf,
     )
     asked = parse_tensor_parallel(args.tp_degree)
     if args.verify and asked != 1:
         raise ValueError("--verify dry-runs the plan without tensor parallelism; "
                          f"use --tensor-parallel 1 with it, got {args.tp_degree}")
-    result, choice, tp_choice = _search(args, settings, spec, cluster, profile, asked)
+    result, choice, tp_choice = _search(args, engine, spec, cluster, profile, asked)
     problem, training = result.problem, result.problem.training
     report = build_report(result, with_pareto=args.pareto,
                           sensitivity_factor=args.sensitivity, mics_size=args.mics_size,
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _search(args: argparse.Namespace, settings: dict, spec, cluster, profile, asked: int | None):
+def _search(args: argparse.Namespace, engine: EngineConfig, spec, cluster, profile, asked: int | None):
     """The search under --all-reduce (auto: each mode, planner/auto.py) at each TP degree asked
     for (auto: every degree the node and the model allow, planner/joint.py [Note: choosing T]):
     (result, all-reduce choice or None, TP choice)."""
@@ -217,18 +217,17 @@ def _search(args: argparse.Namespace, settings: dict, spec, cluster, profile, as
     from amsp_ext.planner.auto import search_all_reduce
     from amsp_ext.planner.joint import search_tensor_parallel
     from amsp_ext.planner.search import make_problem, search
-    from amsp_ext.planner.specs import job_spec, parse_size
+    from amsp_ext.planner.specs import parse_size
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules
     from amsp_ext.planner.tensor_parallel import tp_degrees
 
     off = set(args.no_overlap)
 
     def problem_for(all_reduce: str, tensor_parallel: int):
-        training = job_spec(
-            settings, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-            global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size,
-            num_micro_batches=args.micro_batches, optimizer=args.optimizer, all_reduce=all_reduce,
-            frozen_models=args.frozen_models)
+        training = dataclasses.replace(
+            training_spec(engine, schema.from_namespace(StepShape, args), all_reduce=all_reduce,
+                          optimizer=args.optimizer, frozen_models=args.frozen_models),
+            global_batch_tokens=args.global_batch_tokens, global_batch_size=args.global_batch_size)
         return make_problem(
             spec, cluster, training, profile, objective=args.objective,
             missing=args.missing_mesh,
@@ -241,13 +240,13 @@ def _search(args: argparse.Namespace, settings: dict, spec, cluster, profile, as
         )
 
     def search_for(tensor_parallel: int):
-        if is_auto(settings["all_reduce"]):  # planner/auto.py [Note: all_reduce "auto"]
+        if is_auto(engine.all_reduce):  # planner/auto.py [Note: all_reduce "auto"]
             return search_all_reduce({m: problem_for(m, tensor_parallel) for m in ALL_REDUCES})
-        return search(problem_for(settings["all_reduce"], tensor_parallel)), None
+        return search(problem_for(engine.all_reduce, tensor_parallel)), None
 
     # planner/joint.py [Note: choosing T]
     degrees = tp_degrees(spec, args.gpus_per_node) if asked is None else (asked,)
-    any_mode = "flat" if is_auto(settings["all_reduce"]) else settings["all_reduce"]
+    any_mode = "flat" if is_auto(engine.all_reduce) else engine.all_reduce
     return search_tensor_parallel(
         degrees, lambda t: problem_for(any_mode, t), search_for,
         max_global_batch_tokens=args.max_global_batch_tokens, auto=asked is None)
@@ -279,7 +278,7 @@ def _verify(result, args, engine, training, usable: int) -> list[dict]:
     specs = [DryRunSpec(model=args.model, model_config=args.model_config, num_nodes=args.nodes,
                         gpus_per_node=args.gpus_per_node, gpu_memory_bytes=usable, plan=str(c.plan),
                         seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-                        micro_batches=training.micro_batches(world),
+                        num_micro_batches=training.micro_batches(world),
                         engine=dataclasses.replace(engine, gpus_per_node=None), steps=2,
                         ranks=(0,), profile=args.profile) for c in feasible]
     return [{"plan": str(c.plan), "planner_bytes": int(c.memory.total),

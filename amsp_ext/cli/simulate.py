@@ -10,6 +10,7 @@ planner's models, with the paper's reported numbers side by side (torch-free).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -20,6 +21,7 @@ from amsp_ext import schema
 from amsp_ext.cli.planner_flags import (gpu_memory_option, max_global_batch_tokens_option, missing_mesh_option,
                                         profile_option, tensor_parallel_option)
 from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
+from amsp_ext.planner.specs import StepShape
 from amsp_ext.schema import check_options, option
 
 HELP = ("predict MFU and tokens/GPU/s of ZeRO-1/2/3, ZeRO++, MiCS and AMSP at 8..1024 GPUs, or of "
@@ -50,22 +52,21 @@ def _names(text: str, flag: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SimulateOptions:
+class SimulateOptions(StepShape):
+    """The step's shape (StepShape's flags; not given: the paper's, planner/simulate.py
+    PAPER_SHAPE, and M from --global-batch-tokens) and the grid."""
+
     profile: str = profile_option()
     models: str = option(",".join(PAPER_MODELS), help="comma-separated presets (default: the paper's three)")
     gpus: str = option(",".join(map(str, PAPER_GPU_COUNTS)), help="comma-separated GPU counts")
     gpus_per_node: int = option(8, minimum=1)
     gpu_memory: str = gpu_memory_option()
-    seq_len: int = option(4096, minimum=1)
     global_batch_tokens: int = option(4 * 2**20, minimum=1)
     missing_mesh: str = missing_mesh_option()
     tensor_parallel: str = tensor_parallel_option(
         what="TP degree of the joint pick (auto: searched with the six factors); not 1, or either "
              "flag below, gives the TP rows (planner/simulate_tp.py) instead of the paper's grid")
     max_global_batch_tokens: int | None = max_global_batch_tokens_option(what="a row over it says so")
-    micro_batches: int | None = option(None, minimum=1, help="M per data-parallel rank (the global "
-                                                             "batch shrinks as T grows); default: "
-                                                             "--global-batch-tokens fixes the batch")
     efficiency: float | None = option(None, help="fraction of peak the compute reaches (default: the "
                                                  "planner's 0.65)")
     out: str = option("comparisons/results", help="folder for the report")
@@ -78,8 +79,13 @@ class SimulateOptions:
             raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
 
 
+# not given, the step's shape is the paper's (--micro-batches given: M per data-parallel rank, the
+# TP rows, and the global batch shrinks as T grows; else --global-batch-tokens fixes the batch)
+_PAPER_UNLESS_GIVEN = ("seq_len", "micro_batch_size", "num_micro_batches")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    schema.add_arguments(p, SimulateOptions)
+    schema.add_arguments(p, SimulateOptions, unset=_PAPER_UNLESS_GIVEN)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,15 +96,19 @@ def run(args: argparse.Namespace) -> int:
 
     from amsp_ext.planner.tensor_parallel import parse_tensor_parallel
 
-    schema.from_namespace(SimulateOptions, args)  # one-line error naming the flag
+    from amsp_ext.planner.simulate import PAPER_SHAPE
+
+    given = {n: getattr(args, n) for n in _PAPER_UNLESS_GIVEN if getattr(args, n) is not None}
+    schema.from_namespace(SimulateOptions, argparse.Namespace(**{**vars(args), **vars(PAPER_SHAPE), **given}))
+    shape = dataclasses.replace(PAPER_SHAPE, **{k: v for k, v in given.items() if k != "num_micro_batches"})
     settings = SimSettings(
         models=_names(args.models, "--models"),
         gpu_counts=_ints(args.gpus, "--gpus"), gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
-        seq_len=args.seq_len, global_batch_tokens=args.global_batch_tokens, profile=args.profile,
+        shape=shape, global_batch_tokens=args.global_batch_tokens, profile=args.profile,
         efficiency=DEFAULT_EFFICIENCY if args.efficiency is None else args.efficiency,
         missing_mesh=args.missing_mesh, tensor_parallel=parse_tensor_parallel(args.tensor_parallel),
-        max_global_batch_tokens=args.max_global_batch_tokens, micro_batches=args.micro_batches,
+        max_global_batch_tokens=args.max_global_batch_tokens, micro_batches=given.get("num_micro_batches"),
     )
     if settings.tp_mode:
         return _run_tp(args, settings)

@@ -15,6 +15,7 @@ from typing import Any
 from amsp_ext import choices
 from amsp_ext.choices import ALL_REDUCE_SETTINGS, GRANULARITIES, OVERLAP_OPS
 from amsp_ext.engine_config import engine_default
+from amsp_ext.planner.specs import StepShape
 from amsp_ext.schema import check_options, name_of, option
 from amsp_ext.common.models import MODEL_CONFIGS
 
@@ -49,18 +50,15 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunSpec:
-    """Its options are ``amsp compare``'s flags (schema.py; cli/compare.py picks which and
+class RunSpec(StepShape):
+    """The step's shape (StepShape: seq_len, micro_batch_size, num_micro_batches per rank) and
+    the comparison's settings. Its options are ``amsp compare``'s flags (schema.py; cli/compare.py picks which and
     fills the --quick / full-table presets); the others are fixed for every comparison. A bad
     value is a one-line SpecError naming the flag (command line) or ``spec.<field>``."""
 
     SCHEMA_NAME = "spec"
 
     model: str = option("tiny-llama", choices=MODEL_CONFIGS, help="the model every system trains")
-    seq_len: int = option(128, minimum=1, help="tokens per sequence")
-    micro_batch_size: int = option(2, minimum=1, help="sequences per rank per micro-batch")
-    num_micro_batches: int = option(2, minimum=1, flag="--micro-batches",
-                                    help="M, gradient accumulation steps")
     num_steps: int = option(10, minimum=1, flag="--steps",
                             help="optimizer steps whose loss and time are recorded")
     num_warmup_steps: int = option(3, minimum=0, flag="--warmup-steps",

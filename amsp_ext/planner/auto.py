@@ -1,9 +1,10 @@
 """Plan "auto": the planner's plan for an engine run, from plain values (no torch).
 
-``amsp_ext.shard(model, "auto", config=ShardConfig(auto=AutoPlanConfig(...)))`` calls
-``plan_auto`` on every rank with its ShardConfig's settings; ``amsp compare`` calls it once in
-the launcher with the settings its AMSP rows run with. Both therefore plan for the bucket size,
-precision, reduce dtype, granularity and recompute the engine really uses.
+Every route reaches it through ``amsp_ext.job.resolve`` (job.py [Note: one job, resolved once]),
+which hands it typed inputs: the AutoPlanConfig (the step's shape and the planner's inputs),
+the TrainingSpec of the engine's settings (engine_config.training_spec, so the plan is priced
+for the bucket size, precision, reduce dtype, granularity and recompute the engine really uses)
+and the ClusterSpec.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from amsp_ext.choices import ALL_REDUCES, MISSING_MESH, OBJECTIVES, OPTIMIZERS, 
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan, is_auto
 from amsp_ext.planner.search import Problem, SearchResult, evaluate, make_problem, search
-from amsp_ext.planner.specs import ClusterSpec, job_spec
-from amsp_ext.planner.defaults import (CLUSTER_PROFILE, DEFAULT_ALL_REDUCE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE,
-                                      DEFAULT_OPTIMIZER, DEFAULT_REDUCE_DTYPE)
+from amsp_ext.planner.specs import ClusterSpec, StepShape, TrainingSpec
+from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER
 from amsp_ext.planner.profile import BandwidthProfile
 
 __all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choose_all_reduce", "plan_auto",
@@ -26,13 +26,11 @@ __all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choo
 
 
 @dataclass(frozen=True, kw_only=True)
-class AutoPlanConfig:
+class AutoPlanConfig(StepShape):
     """What ``plan="auto"`` needs besides the model, the world and the engine's own settings: the
-    step's batch shape and the planner's inputs (see amsp_ext.planner.search.plan_for)."""
+    step's shape (StepShape: seq_len, micro_batch_size, num_micro_batches) and the planner's
+    inputs (see amsp_ext.planner.search.plan_for)."""
 
-    seq_len: int
-    micro_batch_size: int = 1
-    num_micro_batches: int = 1
     # "cluster" (defaults.py [Note: which profile auto plans with]; the job resolves it to the
     # profile it found or measured, a BandwidthProfile), a bundled name or an amsp-profile/1 path
     profile: str | BandwidthProfile = CLUSTER_PROFILE
@@ -46,10 +44,10 @@ class AutoPlanConfig:
     memory_reserve_bytes: int | None = None  # None: the planner's default reserve
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch_size", "num_micro_batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"auto.{name} must be an integer >= 1, got {v!r}")
+        try:
+            super().__post_init__()
+        except ValueError as e:  # the shape's error, named as this config's field
+            raise ValueError(f"auto.{e}") from None
         check_one_of(self.objective, OBJECTIVES, "auto.objective")
         check_one_of(self.missing, MISSING_MESH, "auto.missing")
         check_one_of(self.optimizer, OPTIMIZERS, "auto.optimizer")
@@ -66,33 +64,26 @@ class AutoPlanConfig:
             raise ValueError(f"auto.memory_reserve_bytes must be an integer >= 0 or None, got {self.memory_reserve_bytes!r}")
 
 
-def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, *,
-                 num_nodes: int, gpus_per_node: int, gpu_memory_bytes: int,
-                 nodes_per_leaf: int | None = None, precision: str, grad_bucket_bytes: int,
-                 granularity: str, recompute: bool, reduce_dtype: str | None = DEFAULT_REDUCE_DTYPE,
-                 all_reduce: str = DEFAULT_ALL_REDUCE, tensor_parallel: int = 1) -> Problem:
-    """The planner's Problem for ``model`` trained as ``auto`` says on ``num_nodes`` x
-    ``gpus_per_node``, by an engine with these settings (ShardConfig's names): what
-    ``plan_auto`` searches and what adaptive AMSP (runtime/replan/adaptive.py) predicts steps with.
-    ``tensor_parallel`` T > 1: the model runs TP T inside the node and the plan's factors are
-    over the data-parallel world, gpus_per_node / T per node (tensor_parallel.py)."""
-    cluster = ClusterSpec(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-                          gpu_memory_bytes=gpu_memory_bytes, nodes_per_leaf=nodes_per_leaf)
-    settings = dict(precision=precision, grad_bucket_bytes=grad_bucket_bytes, granularity=granularity,
-                    recompute=recompute, reduce_dtype=reduce_dtype, all_reduce=all_reduce)
-    training = job_spec(settings, seq_len=auto.seq_len, micro_batch_size=auto.micro_batch_size,
-                        num_micro_batches=auto.num_micro_batches, optimizer=auto.optimizer,
-                        frozen_models=auto.frozen_models or 0)
+def auto_problem(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, training: TrainingSpec,
+                 cluster: ClusterSpec, *, tensor_parallel: int = 1) -> Problem:
+    """The planner's Problem for ``model`` trained as ``training`` says (the step's shape and
+    the engine's settings, one TrainingSpec) on ``cluster``, with ``auto``'s planner inputs
+    (profile, objective, missing meshes, reserve): what ``plan_auto`` searches and what
+    adaptive AMSP (runtime/replan/adaptive.py) predicts steps with. ``tensor_parallel`` T > 1:
+    the model runs TP T inside the node and the plan's factors are over the data-parallel
+    world, gpus_per_node / T per node (tensor_parallel.py)."""
     reserve = {} if auto.memory_reserve_bytes is None else {"memory_reserve_bytes": auto.memory_reserve_bytes}
     return make_problem(model, cluster, training, auto.profile, objective=auto.objective,
                         missing=auto.missing, tensor_parallel=tensor_parallel, **reserve)
 
 
-def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, **settings: Any) -> Plan:
+def plan_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, training: TrainingSpec,
+              cluster: ClusterSpec, *, all_reduce: str | None = None, tensor_parallel: int = 1) -> Plan:
     """The planner's plan for ``model`` (a ModelSpec, a Hugging Face config dict or a preset):
-    the best of ``auto_problem(model, auto, **settings)`` (with ``all_reduce="auto"``, of the
-    plan and mode ``resolve_auto`` picks). Raises NoFeasiblePlan or another one-line ValueError."""
-    return resolve_auto(model, auto, **settings).plan
+    the best of ``auto_problem(...)`` (with ``all_reduce="auto"``, of the plan and mode
+    ``resolve_auto`` picks). Raises NoFeasiblePlan or another one-line ValueError."""
+    return resolve_auto(model, auto, training, cluster, all_reduce=all_reduce,
+                        tensor_parallel=tensor_parallel).plan
 
 
 # [Note: all_reduce "auto"]
@@ -184,22 +175,28 @@ def search_all_reduce(problems: Mapping[str, Problem]) -> tuple[SearchResult, Al
     return results[choice.mode], choice
 
 
-def resolve_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, *,
-                 plan: Plan | None = None, **settings: Any) -> Planned:
+def resolve_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, training: TrainingSpec,
+                 cluster: ClusterSpec, *, all_reduce: str | None = None, plan: Plan | None = None,
+                 tensor_parallel: int = 1) -> Planned:
     """The plan (``plan``, or the planner's when None) and the all-reduce mode a run executes:
-    ``settings["all_reduce"]`` itself, or with "auto" the mode [Note: all_reduce "auto"] picks.
-    ``settings``: auto_problem's keywords. Raises NoFeasiblePlan or another one-line ValueError."""
-    requested = settings.pop("all_reduce", DEFAULT_ALL_REDUCE)
+    ``all_reduce`` itself (None: ``training.all_reduce``), or with "auto" the mode [Note:
+    all_reduce "auto"] picks. Raises NoFeasiblePlan or another one-line ValueError."""
+    requested = training.all_reduce if all_reduce is None else all_reduce
+
+    def problem(mode: str) -> Problem:
+        return auto_problem(model, auto, dataclasses.replace(training, all_reduce=mode), cluster,
+                            tensor_parallel=tensor_parallel)
+
     if plan is not None:
-        dp_gpus = settings["gpus_per_node"] // settings.get("tensor_parallel", 1)  # the plan's world
-        unpriced = unpriced_choice(plan, requested, gpus_per_node=dp_gpus, num_nodes=settings["num_nodes"])
+        dp_gpus = cluster.gpus_per_node // tensor_parallel  # the plan's world
+        unpriced = unpriced_choice(plan, requested, gpus_per_node=dp_gpus, num_nodes=cluster.num_nodes)
         if unpriced is not None:
             return Planned(plan=plan, all_reduce=unpriced)
     elif not is_auto(requested):
         check_one_of(requested, ALL_REDUCES, "all_reduce")
-        plan = search(auto_problem(model, auto, all_reduce=requested, **settings)).best.plan
+        plan = search(problem(requested)).best.plan
         return Planned(plan=plan, all_reduce=AllReduceChoice(mode=requested))
-    problems = {m: auto_problem(model, auto, all_reduce=m, **settings) for m in ALL_REDUCES}
+    problems = {m: problem(m) for m in ALL_REDUCES}
     if plan is not None:
         return Planned(plan=plan, all_reduce=choose_all_reduce(problems, dict.fromkeys(ALL_REDUCES, plan)))
     result, choice = search_all_reduce(problems)

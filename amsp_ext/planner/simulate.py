@@ -52,7 +52,7 @@ from amsp_ext.planner.profile import BandwidthProfile, load_profile
 from amsp_ext.planner.search import (
     GiB, NoFeasiblePlan, Problem, evaluate, make_problem, search,
 )
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, paper_job
+from amsp_ext.planner.specs import ClusterSpec, StepShape, TrainingSpec, paper_job
 from amsp_ext.planner.step import DEFAULT_EFFICIENCY, OverlapRules, StepEstimate, step_estimate
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
 
@@ -126,6 +126,11 @@ PAPER_MFU: dict[tuple[str, str, int], tuple[float | None, str]] = {
 }
 
 
+# the paper's sequences (Sec. VI): 4096 tokens, one per micro-batch; its global batch (4M tokens)
+# decides M, so the shape's own M is not read
+PAPER_SHAPE = StepShape(seq_len=4096, micro_batch_size=1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SimSettings:
     """The paper's experimental settings (Sec. VI); every field can be changed from the CLI."""
@@ -134,8 +139,7 @@ class SimSettings:
     gpu_counts: tuple[int, ...] = PAPER_GPU_COUNTS
     gpus_per_node: int = 8
     gpu_memory_bytes: int = DEFAULT_GPU_MEMORY_BYTES
-    seq_len: int = 4096
-    micro_batch_size: int = 1
+    shape: StepShape = PAPER_SHAPE  # seq_len and micro_batch_size (M follows from the global batch)
     global_batch_tokens: int = 4 * 2**20
     precision: str = "bf16"
     profile: str = DEFAULT_PROFILE
@@ -147,6 +151,11 @@ class SimSettings:
     tensor_parallel: int | None = 1  # the joint pick's degrees: T, or None for auto
     max_global_batch_tokens: int | None = None
     micro_batches: int | None = None  # M per data-parallel rank (replaces global_batch_tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as JSON values, the step's shape flat (seq_len, micro_batch_size)."""
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if k != "shape"}
+        return {**d, "seq_len": self.shape.seq_len, "micro_batch_size": self.shape.micro_batch_size}
 
     @property
     def tp_mode(self) -> bool:
@@ -192,7 +201,7 @@ class SimCell:
 
 
 def paper_training(model: str, settings: SimSettings = SimSettings()) -> TrainingSpec:
-    return paper_job(seq_len=settings.seq_len, micro_batch_size=settings.micro_batch_size,
+    return paper_job(seq_len=settings.shape.seq_len, micro_batch_size=settings.shape.micro_batch_size,
                      global_batch_tokens=settings.global_batch_tokens,
                      recompute=RECOMPUTE.get(model, False), precision=settings.precision)
 

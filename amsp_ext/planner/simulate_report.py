@@ -197,7 +197,7 @@ def format_markdown(cells: list[SimCell], rows: list[dict[str, Any]], settings: 
         "(no measurement). Settings (paper Sec. VI): "
         f"{s.gpus_per_node} GPUs per node, {s.gpu_memory_bytes / GiB:g} GiB per GPU "
         f"({DEFAULT_RESERVE_BYTES / GiB:g} GiB reserve), "
-        f"seq {s.seq_len}, micro-batch {s.micro_batch_size}, global batch "
+        f"seq {s.shape.seq_len}, micro-batch {s.shape.micro_batch_size}, global batch "
         f"{s.global_batch_tokens:,} tokens (M = global batch / (seq x micro-batch x GPUs)), "
         f"{s.precision}, AdamW, recomputation for LLaMA-30B only; MiCS shard group and ZeRO++ "
         "hpZ group = one node. AMSP (planner) re-runs the planner at every scale; AMSP (Table IV) "
@@ -261,8 +261,7 @@ def to_json(cells: list[SimCell], rows: list[dict[str, Any]], settings: SimSetti
     return {
         "schema": "amsp-simulate/1",
         "command": command,
-        "settings": {k: (list(v) if isinstance(v, tuple) else v)
-                     for k, v in settings.__dict__.items()},
+        "settings": settings.as_dict(),
         "engines": list(ENGINES),
         "systems": SYSTEMS,
         "table_iv": TABLE_IV,
@@ -311,7 +310,7 @@ def format_tp_table(rows, *, markdown: bool = True) -> str:
 
 
 def _tp_settings(settings: SimSettings) -> dict[str, Any]:
-    d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()}
+    d = settings.as_dict()
     d["models"] = [m if isinstance(m, str) else m.name for m in settings.models]
     return d
 
@@ -324,7 +323,7 @@ def tp_to_json(rows, settings: SimSettings, *, command: str) -> dict[str, Any]:
 def format_tp_markdown(rows, settings: SimSettings, *, command: str) -> str:
     s = settings
     batch = (f"M = {s.micro_batches} micro-batch(es) per data-parallel rank, so the global batch is "
-             f"(R/T) x N x {s.micro_batch_size} x M x {s.seq_len} tokens"
+             f"(R/T) x N x {s.shape.micro_batch_size} x M x {s.shape.seq_len} tokens"
              if s.micro_batches is not None
              else f"global batch {s.global_batch_tokens:,} tokens (M grows with T)")
     cap = ("no cap" if s.max_global_batch_tokens is None
@@ -335,8 +334,8 @@ def format_tp_markdown(rows, settings: SimSettings, *, command: str) -> str:
         "",
         "Planner predictions (memory, cost and step-time models), not measurements. "
         f"{s.gpus_per_node} GPUs per node, {s.gpu_memory_bytes / GiB:g} GiB per GPU "
-        f"({DEFAULT_RESERVE_BYTES / GiB:g} GiB reserve), seq {s.seq_len}, micro-batch "
-        f"{s.micro_batch_size}, {batch}, {cap}; {s.precision}, AdamW; missing meshes: "
+        f"({DEFAULT_RESERVE_BYTES / GiB:g} GiB reserve), seq {s.shape.seq_len}, micro-batch "
+        f"{s.shape.micro_batch_size}, {batch}, {cap}; {s.precision}, AdamW; missing meshes: "
         f"`{s.missing_mesh}`. Rows are on AMSP's engine as the step model has it (ideal), planned "
         "for the step time, with recomputation only where nothing fits without it "
         "(amsp_ext/planner/simulate_tp.py [Note: the TP rows]).",

@@ -100,7 +100,7 @@ class _Scale:
         s = self.settings
         batch = ({"num_micro_batches": s.micro_batches} if s.micro_batches is not None
                  else {"global_batch_tokens": s.global_batch_tokens})
-        training = paper_job(seq_len=s.seq_len, micro_batch_size=s.micro_batch_size,
+        training = paper_job(seq_len=s.shape.seq_len, micro_batch_size=s.shape.micro_batch_size,
                              recompute=recompute, precision=s.precision, **batch)
         return make_problem(self.spec, self.cluster, training, self.profile, objective="step",
                             efficiency=s.efficiency, missing=s.missing_mesh, tensor_parallel=t)

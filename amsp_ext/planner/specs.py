@@ -1,4 +1,4 @@
-"""ClusterSpec and TrainingSpec: the planner's inputs besides the model and the profile.
+"""StepShape, ClusterSpec and TrainingSpec: the planner's inputs besides the model and the profile.
 
 kw-only dataclasses that validate themselves in ``__post_init__``; every error is one line that
 names the field and the allowed values. Pure Python.
@@ -7,22 +7,24 @@ names the field and the allowed values. Pure Python.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, Mapping
 
-from amsp_ext.choices import ALL_REDUCES, GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, reduce_dtypes
+from amsp_ext.choices import (ALL_REDUCES, GRANULARITIES, OPTIMIZERS, PRECISIONS, check_one_of, described,
+                              reduce_dtypes)
 from amsp_ext.planner.defaults import (DEFAULT_ALL_REDUCE, DEFAULT_GRAD_BUCKET_BYTES, DEFAULT_GRANULARITY,
-                                       DEFAULT_OPTIMIZER, DEFAULT_PEAK_FLOPS, DEFAULT_PRECISION,
-                                       DEFAULT_REDUCE_DTYPE)
+                                       DEFAULT_MICRO_BATCH_SIZE, DEFAULT_MICRO_BATCHES, DEFAULT_OPTIMIZER,
+                                       DEFAULT_PEAK_FLOPS, DEFAULT_PRECISION, DEFAULT_REDUCE_DTYPE,
+                                       DEFAULT_SEQ_LEN)
 from amsp_ext.choices import parse_size as _parse_size
 
 __all__ = [
     "ClusterSpec",
     "SpecError",
     "PAPER_JOB",
+    "STEP_SHAPE_FIELDS",
+    "StepShape",
     "TrainingSpec",
-    "job_spec",
     "paper_job",
     "parse_size",
 ]
@@ -55,6 +57,42 @@ def _positive_number(obj: object, name: str) -> None:
     v = getattr(obj, name)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise SpecError(f"{name} must be a positive number, got {v!r}")
+
+
+# [Note: a step's shape, declared once]
+# seq_len, micro_batch_size and num_micro_batches are declared here and nowhere else: the
+# planner's TrainingSpec and AutoPlanConfig, `amsp train`'s and `amsp compare`'s batch, `amsp
+# plan` / `amsp dryrun` / `amsp simulate` / `amsp config` / `amsp migrate`'s flags and the ds_config's
+# "amsp" keys all inherit or read these fields (the flags through choices.described, the schema
+# below the planner cannot be imported here), so a field has one name, one help, one bound and
+# one default on every surface. A surface that must not assume a value (a ds_config planned
+# with "auto" names no sequence length of its own) asks for it at the surface, by name; it does
+# not declare a second default.
+@dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """One step on one data-parallel rank: ``num_micro_batches`` (M) micro-batches of
+    ``micro_batch_size`` sequences of ``seq_len`` tokens ([Note: a step's shape, declared once])."""
+
+    seq_len: int = described(DEFAULT_SEQ_LEN, help="tokens per sequence", minimum=1)
+    micro_batch_size: int = described(DEFAULT_MICRO_BATCH_SIZE, minimum=1,
+                                      help="sequences per micro-batch on each data-parallel rank")
+    num_micro_batches: int = described(DEFAULT_MICRO_BATCHES, minimum=1, flag="--micro-batches",
+                                       help="M micro-batches per step (gradient accumulation)")
+
+    def __post_init__(self) -> None:
+        for name in STEP_SHAPE_FIELDS:
+            _positive_int(self, name)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+    def shape(self) -> "StepShape":
+        """The step's shape alone (a subclass's other fields dropped)."""
+        return StepShape(**{n: getattr(self, n) for n in STEP_SHAPE_FIELDS})
+
+
+STEP_SHAPE_FIELDS = tuple(f.name for f in fields(StepShape))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,11 +129,13 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainingSpec:
-    """One training step: M micro-batches of ``micro_batch_size`` sequences of ``seq_len`` tokens.
+class TrainingSpec(StepShape):
+    """One training step: M micro-batches of ``micro_batch_size`` sequences of ``seq_len`` tokens
+    (the StepShape), and what the engine runs it with.
 
-    Give exactly one of ``global_batch_tokens``, ``global_batch_size`` (sequences) or
-    ``num_micro_batches``; M then follows from the data-parallel world size and must be exact.
+    M is ``num_micro_batches``, or, where ``global_batch_tokens`` or ``global_batch_size``
+    (sequences) is given (at most one, and ``num_micro_batches`` then left at its default), it
+    follows from the data-parallel world size and must be exact.
     ``bucket_bytes`` is the gradient all-reduce bucket size U of Eq. Tg / T0_os.
     ``reduce_dtype`` is the dtype gradients are reduced and accumulated in (the engine's
     ShardConfig.reduce_dtype); None = the precision, the paper's 2-byte gradients in bf16.
@@ -105,11 +145,8 @@ class TrainingSpec:
     timer prices it, profile.py [Note: a two-level all-reduce's time]).
     """
 
-    seq_len: int
-    micro_batch_size: int = 1
     global_batch_tokens: int | None = None
     global_batch_size: int | None = None
-    num_micro_batches: int | None = None
     recompute: bool = False
     precision: str = DEFAULT_PRECISION
     optimizer: str = DEFAULT_OPTIMIZER
@@ -122,16 +159,18 @@ class TrainingSpec:
     frozen_models: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch_size", "bucket_bytes"):
-            _positive_int(self, name)
-        given = [n for n in ("global_batch_tokens", "global_batch_size", "num_micro_batches")
-                 if getattr(self, n) is not None]
-        if len(given) != 1:
+        super().__post_init__()
+        _positive_int(self, "bucket_bytes")
+        given = [n for n in ("global_batch_tokens", "global_batch_size") if getattr(self, n) is not None]
+        if given and self.num_micro_batches != DEFAULT_MICRO_BATCHES:
+            given.append("num_micro_batches")
+        if len(given) > 1:
             raise SpecError(
-                "give exactly one of global_batch_tokens, global_batch_size or num_micro_batches"
-                f", got {', '.join(given) or 'none'}"
+                "give at most one of global_batch_tokens, global_batch_size or num_micro_batches"
+                f", got {', '.join(given)}"
             )
-        _positive_int(self, given[0])
+        for name in given:
+            _positive_int(self, name)
         if self.global_batch_tokens is not None and self.global_batch_tokens % self.seq_len:
             raise SpecError(
                 f"global_batch_tokens={self.global_batch_tokens} is not a multiple of "
@@ -152,13 +191,9 @@ class TrainingSpec:
         """The dtype gradients are reduced and accumulated in."""
         return self.reduce_dtype or self.precision
 
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        return self.seq_len * self.micro_batch_size
-
     def micro_batches(self, world_size: int) -> int:
         """M, the micro-batches per step on each of ``world_size`` data-parallel ranks."""
-        if self.num_micro_batches is not None:
+        if self.global_batch_tokens is None and self.global_batch_size is None:
             return self.num_micro_batches
         seqs = self.global_batch_size
         if seqs is None:
@@ -172,24 +207,6 @@ class TrainingSpec:
                 f"{self.micro_batch_size} x {world_size} = {per_step}"
             )
         return seqs // per_step
-
-
-def job_spec(settings: Mapping[str, Any], *, seq_len: int, micro_batch_size: int = 1,
-             num_micro_batches: int | None = None, global_batch_tokens: int | None = None,
-             global_batch_size: int | None = None, optimizer: str | None = None,
-             all_reduce: str | None = None, frozen_models: int = 0) -> TrainingSpec:
-    """The job an engine runs: the batch, and ``settings``, the engine's settings as
-    ``engine_config.planner_settings`` names them (auto_problem's keywords; ``nodes_per_leaf``,
-    a cluster setting, is not the job's). ``all_reduce``: the mode the engine runs, where the
-    settings' may still be "auto" (None: the settings')."""
-    kw = {} if optimizer is None else {"optimizer": optimizer}
-    return TrainingSpec(seq_len=seq_len, micro_batch_size=micro_batch_size,
-                        num_micro_batches=num_micro_batches, global_batch_tokens=global_batch_tokens,
-                        global_batch_size=global_batch_size, recompute=settings["recompute"],
-                        precision=settings["precision"], reduce_dtype=settings["reduce_dtype"],
-                        bucket_bytes=settings["grad_bucket_bytes"], granularity=settings["granularity"],
-                        all_reduce=settings["all_reduce"] if all_reduce is None else all_reduce,
-                        frozen_models=frozen_models, **kw)
 
 
 # [Note: frozen models]

@@ -7,10 +7,10 @@ import torch
 
 from amsp_ext import choices
 from amsp_ext.engine_config import (AdaptiveConfig, AutoPlanConfig, EngineConfig, FP16Config,
-                                    OverlapConfig, planner_settings)
+                                    OverlapConfig, training_spec)
 
 __all__ = ["AdaptiveConfig", "AutoPlanConfig", "EngineConfig", "FP16Config", "OverlapConfig",
-           "PRECISIONS", "ShardConfig", "compute_dtype", "planner_settings", "reduce_dtype_of"]
+           "PRECISIONS", "ShardConfig", "compute_dtype", "training_spec", "reduce_dtype_of"]
 
 ShardConfig = EngineConfig  # the name the engine's API has always used
 

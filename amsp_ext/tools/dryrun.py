@@ -88,14 +88,16 @@ from amsp_ext import schema
 from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_OPTIMIZERS, DRYRUN_TENSORS, MISSING_MESH, check_int, check_one_of
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.defaults import DEFAULT_GPU_MEMORY_BYTES, DEFAULT_MISSING_MESH, DEFAULT_PROFILE
+from amsp_ext.planner.specs import StepShape
 
 __all__ = ["CollectiveLog", "DryRunSpec", "PeakMoment", "TPLog", "build_model", "collective_counts", "dry_step",
            "dry_run", "memory_categories",
            "dry_run_many", "planner_numbers", "run_rank", "hf_config_of"]
 
 @dataclass(frozen=True, kw_only=True)
-class DryRunSpec:
-    """What ``amsp dryrun`` runs. ``ranks`` None: rank 0, one rank of a middle node, the last."""
+class DryRunSpec(StepShape):
+    """What ``amsp dryrun`` runs: the step's shape (StepShape) of a job on the world below.
+    ``ranks`` None: rank 0, one rank of a middle node, the last."""
 
     model: str | None = "tiny-llama"
     model_config: str | None = None
@@ -103,9 +105,6 @@ class DryRunSpec:
     gpus_per_node: int = 8
     gpu_memory_bytes: int = DEFAULT_GPU_MEMORY_BYTES
     plan: str = "zero3"
-    seq_len: int = 128
-    micro_batch_size: int = 1
-    micro_batches: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)  # the engine's settings, as a real run's
     steps: int = 2
     ranks: tuple[int, ...] | None = None
@@ -116,8 +115,11 @@ class DryRunSpec:
     optimizer: str = "adamw"  # muon, adafactor: whole-tensor (runtime/optim/whole_tensor.py)
 
     def __post_init__(self) -> None:
-        for name in ("num_nodes", "gpus_per_node", "seq_len", "micro_batch_size", "micro_batches",
-                     "steps", "gpu_memory_bytes"):
+        try:
+            super().__post_init__()
+        except ValueError as e:
+            raise ValueError(f"dryrun: {e}") from None
+        for name in ("num_nodes", "gpus_per_node", "steps", "gpu_memory_bytes"):
             check_int(getattr(self, name), f"dryrun: {name}", minimum=1)
         check_one_of(self.missing_mesh, MISSING_MESH, "dryrun: missing_mesh")
         check_one_of(self.tensors, DRYRUN_TENSORS, "dryrun: tensors")
@@ -179,15 +181,12 @@ def resolved(spec: DryRunSpec):
 
 def _training(spec: DryRunSpec):
     """The planner's TrainingSpec of the dry run's job, with the engine's settings
-    (planner_settings: the reduce dtype too, so both sides count the same gradient bytes)."""
-    from amsp_ext.engine_config import planner_settings
+    (training_spec: the reduce dtype too, so both sides count the same gradient bytes)."""
+    from amsp_ext.engine_config import training_spec
     from amsp_ext.planner.defaults import DEFAULT_ALL_REDUCE
-    from amsp_ext.planner.specs import job_spec
 
     # the memory model and the bytes below do not read the all-reduce mode, which may be "auto"
-    return job_spec(planner_settings(spec.engine), seq_len=spec.seq_len,
-                    micro_batch_size=spec.micro_batch_size, num_micro_batches=spec.micro_batches,
-                    all_reduce=DEFAULT_ALL_REDUCE, optimizer=spec.optimizer)
+    return training_spec(spec.engine, spec, all_reduce=DEFAULT_ALL_REDUCE, optimizer=spec.optimizer)
 
 
 def job_of(spec: DryRunSpec):
@@ -196,8 +195,7 @@ def job_of(spec: DryRunSpec):
     from amsp_ext.job import Job
     from amsp_ext.planner.auto import AutoPlanConfig
 
-    auto = AutoPlanConfig(seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size,
-                          num_micro_batches=spec.micro_batches, profile=spec.profile,
+    auto = AutoPlanConfig(**vars(spec.shape()), profile=spec.profile,
                           missing=spec.missing_mesh, gpu_memory_bytes=spec.gpu_memory_bytes,
                           optimizer=spec.optimizer)
     engine = dataclasses.replace(spec.engine, gpus_per_node=spec.gpus_per_node, auto=auto)
@@ -218,7 +216,7 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     whole, training, T = model_spec_of(spec), _training(spec), spec.tensor_parallel
     ms, R = tp_shard_spec(whole, T), spec.dp_gpus_per_node
     mem = memory_breakdown(ms, plan, training, gpus_per_node=R, num_nodes=spec.num_nodes)
-    phi, M = ms.num_params, spec.micro_batches
+    phi, M = ms.num_params, spec.num_micro_batches
     e, e_g = param_bytes(spec.precision), grad_bytes(training)
     size = lambda m: m[0] * m[1]  # noqa: E731
     fwd, bwd, _ = unit_gathers(ms, spec.granularity)  # the root unit is not gathered in backward
@@ -253,7 +251,7 @@ def collective_counts(ms, plan, spec: DryRunSpec) -> dict:
         fsdp2_collectives_per_micro_batch,
     )
 
-    M = spec.micro_batches
+    M = spec.num_micro_batches
     if plan.sp == 1:
         return {"planner": {}, "fsdp2": {}}
     hsdp = plan.sp < spec.world // spec.tensor_parallel
@@ -341,7 +339,7 @@ def _result(spec: DryRunSpec, plan, planner: dict, ranks: list[dict], seconds: f
     fits = all(max(rec["peak_bytes"], rec["startup_peak_bytes"]) <= spec.gpu_memory_bytes for rec in ranks)
     return {"world": spec.world, "plan": str(plan), "model": spec.model or spec.model_config,
             "shape": {"seq_len": spec.seq_len, "micro_batch_size": spec.micro_batch_size,
-                      "micro_batches": spec.micro_batches, "precision": spec.precision,
+                      "micro_batches": spec.num_micro_batches, "precision": spec.precision,
                       "reduce_dtype": spec.reduce_dtype, "recompute": spec.recompute},
             "tensors": spec.tensors, "device": spec.device, "ranks": ranks, "planner": planner, "fits": fits,
             "gpu_memory_bytes": spec.gpu_memory_bytes, "seconds": seconds}
@@ -492,7 +490,7 @@ def dry_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> None:
         yield
 
     batches = [torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long, device=device)
-               for _ in range(spec.micro_batches)]
+               for _ in range(spec.num_micro_batches)]
     train_step(model, opt, batches, causal_lm_loss, clip=1.0, phase=logged)
     model.amsp.wait_params()
 

@@ -27,7 +27,7 @@ from amsp_ext.job import Job
 from amsp_ext.planner.plan import is_auto
 from amsp_ext.planner.adaptive import AdaptiveConfig
 from amsp_ext.planner.auto import AutoPlanConfig
-from amsp_ext.planner.specs import parse_size
+from amsp_ext.planner.specs import StepShape, parse_size
 from amsp_ext.schema import check_options, option, section
 from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_OBJECTIVE
 
@@ -71,13 +71,11 @@ class PlannerOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BatchOptions:
-    """The job's shape: steps of M micro-batches of ``micro_batch_size`` sequences per rank."""
+class BatchOptions(StepShape):
+    """The job's shape: ``steps`` steps of the StepShape (M micro-batches of
+    ``micro_batch_size`` sequences of ``seq_len`` tokens per rank)."""
 
     steps: int = option(10, minimum=1, help="optimizer steps")
-    micro_batches: int = option(2, minimum=1, help="M micro-batches per step")
-    micro_batch_size: int = option(2, minimum=1, help="sequences per micro-batch")
-    seq_len: int = option(128, minimum=1, help="tokens per sequence")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -211,8 +209,7 @@ def auto_plan_config(config: TrainConfig) -> AutoPlanConfig:
 
 def auto_plan_config_of(b: BatchOptions, pl: PlannerOptions) -> AutoPlanConfig:
     """:func:`auto_plan_config` from the two sections it reads (``amsp tune`` has no TrainConfig)."""
-    return AutoPlanConfig(seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
-                          num_micro_batches=b.micro_batches, profile=pl.profile, objective=pl.objective,
+    return AutoPlanConfig(**vars(b.shape()), profile=pl.profile, objective=pl.objective,
                           missing="fit", gpu_memory_bytes=pl.gpu_memory_bytes,
                           memory_reserve_bytes=pl.memory_reserve_bytes)
 

@@ -37,8 +37,7 @@ from amsp_ext.common.models import build_llama, causal_lm_loss, llama_config_dic
 from amsp_ext.planner.memory import memory_breakdown
 from amsp_ext.planner.tensor_parallel import tp_shard_spec
 from amsp_ext.planner.model_spec import ModelSpec
-from amsp_ext.planner.specs import job_spec
-from amsp_ext.engine_config import planner_settings
+from amsp_ext.engine_config import training_spec
 from amsp_ext.runtime import collectives
 from amsp_ext.runtime.state.checkpoint import load_checkpoint, save_checkpoint, wait_for_save
 from amsp_ext.runtime.config import compute_dtype
@@ -105,7 +104,7 @@ def train(config: TrainConfig, resolved: dict | None = None) -> dict | None:
         f"{f' data-parallel x TP {e.tensor_parallel}' if e.tensor_parallel > 1 else ''}), plan {model.amsp.plan}")
 
     # -- 3. where to start: fresh, or a checkpoint (after a restart: the newest one) --------
-    global_batch = b.micro_batches * b.micro_batch_size * model.amsp.world.size  # sequences per step
+    global_batch = b.num_micro_batches * b.micro_batch_size * model.amsp.world.size  # sequences per step
     start = _start(config, model, optimizer, scheduler, global_batch=global_batch, log=log)
     samples, history = start.samples, start.history  # the data position, every step taken
     injected = faults()
@@ -146,7 +145,7 @@ def tokens_per_gpu_step(config: TrainConfig, model) -> float:
     """Tokens one GPU's step processes: its data-parallel rank's, shared by the T ranks of its TP
     group (each computes 1/T of every layer), so tokens/GPU/s and MFU count every GPU once."""
     b = config.batch
-    return b.micro_batches * b.micro_batch_size * b.seq_len / model.amsp.world.tensor_parallel
+    return b.num_micro_batches * b.micro_batch_size * b.seq_len / model.amsp.world.tensor_parallel
 
 
 def _run_steps(config: TrainConfig, model, optimizer, scheduler, *, samples: int, history: list[dict],
@@ -182,7 +181,7 @@ def _finish(config: TrainConfig, model, start, comm: collectives.CollectiveConte
             step_times: list[float], peak, num_params: int, device: torch.device, log) -> dict | None:
     """Every rank's memory to rank 0, which builds the JSON summary (None elsewhere); a final
     barrier."""
-    b, e, rank = config.batch, config.engine, dist.get_rank()
+    e, rank = config.engine, dist.get_rank()
     tokens_per_rank_step = tokens_per_gpu_step(config, model)
     model.amsp.wait_params()  # the last step's broadcasts, before measuring memory
     tokens_per_gpu_per_s = (tokens_per_rank_step / metrics.median_after_warmup(step_times)
@@ -210,7 +209,7 @@ def global_batch_step(model, optimizer, scheduler, config: TrainConfig, *, sampl
     global-batch mean loss, the gradient norm (None without clipping) and whether the step was
     applied (a non-finite loss or norm skips it on every rank)."""
     b = config.batch
-    rank, world_size, M = dist.get_rank(), dist.get_world_size(), b.micro_batches
+    rank, world_size, M = dist.get_rank(), dist.get_world_size(), b.num_micro_batches
     # the data-parallel rank reads: the T ranks of a TP group read the same micro-batches
     # (topology/groups.py [Note: the data-parallel world of a 2-D mesh])
     T = model.amsp.world.tensor_parallel
@@ -269,15 +268,14 @@ def _summary(config: TrainConfig, model, start: _Start, *, history: list, sample
     # (planner/tensor_parallel.py [Note: a TP job is an AMSP job of TP shards])
     predicted = memory_breakdown(
         tp_shard_spec(ModelSpec.from_hf_config(llama_config_dict(config.model)), world.tensor_parallel), plan,
-        job_spec(planner_settings(e), seq_len=b.seq_len, micro_batch_size=b.micro_batch_size,
-                 num_micro_batches=b.micro_batches, all_reduce=model.amsp.config.all_reduce),
+        training_spec(e, b, all_reduce=model.amsp.config.all_reduce),
         gpus_per_node=world.gpus_per_node, num_nodes=world.num_nodes)
     flops_per_token = metrics.flops_per_token(llama_config_dict(config.model), b.seq_len)
     result = {
         "model": config.model, "num_params": num_params, "plan": plan.as_dict(),
         "plan_str": str(plan), "world": {"num_nodes": world.num_nodes, "gpus_per_node": world.gpus_per_node},
         "tensor_parallel": world.tensor_parallel,  # world: the data-parallel ranks it shards over
-        "steps": b.steps, "micro_batches": b.micro_batches, "micro_batch_size": b.micro_batch_size,
+        "steps": b.steps, "micro_batches": b.num_micro_batches, "micro_batch_size": b.micro_batch_size,
         "seq_len": b.seq_len, "precision": e.precision, "reduce_dtype": e.reduce_dtype,
         "all_reduce": model.amsp.config.all_reduce,  # as run ("auto" is decided by then)
         "loss": [h["loss"] for h in history],

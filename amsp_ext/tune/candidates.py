@@ -21,8 +21,8 @@ from amsp_ext.planner.profile import BandwidthProfile, load_profile
 from amsp_ext.choices import PLANNER_OVERLAP_OF
 from amsp_ext.planner.defaults import DEFAULT_RESERVE_BYTES
 from amsp_ext.planner.search import Problem, make_problem, search
-from amsp_ext.planner.specs import ClusterSpec, TrainingSpec, job_spec
-from amsp_ext.engine_config import planner_settings
+from amsp_ext.planner.specs import ClusterSpec, TrainingSpec
+from amsp_ext.engine_config import training_spec as engine_training_spec
 from amsp_ext.planner.step import OverlapRules
 from amsp_ext.tune.spec import TuneConfig
 
@@ -59,9 +59,7 @@ class Problems:
 
 
 def training_spec(config: TuneConfig) -> TrainingSpec:
-    b = config.batch
-    return job_spec(planner_settings(config.engine), seq_len=b.seq_len,
-                    micro_batch_size=b.micro_batch_size, num_micro_batches=b.micro_batches)
+    return engine_training_spec(config.engine, config.batch)
 
 
 def overlap_rules(config: TuneConfig) -> OverlapRules:

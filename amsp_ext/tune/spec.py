@@ -105,13 +105,13 @@ class TuneConfig:
     @property
     def tokens_per_rank_per_step(self) -> int:
         b = self.batch
-        return b.seq_len * b.micro_batch_size * b.micro_batches
+        return b.seq_len * b.micro_batch_size * b.num_micro_batches
 
     def job(self, memory_reserve_bytes: int) -> dict[str, Any]:
         """The job's shape as one flat object, for the report."""
         b, e, t = self.batch, self.engine, self.tune
         return {"model": self.model_name, "seq_len": b.seq_len,
-                "micro_batch_size": b.micro_batch_size, "micro_batches": b.micro_batches,
+                "micro_batch_size": b.micro_batch_size, "micro_batches": b.num_micro_batches,
                 "precision": e.precision, "reduce_dtype": e.reduce_dtype,
                 "granularity": e.granularity,
                 "bucket_bytes": self.bucket_bytes, "recompute": e.recompute,

@@ -70,7 +70,7 @@ def _batch(config: TuneConfig, step: int, micro: int, rank: int, world: int, dev
     from amsp_ext.common.data import micro_batch
 
     b = config.batch
-    return micro_batch(step, micro, rank, world_size=world, num_micro_batches=b.micro_batches,
+    return micro_batch(step, micro, rank, world_size=world, num_micro_batches=b.num_micro_batches,
                        micro_batch_size=b.micro_batch_size, seq_len=b.seq_len).to(device)
 
 
@@ -85,7 +85,7 @@ def compute_probe(config: TuneConfig, device, comm: C.CollectiveContext) -> dict
     from amsp_ext.common.models import causal_lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    e, M, timeout = config.engine, config.batch.micro_batches, config.engine.timeout
+    e, M, timeout = config.engine, config.batch.num_micro_batches, config.engine.timeout
     model = build_model(config).to(device)
     if e.recompute:
         model.config.use_cache = False
@@ -185,7 +185,7 @@ def _timed_step(config: TuneConfig, model, opt, *, step: int, device,
     from amsp_ext.runtime.step import train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    M, optim = config.batch.micro_batches, OptimOptions()
+    M, optim = config.batch.num_micro_batches, OptimOptions()
     phases: dict[str, list[tuple[float, float]]] = {"forward": [], "backward": [], "optimizer": []}
 
     @contextlib.contextmanager

@@ -32,7 +32,7 @@ def engine_config(spec, gpus_per_node: int | None = None) -> EngineConfig:
     """The engine configuration of the AMSP rows: the engine's defaults (engine_config.py) but
     what the comparison holds fixed across systems (precision, the reduce dtype every row uses,
     the sharding unit) and the ablation's overlap switches. Torch-free: the launcher
-    plans "auto" with ``planner_settings`` of it."""
+    plans "auto" with ``engine_config.training_spec`` of it."""
     return EngineConfig(gpus_per_node=gpus_per_node, precision=spec.precision,
                         reduce_dtype=spec.reduce_dtype, granularity=spec.amsp_granularity,
                         all_reduce=spec.amsp_all_reduce,
