@@ -94,7 +94,7 @@ def test_steady_state_categories_at_1024_ranks_by_hand():
 
     plans = ("zero3", "mics:8", "p=1x1,g=1x1,os=8x1")
     results = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8,
-                                       plan=plan, seq_len=32, micro_batches=2, steps=2, ranks=(0,))
+                                       plan=plan, seq_len=32, num_micro_batches=2, steps=2, ranks=(0,))
                             for plan in plans])
     num_tensors = len(_SHAPES)  # AdamW keeps one fp32 "step" scalar per tensor
     # rank 0's shard: zero3 pads dim 0 to 1,024 (one row of every tensor, _padded); mics:8 splits
@@ -128,6 +128,32 @@ def test_steady_state_categories_at_1024_ranks_by_hand():
             assert PHI / 8 <= owned <= 1.1 * PHI / 8, states
             assert states["optim_states"] - 8 * owned in range(4, 4 * num_tensors + 1, 4), states
             assert mem["optimizer"] == states["master"] + states["optim_states"], (mem, states)
+
+
+@pytest.mark.slow  # ~25 s: three more rank processes; the frozen engine's path is test_forward_only's
+def test_a_frozen_reference_beside_the_policy_by_hand():
+    """tools/dryrun.py [Note: frozen models in a dry run]: a DPO-style job, the trained model
+    and one frozen copy on the same ranks. os=8x1 (sp = 1): both models' bf16 parameters whole,
+    2 x 2 x Phi bytes, and the optimizer's bytes those of the trained model alone. zero3: per
+    micro-batch the frozen forward adds one all-gather per unit (root + 2 layers = 3) to the
+    trained model's 5, and no reduce-scatter."""
+    from amsp_ext.tools.dryrun import dry_run_many
+
+    base = dict(engine=dataclasses.replace(PAPER_ENGINE, granularity="layer"), model="tiny-llama",
+                num_nodes=1, gpus_per_node=8, seq_len=32, num_micro_batches=2, steps=2, ranks=(0,))
+    alone, frozen, zero3 = dry_run_many([DryRunSpec(**base, plan="p=1x1,g=1x1,os=8x1"),
+                                         DryRunSpec(**base, plan="p=1x1,g=1x1,os=8x1", frozen_models=1),
+                                         DryRunSpec(**base, plan="zero3", frozen_models=1)])
+    a, f = alone["ranks"][0], frozen["ranks"][0]
+    assert a["memory"]["params"] == 2 * PHI and f["memory"]["params"] == 2 * 2 * PHI, (a["memory"], f["memory"])
+    assert f["memory"]["optimizer"] == a["memory"]["optimizer"] and f["model_state_bytes"] == a["model_state_bytes"]
+    assert frozen["planner"]["memory"]["params"] == 2 * 2 * PHI  # the planner charges the same
+    kinds = {}
+    for c in zero3["ranks"][0]["collectives"]:
+        if c["group"] == "param_shard":
+            kinds[c["kind"]] = kinds.get(c["kind"], 0) + 1
+    assert kinds == {"all_gather": 2 * (5 + 3), "reduce_scatter": 2 * 3}, kinds
+    assert zero3["planner"]["collectives"]["planner"] == kinds
 
 
 def test_peak_in_the_loss_backward_holds_the_losss_two_fp32_gradients():

@@ -136,6 +136,7 @@ def _ratio_values(numerator: str, denominator: str) -> Callable[[dict], list[flo
 
 MiB, GiB = 2 ** 20, 2 ** 30
 _GPU = "gpu_h200_2026-12-04/gpu_check.json"
+_FROZEN_7B = "dryrun_7b_policy_reference_2026-12-07/policy_and_reference.json"
 _PLANS = ("auto", "zero3", "mics:8")
 
 
@@ -234,6 +235,10 @@ SOURCES: list[Source] = [
            lambda d: [100 * run["analysis"]["a"]["after_switch_vs_c"] for run in d]),
     Source("docs/usage.md", "33%", "adaptive_small-llama_cpu-2x2-lab_2026-12-01.json",
            lambda d: [100 * run["analysis"]["b"]["slowdown_vs_c"] for run in d]),
+    Source("docs/usage.md", "71.52GiB", _FROZEN_7B, lambda d: [d["ranks"][0]["peak_bytes"] / 2**30]),
+    Source("docs/usage.md", "71.42GiB", _FROZEN_7B, lambda d: [d["planner"]["memory"]["total"] / 2**30]),
+    Source("docs/usage.md", "12.55GiB", _FROZEN_7B,
+           lambda d: [(d["ranks"][0]["memory"]["params"] - d["ranks"][0]["model_state_bytes"]["params"]) / 2**30]),
     # docs/planner.md
     Source("docs/planner.md", "5%", "dryrun_paper-a800_2026-12-02_moments.json", _moment_category_dev_pct,
            bound=True),

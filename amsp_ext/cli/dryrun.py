@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from amsp_ext import schema
 from amsp_ext.cli.plan import add_planned_job
-from amsp_ext.cli.planner_flags import ModelChoice, World, gpu_memory_option, missing_mesh_option, profile_option
+from amsp_ext.cli.planner_flags import (ModelChoice, World, frozen_models_option, gpu_memory_option,
+                                        missing_mesh_option, profile_option)
 from amsp_ext.choices import DRYRUN_DEVICES, DRYRUN_OPTIMIZERS, DRYRUN_TENSORS
 from amsp_ext.engine_config import EngineConfig
 from amsp_ext.planner.specs import StepShape
@@ -41,7 +42,10 @@ class DryRunCluster:
 
 @dataclass(frozen=True, kw_only=True)
 class DryRunJob(StepShape):
-    """The step's shape (StepShape: --seq-len, --micro-batch-size, --micro-batches)."""
+    """The step's shape (StepShape: --seq-len, --micro-batch-size, --micro-batches) and the
+    frozen models run beside the trained one."""
+
+    frozen_models: int = frozen_models_option()
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -111,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
                       gpus_per_node=args.gpus_per_node,
                       gpu_memory_bytes=parse_size(args.gpu_memory, field="--gpu-memory"),
                       plan=args.plan, **vars(schema.from_namespace(StepShape, args)),
+                      frozen_models=args.frozen_models,
                       engine=dataclasses.replace(schema.from_namespace(EngineConfig, args), gpus_per_node=None),
                       ranks=_ranks(args.ranks), profile=args.profile, missing_mesh=args.missing_mesh,
                       **{k: getattr(args, k) for k in ("steps", "tensors", "device", "optimizer")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from amsp_ext import schema
 from amsp_ext.choices import OBJECTIVES, OPTIMIZERS, PLANNER_OVERLAP_OF
-from amsp_ext.cli.planner_flags import (ModelChoice, World, gpu_memory_option, max_global_batch_tokens_option,
+from amsp_ext.cli.planner_flags import (ModelChoice, World, frozen_models_option, gpu_memory_option,
+                                        max_global_batch_tokens_option,
                                         memory_reserve_option, missing_mesh_option, profile_option,
                                         tensor_parallel_option)
 from amsp_ext.engine_config import EngineConfig, training_spec
@@ -58,9 +59,7 @@ class PlanJob(StepShape):
     global_batch_size: int | None = option(None, one_of="batch", minimum=1,
                                            help="global batch in sequences (M follows from the world)")
     optimizer: str = option(DEFAULT_OPTIMIZER, choices=OPTIMIZERS)
-    frozen_models: int = option(0, minimum=0, help="frozen models of this shape on the same GPUs (a DPO/GRPO "
-                                                   "reference, a same-size reward model): their shards, "
-                                                   "forward gathers and forward compute are priced")
+    frozen_models: int = frozen_models_option()
     # not named tensor_parallel: that is the engine's T of a running job (EngineConfig, an int),
     # which `amsp plan` builds from the same flags; this is the planner's choice, 1..8 or auto
     tp_degree: str = tensor_parallel_option(

@@ -85,6 +85,14 @@ def tensor_parallel_option(*, what: str, flag: str | None = None) -> Any:
     return option("1", flag=flag, choices=(*map(str, TENSOR_PARALLEL_DEGREES), "auto"), help=what)
 
 
+def frozen_models_option() -> Any:
+    """Frozen models of the trained model's shape on the same GPUs (planner/specs.py [Note:
+    frozen models]): `amsp plan` prices them, `amsp dryrun` runs them beside the trained one."""
+    return option(0, minimum=0, help="frozen models of this shape on the same GPUs (a DPO/GRPO reference, "
+                                     "a same-size reward model): their shards, forward gathers and "
+                                     "forward compute count")
+
+
 def max_global_batch_tokens_option(*, what: str) -> Any:
     return option(None, minimum=1, metavar="N", help=f"the largest global batch accepted: {what}")
 

@@ -28,7 +28,7 @@ from amsp_ext.planner.buckets import bucket_layout, packable
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 
-__all__ = ["broadcast_items", "collectives_per_micro_batch", "fsdp2_collectives_per_micro_batch",
+__all__ = ["broadcast_items", "collectives_per_micro_batch", "forward_gathers", "fsdp2_collectives_per_micro_batch",
            "grad_buckets", "local_tensors", "root_tasks", "tensor_tasks", "unit_gathers"]
 
 def _layer_tensors(spec: ModelSpec) -> list[tuple[str, int]]:
@@ -118,6 +118,12 @@ def collectives_per_micro_batch(spec: ModelSpec, granularity: str) -> dict[str, 
     fwd, bwd, rs = unit_gathers(spec, granularity)
     return {"all_gather": sum(n > 0 for n in fwd) + sum(n > 0 for n in bwd),
             "reduce_scatter": sum(n > 0 for n in rs)}
+
+
+def forward_gathers(spec: ModelSpec, granularity: str) -> int:
+    """The all-gathers one forward issues when sp > 1 (a frozen model's whole share per
+    micro-batch: it gathers nothing for a backward)."""
+    return sum(n > 0 for n in unit_gathers(spec, granularity)[0])
 
 
 def unit_gathers(spec: ModelSpec, granularity: str) -> tuple[list[float], list[float], list[float]]:

@@ -54,6 +54,16 @@ follows ``shard()`` from the meta model to the sharded one: ``startup_peak_bytes
 (the local parameters, the owners' fp32 masters, and one module's parameters built whole in
 fp32 for the initializer), beside the step's ``peak_bytes``.
 
+[Note: frozen models in a dry run]
+``frozen_models=N`` (``amsp dryrun --frozen-models N``) runs a post-training job's frozen
+companions (a DPO / GRPO reference, a same-size reward model) beside the trained model, as the
+planner prices them (planner/specs.py [Note: frozen models]): N more copies of the model, built
+on meta and sharded by the same plan with no optimizer (forward-only engines: their p shards,
+no gradient, master or optimizer state), each run on every micro-batch under no_grad before
+the trained model's step, as DPO scores its batch with the reference. Their shards and the
+units they gather are in the tracked memory beside the trained model's; their all-gathers are
+in the step's collectives. The planner's side is the same job with ``frozen_models=N``.
+
 [Note: real tensors on a GPU]
 ``tensors="real", device="cuda"`` runs the sampled rank with allocated tensors on this
 machine's GPU, still on the fake backend. The model is built on meta and initialised for real
@@ -113,6 +123,8 @@ class DryRunSpec(StepShape):
     tensors: str = "fake"  # [Note: real tensors on a GPU]
     device: str = "cpu"
     optimizer: str = "adamw"  # muon, adafactor: whole-tensor (runtime/optim/whole_tensor.py)
+    # [Note: frozen models in a dry run]: forward-only copies of the model beside the trained one
+    frozen_models: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -121,6 +133,7 @@ class DryRunSpec(StepShape):
             raise ValueError(f"dryrun: {e}") from None
         for name in ("num_nodes", "gpus_per_node", "steps", "gpu_memory_bytes"):
             check_int(getattr(self, name), f"dryrun: {name}", minimum=1)
+        check_int(self.frozen_models, "dryrun: frozen_models", minimum=0)
         check_one_of(self.missing_mesh, MISSING_MESH, "dryrun: missing_mesh")
         check_one_of(self.tensors, DRYRUN_TENSORS, "dryrun: tensors")
         check_one_of(self.device, DRYRUN_DEVICES, "dryrun: device")
@@ -186,7 +199,8 @@ def _training(spec: DryRunSpec):
     from amsp_ext.planner.defaults import DEFAULT_ALL_REDUCE
 
     # the memory model and the bytes below do not read the all-reduce mode, which may be "auto"
-    return training_spec(spec.engine, spec, all_reduce=DEFAULT_ALL_REDUCE, optimizer=spec.optimizer)
+    return training_spec(spec.engine, spec, all_reduce=DEFAULT_ALL_REDUCE, optimizer=spec.optimizer,
+                         frozen_models=spec.frozen_models)
 
 
 def job_of(spec: DryRunSpec):
@@ -197,7 +211,7 @@ def job_of(spec: DryRunSpec):
 
     auto = AutoPlanConfig(**vars(spec.shape()), profile=spec.profile,
                           missing=spec.missing_mesh, gpu_memory_bytes=spec.gpu_memory_bytes,
-                          optimizer=spec.optimizer)
+                          optimizer=spec.optimizer, frozen_models=spec.frozen_models)
     engine = dataclasses.replace(spec.engine, gpus_per_node=spec.gpus_per_node, auto=auto)
     return Job(model=model_spec_of(spec), num_nodes=spec.num_nodes, engine=engine, plan=spec.plan)
 
@@ -220,7 +234,8 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
     e, e_g = param_bytes(spec.precision), grad_bytes(training)
     size = lambda m: m[0] * m[1]  # noqa: E731
     fwd, bwd, _ = unit_gathers(ms, spec.granularity)  # the root unit is not gathered in backward
-    ag = M * e * int(sum(fwd) + sum(bwd)) if size(plan.mesh("p")) > 1 else 0  # Tp's gathers
+    # Tp's gathers, and each frozen model's forward ones ([Note: frozen models in a dry run])
+    ag = M * e * int(sum(fwd) + sum(bwd) + spec.frozen_models * sum(fwd)) if size(plan.mesh("p")) > 1 else 0
     rs = M * e_g * phi if size(plan.mesh("p")) > 1 else 0          # Tp: one reduce-scatter
     ar = 0
     if size(plan.grad_mesh()) > 1:
@@ -248,6 +263,7 @@ def collective_counts(ms, plan, spec: DryRunSpec) -> dict:
     replicated."""
     from amsp_ext.planner.issued import (
         collectives_per_micro_batch,
+        forward_gathers,
         fsdp2_collectives_per_micro_batch,
     )
 
@@ -257,6 +273,10 @@ def collective_counts(ms, plan, spec: DryRunSpec) -> dict:
     hsdp = plan.sp < spec.world // spec.tensor_parallel
     ours = collectives_per_micro_batch(ms, spec.granularity)
     fsdp2 = fsdp2_collectives_per_micro_batch(ms.num_layers, hsdp=hsdp)
+    # a frozen model gathers each unit once in its forward: the root and every layer's (FSDP2:
+    # the L + 1 groups), and reduces nothing ([Note: frozen models in a dry run])
+    ours["all_gather"] += spec.frozen_models * forward_gathers(ms, spec.granularity)
+    fsdp2["all_gather"] += spec.frozen_models * (ms.num_layers + 1)
     return {"planner": {k: M * n for k, n in ours.items()},
             "fsdp2": {k: M * n for k, n in fsdp2.items()}}
 
@@ -474,9 +494,11 @@ class PeakMoment:
             self.name = "layer backward" if in_layer else "loss backward"
 
 
-def dry_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> None:
+def dry_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog, *, frozen=()) -> None:
     """One step as ``amsp train`` runs it (runtime/step.py ``train_step``, clip 1.0) on zero
-    tokens, each collective logged under its phase; then the post-step broadcasts waited for."""
+    tokens, each collective logged under its phase; then the post-step broadcasts waited for.
+    ``frozen``: forward-only models, each run on every micro-batch first under no_grad, as
+    DPO scores its batch with the reference ([Note: frozen models in a dry run])."""
     import contextlib
 
     import torch
@@ -491,6 +513,10 @@ def dry_step(model, opt, spec: DryRunSpec, device, clog: CollectiveLog) -> None:
 
     batches = [torch.zeros(spec.micro_batch_size, spec.seq_len + 1, dtype=torch.long, device=device)
                for _ in range(spec.num_micro_batches)]
+    with logged("forward"), torch.no_grad():
+        for ref in frozen:
+            for batch in batches:
+                causal_lm_loss(ref, batch)
     train_step(model, opt, batches, causal_lm_loss, clip=1.0, phase=logged)
     model.amsp.wait_params()
 
@@ -527,11 +553,12 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
             parallelize_llama(model, tp_mesh)
         t_build = time.perf_counter()
         model, opt, startup_mem, startup_allocated = _start(model, spec, config, comm, device)
+        frozen = [_start_frozen(spec, config, comm, device) for _ in range(spec.frozen_models)]
         t_shard = time.perf_counter()
         moment = PeakMoment(clog)
         tracker = compat.mem_tracker(grads_of=model.amsp.grad_sync.grad_tensors,
-                                     gathered_of=compat.fsdp_unsharded_tensors(model), on_new_peak=moment)
-        tracker.track_external(model, opt)
+                                     gathered_of=_gathered_of(model, frozen), on_new_peak=moment)
+        tracker.track_external(model, opt, *frozen)
         with tracker, compat.op_observer(tplog):
             tplog.on = True
             for step in range(spec.steps):
@@ -544,7 +571,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
                         sync()
                         torch.cuda.reset_peak_memory_stats()
                 t_step = time.perf_counter()
-                dry_step(model, opt, spec, device, clog)
+                dry_step(model, opt, spec, device, clog, frozen=frozen)
                 sync()
                 step_s.append(time.perf_counter() - t_step)
             tplog.on = False
@@ -553,7 +580,7 @@ def run_rank(spec: DryRunSpec, rank: int) -> dict:
         mem = memory_categories(peak)
         if real:  # one more step outside the tracker: its dispatch hooks slow every op
             t_step = time.perf_counter()
-            dry_step(model, opt, spec, device, clog)
+            dry_step(model, opt, spec, device, clog, frozen=frozen)
             sync()
             untracked_s = time.perf_counter() - t_step
     t_end = time.perf_counter()
@@ -613,6 +640,27 @@ def _start(model, spec: DryRunSpec, config, comm, device):
         model, opt = shard(model, spec.plan, _optimizer_factory(spec.optimizer), config=config, comm=comm)
     allocated = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return model, opt, memory_categories(startup.get_tracker_snapshot("peak")), allocated
+
+
+def _start_frozen(spec: DryRunSpec, config, comm, device):
+    """A frozen model beside the trained one: the same shape built on meta and sharded by the
+    same plan with no optimizer (a forward-only engine: its p shards only)."""
+    import torch
+
+    from amsp_ext.runtime.shard import shard
+
+    with torch.device(device):
+        ref, _ = shard(build_model(spec), spec.plan, None, config=config, comm=comm)
+    return ref
+
+
+def _gathered_of(model, frozen):
+    """The parameters FSDP2 gathered whole, of the trained model and of the frozen ones (the
+    tracker files them as temporary buffers, [Note: categories at the peak])."""
+    from amsp_ext.runtime import _torch_compat as compat
+
+    of = [compat.fsdp_unsharded_tensors(m) for m in (model, *frozen)]
+    return lambda: [t for f in of for t in f()]
 
 
 def _optimizer_factory(name: str):
