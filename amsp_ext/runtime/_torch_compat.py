@@ -279,9 +279,11 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
 # -- profiler labels ---------------------------------------------------------------------------------
 # [Note: labels cost nothing unprofiled]
 # ``record_function`` builds a RecordFunction through the dispatcher on every entry, whether or
-# not anything records it: about 6 us in a loop, and about 75 us per gradient hook measured in
-# a backward, where the matmuls just before leave the caches cold (39 hooks a step: about 3 ms
-# of one rank's 0.68 s small-llama step; comparisons/results/engine_cpu_overhead_2026-12-07.md).
+# not anything records it: about 6 us in a loop, and about 70 us per gradient hook timed inside
+# a backward, where the matmuls just before leave the caches cold. Skipping them (with the hooks'
+# cheaper contexts, grad_sync.py) took 2.1-2.6 ms a step off one rank's 39 gradient hooks of a
+# ~0.65 s small-llama step (comparisons/engine_cpu_overhead.py toggle; its report is in
+# comparisons/results/).
 # The engine's labels (a project rule, docs/DESIGN.md) are read only from profiler traces, so
 # ``label`` enters one only while a profiler records: torch.autograd.profiler's flag, which every
 # profiler started from Python sets (torch.profiler.profile, the legacy profile, emit_nvtx,
