@@ -137,6 +137,7 @@ def _ratio_values(numerator: str, denominator: str) -> Callable[[dict], list[flo
 MiB, GiB = 2 ** 20, 2 ** 30
 _GPU = "gpu_h200_2026-12-04/gpu_check.json"
 _FROZEN_7B = "dryrun_7b_policy_reference_2026-12-07/policy_and_reference.json"
+_GENERATION = "generation_gather_lab-100mbit_2026-12-07/small-llama.json"
 _PLANS = ("auto", "zero3", "mics:8")
 
 
@@ -239,6 +240,8 @@ SOURCES: list[Source] = [
     Source("docs/usage.md", "71.42GiB", _FROZEN_7B, lambda d: [d["planner"]["memory"]["total"] / 2**30]),
     Source("docs/usage.md", "12.55GiB", _FROZEN_7B,
            lambda d: [(d["ranks"][0]["memory"]["params"] - d["ranks"][0]["model_state_bytes"]["params"]) / 2**30]),
+    Source("docs/usage.md", "794ms", _GENERATION, lambda d: [1e3 * d["summary"]["per_layer"]["median_s_per_token"]]),
+    Source("docs/usage.md", "30ms", _GENERATION, lambda d: [1e3 * d["summary"]["gather_once"]["median_s_per_token"]]),
     # docs/planner.md
     Source("docs/planner.md", "5%", "dryrun_paper-a800_2026-12-02_moments.json", _moment_category_dev_pct,
            bound=True),
