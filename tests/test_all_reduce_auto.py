@@ -207,8 +207,9 @@ def test_amsp_train_runs_the_decided_mode_end_to_end():
     it (the summary reports the engine's mode) and the first loss is a single process's."""
     from test_train_cli import amsp, reference_first_loss
 
-    proc = amsp("train", "--steps", "2", "--seq-len", "32", "--plan", "ddp", "--all-reduce", "auto",
-                "--profile", str(LAB / "profile-100mbit.calibrated.json"), "--json")
+    proc = amsp("train", "--steps", "2", "--seq-len", "32", "--micro-batches", "2", "--micro-batch-size", "2",
+                "--plan", "ddp", "--all-reduce", "auto", "--profile", str(LAB / "profile-100mbit.calibrated.json"),
+                "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (out["plan_str"], out["all_reduce"]) == ("p=1x1,g=1x1,os=1x1", "two_level")
