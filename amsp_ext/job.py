@@ -248,8 +248,7 @@ def check_fits(job: Job, plan: Plan, gpu_memory_bytes: int, *, all_reduce: str |
         auto = dataclasses.replace(auto, profile=profile)
     elif isinstance(auto.profile, str) and auto.profile == CLUSTER_PROFILE:
         auto = dataclasses.replace(auto, profile=DEFAULT_PROFILE)
-    mode = all_reduce or job.engine.all_reduce
-    training, cluster = _planner_inputs(job, auto, "flat" if is_auto(mode) else mode)
+    training, cluster = _planner_inputs(job, auto, all_reduce or job.engine.all_reduce)
     prob = planner_auto.auto_problem(_model(job), auto, training, cluster, tensor_parallel=job.tensor_parallel)
     mem = evaluate(prob, plan).memory
     if mem.total > prob.memory_limit:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from amsp_ext import schema
 from amsp_ext.cli.planner_flags import (gpu_memory_option, max_global_batch_tokens_option, missing_mesh_option,
                                         profile_option, tensor_parallel_option)
-from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS
+from amsp_ext.planner.simulate import PAPER_GPU_COUNTS, PAPER_MODELS, PAPER_SHAPE
 from amsp_ext.planner.specs import StepShape
 from amsp_ext.schema import check_options, option
 
@@ -95,8 +95,6 @@ def run(args: argparse.Namespace) -> int:
     from amsp_ext.planner.step import DEFAULT_EFFICIENCY
 
     from amsp_ext.planner.tensor_parallel import parse_tensor_parallel
-
-    from amsp_ext.planner.simulate import PAPER_SHAPE
 
     given = {n: getattr(args, n) for n in _PAPER_UNLESS_GIVEN if getattr(args, n) is not None}
     schema.from_namespace(SimulateOptions, argparse.Namespace(**{**vars(args), **vars(PAPER_SHAPE), **given}))
