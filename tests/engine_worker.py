@@ -220,7 +220,10 @@ def suite_extras(world, R):
     ]
     for name, p, ckw, tkw in cases:
         model, opt, run = train(p, cfg(**ckw), world=world, **tkw)
-        record(name, model, run)
+        record(name, model, run, extra={
+            "num_buckets": len(model.amsp.grad_sync.buckets),
+            "num_units": len([u for u in model.amsp.units if u.params]),
+            "counts": {f"{op}:{kind}": n for (op, kind), n in model.amsp.comm.counts.items()}})
         release(model)
     # two-level all-reduce (collectives.py [Note: two-level all-reduce]): the replica group of
     # DDP (2 x 2) and, with sg = 2 x 2 > sp, the Tg group too; 4 KiB buckets keep several chains

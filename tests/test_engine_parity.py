@@ -182,6 +182,12 @@ def test_variants_match_reference(extras, case):
         assert r["metadata_ok"] and r["num_owned"] > 0 and r["num_steps"] == 5, r
     if "tied" in case:
         assert r["root_unit_params"] == 2, r  # the shared weight and the final norm
+    if case == "small-buckets:p=2x1,g=2x2,os=2x2":
+        # sp = 2: every unit's shard is above the 4 KiB U and none is split (planner/buckets.py
+        # [Note: a sharded unit is one bucket]): one all-reduce per unit, as HSDP's, at each
+        # boundary (the replica group) and each other micro-batch (Tg, sg = 4 > sp)
+        assert r["num_buckets"] == r["num_units"] == 3, r
+        assert r["counts"]["all_reduce:param_replica"] == STEPS * 3, r
     if "unit-buckets" in case:  # 3 units: the root (embedding, final norm, lm_head), 2 layers.
         # sp = 1, tensors in registration order (units.py layout_order), backward: lm_head +
         # final norm (one unit) | layer 1 | layer 0 | embedding: 4 buckets. sp = 2: the root's

@@ -34,6 +34,25 @@ def test_engine_buckets_close_at_units_once_big_enough(monkeypatch):
     assert [b.numel for b in _plan_buckets(ts, 1000, 1)] == [850]
 
 
+def test_a_sharded_unit_is_never_split():
+    """planner/buckets.py [Note: a sharded unit is one bucket]: with sp > 1 a unit's gradients
+    arrive together, so U only bounds the merging of units."""
+    units_numels = [(0, 300), (1, 200), (1, 200), (2, 100), (3, 50)]  # units: 300, 400, 100, 50
+    ts = _tensors(units_numels)
+    # U = 250: unit 1 (400) is one bucket, not 200 | 200; units 3 + 2 (150) merge, the root
+    # (300) would not fit beside anything: alone
+    assert buckets.bucket_layout(units_numels, bucket_bytes=250, elem_bytes=1, split_units=False,
+                                 ) == [[4, 3], [2, 1], [0]]
+    # sp = 1 splits the same unit at U
+    assert buckets.bucket_layout(units_numels, bucket_bytes=250, elem_bytes=1) == [[4, 3], [2], [1], [0]]
+    got = [[idx for idx, _, _ in b.slots] for b in _plan_buckets(ts, 250, 1, split_units=False)]
+    assert got == [[4, 3], [2, 1], [0]]  # the engine's slots
+    # in flight: two buckets of U, or of the largest unsplit bucket where that is larger
+    assert buckets.in_flight_cap(250, 1) == 500
+    assert buckets.in_flight_cap(250, 1, largest_numel=400) == 800
+    assert buckets.in_flight_cap(250, 2, largest_numel=100) == 250  # 125 elements of 2 bytes, twice
+
+
 def test_planner_buckets_small_llama_fp32():
     from amsp_ext.common.models import llama_config_dict
 

@@ -82,10 +82,11 @@ def local_tensors(spec: ModelSpec, granularity: str, sp: int) -> list[tuple[int,
 def grad_buckets(spec: ModelSpec, plan: Plan, *, granularity: str, bucket_bytes: int,
                  elem_bytes: int) -> list[tuple[float, list[int]]]:
     """(bytes, tasks of its tensors) of each gradient bucket, in backward (launch) order: the
-    engine's layout (planner/buckets.py [Note: buckets close at unit boundaries])."""
+    engine's layout (planner/buckets.py [Note: buckets close at unit boundaries], [Note: a
+    sharded unit is one bucket])."""
     tensors = tensor_tasks(spec, granularity, plan.sp)
     layout = bucket_layout([(u, n) for _, u, n in tensors], bucket_bytes=bucket_bytes,
-                           elem_bytes=elem_bytes)
+                           elem_bytes=elem_bytes, split_units=plan.sp == 1)
     return [(sum(tensors[j][2] for j in bucket) * elem_bytes, [tensors[j][0] for j in bucket])
             for bucket in layout]
 

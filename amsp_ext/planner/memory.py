@@ -139,7 +139,9 @@ the one that wins, so they compare with the dry run's categories at the engine's
   - gradient buckets, whenever the plan all-reduces gradients (its replica or gradient group
     has more than one GPU): up to 2U in flight (planner/buckets.py [Note: bytes in flight]) and the
     bucket being filled, U, or alone the largest gradient tensor of a layer when that is larger
-    (g*n bytes). Never more than the rank's gradients, g*Phi/sp (the engine sizes its buckets
+    (g*n bytes). With sp > 1 a unit is never split (planner/buckets.py [Note: a sharded unit is
+    one bucket]): where a layer unit's shard (g*n/sp) is larger than U, two of them in flight and
+    a third filling. Never more than the rank's gradients, g*Phi/sp (the engine sizes its buckets
     to the tensors they hold; U is capped there too). The gradient being copied into its bucket
     (e*n) is not charged here: it is gradient storage, which the grads category holds. Measured
     (dry run of LLaMA-30B with recomputation, bf16 reduction, 128 MiB buckets): at the peak,
@@ -189,6 +191,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from amsp_ext.choices import WHOLE_TENSOR_OPTIMIZERS
+from amsp_ext.planner.buckets import IN_FLIGHT_BUCKETS
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
 from amsp_ext.planner.specs import TrainingSpec
@@ -319,10 +322,14 @@ def _tmp_parts(spec: ModelSpec, plan: Plan, training: TrainingSpec, *, phi: int,
     U = min(training.bucket_bytes, rank_grads)
     replica = (gpus_per_node // plan.s0_p) * (num_nodes // plan.s1_p)
     grad_group = plan.sg // plan.sp
-    filling = max(U, g * _largest_layer_tensor(spec) // plan.sp)
+    if plan.sp > 1:  # planner/buckets.py [Note: a sharded unit is one bucket]
+        filling = max(U, g * max(n for _, n in spec.layer_units(training.granularity)) // plan.sp)
+        in_flight = IN_FLIGHT_BUCKETS * filling
+    else:
+        filling, in_flight = max(U, g * _largest_layer_tensor(spec) // plan.sp), IN_FLIGHT_BUCKETS * U
     parts = {"loss_grads": 8 * T * spec.vocab_size,
              "recomputed_layer": T * _layer_activations_per_token(spec, e) if training.recompute else 0,
-             "buckets": min(2 * U + filling, rank_grads) if (replica > 1 or grad_group > 1) else 0,
+             "buckets": min(in_flight + filling, rank_grads) if (replica > 1 or grad_group > 1) else 0,
              "layer_grad_in": T * e * spec.hidden_size}
     parts["gathered_params"] = _gathered_bytes(spec, plan, training) if plan.sp > 1 else 0
     parts["root_gathered"], parts["root_grads"] = _root_bytes(spec, e) if plan.sp > 1 else (0, 0)

@@ -653,8 +653,14 @@ def _micro_batches(plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster:
     compute_end = _engine_micro_batches(
         M, first_fwd=first_fwd, fwd=fwd, bwd=bwd.seconds, b_ready=b_ready[order_b], b_bytes=b_bytes,
         ar=[last if m == M - 1 else other for m in range(M)],
-        max_in_flight=None if cap is None else cap * float(U), rs=rs)
+        max_in_flight=None if cap is None else cap * _in_flight_unit(U, b_bytes, plan), rs=rs)
     return compute_end, 0.0, 0.0
+
+
+def _in_flight_unit(U: int, b_bytes: np.ndarray, plan: Plan) -> float:
+    """What the in-flight cap counts in: U, or the largest bucket where a sharded unit larger
+    than U is one bucket (planner/buckets.py in_flight_cap)."""
+    return float(U) if plan.sp == 1 else max(float(U), float(b_bytes.max(initial=0.0)))
 
 
 @dataclass(frozen=True, kw_only=True)

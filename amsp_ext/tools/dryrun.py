@@ -256,16 +256,20 @@ def planner_numbers(spec: DryRunSpec, plan) -> dict:
 
 
 def collective_counts(ms, plan, spec: DryRunSpec) -> dict:
-    """Per step: the all-gathers and reduce-scatters of ``param_shard`` the planner prices (the
-    engine's units, planner/issued.py), and what FSDP2's ZeRO-3 of the same sharding would
-    issue, wrapped the usual way (issued.py [Note: FSDP2's count]): fully sharded over the
-    plan's p group, HSDP (one all-reduce per group per micro-batch) when that group is
-    replicated."""
+    """Per step: the all-gathers and reduce-scatters of ``param_shard`` and the gradient
+    all-reduces of ``param_replica`` the planner prices (the engine's units and buckets,
+    planner/issued.py), and what FSDP2's ZeRO-3 of the same sharding would issue, wrapped the
+    usual way (issued.py [Note: FSDP2's count]): fully sharded over the plan's p group, HSDP
+    (one all-reduce per group per micro-batch) when that group is replicated. AMSP reduces
+    across replicas once per step, at the boundary (grad_sync.py [Note: three modes of a
+    backward pass])."""
     from amsp_ext.planner.issued import (
         collectives_per_micro_batch,
         forward_gathers,
         fsdp2_collectives_per_micro_batch,
+        grad_buckets,
     )
+    from amsp_ext.planner.memory import grad_bytes
 
     M = spec.num_micro_batches
     if plan.sp == 1:
@@ -277,8 +281,14 @@ def collective_counts(ms, plan, spec: DryRunSpec) -> dict:
     # the L + 1 groups), and reduces nothing ([Note: frozen models in a dry run])
     ours["all_gather"] += spec.frozen_models * forward_gathers(ms, spec.granularity)
     fsdp2["all_gather"] += spec.frozen_models * (ms.num_layers + 1)
-    return {"planner": {k: M * n for k, n in ours.items()},
-            "fsdp2": {k: M * n for k, n in fsdp2.items()}}
+    planner = {k: M * n for k, n in ours.items()}
+    replica = plan.replica_mesh(spec.dp_gpus_per_node, spec.num_nodes)
+    if replica[0] * replica[1] > 1:
+        training = _training(spec)
+        planner["all_reduce"] = len(grad_buckets(ms, plan, granularity=spec.granularity,
+                                                 bucket_bytes=training.bucket_bytes,
+                                                 elem_bytes=grad_bytes(training)))
+    return {"planner": planner, "fsdp2": {k: M * n for k, n in fsdp2.items()}}
 
 
 def _tp_bytes(whole, training, T: int, M: int) -> dict:

@@ -56,7 +56,7 @@ def _count_rows(result: dict, rank: dict) -> list[str]:
     got = counts_per_group(rank)
     for kind, group in sorted(set(got) | {(k, g) for k, g in fsdp2_group.items() if k in fsdp2},
                               key=lambda kg: (kg[1], kg[0])):
-        p = planner.get(kind, "-") if group == "param_shard" else "-"
+        p = planner.get(kind, "-") if fsdp2_group.get(kind) == group else "-"
         f = fsdp2.get(kind, "-") if fsdp2_group.get(kind) == group else "-"
         lines.append(f"  {kind + ' ' + group:<36} {got.get((kind, group), 0):>7} {p:>8} {f:>7}")
     return lines

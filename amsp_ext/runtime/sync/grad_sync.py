@@ -112,12 +112,13 @@ def _no_grad():
     return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
-def _plan_buckets(tensors: Sequence[LocalTensor], bucket_bytes: int, elem_bytes: int) -> list[_Bucket]:
+def _plan_buckets(tensors: Sequence[LocalTensor], bucket_bytes: int, elem_bytes: int,
+                  split_units: bool = True) -> list[_Bucket]:
     """Buckets in backward order, as planner/buckets.py lays them out ([Note: buckets close at
-    unit boundaries] there), with each tensor's slot."""
+    unit boundaries] and [Note: a sharded unit is one bucket] there), with each tensor's slot."""
     buckets = []
     for positions in bucket_layout([(t.unit, t.numel) for t in tensors], bucket_bytes=bucket_bytes,
-                                   elem_bytes=elem_bytes):
+                                   elem_bytes=elem_bytes, split_units=split_units):
         bucket = _Bucket()
         for pos in positions:
             t = tensors[pos]
@@ -133,13 +134,14 @@ class GradSync:
                  device: torch.device, bucket_bytes: int, dp_size: int,
                  replica: GroupHandle, grad: GroupHandle, overlap: bool,
                  exposure: GradExposure, modules: Sequence[nn.Module],
-                 reduce_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, split_units: bool = True,
                  fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  refuse: tuple[Sequence[torch.Tensor], str] | None = None) -> None:
         """``exposure``: what ``.grad`` holds after a boundary backward (grad_exposure.py);
         ``modules``: the units' modules, whose forward pre-hooks take it off again. ``refuse``:
         a forward-only model's ``(parameters, message)``: a gradient reaching any of them
-        raises the message ([Note: a model without an optimizer])."""
+        raises the message ([Note: a model without an optimizer]). ``split_units``: False when
+        sp > 1 (planner/buckets.py [Note: a sharded unit is one bucket])."""
         self.tensors = list(tensors)
         self.exposure, self.modules = exposure, list(modules)
         self.refuse = refuse
@@ -150,8 +152,10 @@ class GradSync:
         self.replica, self.grad = replica, grad  # the boundary's group and the others'
         self.overlap = overlap
         elem = torch.empty((), dtype=self.reduce_dtype).element_size()
-        self.buckets = _plan_buckets(self.tensors, bucket_bytes, elem)
-        self.max_in_flight_numel = in_flight_cap(bucket_bytes, elem)  # planner/buckets.py [Note: bytes in flight]
+        self.buckets = _plan_buckets(self.tensors, bucket_bytes, elem, split_units)
+        # planner/buckets.py [Note: bytes in flight]
+        largest = 0 if split_units else max((b.numel for b in self.buckets), default=0)
+        self.max_in_flight_numel = in_flight_cap(bucket_bytes, elem, largest)
         self.slot_of = {idx: (b, off, n) for b, bk in enumerate(self.buckets) for idx, off, n in bk.slots}
         # per bucket: this rank owns every tensor in it (see [Note: a bucket this rank owns whole])
         self.owned_whole = [all(self.tensors[i].owner_rank == rank for i, _, _ in bk.slots)
