@@ -141,6 +141,11 @@ class EngineConfig:
                                     "--precision (the paper's 2-byte gradients)")
     grad_bucket_bytes: int = option(DEFAULT_GRAD_BUCKET_BYTES, minimum=1, size=True,
                                     help="gradient bucket size U (e.g. 25MiB, or bytes)")
+    grad_bucket_close_bytes: int | None = option(
+        None, minimum=1, size=True,
+        help="a gradient bucket closes at a unit boundary once it holds this much; default: from "
+             "the profile's all-reduce curve of the plan's replica group where the job has one "
+             "(the size at 80%% of the U-byte bandwidth), else 1 MiB")
     broadcast_bucket_bytes: int | None = option(
         None, minimum=0, size=True,
         help="packed parameter broadcasts in flight; default: the gradient bucket size; 0: one "
@@ -231,7 +236,7 @@ def training_spec(config: EngineConfig, shape: StepShape, *, all_reduce: str | N
     kw = {} if optimizer is None else {"optimizer": optimizer}
     return TrainingSpec(**vars(shape.shape()), recompute=config.recompute, precision=config.precision,
                         reduce_dtype=config.reduce_dtype, bucket_bytes=config.grad_bucket_bytes,
-                        granularity=config.granularity, all_reduce=mode, frozen_models=frozen_models, **kw)
+                        bucket_close_bytes=config.grad_bucket_close_bytes, granularity=config.granularity, all_reduce=mode, frozen_models=frozen_models, **kw)
 
 
 def engine_default(name: str) -> Any:

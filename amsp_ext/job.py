@@ -160,13 +160,18 @@ class ResolvedJob:
     # where the profile came from (topology/profile_cache.ProfileSource.as_dict()); None: no
     # profile, or a named one the planner loaded itself
     profile_source: Mapping[str, Any] | None = None
+    # where the engine's gradient buckets close (planner/buckets.py [Note: where a bucket closes,
+    # from the link]); None: not priced, the engine's default
+    bucket_close_bytes: int | None = None
 
     @property
     def engine(self) -> EngineConfig:
         auto = self.job.engine.auto
         if auto is not None and self.profile is not None:
             auto = dataclasses.replace(auto, profile=self.profile)
-        return dataclasses.replace(self.job.engine, all_reduce=self.all_reduce.mode, auto=auto)
+        return dataclasses.replace(self.job.engine, all_reduce=self.all_reduce.mode, auto=auto,
+                                   grad_bucket_close_bytes=self.bucket_close_bytes
+                                   or self.job.engine.grad_bucket_close_bytes)
 
     def describe(self) -> str:
         asked = "planner" if self.job.plan_is_auto else f"given: {self.job.plan}"
@@ -180,7 +185,7 @@ class ResolvedJob:
             profile = profile.source
         return {"plan_request": str(self.job.plan), "plan": str(self.plan),
                 "all_reduce": self.all_reduce.as_dict(), "profile": profile,
-                "gpu_memory_bytes": self.gpu_memory_bytes,
+                "gpu_memory_bytes": self.gpu_memory_bytes, "bucket_close_bytes": self.bucket_close_bytes,
                 "profile_source": dict(self.profile_source) if self.profile_source else None}
 
     @classmethod
@@ -197,8 +202,12 @@ class ResolvedJob:
         plan = resolve_plan(d["plan"], gpus_per_node=job.dp_gpus_per_node, num_nodes=job.num_nodes)
         validate_plan(plan, gpus_per_node=job.dp_gpus_per_node, num_nodes=job.num_nodes,
                       structural_only=True)
+        close = d.get("bucket_close_bytes")
+        if close is not None and (not isinstance(close, int) or isinstance(close, bool) or close < 1):
+            raise PlanError(f"resolved job: bucket_close_bytes must be an integer >= 1 or null, got {close!r}")
         return cls(job=job, plan=plan, all_reduce=AllReduceChoice(**ar), profile=d.get("profile"),
-                   gpu_memory_bytes=d.get("gpu_memory_bytes"), profile_source=d.get("profile_source"))
+                   gpu_memory_bytes=d.get("gpu_memory_bytes"), profile_source=d.get("profile_source"),
+                   bucket_close_bytes=close)
 
 
 def resolve(job: Job, *, profile: str | BandwidthProfile | None = None, gpu_memory_bytes: int | None = None,
@@ -211,14 +220,28 @@ def resolve(job: Job, *, profile: str | BandwidthProfile | None = None, gpu_memo
     if not job.priced():
         choice = planner_auto.unpriced_choice(plan, job.engine.all_reduce, gpus_per_node=job.dp_gpus_per_node,
                                               num_nodes=job.num_nodes)
-        return ResolvedJob(job=job, plan=plan, all_reduce=choice)  # type: ignore[arg-type]
+        return ResolvedJob(job=job, plan=plan, all_reduce=choice,  # type: ignore[arg-type]
+                           bucket_close_bytes=_close_unpriced(job, plan, choice.mode))
     auto = _planning_inputs(job, profile, gpu_memory_bytes)
     # through the module: tests observe the one call every route makes
     training, cluster = _planner_inputs(job, auto, job.engine.all_reduce)
     planned = planner_auto.resolve_auto(_model(job), auto, training, cluster, all_reduce=job.engine.all_reduce,
                                         plan=plan, tensor_parallel=job.tensor_parallel)
     return ResolvedJob(job=job, plan=planned.plan, all_reduce=planned.all_reduce, profile=auto.profile,
-                       gpu_memory_bytes=auto.gpu_memory_bytes, profile_source=profile_source)
+                       gpu_memory_bytes=auto.gpu_memory_bytes, profile_source=profile_source,
+                       bucket_close_bytes=planned.bucket_close_bytes)
+
+
+def _close_unpriced(job: Job, plan: Plan, mode: str) -> int | None:
+    """An unpriced job whose engine names a profile still closes its buckets by that link
+    (planner/buckets.py [Note: where a bucket closes, from the link]); the measured "cluster"
+    profile is only read where the job is priced."""
+    auto = job.engine.auto
+    if auto is None or (isinstance(auto.profile, str) and auto.profile == CLUSTER_PROFILE):
+        return job.engine.grad_bucket_close_bytes
+    training = training_spec(job.engine, auto, all_reduce=mode)
+    return planner_auto.close_for(plan, auto, training, gpus_per_node=job.gpus_per_node, num_nodes=job.num_nodes,
+                                  tensor_parallel=job.tensor_parallel)
 
 
 def problem(job: "Job | ResolvedJob", *, all_reduce: str | None = None):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from amsp_ext.common.data import micro_batch
 from amsp_ext.common.models import build_llama, causal_lm_loss
+from amsp_ext.planner.auto import AutoPlanConfig
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.config import ShardConfig
 from amsp_ext.runtime.shard import shard
@@ -22,8 +24,14 @@ from tests.parity_check import adamw
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank, world = dist.get_rank(), dist.get_world_size()
 comm = C.CollectiveContext(timeout=120)
+# the lab's 100 Mbit profile: the buckets close where its all-reduce says (planner/buckets.py
+# [Note: where a bucket closes, from the link])
+LAB_100MBIT = (Path(__file__).resolve().parents[1]
+               / "comparisons/results/tune_small-llama_cpu-2x2-lab_2026-12-01/profile-100mbit.json")
 model, opt = shard(build_llama("small-llama"), "ddp", adamw, comm=comm,
-                   config=ShardConfig(gpus_per_node=2, precision="fp32", all_reduce="two_level"))
+                   config=ShardConfig(gpus_per_node=2, precision="fp32", all_reduce="two_level",
+                                      auto=AutoPlanConfig(seq_len=128, micro_batch_size=8,
+                                                          profile=str(LAB_100MBIT), missing="fit")))
 issued: list[tuple[float, str]] = []
 backward_end: list[float] = []
 
@@ -52,6 +60,8 @@ ends = torch.zeros(world, dtype=torch.float64)
 dist.all_gather_into_tensor(ends, torch.tensor([backward_end[-1]], dtype=torch.float64))
 if rank == 0:
     print("TIMING " + json.dumps({"node_issued": node, "backward_end": ends.max().item(),
+                                  "close_bytes": model.amsp.config.grad_bucket_close_bytes,
+                                  "num_buckets": len(model.amsp.grad_sync.buckets),
                                   "groups": sorted({name.split("[")[0] for _, name in issued})}), flush=True)
 dist.barrier()
 dist.destroy_process_group()

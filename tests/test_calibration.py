@@ -98,7 +98,7 @@ def test_calibration_round_trips_and_kinds_default():
     assert c.step_overhead_s == 0.0 and c.ar_buckets_in_flight is None and c.blocking == ()
 
 
-def _problem(calibration=None, *, plan_world=(2, 2), M=1, U=2**20, gbps=0.1, all_reduce="flat"):
+def _problem(calibration=None, *, plan_world=(2, 2), M=1, U=2**20, gbps=0.1, all_reduce="flat", close=None):
     R, N = plan_world
     prof = BandwidthProfile.from_dict(profile_doc(gbps, calibration=calibration))
     return make_problem(llama_config_dict("tiny-llama"),
@@ -106,7 +106,7 @@ def _problem(calibration=None, *, plan_world=(2, 2), M=1, U=2**20, gbps=0.1, all
                                     peak_flops=4.0e10),
                         TrainingSpec(seq_len=128, micro_batch_size=4, num_micro_batches=M,
                                      precision="fp32", bucket_bytes=U, granularity="layer",
-                                     all_reduce=all_reduce),
+                                     all_reduce=all_reduce, bucket_close_bytes=close),
                         prof, objective="step", memory_reserve_bytes=0)
 
 
@@ -115,7 +115,9 @@ def test_calibrated_step_of_a_blocking_ddp_step_by_hand():
     # + the micro-batch overhead + each bucket's all-reduce under load + the optimizer step +
     # the step overhead, all by hand.
     cal = {**CAL, "blocking": ["AR"]}
-    prob = _problem(cal)
+    # buckets close at 1 MiB (the default where no link is known), so tiny-llama is one bucket;
+    # from this flat 0.1 GB/s profile they would close at every unit (test_grad_buckets)
+    prob = _problem(cal, close=2**20)
     T = 128 * 4
     fwd_flops = 282624 * T  # tiny-llama forward FLOPs per token at seq 128 (test_metrics)
     phi = 125248  # tiny-llama parameters: 2 x 46080 + 2 x 2 x 64 + 2 x 256 x 64 + 64
@@ -137,7 +139,7 @@ def test_calibrated_two_level_all_reduce_pays_for_its_three_collectives_by_hand(
     # all-reduce run in two levels: RS(v, 2x1) + AR(v/2, 1x2) + AG(v, 2x1) from the table, under
     # load, plus the per-byte cost on the 2v + v/2 bytes the three move and three latencies
     cal = {**CAL, "blocking": ["AR"]}
-    flat, two = _problem(cal), _problem(cal, all_reduce="two_level")
+    flat, two = _problem(cal, close=2**20), _problem(cal, all_reduce="two_level", close=2**20)  # one bucket
     v = 4 * 125248
     ar_flat = 2.5 * (v / 0.1e9) + 1e-9 * v + 0.004
     ar_two = 2.5 * (2.5 * v / 0.1e9) + 1e-9 * 2.5 * v + 3 * 0.004

@@ -172,9 +172,12 @@ def test_a_bucket_owned_in_part_is_copied_out(monkeypatch):
 def test_cross_node_reductions_start_before_the_backward_ends():
     """Issue 51, buckets: small-llama's replicate plan with the two-level all-reduce on 2 x 2
     ranks puts at least 3 cross-node all-reduces on the link before the backward reaches the
-    embedding (its last gradient): each layer's bucket (about 2.9 MB, above the 1 MiB a bucket
-    must hold to close at a unit boundary) goes out as its backward ends, not at the flush.
-    8 x 128 tokens per rank: a layer's backward outlasts the skew between 4 ranks on 2 cores."""
+    embedding (its last gradient): each layer's bucket (about 2.9 MB) goes out as its backward
+    ends, not at the flush. 8 x 128 tokens per rank: a layer's backward outlasts the skew
+    between 4 ranks on 2 cores. The job names the lab's 100 Mbit profile, so its buckets close
+    at 128 KiB (its two-level all-reduce on 2 x 2 is at 80 % of its 25 MiB bandwidth there;
+    test_job), not at the 1 MiB default: lm_head and the final norm (263 kB) go out alone
+    before the first layer's gradients, 6 buckets in all (5 at 1 MiB)."""
     import json
 
     from tests.dist_utils import run_ranks
@@ -182,5 +185,33 @@ def test_cross_node_reductions_start_before_the_backward_ends():
     proc = run_ranks(4, "tests.bucket_timing_worker", timeout=300)
     got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("TIMING "))[7:])
     assert "param_replica_node" in got["groups"], got["groups"]
+    assert (got["close_bytes"], got["num_buckets"]) == (128 * 2**10, 6), got
     before = [t for t in got["node_issued"] if t < got["backward_end"]]
     assert len(before) >= 3, (len(before), len(got["node_issued"]), got)
+
+
+def test_where_a_bucket_closes_comes_from_the_link():
+    """planner/buckets.py [Note: where a bucket closes, from the link], by hand."""
+    from pathlib import Path
+
+    from amsp_ext.planner.profile import CommTimer, load_profile
+
+    # t = 1 ms + v / (100 MB/s), U = 25 MiB: the U-byte bandwidth is U / (1e-3 + U / 1e8) =
+    # 99.62 MB/s; 80 % of it, 79.69 MB/s, needs v >= 79.69e3 / (1 - 0.7969) = 392.4 kB:
+    # 64, 128, 256 KiB fall short, 512 KiB is the first power of two above
+    assert buckets.link_close_bytes(lambda v: 1e-3 + v / 1e8, 25 * 2**20) == 512 * 2**10
+    assert buckets.link_close_bytes(lambda v: v / 1e8, 25 * 2**20) == 64 * 2**10  # no latency
+    assert buckets.link_close_bytes(lambda v: 1.0 + v / 1e8, 2**20) == 2**20  # never above U
+    # the lab's 100 Mbit profile: the 1 x 2 all-reduce's bandwidth does not grow with size
+    # (6.33 MB/s at 64 KiB, 5.26 at 4 MiB): close at 64 KiB, a bucket per unit
+    lab = Path(__file__).resolve().parents[1] / "comparisons/results/tune_small-llama_cpu-2x2-lab_2026-12-01"
+    timer = CommTimer(load_profile(lab / "profile-100mbit.json"), 2)
+    assert buckets.link_close_bytes(lambda v: timer.time("allreduce", v, 1, 2), 25 * 2**20) == 64 * 2**10
+    # the A800 table's 1 x 128 all-reduce: 46.05 GB/s at 25 MiB (between 16 MiB's 44.63 and 32
+    # MiB's 47.16); 80 % is 36.84: 4 MiB's 33.75 falls short, 8 MiB's 40.3 does not
+    timer = CommTimer(load_profile("paper-a800"), 8)
+    assert buckets.link_close_bytes(lambda v: timer.time("allreduce", v, 1, 128), 25 * 2**20) == 8 * 2**20
+    # the layout takes it: tiny-llama-like units of 100 KiB (fp32) close at 64 KiB, not at 1 MiB
+    units = [(u, 25_600) for u in range(4)]
+    assert len(buckets.bucket_layout(units, bucket_bytes=2**20, elem_bytes=4)) == 1
+    assert len(buckets.bucket_layout(units, bucket_bytes=2**20, elem_bytes=4, close_bytes=2**16)) == 4

@@ -128,3 +128,32 @@ def test_the_launchers_decision_reaches_the_ranks_with_its_request():
     other = _train_route(["--plan", "ddp"])[1]
     with pytest.raises(PlanError, match=r"the launcher resolved plan 'auto', this rank's job asks for 'ddp'"):
         ResolvedJob.from_dict(doc, other)
+
+
+def test_the_buckets_close_where_the_link_says():
+    """planner/buckets.py [Note: where a bucket closes, from the link]: a resolved job carries
+    where its buckets close, from its profile's all-reduce on the plan's replica group, to the
+    engine's config and through JSON to the ranks; a given size wins; no profile, no size."""
+    from amsp_ext.planner.buckets import link_close_bytes
+    from amsp_ext.planner.profile import CommTimer, load_profile
+
+    def on_ddp_replica(mode):  # the 2 x 2 replica group, the all-reduce run as ``mode`` runs it
+        timer = CommTimer(load_profile(PROFILE), 2, "fit", all_reduce=mode)
+        return link_close_bytes(lambda v: timer.time("allreduce", v, 2, 2), 25 * 2**20)
+
+    assert (on_ddp_replica("flat"), on_ddp_replica("two_level")) == (64 * 2**10, 128 * 2**10)
+    for job in (_job("ddp"), _job("ddp", all_reduce="auto"), _job()):  # unpriced, priced, auto
+        got = resolve(job)
+        if str(got.plan) == "p=1x1,g=1x1,os=1x1":
+            assert got.bucket_close_bytes == on_ddp_replica(got.all_reduce.mode), got
+        assert got.bucket_close_bytes is not None and got.engine.grad_bucket_close_bytes == got.bucket_close_bytes
+        back = ResolvedJob.from_dict(json.loads(json.dumps(got.to_dict())), job)
+        assert back.bucket_close_bytes == got.bucket_close_bytes
+    given = Job(model=llama_config_dict("small-llama"), num_nodes=2, plan="ddp",
+                engine=EngineConfig(gpus_per_node=2, grad_bucket_close_bytes=12345,
+                                    auto=AutoPlanConfig(**SHAPE, profile=PROFILE, missing="fit")))
+    assert resolve(given).engine.grad_bucket_close_bytes == 12345
+    assert resolve(_job("ddp", auto=False)).engine.grad_bucket_close_bytes is None  # the default
+    bad = {**resolve(_job("ddp")).to_dict(), "bucket_close_bytes": 0}
+    with pytest.raises(PlanError, match="bucket_close_bytes must be an integer >= 1 or null, got 0"):
+        ResolvedJob.from_dict(bad, _job("ddp"))

@@ -15,11 +15,12 @@ from typing import Any, Mapping
 
 from amsp_ext.choices import ALL_REDUCES, MISSING_MESH, OBJECTIVES, OPTIMIZERS, check_one_of
 from amsp_ext.planner.model_spec import ModelSpec
+from amsp_ext.planner.issued import bucket_close_bytes
 from amsp_ext.planner.plan import Plan, is_auto
 from amsp_ext.planner.search import Problem, SearchResult, evaluate, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, StepShape, TrainingSpec
 from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER
-from amsp_ext.planner.profile import BandwidthProfile
+from amsp_ext.planner.profile import BandwidthProfile, CommTimer, load_profile
 
 __all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choose_all_reduce", "plan_auto",
            "resolve_auto", "search_all_reduce", "two_level_applies", "unpriced_choice"]
@@ -130,6 +131,9 @@ class Planned:
 
     plan: Plan
     all_reduce: AllReduceChoice
+    # where the engine's gradient buckets close (planner/buckets.py [Note: where a bucket closes,
+    # from the link]); None: the engine's default
+    bucket_close_bytes: int | None = None
 
 
 def two_level_applies(plan: Plan, *, gpus_per_node: int, num_nodes: int) -> bool:
@@ -175,6 +179,24 @@ def search_all_reduce(problems: Mapping[str, Problem]) -> tuple[SearchResult, Al
     return results[choice.mode], choice
 
 
+def close_of(problem: Problem, plan: Plan) -> int | None:
+    """Where ``plan``'s gradient buckets close when ``problem`` prices it (issued.py
+    bucket_close_bytes; planner/buckets.py [Note: where a bucket closes, from the link])."""
+    return bucket_close_bytes(problem.timer, plan, gpus_per_node=problem.cluster.gpus_per_node,
+                              num_nodes=problem.cluster.num_nodes, bucket_bytes=problem.training.bucket_bytes,
+                              given=problem.training.bucket_close_bytes)
+
+
+def close_for(plan: Plan, auto: AutoPlanConfig, training: TrainingSpec, *, gpus_per_node: int, num_nodes: int,
+              tensor_parallel: int = 1) -> int | None:
+    """``close_of`` without a Problem (no memory per rank needed): ``auto.profile``'s timer on
+    ``gpus_per_node`` physical ranks per node, ``plan`` over the data-parallel ones."""
+    prof = auto.profile if isinstance(auto.profile, BandwidthProfile) else load_profile(auto.profile)
+    timer = CommTimer(prof, gpus_per_node, auto.missing, all_reduce=training.all_reduce)
+    return bucket_close_bytes(timer, plan, gpus_per_node=gpus_per_node // tensor_parallel, num_nodes=num_nodes,
+                              bucket_bytes=training.bucket_bytes, given=training.bucket_close_bytes)
+
+
 def resolve_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfig, training: TrainingSpec,
                  cluster: ClusterSpec, *, all_reduce: str | None = None, plan: Plan | None = None,
                  tensor_parallel: int = 1) -> Planned:
@@ -187,17 +209,21 @@ def resolve_auto(model: ModelSpec | Mapping[str, Any] | str, auto: AutoPlanConfi
         return auto_problem(model, auto, dataclasses.replace(training, all_reduce=mode), cluster,
                             tensor_parallel=tensor_parallel)
 
+    def planned(plan: Plan, choice: AllReduceChoice, prob: Problem | None = None) -> Planned:
+        return Planned(plan=plan, all_reduce=choice, bucket_close_bytes=close_of(prob or problem(choice.mode), plan))
+
     if plan is not None:
         dp_gpus = cluster.gpus_per_node // tensor_parallel  # the plan's world
         unpriced = unpriced_choice(plan, requested, gpus_per_node=dp_gpus, num_nodes=cluster.num_nodes)
         if unpriced is not None:
-            return Planned(plan=plan, all_reduce=unpriced)
+            return planned(plan, unpriced)
     elif not is_auto(requested):
         check_one_of(requested, ALL_REDUCES, "all_reduce")
-        plan = search(problem(requested)).best.plan
-        return Planned(plan=plan, all_reduce=AllReduceChoice(mode=requested))
+        prob = problem(requested)
+        return planned(search(prob).best.plan, AllReduceChoice(mode=requested), prob)
     problems = {m: problem(m) for m in ALL_REDUCES}
     if plan is not None:
-        return Planned(plan=plan, all_reduce=choose_all_reduce(problems, dict.fromkeys(ALL_REDUCES, plan)))
+        choice = choose_all_reduce(problems, dict.fromkeys(ALL_REDUCES, plan))
+        return planned(plan, choice, problems[choice.mode])
     result, choice = search_all_reduce(problems)
-    return Planned(plan=result.best.plan, all_reduce=choice)
+    return planned(result.best.plan, choice, problems[choice.mode])

@@ -24,11 +24,12 @@ Pure Python.
 
 from __future__ import annotations
 
-from amsp_ext.planner.buckets import bucket_layout, packable
+from amsp_ext.planner.buckets import bucket_layout, link_close_bytes, packable
 from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan
+from amsp_ext.planner.profile import ProfileError
 
-__all__ = ["broadcast_items", "collectives_per_micro_batch", "forward_gathers", "fsdp2_collectives_per_micro_batch",
+__all__ = ["broadcast_items", "bucket_close_bytes", "collectives_per_micro_batch", "forward_gathers", "fsdp2_collectives_per_micro_batch",
            "grad_buckets", "local_tensors", "root_tasks", "tensor_tasks", "unit_gathers"]
 
 def _layer_tensors(spec: ModelSpec) -> list[tuple[str, int]]:
@@ -80,15 +81,35 @@ def local_tensors(spec: ModelSpec, granularity: str, sp: int) -> list[tuple[int,
 
 
 def grad_buckets(spec: ModelSpec, plan: Plan, *, granularity: str, bucket_bytes: int,
-                 elem_bytes: int) -> list[tuple[float, list[int]]]:
+                 elem_bytes: int, close_bytes: int | None = None) -> list[tuple[float, list[int]]]:
     """(bytes, tasks of its tensors) of each gradient bucket, in backward (launch) order: the
     engine's layout (planner/buckets.py [Note: buckets close at unit boundaries], [Note: a
-    sharded unit is one bucket])."""
+    sharded unit is one bucket]; ``close_bytes``: ``bucket_close_bytes``'s)."""
     tensors = tensor_tasks(spec, granularity, plan.sp)
     layout = bucket_layout([(u, n) for _, u, n in tensors], bucket_bytes=bucket_bytes,
-                           elem_bytes=elem_bytes, split_units=plan.sp == 1)
+                           elem_bytes=elem_bytes, split_units=plan.sp == 1, close_bytes=close_bytes)
     return [(sum(tensors[j][2] for j in bucket) * elem_bytes, [tensors[j][0] for j in bucket])
             for bucket in layout]
+
+
+def bucket_close_bytes(timer, plan: Plan, *, gpus_per_node: int, num_nodes: int, bucket_bytes: int,
+                       given: int | None = None) -> int | None:
+    """Where ``plan``'s gradient buckets close at a unit boundary (planner/buckets.py [Note: where
+    a bucket closes, from the link]): ``given`` (EngineConfig.grad_bucket_close_bytes), else from
+    ``timer`` (a CommTimer) on the group the boundary all-reduces over (the replica group; the
+    gradient group where that is one rank). None: nothing all-reduced, or the profile lacks the
+    group's mesh (the default then)."""
+    if given is not None:
+        return given
+    mesh = plan.replica_mesh(gpus_per_node, num_nodes)
+    if mesh[0] * mesh[1] <= 1:
+        mesh = plan.grad_mesh()
+    if mesh[0] * mesh[1] <= 1:
+        return None
+    try:
+        return link_close_bytes(lambda v: timer.time("allreduce", v, *mesh), bucket_bytes)
+    except ProfileError:
+        return None
 
 
 def broadcast_items(spec: ModelSpec, plan: Plan, *, granularity: str, bucket_bytes: int,

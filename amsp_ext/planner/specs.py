@@ -151,6 +151,9 @@ class TrainingSpec(StepShape):
     precision: str = DEFAULT_PRECISION
     optimizer: str = DEFAULT_OPTIMIZER
     bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES
+    # where a gradient bucket closes at a unit boundary; None: from the link the plan's boundary
+    # all-reduce runs on (planner/buckets.py [Note: where a bucket closes, from the link])
+    bucket_close_bytes: int | None = None
     granularity: str = DEFAULT_GRANULARITY
     reduce_dtype: str | None = DEFAULT_REDUCE_DTYPE
     all_reduce: str = DEFAULT_ALL_REDUCE
@@ -161,6 +164,8 @@ class TrainingSpec(StepShape):
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive_int(self, "bucket_bytes")
+        if self.bucket_close_bytes is not None:
+            _positive_int(self, "bucket_close_bytes")
         given = [n for n in ("global_batch_tokens", "global_batch_size") if getattr(self, n) is not None]
         if given and self.num_micro_batches != DEFAULT_MICRO_BATCHES:
             given.append("num_micro_batches")

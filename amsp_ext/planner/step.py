@@ -72,6 +72,7 @@ from amsp_ext.planner.calibration import KINDS, Calibration
 from amsp_ext.planner.cost import CommCost
 from amsp_ext.planner.issued import (
     broadcast_items,
+    bucket_close_bytes,
     grad_buckets,
     root_tasks,
     unit_gathers,
@@ -641,7 +642,7 @@ def _micro_batches(plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster:
             t_ar_g=t_ar_g, t_ar_last=t_ar_last, ar_overlap=1.0 if on["AR"] else 0.0, rs=rs)
     # the engine's buckets (issued.py), each ready when its units' gradients are
     buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
-                           elem_bytes=grad_bytes(training))
+                           elem_bytes=grad_bytes(training), close_bytes=_close(timer, plan, training, cluster))
     ready_of = dict(zip(tasks.tolist(), ready.tolist()))
     b_ready = np.array([max(ready_of[u] for u in units) for _, units in buckets])
     replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
@@ -655,6 +656,12 @@ def _micro_batches(plan: Plan, spec: ModelSpec, training: TrainingSpec, cluster:
         ar=[last if m == M - 1 else other for m in range(M)],
         max_in_flight=None if cap is None else cap * _in_flight_unit(U, b_bytes, plan), rs=rs)
     return compute_end, 0.0, 0.0
+
+
+def _close(timer: CommTimer, plan: Plan, training: TrainingSpec, cluster: ClusterSpec) -> int | None:
+    """Where the engine's buckets close (issued.py bucket_close_bytes)."""
+    return bucket_close_bytes(timer, plan, gpus_per_node=cluster.gpus_per_node, num_nodes=cluster.num_nodes,
+                              bucket_bytes=training.bucket_bytes, given=training.bucket_close_bytes)
 
 
 def _in_flight_unit(U: int, b_bytes: np.ndarray, plan: Plan) -> float:
@@ -703,7 +710,7 @@ def issued_profile_times(plan: Plan, spec: ModelSpec, training: TrainingSpec,
                            nbytes=M * e * sum(n for n, _ in gathers))
         out["RS"] = Issued(time_s=M * rs, count=M * sum(n > 0 for n in red), nbytes=M * e_g * sum(red))
     buckets = grad_buckets(spec, plan, granularity=training.granularity, bucket_bytes=U,
-                           elem_bytes=e_g)
+                           elem_bytes=e_g, close_bytes=_close(timer, plan, training, cluster))
     replica = plan.replica_mesh(cluster.gpus_per_node, cluster.num_nodes)
     t_ar, n_ar, v_ar = 0.0, 0, 0.0
     for mesh, times in ((replica, 1), (plan.grad_mesh(), M - 1)):

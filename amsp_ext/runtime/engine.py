@@ -372,12 +372,12 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     norm = _norm_group(world, mesh, config, comm)
     grad_sync = GradSync(
         tensors, comm=comm, rank=rank, dtype=dtype, device=device, bucket_bytes=config.grad_bucket_bytes,
-        dp_size=world.size,
-        replica=mesh.handle("param_replica", timeout=config.timeout),
+        dp_size=world.size, replica=mesh.handle("param_replica", timeout=config.timeout),
         grad=mesh.handle("grad", timeout=config.timeout),
         overlap=config.overlap.allreduce,
         exposure=_grad_exposure(tensors, plan, world, mesh, dtype, reduce_dtype_of(config)),
-        modules=[u.module for u in units], reduce_dtype=reduce_dtype_of(config), split_units=plan.sp == 1,
+        modules=[u.module for u in units], reduce_dtype=reduce_dtype_of(config),
+        split_units=plan.sp == 1, close_bytes=config.grad_bucket_close_bytes,
         fold_verdict=guard.fold if not norm.reduce else None,
         refuse=(list(model.parameters()), _forward_only_message(model, plan)) if forward_only else None)
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}

@@ -113,12 +113,13 @@ def _no_grad():
 
 
 def _plan_buckets(tensors: Sequence[LocalTensor], bucket_bytes: int, elem_bytes: int,
-                  split_units: bool = True) -> list[_Bucket]:
+                  split_units: bool = True, close_bytes: int | None = None) -> list[_Bucket]:
     """Buckets in backward order, as planner/buckets.py lays them out ([Note: buckets close at
     unit boundaries] and [Note: a sharded unit is one bucket] there), with each tensor's slot."""
     buckets = []
     for positions in bucket_layout([(t.unit, t.numel) for t in tensors], bucket_bytes=bucket_bytes,
-                                   elem_bytes=elem_bytes, split_units=split_units):
+                                   elem_bytes=elem_bytes, split_units=split_units,
+                                   close_bytes=close_bytes):
         bucket = _Bucket()
         for pos in positions:
             t = tensors[pos]
@@ -135,13 +136,16 @@ class GradSync:
                  replica: GroupHandle, grad: GroupHandle, overlap: bool,
                  exposure: GradExposure, modules: Sequence[nn.Module],
                  reduce_dtype: torch.dtype | None = None, split_units: bool = True,
+                 close_bytes: int | None = None,
                  fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  refuse: tuple[Sequence[torch.Tensor], str] | None = None) -> None:
         """``exposure``: what ``.grad`` holds after a boundary backward (grad_exposure.py);
         ``modules``: the units' modules, whose forward pre-hooks take it off again. ``refuse``:
         a forward-only model's ``(parameters, message)``: a gradient reaching any of them
         raises the message ([Note: a model without an optimizer]). ``split_units``: False when
-        sp > 1 (planner/buckets.py [Note: a sharded unit is one bucket])."""
+        sp > 1 (planner/buckets.py [Note: a sharded unit is one bucket]); ``close_bytes``: where
+        a bucket closes at a unit boundary ([Note: where a bucket closes, from the link] there;
+        None: the default)."""
         self.tensors = list(tensors)
         self.exposure, self.modules = exposure, list(modules)
         self.refuse = refuse
@@ -152,7 +156,7 @@ class GradSync:
         self.replica, self.grad = replica, grad  # the boundary's group and the others'
         self.overlap = overlap
         elem = torch.empty((), dtype=self.reduce_dtype).element_size()
-        self.buckets = _plan_buckets(self.tensors, bucket_bytes, elem, split_units)
+        self.buckets = _plan_buckets(self.tensors, bucket_bytes, elem, split_units, close_bytes)
         # planner/buckets.py [Note: bytes in flight]
         largest = 0 if split_units else max((b.numel for b in self.buckets), default=0)
         self.max_in_flight_numel = in_flight_cap(bucket_bytes, elem, largest)
