@@ -19,7 +19,7 @@ def test_limit_fields_by_hand():
     # a missing part leaves what depends on it unset, never a guess
     none = limit.limit_of(step_s=1.0, compute_only_s=None, comm_only_s=0.2, exposed_comm_s=None)
     assert none == {"compute_only_s": None, "comm_only_s": 0.2, "bound_s": None, "efficiency": None,
-                    "hidden_fraction": None, "last_backward_s": None}
+                    "hidden_fraction": None, "last_backward_s": None, "reason": None}
 
 
 def test_parts_from_a_hand_made_timeline():
@@ -46,6 +46,56 @@ def test_rounds_combine_each_part_then_the_ratios():
     table = limit.limit_table([{"status": "ok", "label": "X", "median_step_s": 0.8, "exposed_comm_s": 0.3,
                                 "limit": got}])
     assert table[-1] == "| X | 800.0 | 300.0 | 600.0 | 600.0 | 0.75 | 300.0 | 0.50 | 100.0 |"
+
+
+def test_a_missing_part_says_why_in_the_row_and_the_report():
+    failed = {"status": "failed", "reason": "exited 1: RuntimeError: boom"}
+    why = limit.why_missing(failed, compute_only_s=None, comm_only_s=0.2, traced=True)
+    assert why == "compute only: the job failed: exited 1: RuntimeError: boom"
+    assert limit.why_missing({"status": "ok"}, compute_only_s=0.1, comm_only_s=None, traced=False) == \
+        "comm only: not measured (trace off: the replay follows the profiled steps)"
+    # a round that ran no compute-only job was not asked for the limit: nothing to explain
+    assert limit.why_missing(None, compute_only_s=None, comm_only_s=None, traced=False) is None
+    rounds = [{"limit": limit.limit_of(step_s=1.0, compute_only_s=None, comm_only_s=0.2, exposed_comm_s=0.1,
+                                       reason=why)},
+              {"limit": {"compute_only_s": None, "comm_only_s": 0.4, "reason": None}}]
+    got = limit.combine(rounds, step_s=1.0, exposed_comm_s=0.1)
+    assert got["compute_only_s"] is None and got["reason"] == why
+    # another round's figure fills the part: its reason is moot
+    rounds.append({"limit": {"compute_only_s": 0.5, "comm_only_s": 0.3, "reason": None}})
+    assert limit.combine(rounds, step_s=1.0, exposed_comm_s=0.1)["reason"] is None
+    table = limit.limit_table([{"status": "ok", "label": "ZeRO-3", "median_step_s": 1.0, "exposed_comm_s": 0.1,
+                                "limit": got}])
+    assert table[-1] == f"- ZeRO-3: {why}" and table[2].startswith("| ZeRO-3 | 1000.0 | — | 300.0 | — |")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # six 4-rank DeepSpeed launches, ~2.5 min (conftest.py [Note: test tiers]); the
+# default tier reaches the limit's fields through the arithmetic above
+def test_deepspeed_rows_reach_their_limit(tmp_path):
+    """DeepSpeed ZeRO-1, ZeRO-3 and MiCS (a real shard group: 2 logical nodes of 2) each get every
+    limit field: their steps ran again on the fake group (systems/deepspeed_zero.py [Note:
+    DeepSpeed's steps under the fake group]) and their step's collectives were replayed."""
+    from amsp_ext.compare.config import RunSpec
+    from amsp_ext.compare.harness import run_comparison
+    from amsp_ext.compare.launch import LaunchConfig
+
+    spec = RunSpec(model="tiny-llama", seq_len=16, micro_batch_size=1, num_micro_batches=2, num_steps=2,
+                   num_warmup_steps=1, precision="fp32", gpus_per_node=2, limit_rounds=1, dist_timeout_s=120)
+    systems = ["zero1", "zero3", "mics"]
+    path, rows = run_comparison(mode="baselines", spec=spec, launch=LaunchConfig(nproc_per_node=4, timeout_s=300),
+                                out_dir=tmp_path, command="pytest", systems=systems, progress=lambda s: None)
+    by = {r["key"]: r for r in rows}
+    for key in systems:
+        row = by[key]
+        assert row["status"] == "ok", (key, row.get("reason"))
+        lim, run = row["limit"], row["compute_only_run"]
+        assert run["status"] == "ok" and run["backends"] == ["fake"], (key, run)
+        assert all(lim[f] is not None for f in limit.LIMIT_FIELDS) and lim["reason"] is None, (key, lim)
+        assert lim["compute_only_s"] > 0 and lim["comm_only_s"] > 0, (key, lim)
+        assert lim["bound_s"] == max(lim["compute_only_s"], lim["comm_only_s"]), (key, lim)
+    text = path.read_text()
+    assert all(f"| {by[k]['label']} | " in text.split("### Each row against its limit")[1] for k in systems)
 
 
 @pytest.mark.distributed

@@ -11,7 +11,12 @@ every row records, beside its step (``median_step_s``) and its exposed communica
   outputs filled with copies of the input (finite values; ``tools/dryrun.fake_fills_outputs``).
   Running one rank alone would change a sharded plan's work (its shards would be the whole
   model); the fake group keeps the world size, so each rank gathers, computes and updates
-  exactly the tensors it does in the row. Measured in the rounds ``RunSpec.limit_rounds``
+  exactly the tensors it does in the row. A system whose own code reads what a collective
+  returned takes that read out in this job: DDP's reducer gets a local hook
+  (systems/ddp.py), ZeRO-3's and MiCS's per-step rank-order check is off
+  (systems/deepspeed_zero.py [Note: DeepSpeed's steps under the fake group]); DeepSpeed's
+  ZeRO-1, ZeRO-3 and MiCS rows get every field on 4 loopback ranks
+  (tests/test_compare_limit.py). Measured in the rounds ``RunSpec.limit_rounds``
   names (the first by default), median over the timed steps of the slowest rank's.
   What it leaves in: the CPU gloo's threads spend reducing in the real row (they are gone
   here, so compute-only is the compute without that contention).
@@ -34,6 +39,10 @@ every row records, beside its step (``median_step_s``) and its exposed communica
   ``hidden_fraction = 1 - exposed_comm_s / comm_only_s`` (1.0: every collective under
   compute; below 0 when the row exposes more than its collectives need alone: they queued
   behind each other or ran slower beside compute).
+- ``reason``: in a round that ran the compute-only job, why a part is None (that job's failure,
+  or no replay because the row was not traced), one line, printed under the report's table: a
+  missing figure is never silent. None when nothing is missing, and in rounds not asked for the
+  limit.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from typing import Any
 
 from amsp_ext.common.metrics import median_after_warmup
 
-__all__ = ["LIMIT_FIELDS", "combine", "compute_only_of", "comm_only_of", "limit_of"]
+__all__ = ["LIMIT_FIELDS", "combine", "compute_only_of", "comm_only_of", "limit_of", "why_missing"]
 
 LIMIT_FIELDS = ("compute_only_s", "comm_only_s", "bound_s", "efficiency", "hidden_fraction", "last_backward_s")
 
@@ -68,8 +77,25 @@ def comm_only_of(ranks: list[dict]) -> float | None:
     return statistics.median(max(a[i]["s"] for a in alone) for i in range(n))
 
 
+def why_missing(compute_only: dict[str, Any] | None, *, compute_only_s: float | None,
+                comm_only_s: float | None, traced: bool) -> str | None:
+    """A round's ``reason`` ([Note: a row's limit]); ``compute_only``: the round's compute-only
+    job as the harness recorded it, None where the round did not run one."""
+    if compute_only is None:
+        return None
+    parts = []
+    if compute_only_s is None:
+        parts.append(f"compute only: the job {compute_only.get('status')}: {compute_only.get('reason')}"
+                     if compute_only.get("status") != "ok" else "compute only: a rank recorded no step")
+    if comm_only_s is None:
+        parts.append("comm only: " + ("a rank recorded no replay" if traced
+                                      else "not measured (trace off: the replay follows the profiled steps)"))
+    return "; ".join(parts) or None
+
+
 def limit_of(*, step_s: float | None, compute_only_s: float | None, comm_only_s: float | None,
-             exposed_comm_s: float | None, last_backward_s: float | None = None) -> dict[str, Any]:
+             exposed_comm_s: float | None, last_backward_s: float | None = None,
+             reason: str | None = None) -> dict[str, Any]:
     """The fields of [Note: a row's limit]; a field whose inputs are missing is None."""
     bound = (max(compute_only_s, comm_only_s)
              if compute_only_s is not None and comm_only_s is not None else None)
@@ -77,19 +103,24 @@ def limit_of(*, step_s: float | None, compute_only_s: float | None, comm_only_s:
     hidden = (1.0 - exposed_comm_s / comm_only_s
               if exposed_comm_s is not None and comm_only_s else None)
     return {"compute_only_s": compute_only_s, "comm_only_s": comm_only_s, "bound_s": bound,
-            "efficiency": efficiency, "hidden_fraction": hidden, "last_backward_s": last_backward_s}
+            "efficiency": efficiency, "hidden_fraction": hidden, "last_backward_s": last_backward_s,
+            "reason": reason}
 
 
 def combine(rounds: list[dict[str, Any]], *, step_s: float | None,
             exposed_comm_s: float | None) -> dict[str, Any]:
     """One row's limit from its ok rounds' (each with ``limit``): the median of each measured
-    part over the rounds that measured it, then the ratios from the row's own medians."""
+    part over the rounds that measured it, then the ratios from the row's own medians; where a
+    part is still missing, the rounds' reasons."""
     def med(field: str) -> float | None:
         vals = [r["limit"][field] for r in rounds if (r.get("limit") or {}).get(field) is not None]
         return statistics.median(vals) if vals else None
 
-    return limit_of(step_s=step_s, compute_only_s=med("compute_only_s"), comm_only_s=med("comm_only_s"),
-                    exposed_comm_s=exposed_comm_s, last_backward_s=med("last_backward_s"))
+    compute, comm = med("compute_only_s"), med("comm_only_s")
+    reasons = dict.fromkeys(r["limit"]["reason"] for r in rounds if (r.get("limit") or {}).get("reason"))
+    return limit_of(step_s=step_s, compute_only_s=compute, comm_only_s=comm, exposed_comm_s=exposed_comm_s,
+                    last_backward_s=med("last_backward_s"),
+                    reason="; ".join(reasons) if reasons and (compute is None or comm is None) else None)
 
 
 LIMIT_TEXT = ("Each row against its own limit (amsp_ext/compare/limit.py [Note: a row's limit]): "
@@ -107,9 +138,10 @@ def _ms(v: float | None) -> str:
 
 
 def limit_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The report's table of every ok row's limit; empty when no row measured one."""
+    """The report's table of every ok row's limit, then why a row's part is missing; empty when
+    no row measured one or said why."""
     ok = [r for r in rows if r.get("status") == "ok" and any((r.get("limit") or {}).get(f) is not None
-                                                             for f in LIMIT_FIELDS)]
+                                                             for f in (*LIMIT_FIELDS, "reason"))]
     if not ok:
         return []
     out = ["| System | step ms | compute only ms | comm only ms | bound ms | efficiency | "
@@ -121,7 +153,8 @@ def limit_table(rows: list[dict[str, Any]]) -> list[str]:
                    f"{_ms(lim.get('comm_only_s'))} | {_ms(lim.get('bound_s'))} | "
                    f"{'—' if eff is None else f'{eff:.2f}'} | {_ms(r.get('exposed_comm_s'))} | "
                    f"{'—' if hid is None else f'{hid:.2f}'} | {_ms(lim.get('last_backward_s'))} |")
-    return out
+    missing = [f"- {r['label']}: {r['limit']['reason']}" for r in ok if r["limit"].get("reason")]
+    return out + (["", "Missing parts:", "", *missing] if missing else [])
 
 
 def write_limit_plot(rows: list[dict[str, Any]], folder) -> str | None:

@@ -85,6 +85,8 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
     exposed = _median([c["exposed_comm_s"] for c in comm]) if comm else None
     compute_only = result.get("compute_only") or {}
     co_ranks = compute_only["ranks"] if compute_only.get("status") == "ok" else []
+    compute_only_s = limit.compute_only_of(co_ranks, spec.num_warmup_steps)
+    comm_only_s = limit.comm_only_of(ranks)
     row.update({
         "step_s": times,
         "median_step_s": median_step,
@@ -97,9 +99,10 @@ def summarize(result: dict[str, Any], spec: RunSpec, peak: float | None) -> dict
         "comm_s": _median([c["comm_s"] for c in comm]) if comm else None,
         "exposed_comm_s": exposed,
         "limit": limit.limit_of(
-            step_s=median_step, exposed_comm_s=exposed, comm_only_s=limit.comm_only_of(ranks),
-            compute_only_s=limit.compute_only_of(co_ranks, spec.num_warmup_steps),
-            last_backward_s=limit.compute_only_of(co_ranks, spec.num_warmup_steps, "last_backward_s")),
+            step_s=median_step, exposed_comm_s=exposed, comm_only_s=comm_only_s, compute_only_s=compute_only_s,
+            last_backward_s=limit.compute_only_of(co_ranks, spec.num_warmup_steps, "last_backward_s"),
+            reason=limit.why_missing(result.get("compute_only"), compute_only_s=compute_only_s,
+                                     comm_only_s=comm_only_s, traced=spec.trace)),
         "compute_only_run": {**{k: compute_only.get(k) for k in ("status", "reason", "command", "wall_s")},
                              "backends": sorted({r.get("backend") for r in co_ranks})}
         if compute_only else None,

@@ -162,17 +162,6 @@ def _finite_fake_broadcasts() -> None:
     dist.broadcast = broadcast
 
 
-def _no_deepspeed_rank_checks() -> None:
-    """ZeRO-3's parameter coordinator checks every step, by collectives, that the ranks traced
-    the same module order; under the fake group those collectives carry nothing, so the check
-    reads garbage and fails. A compute-only run (compare/limit.py) takes that communication out
-    with the rest."""
-    from deepspeed.runtime.zero import partition_parameters, partitioned_param_coordinator, stage3
-
-    for module in (partition_parameters, partitioned_param_coordinator, stage3):
-        module.assert_ints_same_as_other_ranks = lambda ints: None
-
-
 def run(system: str, spec, out: Path, coll, *, compute_only: bool = False) -> dict:
     """One system on this rank; ``coll``: this worker's collective context (the peak's and the
     records' collectives; an AMSP engine makes its own). ``compute_only``: the process group
@@ -200,8 +189,6 @@ def run(system: str, spec, out: Path, coll, *, compute_only: bool = False) -> di
         from amsp_ext.integrations import patches
 
         patches_applied = patches.apply_needed()
-        if compute_only:
-            _no_deepspeed_rank_checks()
 
     # the MFU denominator: common/metrics.py [Note: one MFU] (every rank at once, best of trials)
     peak_flops = None if compute_only else device_peak(torch.device("cpu"), ctx.param_dtype, comm=coll).flops

@@ -28,6 +28,25 @@ ZeRO configs use "auto"), i.e. how most users run a ``LlamaForCausalLM`` under D
 DeepSpeed 0.18.9 needs two fixes to run on gloo, both under ``patches/`` with the cause and the
 versions they were checked against; the worker applies whichever a local probe says is needed
 (``patches.apply_needed``) and the report lists them.
+
+[Note: DeepSpeed's steps under the fake group]
+A row's compute-only job (compare/limit.py [Note: a row's limit]) runs these same steps on torch's
+fake process group, and the invariant it needs is that every rank does the row's work while no
+collective carries anything. Two things differ from the row, and neither changes that work:
+
+- ZeRO-3 (and so MiCS) checks every step that the ranks traced the same module order
+  (``assert_ints_same_as_other_ranks``): rank 0 broadcasts its list and the others compare. A
+  fake broadcast leaves the receivers zeroed, so every other rank raises ("Detected a
+  disagreement on list length between rank0 and rank2" in the 4-rank ZeRO-3 and MiCS jobs with
+  the check on); ``_without_rank_checks`` turns it off in that job only. It is communication,
+  which that job leaves out anyway.
+- The fake group can coalesce, so MiCS's shard-group all-gathers go through torch's coalescing
+  manager, not the gloo patch's separate ``all_gather_into_tensor`` calls: the same tensors
+  gathered, each output filled with copies of the input (finite).
+
+DeepSpeed broadcasts the model from rank 0 in ``initialize``; the compute-only job's broadcasts
+zero the receivers (worker.py ``_finite_fake_broadcasts``), so ranks other than 0 train zeros
+(loss ln(vocab) every step): the same shapes and kernels, whose time does not depend on values.
 """
 
 from __future__ import annotations
@@ -81,12 +100,27 @@ def _cpu_only(exc: BaseException) -> str | None:
     return None
 
 
+def _without_rank_checks() -> None:
+    """ZeRO-3's per-step rank-order check off, in a compute-only job only ([Note: DeepSpeed's
+    steps under the fake group])."""
+    from deepspeed.runtime.zero import (
+        partition_parameters,
+        partitioned_param_coordinator,
+        stage3,
+    )
+
+    for module in (partition_parameters, partitioned_param_coordinator, stage3):
+        module.assert_ints_same_as_other_ranks = lambda ints: None
+
+
 def setup(name: str, model, ctx: Context) -> SystemRun:
     import logging
 
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    if ctx.compute_only:
+        _without_rank_checks()
     config = ds_config(name, ctx)
     try:
         engine, _, _, _ = deepspeed.initialize(
