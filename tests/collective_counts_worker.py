@@ -51,13 +51,28 @@ def amsp_counts(batch) -> dict:
     model, opt = shard(build_llama("tiny-llama"), "zero3", lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     comm = model.amsp.comm
     out = {}
+    events: list[tuple[str, int]] = []  # reduce-scatters issued and waited for, in order
+
+    def rs_order(event, op, name, info):
+        if op == "reduce_scatter" and event in ("issued", "wait_begin"):
+            events.append((event, id(info)))
+
+    comm.observers.append(rs_order)
     for step in range(2):  # the second step: after the first step's broadcasts and lazy init
         before = collections.Counter(comm.counts)
+        events.clear()
         seen = _micro_batch(model, batch)
         counted = {op: n - before[(op, "param_shard")] for (op, g), n in comm.counts.items() if g == "param_shard"}
         opt.step()
         opt.zero_grad()
-        out = {"observed": seen, "engine": counted}
+        # deferred_rs.py [Note: a reduce-scatter decoupled on CPU]: how many reduce-scatters
+        # were still in flight when the next one was issued
+        issued_at = {key: i for i, (ev, key) in enumerate(events) if ev == "issued"}
+        later = sorted(issued_at.values())
+        decoupled = sum(any(j > issued_at[key] and j < i for j in later)
+                        for i, (ev, key) in enumerate(events) if ev == "wait_begin")
+        out = {"observed": seen, "engine": counted, "rs_waited_after_the_next_issued": decoupled,
+               "rs_events": len(events)}
     return out
 
 

@@ -44,6 +44,16 @@ def test_zero3_issues_no_more_all_gathers_and_reduce_scatters_than_fsdp2(observe
     assert amsp["observed"] == {"all_gather": 5, "reduce_scatter": 3}
 
 
+def test_reduce_scatters_run_under_the_next_units_backward_on_cpu(observed):
+    # deferred_rs.py [Note: a reduce-scatter decoupled on CPU]: 3 units, reduce-scattered in
+    # backward order layer 1, layer 0, the root; each of the first two is waited for only after
+    # the next one was issued (the root's at the flush). Waited at issue, as FSDP2 asks on CPU,
+    # none was.
+    amsp = observed["amsp"]
+    assert amsp["rs_events"] == 6, amsp  # 3 issued, 3 waited
+    assert amsp["rs_waited_after_the_next_issued"] == 2, amsp
+
+
 def test_a_no_grad_forward_before_the_step_leaves_no_stale_root(observed):
     # the root unit stays gathered after a forward no backward follows; the step reshards it
     # (outside_reads.py [Note: a gathered root after a step]), else the next forward used the

@@ -39,6 +39,7 @@ from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.optim.whole_tensor import WholeTensors
+from amsp_ext.runtime.sync.deferred_rs import DeferredReduceScatters
 from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.sync.outside_reads import OuterGather
 from amsp_ext.runtime.sync.param_sync import ParamSync
@@ -329,23 +330,23 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     filled (materialize.py [Note: starting a model larger than one device]).
 
     ``forward_only``: no optimizer will own anything (grad_sync.py [Note: a model without an
-    optimizer]): no local tensors are laid out, so no gradient path, master or broadcast exists;
-    the parameters are sharded and filled as for training.
+    optimizer]): no local tensors, gradient path, master or broadcast; parameters as in training.
 
-    ``whole_tensor``: a whole-tensor optimizer's work per parameter name (optim/kinds.py), its owners'
-    balance (ownership.py); with sp > 1 its masters are whole ones on whole owners (whole_tensor.py)."""
-    tp = world.tensor_parallel > 1
-    tp_sharded = tp_sharded_names(model) if tp else set()  # before FSDP2 makes every parameter a DTensor
+    ``whole_tensor``: a whole-tensor optimizer's work per parameter name (optim/kinds.py,
+    ownership.py); with sp > 1 its masters are whole ones on whole owners (whole_tensor.py)."""
+    tp_sharded = frozenset(tp_sharded_names(model) if world.tensor_parallel > 1 else ())  # before FSDP2 runs
     with compat.real_tensors():  # the mesh's rank tables are host data, real even in a dry run
         mesh = build_plan_mesh(plan, world, device_type=device.type,
                                timeout=datetime.timedelta(seconds=config.timeout),
                                two_level=config.all_reduce == "two_level",
-                               tp_shard_mesh=data_parallel_mesh(model, plan, world) if tp and plan.sp > 1 else None)
+                               tp_shard_mesh=data_parallel_mesh(model, plan, world)
+                               if world.tensor_parallel > 1 and plan.sp > 1 else None)
     units = list_units(model, config.granularity)
+    deferred = DeferredReduceScatters() if plan.sp > 1 else None
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.shard_mesh, comm, name=mesh.name("param_shard"),
                    timeout=config.timeout, overlap_allgather=config.overlap.allgather,
-                   reduce_dtype=reduce_dtype_of(config))
+                   reduce_dtype=reduce_dtype_of(config), deferred=deferred)
         refresh_params(units, model)
     rank = dist.get_rank()
     dtype = compute_dtype(config)
@@ -355,7 +356,7 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
     whole_rows = whole_tensor is not None and plan.sp > 1 and not forward_only
     tensors = [] if forward_only else build_layout(
         units, plan=plan, world=world, rank=rank, bcast_ranks=mesh.ranks["optim_bcast"],
-        shard_ranks=mesh.ranks["param_shard"], policy=config.ownership, tp_sharded=frozenset(tp_sharded),
+        shard_ranks=mesh.ranks["param_shard"], policy=config.ownership, tp_sharded=tp_sharded,
         by_global=whole_rows, costs=whole_tensor)
     owned = [t for t in tensors if t.owner_rank == rank]
     fp32_rows: dict[int, torch.Tensor] = {}
@@ -377,7 +378,7 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         overlap=config.overlap.allreduce,
         exposure=_grad_exposure(tensors, plan, world, mesh, dtype, reduce_dtype_of(config)),
         modules=[u.module for u in units], reduce_dtype=reduce_dtype_of(config),
-        split_units=plan.sp == 1, close_bytes=config.grad_bucket_close_bytes,
+        split_units=plan.sp == 1, close_bytes=config.grad_bucket_close_bytes, deferred=deferred,
         fold_verdict=guard.fold if not norm.reduce else None,
         refuse=(list(model.parameters()), _forward_only_message(model, plan)) if forward_only else None)
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}

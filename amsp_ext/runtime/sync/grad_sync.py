@@ -95,6 +95,7 @@ from amsp_ext.planner.buckets import bucket_layout, in_flight_cap
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.optim.layout import LocalTensor
+from amsp_ext.runtime.sync.deferred_rs import DeferredReduceScatters
 from amsp_ext.runtime.sync.grad_exposure import GradExposure
 from amsp_ext.topology.mesh import GroupHandle
 
@@ -136,7 +137,7 @@ class GradSync:
                  replica: GroupHandle, grad: GroupHandle, overlap: bool,
                  exposure: GradExposure, modules: Sequence[nn.Module],
                  reduce_dtype: torch.dtype | None = None, split_units: bool = True,
-                 close_bytes: int | None = None,
+                 close_bytes: int | None = None, deferred: DeferredReduceScatters | None = None,
                  fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  refuse: tuple[Sequence[torch.Tensor], str] | None = None) -> None:
         """``exposure``: what ``.grad`` holds after a boundary backward (grad_exposure.py);
@@ -145,10 +146,13 @@ class GradSync:
         raises the message ([Note: a model without an optimizer]). ``split_units``: False when
         sp > 1 (planner/buckets.py [Note: a sharded unit is one bucket]); ``close_bytes``: where
         a bucket closes at a unit boundary ([Note: where a bucket closes, from the link] there;
-        None: the default)."""
+        None: the default). ``deferred``: the reduce-scatters FSDP2's call left in flight, whose
+        gradients the hooks hold until they are waited for (deferred_rs.py [Note: a
+        reduce-scatter decoupled on CPU])."""
         self.tensors = list(tensors)
         self.exposure, self.modules = exposure, list(modules)
         self.refuse = refuse
+        self.deferred = deferred
         self.comm = comm
         self.rank, self.dtype, self.device = rank, dtype, device
         self.reduce_dtype = reduce_dtype or dtype  # see [Note: reduce dtype]
@@ -263,6 +267,15 @@ class GradSync:
     def _on_grad(self, index: int) -> None:
         if self.mode is None:
             self._begin_pass()
+        if self.deferred is not None:  # deferred_rs.py [Note: a reduce-scatter decoupled on CPU]
+            for held in self.deferred.ready():
+                self._take(held)
+            if self.deferred.holds(self.tensors[index].local_grad(), index):
+                return
+        self._take(index)
+
+    def _take(self, index: int) -> None:
+        """Gradient ``index`` is final: into its bucket (or kept, in the local modes)."""
         if self.mode == "local":
             if self.upcast_local:
                 self._accumulate_local(index)
@@ -395,6 +408,9 @@ class GradSync:
 
     def _flush(self) -> None:
         """End of backward: launch what is left (zero-filling missing slots), wait for all."""
+        if self.deferred is not None:
+            for held in self.deferred.wait_all():
+                self._take(held)
         if self.mode == "local":
             self.pending_local = True
             self._end_pass()

@@ -17,10 +17,11 @@
 - All of FSDP2's AG/RS go through collectives.py via ``set_custom_all_gather`` /
   ``set_custom_reduce_scatter``, so they carry ``amsp::all_gather::param_shard`` labels and
   the collective timeout. See [Note: FSDP2's async_op contract] for what they return.
-- Limits on CPU (gloo has no streams): FSDP2 asks for a synchronous reduce-scatter and reads
-  its output right away, so on CPU the RS blocks the backward thread; only on GPU does it run
-  on FSDP2's reduce-scatter stream, decoupled from the backward compute. The all-gather is
-  truly async on CPU (above).
+- On CPU (gloo has no streams) FSDP2 asks for a synchronous reduce-scatter; where FSDP2 will
+  not read its output before our gradient hooks, it is left in flight and the hooks wait for it
+  (deferred_rs.py [Note: a reduce-scatter decoupled on CPU]); elsewhere it blocks the backward
+  thread. On GPU it runs on FSDP2's reduce-scatter stream. The all-gather is truly async on CPU
+  (above).
 - Ablation ``overlap.allgather=False``: no explicit prefetch, and every AG/RS is waited for
   where it is issued (on GPU: device-synchronized). FSDP2's implicit one-unit backward prefetch
   stays (no public switch), but with blocking gathers it only reorders them.
@@ -58,6 +59,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.sync.deferred_rs import DeferredReduceScatters
 from amsp_ext.runtime.sync.units import Unit
 
 __all__ = ["AMSPAllGather", "AMSPReduceScatter", "apply_fsdp", "fsdp_streams_wait_current",
@@ -109,6 +111,15 @@ def fsdp_streams_wait_current(root: torch.nn.Module) -> None:
 
 
 class AMSPReduceScatter(_Comm, compat.FSDPReduceScatterBase):
+    """One unit's: ``unit`` names its sharded parameters, ``deferred`` (None: never) holds the
+    reduce-scatters left in flight on CPU (deferred_rs.py [Note: a reduce-scatter decoupled on
+    CPU])."""
+
+    def __init__(self, comm: C.CollectiveContext, name: str, timeout: float, overlap: bool, *,
+                 unit: Unit, deferred: DeferredReduceScatters | None) -> None:
+        super().__init__(comm, name, timeout, overlap)
+        self.unit, self.deferred = unit, deferred
+
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         # stream=None: FSDP2 calls us inside its own reduce-scatter stream, the right one
         pending = C.reduce_scatter_tensor(self.comm, output_tensor, input_tensor, group,
@@ -116,6 +127,10 @@ class AMSPReduceScatter(_Comm, compat.FSDPReduceScatterBase):
                                           timeout=self.timeout)
         if async_op:
             return pending.work
+        if (self.deferred is not None and self.overlap
+                and self.deferred.defer(output_tensor, group, [p for _, p in self.unit.params])):
+            self.deferred.add(pending, output_tensor, input_tensor)
+            return None
         C.wait(pending)
         _serialize_if_no_overlap(output_tensor, self.overlap)
         return None
@@ -153,12 +168,14 @@ def prefetch_targets(units: Sequence[Unit]) -> tuple[dict[int, int], dict[int, i
 def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, comm: C.CollectiveContext,
                *, name: str,
                timeout: float, overlap_allgather: bool,
-               reduce_dtype: torch.dtype | None = None) -> None:
+               reduce_dtype: torch.dtype | None = None,
+               deferred: DeferredReduceScatters | None = None) -> None:
     """``fully_shard`` every unit (children first), then the root, which keeps its parameters
     gathered from its forward into its backward (units.py [Note: one root unit]); wire comms
     and prefetch.
 
-    ``reduce_dtype``: the reduce-scatter's dtype (None: the parameters' dtype)."""
+    ``reduce_dtype``: the reduce-scatter's dtype (None: the parameters' dtype). ``deferred``:
+    where reduce-scatters left in flight wait for their hooks (deferred_rs.py)."""
     order = [u for u in units if u.kind == "linear"] + [u for u in units if u.kind not in ("linear", "root")]
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for u in order:
@@ -166,10 +183,10 @@ def apply_fsdp(model: torch.nn.Module, units: Sequence[Unit], shard_mesh, comm: 
     fully_shard(model, mesh=shard_mesh, reshard_after_forward=False, mp_policy=mp)
     modules: list[FSDPModule] = [u.module for u in units]  # type: ignore[misc]
     ag = AMSPAllGather(comm, name, timeout, overlap_allgather)
-    rs = AMSPReduceScatter(comm, name, timeout, overlap_allgather)
-    for m in modules:
+    for u, m in zip(units, modules):
         m.set_custom_all_gather(ag)
-        m.set_custom_reduce_scatter(rs)
+        m.set_custom_reduce_scatter(AMSPReduceScatter(comm, name, timeout, overlap_allgather, unit=u,
+                                                      deferred=deferred))
         m.set_force_sum_reduction_for_comms(True)
         m.set_gradient_divide_factor(1.0)
     fwd, bwd = prefetch_targets(units)
