@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from amsp_ext.choices import ALL_REDUCES, MISSING_MESH, OBJECTIVES, OPTIMIZERS, check_one_of
-from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.issued import bucket_close_bytes
+from amsp_ext.planner.model_spec import ModelSpec
 from amsp_ext.planner.plan import Plan, is_auto
 from amsp_ext.planner.search import Problem, SearchResult, evaluate, make_problem, search
 from amsp_ext.planner.specs import ClusterSpec, StepShape, TrainingSpec
 from amsp_ext.planner.defaults import CLUSTER_PROFILE, DEFAULT_MISSING_MESH, DEFAULT_OBJECTIVE, DEFAULT_OPTIMIZER
 from amsp_ext.planner.profile import BandwidthProfile, CommTimer, load_profile
 
-__all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choose_all_reduce", "plan_auto",
-           "resolve_auto", "search_all_reduce", "two_level_applies", "unpriced_choice"]
+__all__ = ["AllReduceChoice", "AutoPlanConfig", "Planned", "auto_problem", "choose_all_reduce", "close_for", "close_of",
+           "plan_auto", "resolve_auto", "search_all_reduce", "two_level_applies", "unpriced_choice"]
 
 
 @dataclass(frozen=True, kw_only=True)
