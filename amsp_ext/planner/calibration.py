@@ -113,6 +113,13 @@ class Calibration:
         d["fit"] = dict(self.fit)
         return d
 
+    def under_load(self, kind: str, profile_s: float, count: int, moved: float) -> float:
+        """One collective of ``kind`` under load: the profile's ``profile_s`` scaled, plus its
+        ``moved`` bytes and ``count`` issued collectives (a two-level all-reduce issues three)
+        at their fitted costs."""
+        return (self.comm_time_scale[kind] * profile_s + self.comm_s_per_byte[kind] * moved
+                + self.comm_latency_s[kind] * count)
+
     def describe(self) -> str:
         sc = ", ".join(f"{k} {self.comm_time_scale[k]:.2f}x+{self.comm_s_per_byte[k] * 1e9:.2f}"
                        f"ns/B+{self.comm_latency_s[k] * 1e3:.1f}ms" for k in KINDS)

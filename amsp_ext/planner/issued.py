@@ -96,8 +96,9 @@ def bucket_close_bytes(timer, plan: Plan, *, gpus_per_node: int, num_nodes: int,
                        given: int | None = None) -> int | None:
     """Where ``plan``'s gradient buckets close at a unit boundary (planner/buckets.py [Note: where
     a bucket closes, from the link]): ``given`` (EngineConfig.grad_bucket_close_bytes), else from
-    ``timer`` (a CommTimer) on the group the boundary all-reduces over (the replica group; the
-    gradient group where that is one rank). None: nothing all-reduced, or the profile lacks the
+    ``timer`` (a CommTimer; with its profile's calibration, each all-reduce as the step model
+    prices it) on the group the boundary all-reduces over (the replica group; the gradient group
+    where that is one rank). None: nothing all-reduced, or the profile lacks the
     group's mesh (the default then)."""
     if given is not None:
         return given
@@ -106,8 +107,14 @@ def bucket_close_bytes(timer, plan: Plan, *, gpus_per_node: int, num_nodes: int,
         mesh = plan.grad_mesh()
     if mesh[0] * mesh[1] <= 1:
         return None
+    cal = timer.profile.calibration
+
+    def time_of(v: float) -> float:  # as the step model prices it (step.py _Pricer)
+        t = timer.time("allreduce", v, *mesh)
+        return t if cal is None else cal.under_load("AR", t, *timer.issued("allreduce", v, *mesh))
+
     try:
-        return link_close_bytes(lambda v: timer.time("allreduce", v, *mesh), bucket_bytes)
+        return link_close_bytes(time_of, bucket_bytes)
     except ProfileError:
         return None
 

@@ -381,8 +381,7 @@ class _Pricer:
         if cal is None:
             return t, (0.0 if self.on[kind] else t)
         count, moved = self.timer.issued(op, nbytes, *mesh)
-        d = (cal.comm_time_scale[kind] * t + cal.comm_s_per_byte[kind] * moved
-             + cal.comm_latency_s[kind] * count)
+        d = cal.under_load(kind, t, count, moved)
         if not self.on[kind] or kind in cal.blocking:
             return d, d
         return d, min(d, cal.compute_s_per_byte[kind] * moved)
