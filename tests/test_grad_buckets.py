@@ -215,3 +215,31 @@ def test_where_a_bucket_closes_comes_from_the_link():
     units = [(u, 25_600) for u in range(4)]
     assert len(buckets.bucket_layout(units, bucket_bytes=2**20, elem_bytes=4)) == 1
     assert len(buckets.bucket_layout(units, bucket_bytes=2**20, elem_bytes=4, close_bytes=2**16)) == 4
+
+
+def test_a_reduce_scatter_is_left_in_flight_only_where_fsdp2_does_not_read_it(monkeypatch):
+    """deferred_rs.py [Note: a reduce-scatter decoupled on CPU]: FSDP2 reads the output itself
+    for a cast, for ``+=`` into a ``.grad`` already there, and in any post-accumulate-grad hook
+    besides grad_sync.py's one; each of those keeps the synchronous path."""
+    import torch
+
+    from amsp_ext.runtime.sync import deferred_rs
+
+    monkeypatch.setattr(deferred_rs.dist, "get_backend", lambda group: "gloo")
+    out = torch.zeros(4)
+
+    def param(dtype=torch.float32, hooks=1, grad=False):
+        p = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+        for _ in range(hooks):
+            p.register_post_accumulate_grad_hook(lambda p: None)
+        if grad:
+            p.grad = torch.zeros_like(p)
+        return p
+
+    defer = deferred_rs.DeferredReduceScatters.defer
+    assert defer(out, None, [param(), param()])
+    assert not defer(out, None, [param(), param(hooks=2)])  # a user's hook would read it
+    assert not defer(out, None, [param(grad=True)])  # FSDP2 adds into it
+    assert not defer(out, None, [param(dtype=torch.bfloat16)])  # FSDP2 casts it
+    monkeypatch.setattr(deferred_rs.dist, "get_backend", lambda group: "fake")
+    assert not defer(out, None, [param()])  # a dry run keeps the path the memory model describes

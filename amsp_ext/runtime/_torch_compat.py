@@ -142,6 +142,12 @@ def fsdp_param_home(fsdp_param) -> tuple[nn.Module, str]:
     return info.module, info.param_name
 
 
+def post_accumulate_grad_hook_count(p: torch.Tensor) -> int:
+    """How many post-accumulate-grad hooks ``p`` has (torch keeps them in a private dict, and
+    FSDP2 runs that dict itself after a reduce-scatter)."""
+    return len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+
+
 def tensor_version(t: torch.Tensor) -> int:
     """The in-place write counter of a tensor (``Tensor._version``): it moves on every in-place
     op on the tensor or a view of its storage made through it."""

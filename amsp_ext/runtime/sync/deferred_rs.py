@@ -9,8 +9,10 @@ reduce-scatter exposed).
 Between our reduce-scatter and the parameters' post-accumulate-grad hooks FSDP2 does with the
 output only this: a post-divide (none: the engine's divide factor is 1), a cast where the
 reduce dtype differs from the parameters' (a read), views that become each ``.grad`` (no read),
-and ``+=`` into a ``.grad`` already there (a read). So where neither a cast nor an accumulation
-follows (``defer`` checks the unit's sharded parameters), the reduce-scatter is left in flight
+and ``+=`` into a ``.grad`` already there (a read), then every post-accumulate-grad hook of
+the parameter, ours and any the user registered (which may read it). So where no cast, no
+accumulation and no hook but grad_sync.py's follows (``defer`` checks the unit's sharded
+parameters; anything else keeps the synchronous path), the reduce-scatter is left in flight
 and the call returns at once; grad_sync.py's hooks then hold the gradients it covers (``holds``)
 and copy them only once it has been waited for. Unit k's reduce-scatter is waited for when the
 next unit's (k - 1 in backward) has been issued: it runs under unit k - 1's backward compute,
@@ -28,6 +30,7 @@ import collections
 import torch
 import torch.distributed as dist
 
+from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 
 __all__ = ["DeferredReduceScatters"]
@@ -52,11 +55,13 @@ class DeferredReduceScatters:
 
     @staticmethod
     def defer(output: torch.Tensor, group: dist.ProcessGroup, params) -> bool:
-        """Whether FSDP2 leaves ``output`` unread until the hooks of ``params`` (the unit's
-        sharded parameters): a gloo group, no cast, no ``.grad`` to add into."""
+        """Whether FSDP2 leaves ``output`` unread until grad_sync.py's hooks of ``params`` (the
+        unit's sharded parameters): a gloo group, no cast, no ``.grad`` to add into, no hook
+        but grad_sync.py's one per parameter."""
         if output.device.type != "cpu" or dist.get_backend(group) != "gloo":
             return False
-        return all(p.grad is None and p.dtype == output.dtype for p in params)
+        return all(p.grad is None and p.dtype == output.dtype
+                   and compat.post_accumulate_grad_hook_count(p) <= 1 for p in params)
 
     def add(self, pending, output: torch.Tensor, input: torch.Tensor) -> None:
         """``pending`` was just issued: wait for the ones before it (they ran under the

@@ -267,7 +267,7 @@ class GradSync:
     def _on_grad(self, index: int) -> None:
         if self.mode is None:
             self._begin_pass()
-        if self.deferred is not None:  # deferred_rs.py [Note: a reduce-scatter decoupled on CPU]
+        if self.deferred:  # in flight: deferred_rs.py [Note: a reduce-scatter decoupled on CPU]
             for held in self.deferred.ready():
                 self._take(held)
             if self.deferred.holds(self.tensors[index].local_grad(), index):
