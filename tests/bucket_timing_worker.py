@@ -1,7 +1,8 @@
 """4 ranks as 2 nodes x 2: small-llama under the replicate plan with the two-level all-reduce;
 rank 0 prints ``TIMING {json}``: when each cross-node all-reduce of the backward was issued
 on rank 0 and when the slowest rank's backward reached the embedding, its last gradient (issue 51:
-a slow link must not wait for the end of the backward to start its reductions)."""
+a slow link must not wait for the end of the backward to start its reductions); then, under
+the MiCS config, the order of each unit's reduce-scatter and each bucket's replica all-reduce."""
 
 from __future__ import annotations
 
@@ -58,10 +59,34 @@ node = [t for t, name in issued if name.startswith("param_replica_node")]
 # over when its slowest rank's is (4 ranks on 2 cores run by turns)
 ends = torch.zeros(world, dtype=torch.float64)
 dist.all_gather_into_tensor(ends, torch.tensor([backward_end[-1]], dtype=torch.float64))
+
+# The MiCS config (p = g = os inside the node, replicas across): the order in which rank 0
+# issued each unit's reduce-scatter and each bucket's cross-node all-reduce in the backward
+# (deferred_rs.py [Note: a reduce-scatter decoupled on CPU]: a unit's bucket goes out once its
+# reduce-scatter has completed, seen at a poll point inside the next unit's backward)
+comm_mics = C.CollectiveContext(timeout=120)
+mics, mics_opt = shard(build_llama("small-llama"), "p=2x1,g=2x1,os=2x1", adamw, comm=comm_mics,
+                       config=ShardConfig(gpus_per_node=2, precision="fp32"))
+order: list[str] = []
+
+
+def observe_mics(event, op, name, info) -> None:
+    if event == "issued" and op in ("reduce_scatter", "all_reduce") and name.split("[")[0] in (
+            "param_shard", "param_replica"):
+        order.append(name.split("[")[0])
+
+
+for step in range(2):  # the second: after the first step's lazy init
+    with C.observing(comm_mics, observe_mics):
+        order.clear()
+        mics_opt.backward(causal_lm_loss(mics, batch))
+    mics_opt.step()
+    mics.amsp.wait_params()
 if rank == 0:
     print("TIMING " + json.dumps({"node_issued": node, "backward_end": ends.max().item(),
                                   "close_bytes": model.amsp.config.grad_bucket_close_bytes,
                                   "num_buckets": len(model.amsp.grad_sync.buckets),
-                                  "groups": sorted({name.split("[")[0] for _, name in issued})}), flush=True)
+                                  "groups": sorted({name.split("[")[0] for _, name in issued}),
+                                  "mics_order": order}), flush=True)
 dist.barrier()
 dist.destroy_process_group()

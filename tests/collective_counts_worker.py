@@ -3,8 +3,10 @@ micro-batch of tiny-llama, under AMSP's ``zero3`` and under FSDP2's ``fully_shar
 model wrapped the usual way (each decoder layer, then the root), on the same 2 gloo ranks.
 
 Both are observed the same way, below every library: a TorchDispatchMode counts the c10d ops
-that reach the backend (``_allgather_base_``, ``_reduce_scatter_base_``), so FSDP2's count does
-not depend on which torch.distributed function it calls. AMSP's count is also read from the
+that reach the backend (``_allgather_base_``, ``_reduce_scatter_base_``, ``allreduce_``), so
+FSDP2's count does not depend on which torch.distributed function it calls. On gloo AMSP issues
+each reduce-scatter as an all-reduce of its input (collectives.py [Note: a reduce-scatter that
+can be polled (gloo)]). AMSP's count is also read from the
 engine's own counters (collectives.py [Note: counters]). Prints one ``RESULT {json}`` on rank 0.
 
 Usage: python -m tests.collective_counts_worker
@@ -13,6 +15,7 @@ Usage: python -m tests.collective_counts_worker
 from __future__ import annotations
 
 import collections
+import inspect
 import json
 
 import torch
@@ -23,7 +26,11 @@ from amsp_ext.common.models import build_llama, causal_lm_loss
 from amsp_ext.runtime.shard import shard
 
 OPS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-       "allgather_into_tensor_coalesced_": "all_gather", "reduce_scatter_tensor_coalesced_": "reduce_scatter"}
+       "allgather_into_tensor_coalesced_": "all_gather", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+       "allreduce_": "all_reduce"}
+# where a reduce-scatter is waited for, by the innermost of these functions on the stack
+# (deferred_rs.py [Note: a reduce-scatter decoupled on CPU])
+WAITED_IN = {"add": "next_issued", "ready": "completed", "wait_all": "flush", "__call__": "at_issue"}
 
 
 class C10dOps(TorchDispatchMode):
@@ -55,7 +62,9 @@ def amsp_counts(batch) -> dict:
 
     def rs_order(event, op, name, info):
         if op == "reduce_scatter" and event in ("issued", "wait_begin"):
-            events.append((event, id(info)))
+            where = next((WAITED_IN[f.function] for f in inspect.stack()
+                          if f.function in WAITED_IN and "amsp_ext" in f.filename), "other")
+            events.append((event, where))
 
     comm.observers.append(rs_order)
     for step in range(2):  # the second step: after the first step's broadcasts and lazy init
@@ -65,13 +74,8 @@ def amsp_counts(batch) -> dict:
         counted = {op: n - before[(op, "param_shard")] for (op, g), n in comm.counts.items() if g == "param_shard"}
         opt.step()
         opt.zero_grad()
-        # deferred_rs.py [Note: a reduce-scatter decoupled on CPU]: how many reduce-scatters
-        # were still in flight when the next one was issued
-        issued_at = {key: i for i, (ev, key) in enumerate(events) if ev == "issued"}
-        later = sorted(issued_at.values())
-        decoupled = sum(any(j > issued_at[key] and j < i for j in later)
-                        for i, (ev, key) in enumerate(events) if ev == "wait_begin")
-        out = {"observed": seen, "engine": counted, "rs_waited_after_the_next_issued": decoupled,
+        waited_in = collections.Counter(where for ev, where in events if ev == "wait_begin")
+        out = {"observed": seen, "engine": counted, "rs_waited_in": dict(waited_in),
                "rs_events": len(events)}
     return out
 

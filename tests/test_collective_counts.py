@@ -36,22 +36,27 @@ def observed():
 
 def test_zero3_issues_no_more_all_gathers_and_reduce_scatters_than_fsdp2(observed):
     amsp, fsdp2 = observed["amsp"], observed["fsdp2"]
-    # the engine's counters and what reached the backend agree
-    assert amsp["engine"] == amsp["observed"], amsp
+    # the engine's counters and what reached the backend agree; on gloo each reduce-scatter
+    # reaches it as an all-reduce of its input (collectives.py [Note: a reduce-scatter that can
+    # be polled (gloo)]), and nothing else is all-reduced in zero3's backward on 2 ranks
+    reached = amsp["observed"]
+    assert amsp["engine"] == {"all_gather": reached["all_gather"], "reduce_scatter": reached["all_reduce"]}, amsp
+    assert "reduce_scatter" not in reached, amsp
     for op in ("all_gather", "reduce_scatter"):
-        assert 0 < amsp["observed"][op] <= fsdp2["observed"][op], (op, observed)
+        assert 0 < amsp["engine"][op] <= fsdp2["observed"][op], (op, observed)
     # by hand for 2 layers: the layers gathered twice, the root once; one RS per group
-    assert amsp["observed"] == {"all_gather": 5, "reduce_scatter": 3}
+    assert amsp["engine"] == {"all_gather": 5, "reduce_scatter": 3}
 
 
 def test_reduce_scatters_run_under_the_next_units_backward_on_cpu(observed):
     # deferred_rs.py [Note: a reduce-scatter decoupled on CPU]: 3 units, reduce-scattered in
-    # backward order layer 1, layer 0, the root; each of the first two is waited for only after
-    # the next one was issued (the root's at the flush). Waited at issue, as FSDP2 asks on CPU,
-    # none was.
+    # backward order layer 1, layer 0, the root; none is waited for inside FSDP2's call (as
+    # FSDP2 asks on CPU): each is taken once a hook sees it completed, or waited for as the next
+    # one is issued, or at the flush (tiny-llama's finish within a hook or two)
     amsp = observed["amsp"]
     assert amsp["rs_events"] == 6, amsp  # 3 issued, 3 waited
-    assert amsp["rs_waited_after_the_next_issued"] == 2, amsp
+    waited = amsp["rs_waited_in"]
+    assert set(waited) <= {"completed", "next_issued", "flush"} and sum(waited.values()) == 3, amsp
 
 
 def test_a_no_grad_forward_before_the_step_leaves_no_stale_root(observed):

@@ -168,8 +168,18 @@ def test_a_bucket_owned_in_part_is_copied_out(monkeypatch):
     assert torch.equal(buf, torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 12.0]))  # left as reduced
 
 
+@pytest.fixture(scope="module")
+def timing():
+    import json
+
+    from tests.dist_utils import run_ranks
+
+    proc = run_ranks(4, "tests.bucket_timing_worker", timeout=300)
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("TIMING "))[7:])
+
+
 @pytest.mark.distributed
-def test_cross_node_reductions_start_before_the_backward_ends():
+def test_cross_node_reductions_start_before_the_backward_ends(timing):
     """Issue 51, buckets: small-llama's replicate plan with the two-level all-reduce on 2 x 2
     ranks puts at least 3 cross-node all-reduces on the link before the backward reaches the
     embedding (its last gradient): each layer's bucket (about 2.9 MB) goes out as its backward
@@ -178,16 +188,32 @@ def test_cross_node_reductions_start_before_the_backward_ends():
     at 128 KiB (its two-level all-reduce on 2 x 2 is at 80 % of its 25 MiB bandwidth there;
     test_job), not at the 1 MiB default: lm_head and the final norm (263 kB) go out alone
     before the first layer's gradients, 6 buckets in all (5 at 1 MiB)."""
-    import json
-
-    from tests.dist_utils import run_ranks
-
-    proc = run_ranks(4, "tests.bucket_timing_worker", timeout=300)
-    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("TIMING "))[7:])
+    got = timing
     assert "param_replica_node" in got["groups"], got["groups"]
     assert (got["close_bytes"], got["num_buckets"]) == (128 * 2**10, 6), got
     before = [t for t in got["node_issued"] if t < got["backward_end"]]
     assert len(before) >= 3, (len(before), len(got["node_issued"]), got)
+
+
+@pytest.mark.distributed
+def test_a_units_replica_all_reduce_starts_before_the_next_units_reduce_scatter(timing):
+    """deferred_rs.py [Note: a reduce-scatter decoupled on CPU], the MiCS config on 2 x 2 ranks:
+    small-llama's 4 layers and root are 5 units, so 5 reduce-scatters inside the node and 5
+    replica all-reduces across, one bucket per unit. A unit's bucket goes out once its
+    reduce-scatter has completed, seen at a poll point inside the next unit's backward: so some
+    replica all-reduce k is issued before reduce-scatter k + 1 (counting in backward order).
+    When the reduce-scatter was waited for only as the next one was issued, none was (each
+    all-reduce k had k + 2 reduce-scatters before it: 0 of 5, on 2 runs). Each of 4 runs here
+    had 2 or 3: a unit's backward (about 0.1 s) outlasts its 1.4 MB reduce-scatter on loopback
+    and the skew between ranks."""
+    order = timing["mics_order"]
+    assert sorted(order) == ["param_replica"] * 5 + ["param_shard"] * 5, order
+    early, k = 0, 0  # k: the replica all-reduce's place in backward order
+    for i, name in enumerate(order):
+        if name == "param_replica":
+            early += order[:i].count("param_shard") == k + 1
+            k += 1
+    assert early >= 1, order
 
 
 def test_where_a_bucket_closes_comes_from_the_link():
@@ -220,12 +246,13 @@ def test_where_a_bucket_closes_comes_from_the_link():
 def test_a_reduce_scatter_is_left_in_flight_only_where_fsdp2_does_not_read_it(monkeypatch):
     """deferred_rs.py [Note: a reduce-scatter decoupled on CPU]: FSDP2 reads the output itself
     for a cast, for ``+=`` into a ``.grad`` already there, and in any post-accumulate-grad hook
-    besides grad_sync.py's one; each of those keeps the synchronous path."""
+    besides grad_sync.py's one; each of those keeps the synchronous path. Whether it is issued
+    as a polled all-reduce depends only on the group and the op (equal on every rank)."""
     import torch
+    import torch.distributed as dist
 
     from amsp_ext.runtime.sync import deferred_rs
 
-    monkeypatch.setattr(deferred_rs.dist, "get_backend", lambda group: "gloo")
     out = torch.zeros(4)
 
     def param(dtype=torch.float32, hooks=1, grad=False):
@@ -237,9 +264,70 @@ def test_a_reduce_scatter_is_left_in_flight_only_where_fsdp2_does_not_read_it(mo
         return p
 
     defer = deferred_rs.DeferredReduceScatters.defer
-    assert defer(out, None, [param(), param()])
-    assert not defer(out, None, [param(), param(hooks=2)])  # a user's hook would read it
-    assert not defer(out, None, [param(grad=True)])  # FSDP2 adds into it
-    assert not defer(out, None, [param(dtype=torch.bfloat16)])  # FSDP2 casts it
+    assert defer(out, [param(), param()])
+    assert not defer(out, [param(), param(hooks=2)])  # a user's hook would read it
+    assert not defer(out, [param(grad=True)])  # FSDP2 adds into it
+    assert not defer(out, [param(dtype=torch.bfloat16)])  # FSDP2 casts it
+    polled = deferred_rs.DeferredReduceScatters.polled
+    monkeypatch.setattr(deferred_rs.dist, "get_backend", lambda group: "gloo")
+    assert polled(None, dist.ReduceOp.SUM)
+    assert not polled(None, dist.ReduceOp.AVG)  # an all-reduce would not average the chunk alone
     monkeypatch.setattr(deferred_rs.dist, "get_backend", lambda group: "fake")
-    assert not defer(out, None, [param()])  # a dry run keeps the path the memory model describes
+    assert not polled(None, dist.ReduceOp.SUM)  # a dry run keeps the path the memory model describes
+
+
+class _Polled:
+    """A stand-in for collectives.reduce_scatter_polled's handle: completes when told to."""
+
+    def __init__(self, output):
+        self.output, self.done, self.waited = output, False, False
+
+    def is_completed(self):
+        return self.done
+
+
+def test_held_gradients_are_handed_back_as_their_reduce_scatters_complete(monkeypatch):
+    """deferred_rs.py: a gradient is held while its reduce-scatter runs and handed back once it
+    has completed, oldest first, stopping at the first still running; issuing the next one
+    waits for those before it; the flush waits for all."""
+    import torch
+
+    from amsp_ext.runtime.sync import deferred_rs
+
+    waited = []
+
+    def wait(p):
+        p.waited = True
+        waited.append(p)
+    monkeypatch.setattr(deferred_rs.C, "wait", wait)
+    q = deferred_rs.DeferredReduceScatters([])
+    a, b, c = (_Polled(torch.zeros(4)) for _ in range(3))
+    q.add(a)
+    assert q.holds(a.output[:2], 0) and q.holds(a.output[2:], 1)
+    assert not q.holds(torch.zeros(2), 5)  # not a reduce-scatter's output: taken at once
+    assert q.ready() == [] and waited == []  # still running: nothing handed back, nothing waited
+    a.done = True
+    assert q.ready() == [0, 1] and waited == [a]  # completed: taken without being waited at issue
+    q.add(b)
+    assert q.holds(b.output, 2)
+    q.add(c)  # b had not completed: waited for now, as c is issued
+    assert waited == [a, b]
+    assert q.holds(c.output, 3)
+    assert q.ready() == [2]  # b is done (waited); c runs
+    assert q.wait_all() == [3] and waited == [a, b, c] and len(q) == 0
+
+
+def test_poll_points_are_a_layers_children_that_are_not_units():
+    from amsp_ext.common.models import build_llama
+    from amsp_ext.runtime.sync.deferred_rs import poll_points
+    from amsp_ext.runtime.sync.units import list_units
+
+    model = build_llama("tiny-llama")
+    for granularity in ("layer", "module"):
+        units = list_units(model, granularity)
+        points = poll_points(units)
+        unit_modules = {id(u.module) for u in units}
+        layer = model.model.layers[0]
+        assert layer.mlp in points and layer.self_attn in points and layer.input_layernorm in points
+        assert not any(id(m) in unit_modules for m in points)
+        assert len(points) == 4 * len(model.model.layers)

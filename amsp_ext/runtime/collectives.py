@@ -119,6 +119,7 @@ __all__ = [
     "gather_objects",
     "observing",
     "reduce_scatter_tensor",
+    "reduce_scatter_polled",
     "recording_collectives",
     "replay_alone",
     "wait",
@@ -405,6 +406,44 @@ def reduce_scatter_tensor(ctx: CollectiveContext, output: torch.Tensor, input: t
         return _finish(ctx, work, "reduce_scatter", name, output, async_op, timeout, _nbytes(input))
 
 
+# [Note: a reduce-scatter that can be polled (gloo)]
+# gloo's reduce-scatter Work never reports ``is_completed()`` before it is waited for (see
+# [Note: two-level all-reduce]), so nothing can be started the moment one ends. gloo runs a
+# reduce-scatter as an all-reduce of the whole input anyway, and its all-reduce does report
+# completion. ``reduce_scatter_polled`` therefore all-reduces ``input`` in place and, when
+# waited for, copies this rank's chunk into ``output``: the same bytes on the link, a Work that
+# can be polled, and the counters and labels of a reduce-scatter (it replaces one, so the
+# collective counts compared with FSDP2's stay as they are). ``input`` is overwritten with the
+# sums, so it is for callers that do not read it afterwards (FSDP2's reduce-scatter input).
+class _PolledReduceScatter:
+    """An all-reduce of a reduce-scatter's input in flight, and the chunk it fills ``output``
+    from once waited for."""
+
+    __slots__ = ("pending", "output", "chunk")
+
+    def __init__(self, pending: _Pending, output: torch.Tensor, chunk: torch.Tensor) -> None:
+        self.pending, self.output, self.chunk = pending, output, chunk
+
+    def is_completed(self) -> bool:
+        return self.pending.is_completed()
+
+
+def reduce_scatter_polled(ctx: CollectiveContext, output: torch.Tensor, input: torch.Tensor,
+                          group: dist.ProcessGroup, *, name: str, timeout=None) -> _PolledReduceScatter:
+    """Sum-reduce-scatter ``input`` into ``output`` over ``group`` (gloo), as an all-reduce of
+    ``input`` in place whose completion can be polled ([Note: a reduce-scatter that can be
+    polled (gloo)]). Always async: finish it with ``wait``."""
+    me, n = dist.get_rank(group), output.numel()
+    if input.numel() != n * dist.get_world_size(group):
+        raise ValueError(f"reduce_scatter_polled: input of {input.numel()} elements is not "
+                         f"{dist.get_world_size(group)} x the output's {n} on {name}")
+    with compat.label(f"amsp::reduce_scatter::{_kind(name)}"):
+        _issue(ctx, "reduce_scatter", name)
+        work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    pending = _finish(ctx, work, "reduce_scatter", name, input, True, timeout, _nbytes(input))
+    return _PolledReduceScatter(pending, output, input.view(-1)[me * n:(me + 1) * n])
+
+
 def all_to_all(ctx: CollectiveContext, output: torch.Tensor, input: torch.Tensor,
                group: dist.ProcessGroup | None, *, output_splits: list[int], input_splits: list[int],
                name: str, stream: torch.Stream | None, async_op: bool = False,
@@ -495,12 +534,18 @@ def barrier(ctx: CollectiveContext, group: dist.ProcessGroup | None, *, name: st
                async_op=False, timeout=timeout)
 
 
-def wait(pending: "_Pending | _TwoLevel | None", *, name: str | None = None, timeout=None) -> None:
+def wait(pending: "_Pending | _TwoLevel | _PolledReduceScatter | None", *, name: str | None = None,
+         timeout=None) -> None:
     """Wait for ``pending`` (from an ``async_op=True`` call) with ``timeout`` (else the one it
     was issued with); raise CollectiveTimeout naming the group."""
     if isinstance(pending, _TwoLevel):
         while pending.phase != "done":
             _next_phase(pending, timeout)
+        return
+    if isinstance(pending, _PolledReduceScatter):
+        if pending.pending.work is not None:
+            wait(pending.pending, name=name, timeout=timeout)
+            pending.output.view(-1).copy_(pending.chunk)
         return
     if pending is None or pending.work is None:
         return

@@ -342,7 +342,7 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
                                tp_shard_mesh=data_parallel_mesh(model, plan, world)
                                if world.tensor_parallel > 1 and plan.sp > 1 else None)
     units = list_units(model, config.granularity)
-    deferred = DeferredReduceScatters() if plan.sp > 1 and device.type == "cpu" else None  # no streams there
+    deferred = DeferredReduceScatters(units) if plan.sp > 1 and device.type == "cpu" else None  # no streams there
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.shard_mesh, comm, name=mesh.name("param_shard"),
                    timeout=config.timeout, overlap_allgather=config.overlap.allgather,

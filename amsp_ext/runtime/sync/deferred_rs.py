@@ -14,34 +14,45 @@ the parameter, ours and any the user registered (which may read it). So where no
 accumulation and no hook but grad_sync.py's follows (``defer`` checks the unit's sharded
 parameters; anything else keeps the synchronous path), the reduce-scatter is left in flight
 and the call returns at once; grad_sync.py's hooks then hold the gradients it covers (``holds``)
-and copy them only once it has been waited for. Unit k's reduce-scatter is waited for when the
-next unit's (k - 1 in backward) has been issued: it runs under unit k - 1's backward compute,
-and at most two are alive at once, each keeping its input (the unit's unsharded gradients) and
-output. The end-of-backward flush waits for the last (``wait_all``). They are waited for in
-issue order, not polled: gloo's reduce-scatter Work never reports ``is_completed()`` before it
-is waited for (collectives.py). Only on gloo: the fake backend of a dry run or a compute-only
-job keeps the synchronous path the planner's memory model describes.
+and take them once it has completed. Each one is issued as collectives.py's
+``reduce_scatter_polled`` ([Note: a reduce-scatter that can be polled (gloo)]), so its end can
+be seen without waiting: the hooks look at every gradient, and ``poll_points`` gives each
+layer's children a tensor hook at the start of their backward, so a unit's gradients go to
+the replica all-reduce within a sub-module's backward of its reduce-scatter's end, not at the
+next unit's reduce-scatter call. Unit k's reduce-scatter is still waited for when the next
+unit's (k - 1 in backward) is issued if it has not completed by then: at most two are alive
+at once, each keeping its input (the unit's unsharded gradients) and output. The
+end-of-backward flush waits for the last (``wait_all``). When a bucket goes out depends on
+timing; the order does not: grad_sync.py launches buckets strictly in order on every rank.
+Every sum-reduce-
+scatter of a CPU engine on gloo is issued this way, the ones kept synchronous too, so the
+collective each rank issues never depends on the per-unit check (only the waiting does). Only
+on gloo: the fake backend of a dry run or a compute-only job keeps FSDP2's synchronous
+reduce-scatter, as the planner's memory model describes.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
+from amsp_ext.runtime.sync.units import Unit
 
-__all__ = ["DeferredReduceScatters"]
+__all__ = ["DeferredReduceScatters", "poll_points"]
 
 
 class _Entry:
-    __slots__ = ("pending", "keep", "storage", "waited", "held")
+    __slots__ = ("pending", "storage", "waited", "held")
 
-    def __init__(self, pending, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.pending, self.keep = pending, (output, input)
-        self.storage = output.untyped_storage().data_ptr()
+    def __init__(self, pending) -> None:
+        self.pending = pending  # collectives.reduce_scatter_polled's: it keeps both tensors
+        self.storage = pending.output.untyped_storage().data_ptr()
         self.waited = False
         self.held: list[int] = []  # the gradient hooks' indices waiting for it (grad_sync.py)
 
@@ -50,27 +61,36 @@ class DeferredReduceScatters:
     """The reduce-scatters in flight past their FSDP2 call, oldest first ([Note: a
     reduce-scatter decoupled on CPU])."""
 
-    def __init__(self) -> None:
+    def __init__(self, units: Sequence[Unit]) -> None:
         self._entries: collections.deque[_Entry] = collections.deque()
+        self.poll_modules = poll_points(units)
 
     @staticmethod
-    def defer(output: torch.Tensor, group: dist.ProcessGroup, params) -> bool:
+    def polled(group: dist.ProcessGroup, op) -> bool:
+        """Whether a reduce-scatter on ``group`` is issued as a polled all-reduce: a gloo
+        group summing. Equal on every rank of the group, unlike ``defer``."""
+        return op == dist.ReduceOp.SUM and dist.get_backend(group) == "gloo"
+
+    @staticmethod
+    def defer(output: torch.Tensor, params) -> bool:
         """Whether FSDP2 leaves ``output`` unread until grad_sync.py's hooks of ``params`` (the
-        unit's sharded parameters): a gloo group, no cast, no ``.grad`` to add into, no hook
-        but grad_sync.py's one per parameter."""
-        if output.device.type != "cpu" or dist.get_backend(group) != "gloo":
-            return False
+        unit's sharded parameters): no cast, no ``.grad`` to add into, no hook but
+        grad_sync.py's one per parameter."""
         return all(p.grad is None and p.dtype == output.dtype
                    and compat.post_accumulate_grad_hook_count(p) <= 1 for p in params)
 
-    def add(self, pending, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``pending`` was just issued: wait for the ones before it (they ran under the
-        compute since their own call), keep it in flight."""
+    def add(self, pending) -> None:
+        """``pending`` (a polled reduce-scatter) was just issued: wait for the ones before it,
+        keep it in flight."""
         for e in self._entries:
-            if not e.waited:
-                C.wait(e.pending)
-                e.waited = True
-        self._entries.append(_Entry(pending, output, input))
+            self._wait(e)
+        self._entries.append(_Entry(pending))
+
+    @staticmethod
+    def _wait(e: _Entry) -> None:
+        if not e.waited:
+            C.wait(e.pending)
+            e.waited = True
 
     def holds(self, grad: torch.Tensor | None, index: int) -> bool:
         """Hold gradient ``index`` if ``grad`` is the output of a reduce-scatter not yet waited
@@ -85,20 +105,32 @@ class DeferredReduceScatters:
         return False
 
     def ready(self) -> list[int]:
-        """The held indices whose reduce-scatters have been waited for, in issue order; their
-        entries are dropped."""
+        """The held indices whose reduce-scatters have completed, oldest first, stopping at the
+        first still running; their entries are dropped."""
         out: list[int] = []
-        while self._entries and self._entries[0].waited:
+        while self._entries:
+            e = self._entries[0]
+            if not e.waited:
+                if not e.pending.is_completed():
+                    break
+                self._wait(e)  # completed: copies the chunk, blocks on nothing
             out += self._entries.popleft().held
         return out
 
     def wait_all(self) -> list[int]:
         """End of backward: wait for every reduce-scatter still in flight; every held index."""
         for e in self._entries:
-            if not e.waited:
-                C.wait(e.pending)
-                e.waited = True
+            self._wait(e)
         return self.ready()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def poll_points(units: Sequence[Unit]) -> list[nn.Module]:
+    """The modules whose output's gradient marks a point inside a unit's backward where the
+    hooks look for completed reduce-scatters: each layer unit's children that are not units
+    themselves (a decoder layer's attention, MLP and norms)."""
+    unit_modules = {id(u.module) for u in units}
+    return [c for u in units if u.kind == "layer" for c in u.module.children()
+            if id(c) not in unit_modules]

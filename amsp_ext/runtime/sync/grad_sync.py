@@ -148,7 +148,8 @@ class GradSync:
         a bucket closes at a unit boundary ([Note: where a bucket closes, from the link] there;
         None: the default). ``deferred``: the reduce-scatters FSDP2's call left in flight, whose
         gradients the hooks hold until they are waited for (deferred_rs.py [Note: a
-        reduce-scatter decoupled on CPU])."""
+        reduce-scatter decoupled on CPU]); its ``poll_modules`` are where, inside a unit's
+        backward, the hooks look for the ones that have completed."""
         self.tensors = list(tensors)
         self.exposure, self.modules = exposure, list(modules)
         self.refuse = refuse
@@ -194,6 +195,8 @@ class GradSync:
             self._handles.append(t.param.register_post_accumulate_grad_hook(self._make_hook(t.index)))
         for m in self.modules:
             self._handles.append(m.register_forward_pre_hook(self._before_forward, prepend=True))
+        for m in self.deferred.poll_modules if self.deferred is not None else ():
+            self._handles.append(m.register_forward_hook(self._arm_poll))
         if self.refuse is not None:
             params, message = self.refuse
 
@@ -206,6 +209,22 @@ class GradSync:
         if self.exposure.active:  # grad_exposure.py: before any backward can add into them
             self.exposure.adopt(self.owned)
             self.exposure.release()
+
+    def _arm_poll(self, module, args, output) -> None:
+        """A tensor hook on ``output``: its gradient marks a point inside the unit's backward
+        (deferred_rs.py [Note: a reduce-scatter decoupled on CPU]). Nothing under compile,
+        where the hook would break the graph, or without grad."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return
+        out = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._poll)
+
+    def _poll(self, grad: torch.Tensor) -> None:
+        if self.mode is not None and self.deferred:
+            with compat.label("amsp::grad_hook::poll"):
+                for held in self.deferred.ready():
+                    self._take(held)
 
     def collect(self) -> dict[int, torch.Tensor]:
         """The owned gradients as the loop left them, for ``step`` and the clip."""

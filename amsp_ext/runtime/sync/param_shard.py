@@ -18,8 +18,8 @@
   ``set_custom_reduce_scatter``, so they carry ``amsp::all_gather::param_shard`` labels and
   the collective timeout. See [Note: FSDP2's async_op contract] for what they return.
 - On CPU (gloo has no streams) FSDP2 asks for a synchronous reduce-scatter; where FSDP2 will
-  not read its output before our gradient hooks, it is left in flight and the hooks wait for it
-  (deferred_rs.py [Note: a reduce-scatter decoupled on CPU]); elsewhere it blocks the backward
+  not read its output before our gradient hooks, it is left in flight and the hooks take it once
+  it has completed (deferred_rs.py [Note: a reduce-scatter decoupled on CPU]); elsewhere it blocks the backward
   thread. On GPU it runs on FSDP2's reduce-scatter stream. The all-gather is truly async on CPU
   (above).
 - Ablation ``overlap.allgather=False``: no explicit prefetch, and every AG/RS is waited for
@@ -121,16 +121,19 @@ class AMSPReduceScatter(_Comm, compat.FSDPReduceScatterBase):
         self.unit, self.deferred = unit, deferred
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        # stream=None: FSDP2 calls us inside its own reduce-scatter stream, the right one
-        pending = C.reduce_scatter_tensor(self.comm, output_tensor, input_tensor, group,
-                                          name=self.name, stream=None, op=op, async_op=True,
-                                          timeout=self.timeout)
-        if async_op:
-            return pending.work
-        if (self.deferred is not None and self.overlap
-                and self.deferred.defer(output_tensor, group, [p for _, p in self.unit.params])):
-            self.deferred.add(pending, output_tensor, input_tensor)
-            return None
+        if not async_op and self.deferred is not None and self.deferred.polled(group, op):
+            pending = C.reduce_scatter_polled(self.comm, output_tensor, input_tensor, group,
+                                              name=self.name, timeout=self.timeout)
+            if self.overlap and self.deferred.defer(output_tensor, [p for _, p in self.unit.params]):
+                self.deferred.add(pending)
+                return None
+        else:
+            # stream=None: FSDP2 calls us inside its own reduce-scatter stream, the right one
+            pending = C.reduce_scatter_tensor(self.comm, output_tensor, input_tensor, group,
+                                              name=self.name, stream=None, op=op, async_op=True,
+                                              timeout=self.timeout)
+            if async_op:
+                return pending.work
         C.wait(pending)
         _serialize_if_no_overlap(output_tensor, self.overlap)
         return None
