@@ -77,6 +77,15 @@ def amsp_counts(batch) -> dict:
         waited_in = collections.Counter(where for ev, where in events if ev == "wait_begin")
         out = {"observed": seen, "engine": counted, "rs_waited_in": dict(waited_in),
                "rs_events": len(events)}
+    # two micro-batches, the first inside no_sync(): the second's reduce-scatters find no
+    # .grad to add into (grad_sync.py keeps the first's sum), so they are left in flight too
+    events.clear()
+    with model.no_sync():
+        causal_lm_loss(model, batch).backward()
+    causal_lm_loss(model, batch).backward()
+    opt.step()
+    opt.zero_grad()
+    out["rs_waited_in_accumulating"] = dict(collections.Counter(where for ev, where in events if ev == "wait_begin"))
     return out
 
 

@@ -57,6 +57,10 @@ def test_reduce_scatters_run_under_the_next_units_backward_on_cpu(observed):
     assert amsp["rs_events"] == 6, amsp  # 3 issued, 3 waited
     waited = amsp["rs_waited_in"]
     assert set(waited) <= {"completed", "next_issued", "flush"} and sum(waited.values()) == 3, amsp
+    # two micro-batches, the first inside no_sync(): all 6 (with FSDP2 adding into .grad, the
+    # second micro-batch's 3 were waited for at issue)
+    waited = amsp["rs_waited_in_accumulating"]
+    assert set(waited) <= {"completed", "next_issued", "flush"} and sum(waited.values()) == 6, amsp
 
 
 def test_a_no_grad_forward_before_the_step_leaves_no_stale_root(observed):

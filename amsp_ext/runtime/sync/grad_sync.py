@@ -28,6 +28,9 @@ its last reduce-scatters land before our flush.
   accumulates the reduced gradient, the others drop it.
 - non-boundary with sg == sp: nothing is communicated; ``.grad`` accumulates locally (autograd
   for sp = 1, FSDP2's sharded-grad accumulation for sp > 1) and the boundary hook sees the sum.
+  On CPU with sp > 1 the hooks keep that sum themselves (``kept``, added into the boundary's
+  bucket), so ``.grad`` is None at every reduce-scatter and each can be left in flight
+  (deferred_rs.py [Note: a reduce-scatter decoupled on CPU]).
 The sum is exact: every micro-batch's gradient of every rank enters the final replica
 AllReduce exactly once (directly, or through exactly one keeper per gradient group).
 
@@ -173,6 +176,10 @@ class GradSync:
         self.predivide = self.reduce_dtype == torch.float16
         # local accumulation (sg == sp) in the reduce dtype when it is wider than the compute dtype
         self.upcast_local = self.reduce_dtype != dtype
+        # the hooks keep the local sum themselves (not ``.grad``) when upcasting, and where FSDP2
+        # would otherwise add into a ``.grad`` and so read a reduce-scatter left in flight
+        # (deferred_rs.py [Note: a reduce-scatter decoupled on CPU])
+        self.keep_local = self.upcast_local or deferred is not None
         # see [Note: streams]; None on CPU
         self.stream = torch.Stream(device=device) if device.type != "cpu" else None
         self.is_boundary = True  # set by the engine (no_sync / set_gradient_accumulation_boundary)
@@ -296,7 +303,7 @@ class GradSync:
     def _take(self, index: int) -> None:
         """Gradient ``index`` is final: into its bucket (or kept, in the local modes)."""
         if self.mode == "local":
-            if self.upcast_local:
+            if self.keep_local:
                 self._accumulate_local(index)
             return
         t = self.tensors[index]
@@ -332,15 +339,19 @@ class GradSync:
                 break
 
     def _accumulate_local(self, index: int) -> None:
-        """Local mode, reduce dtype wider than the compute dtype: keep the running sum in it."""
+        """Local mode: keep the running sum (in the reduce dtype where it is wider than the
+        compute dtype; else the first gradient itself, which nothing else holds once ``.grad``
+        is dropped)."""
         t = self.tensors[index]
         with compat.label("amsp::grad_hook::local"), self._on_side_stream(), _no_grad():
             grad = self._take_grad(t)
             if grad is None:
                 return
+            if self.predivide:  # as the boundary's bucket divides its own contribution
+                grad = grad / self.dp_size
             prev = self.kept.get(index)
             if prev is None:
-                self.kept[index] = grad.to(self.reduce_dtype, copy=True)
+                self.kept[index] = grad.to(self.reduce_dtype, copy=True) if self.upcast_local else grad
             else:
                 prev.add_(grad)
             t.param.grad = None
