@@ -98,6 +98,20 @@ def test_a_two_level_all_reduce_counts_as_AR():
     assert sorted((r["kind"], r["count"]) for r in b["rows"]) == [("AG", 1), ("AR", 3)]
 
 
+def test_a_reduce_scatter_issued_as_an_all_reduce_counts_as_RS():
+    """On gloo the engine issues a unit's reduce-scatter as an all-reduce of its input
+    (runtime/collectives.py [Note: a reduce-scatter that can be polled (gloo)]): it is the
+    gradient reduce-scatter, with its input's bytes, as FSDP2's own on the same group."""
+    s = ev("phase::step", 1, 0, 100)
+    bwd = ev("phase::backward", 1, 0, 100, s)
+    rs = ev("amsp::reduce_scatter::param_shard", 1, 10, 12, bwd)
+    rs_issue = ev("c10d::allreduce_", 1, 10, 11, rs, shapes=[[]])
+    worker = ev("gloo:all_reduce", 5, 12, 20, shapes=[[16]], dtypes=["float"])
+    b = step_breakdown([s, bwd, rs, rs_issue, worker])
+    assert [(r["kind"], r["count"], r["bytes"]) for r in b["rows"]] == [("RS", 1, 64)]
+    assert b["wire"]["grad_bytes_per_step"] == 64  # 16 fp32 elements: the whole gradient it reduces
+
+
 def test_median_step_is_read_whole_with_its_predecessor_skipped():
     """Four profiled steps: the first only precedes; of the other three (exposed 400, 300 and
     200 us by hand: nothing computes while each all-reduce runs) the 300-us one is kept."""

@@ -149,6 +149,8 @@ def _kind(op: str, api: str, label: str) -> str:
         group = group_kind(label.rsplit("::", 1)[-1])
         if group in ALL_REDUCE_KINDS:  # a two-level all-reduce's RS and AG too
             return "AR"
+        if label.startswith("amsp::reduce_scatter::"):  # on gloo issued as an all-reduce
+            return "RS"  # (runtime/collectives.py [Note: a reduce-scatter that can be polled (gloo)])
         if op == "all_reduce":
             return "other"
         if op == "broadcast" and group != "optim_bcast":

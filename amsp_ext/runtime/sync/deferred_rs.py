@@ -24,11 +24,12 @@ unit's (k - 1 in backward) is issued if it has not completed by then: at most tw
 at once, each keeping its input (the unit's unsharded gradients) and output. The
 end-of-backward flush waits for the last (``wait_all``). When a bucket goes out depends on
 timing; the order does not: grad_sync.py launches buckets strictly in order on every rank.
-Every sum-reduce-
-scatter of a CPU engine on gloo is issued this way, the ones kept synchronous too, so the
-collective each rank issues never depends on the per-unit check (only the waiting does). Only
-on gloo: the fake backend of a dry run or a compute-only job keeps FSDP2's synchronous
-reduce-scatter, as the planner's memory model describes.
+Every sum-reduce-scatter of a CPU engine on gloo is issued this way, the ones kept synchronous
+too, so the collective each rank issues never depends on the per-unit check (only the waiting
+does). A non-boundary micro-batch's sum is kept by grad_sync.py's hooks, not in ``.grad``
+([Note: three modes of a backward pass] there), so every micro-batch's reduce-scatter passes
+the check. Only on gloo: the fake backend of a dry run or a compute-only job keeps FSDP2's
+synchronous reduce-scatter, as the planner's memory model describes.
 """
 
 from __future__ import annotations
