@@ -64,6 +64,19 @@ def test_table_shows_reason_and_ratios():
                             "not a claim (? timed steps, 1 round; a claim needs >= 10 timed steps and >= 5 rounds)"]
 
 
+def test_cpu_table_puts_the_cores_floor_under_each_step():
+    """report.cpu_table: every rank runs on the host, so its cores bound the step from below by
+    ranks x CPU per rank / cores (the 2 x 2 lab at 1 Gbit, the MiCS config's row of
+    comparisons/results/limit_lab-1gbit_polled_2026-12-07.md: 4 x 0.852 / 2 = 1.704 s, 0.96 of
+    its 1.773 s step)."""
+    from amsp_ext.compare.report import cpu_table
+
+    row = {"label": "AMSP (MiCS config)", "status": "ok", "median_step_s": 1.773, "world_size": 4,
+           "cpu_s_per_step": {"main": 0.767, "other": 0.085}}
+    assert cpu_table([row], 2)[2] == "| AMSP (MiCS config) | 1.773 | 0.767 | 0.085 | 0.852 | 1.704 | 0.96 |"
+    assert cpu_table([row])[2].endswith("| 0.852 | — | — |")  # the host's cores not recorded
+
+
 def test_failed_run_becomes_a_one_line_reason(tmp_path):
     from amsp_ext.compare.launch import _failure
     from amsp_ext.compare.systems.deepspeed_zero import _cpu_only

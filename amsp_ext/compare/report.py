@@ -334,19 +334,28 @@ CPU_TEXT = (
     "optimizer) and its other threads (gloo's workers and transport, mostly), each rank's median over "
     "the timed steps, then the median over ranks (and rounds). Where the ranks share cores, wall time "
     "also holds waiting for a core; equal CPU with a longer step is waiting, not work "
-    "(amsp_ext/compare/cpu.py [Note: CPU time beside wall time]).")
+    "(amsp_ext/compare/cpu.py [Note: CPU time beside wall time]). Every rank runs on this host, so "
+    "a step cannot be shorter than the CPU all ranks spend in it over the host's cores: *cores' "
+    "floor* = ranks x all threads CPU / cores, and *floor / step* how close the step came to it.")
 
 
-def cpu_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Per row: CPU seconds per step of the training thread and of the other threads, and the
-    median step's wall time beside them."""
+def cpu_table(rows: list[dict[str, Any]], cores: int | None = None) -> list[str]:
+    """Per row: CPU seconds per step of the training thread and of the other threads, the median
+    step's wall time beside them, and with ``cores`` (the host's; every rank runs on it) the
+    floor the cores put under the step."""
+    def floor(r: dict[str, Any], cpu: float) -> str:
+        if not cores or not r.get("world_size"):
+            return "— | —"
+        f = r["world_size"] * cpu / cores
+        return f"{f:.3f} | {f / r['median_step_s']:.2f}"
+
     body = [f"| {r['label']} | {r['median_step_s']:.3f} | {c['main']:.3f} | {c['other']:.3f} | "
-            f"{c['main'] + c['other']:.3f} |"
+            f"{c['main'] + c['other']:.3f} | {floor(r, c['main'] + c['other'])} |"
             for r in rows if r.get("status") == "ok" and (c := r.get("cpu_s_per_step"))]
     if not body:
         return []
     return ["| System | median step (s) | training thread CPU (s) | other threads CPU (s) | "
-            "all threads CPU (s) |", "|---|---:|---:|---:|---:|", *body]
+            "all threads CPU (s) | cores' floor (s) | floor / step |", "|---|---:|---:|---:|---:|---:|---:|", *body]
 
 
 def _ratio_line(rec: dict[str, Any]) -> str:
@@ -608,7 +617,7 @@ def _results_lines(rows: list[dict[str, Any]], ratio_recs: list, meta: dict[str,
                   "part of it when the training thread computed nothing, and where that thread was "
                   "meanwhile. `post_step_broadcast` = the previous step's parameter broadcasts, "
                   "waited for in this step's forward.", "", *bd, ""]
-    cpu = cpu_table(rows)
+    cpu = cpu_table(rows, meta.get("cpu_count"))
     if cpu:
         lines += ["### CPU per step beside wall time", "", CPU_TEXT, "", *cpu, ""]
     agree = _loss_agreement(rows)
