@@ -277,13 +277,14 @@ def test_a_reduce_scatter_is_left_in_flight_only_where_fsdp2_does_not_read_it(mo
 
 
 class _Polled:
-    """A stand-in for collectives.reduce_scatter_polled's handle: completes when told to."""
+    """A stand-in for collectives.reduce_scatter_polled's handle: completes when told to or
+    once waited for, as the real one (whose second wait does nothing)."""
 
     def __init__(self, output):
         self.output, self.done, self.waited = output, False, False
 
     def is_completed(self):
-        return self.done
+        return self.done or self.waited
 
 
 def test_held_gradients_are_handed_back_as_their_reduce_scatters_complete(monkeypatch):
@@ -297,8 +298,9 @@ def test_held_gradients_are_handed_back_as_their_reduce_scatters_complete(monkey
     waited = []
 
     def wait(p):
-        p.waited = True
-        waited.append(p)
+        if not p.waited:
+            p.waited = True
+            waited.append(p)
     monkeypatch.setattr(deferred_rs.C, "wait", wait)
     q = deferred_rs.DeferredReduceScatters([])
     a, b, c = (_Polled(torch.zeros(4)) for _ in range(3))

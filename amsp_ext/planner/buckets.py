@@ -38,8 +38,9 @@ job is priced (a profile), the size comes from the link the boundary's all-reduc
 plan's replica group; its gradient group where the replica is one rank): the smallest size, from
 64 KiB doubling up to U, whose all-reduce reaches CLOSE_BANDWIDTH_SHARE of the bandwidth of a
 U-byte one, each priced as the step model prices it (with the profile's calibration, the cost
-per issued collective included: where each collective waits for a core, buckets merge). Below it a bucket pays mostly the collective's fixed latency, so units are merged;
-above it a bucket is bandwidth-bound and merging only delays the first bytes. A slow link
+per issued collective included: where each collective waits for a core, buckets merge). Below
+it a bucket pays mostly the collective's fixed latency, so units are merged; above it a bucket
+is bandwidth-bound and merging only delays the first bytes. A slow link
 saturates early (the 100 Mbit lab's 1 x 2 all-reduce is at full bandwidth from 64 KiB: a bucket
 per unit, tiny-llama's three units included), a fast one late (the A800 profile's 1 x 128
 all-reduce reaches 80 % of its 25 MiB bandwidth at 8 MiB). In the alpha-beta model t = a + v/B

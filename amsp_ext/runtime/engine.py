@@ -39,7 +39,7 @@ from amsp_ext.runtime.optim.layout import LocalTensor, build_layout
 from amsp_ext.runtime.optim.nonfinite import NonFiniteGuard
 from amsp_ext.runtime.optim.optimizer import AMSPOptimizer, NormGroup
 from amsp_ext.runtime.optim.whole_tensor import WholeTensors
-from amsp_ext.runtime.sync.deferred_rs import DeferredReduceScatters
+from amsp_ext.runtime.sync.deferred_rs import deferral
 from amsp_ext.runtime.sync.param_shard import apply_fsdp, fsdp_streams_wait_current, prefetch_targets
 from amsp_ext.runtime.sync.outside_reads import OuterGather
 from amsp_ext.runtime.sync.param_sync import ParamSync
@@ -342,7 +342,7 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
                                tp_shard_mesh=data_parallel_mesh(model, plan, world)
                                if world.tensor_parallel > 1 and plan.sp > 1 else None)
     units = list_units(model, config.granularity)
-    deferred = DeferredReduceScatters(units) if plan.sp > 1 and device.type == "cpu" else None  # no streams there
+    deferred = deferral(units, sharded=plan.sp > 1, device=device, overlap=config.overlap.allgather)
     if plan.sp > 1:
         apply_fsdp(model, units, mesh.shard_mesh, comm, name=mesh.name("param_shard"),
                    timeout=config.timeout, overlap_allgather=config.overlap.allgather,

@@ -45,22 +45,22 @@ from amsp_ext.runtime import _torch_compat as compat
 from amsp_ext.runtime import collectives as C
 from amsp_ext.runtime.sync.units import Unit
 
-__all__ = ["DeferredReduceScatters", "poll_points"]
+__all__ = ["DeferredReduceScatters", "deferral", "poll_points"]
 
 
 class _Entry:
-    __slots__ = ("pending", "storage", "waited", "held")
+    __slots__ = ("held", "pending", "storage")
 
     def __init__(self, pending) -> None:
         self.pending = pending  # collectives.reduce_scatter_polled's: it keeps both tensors
         self.storage = pending.output.untyped_storage().data_ptr()
-        self.waited = False
         self.held: list[int] = []  # the gradient hooks' indices waiting for it (grad_sync.py)
 
 
 class DeferredReduceScatters:
     """The reduce-scatters in flight past their FSDP2 call, oldest first ([Note: a
-    reduce-scatter decoupled on CPU])."""
+    reduce-scatter decoupled on CPU]). An entry counts as done once its handle reports
+    completion; ``C.wait`` on it is then free and copies the chunk once (collectives.py)."""
 
     def __init__(self, units: Sequence[Unit]) -> None:
         self._entries: collections.deque[_Entry] = collections.deque()
@@ -84,23 +84,17 @@ class DeferredReduceScatters:
         """``pending`` (a polled reduce-scatter) was just issued: wait for the ones before it,
         keep it in flight."""
         for e in self._entries:
-            self._wait(e)
+            C.wait(e.pending)
         self._entries.append(_Entry(pending))
 
-    @staticmethod
-    def _wait(e: _Entry) -> None:
-        if not e.waited:
-            C.wait(e.pending)
-            e.waited = True
-
     def holds(self, grad: torch.Tensor | None, index: int) -> bool:
-        """Hold gradient ``index`` if ``grad`` is the output of a reduce-scatter not yet waited
-        for; it is handed back by ``ready``."""
+        """Hold gradient ``index`` if ``grad`` is the output of a reduce-scatter still queued;
+        it is handed back by ``ready``."""
         if grad is None or not self._entries:
             return False
         ptr = grad.untyped_storage().data_ptr()
         for e in self._entries:
-            if e.storage == ptr and not e.waited:
+            if e.storage == ptr:
                 e.held.append(index)
                 return True
         return False
@@ -109,19 +103,16 @@ class DeferredReduceScatters:
         """The held indices whose reduce-scatters have completed, oldest first, stopping at the
         first still running; their entries are dropped."""
         out: list[int] = []
-        while self._entries:
-            e = self._entries[0]
-            if not e.waited:
-                if not e.pending.is_completed():
-                    break
-                self._wait(e)  # completed: copies the chunk, blocks on nothing
-            out += self._entries.popleft().held
+        while self._entries and self._entries[0].pending.is_completed():
+            e = self._entries.popleft()
+            C.wait(e.pending)  # completed: copies the chunk, blocks on nothing
+            out += e.held
         return out
 
     def wait_all(self) -> list[int]:
         """End of backward: wait for every reduce-scatter still in flight; every held index."""
         for e in self._entries:
-            self._wait(e)
+            C.wait(e.pending)
         return self.ready()
 
     def __len__(self) -> int:
@@ -135,3 +126,11 @@ def poll_points(units: Sequence[Unit]) -> list[nn.Module]:
     unit_modules = {id(u.module) for u in units}
     return [c for u in units if u.kind == "layer" for c in u.module.children()
             if id(c) not in unit_modules]
+
+
+def deferral(units: Sequence[Unit], *, sharded: bool, device: torch.device,
+             overlap: bool) -> DeferredReduceScatters | None:
+    """The queue an engine's reduce-scatters are left in: only where FSDP2 shards (sp > 1) on
+    CPU, where it has no streams to decouple them itself, and not under the overlap-off
+    ablation, whose reduce-scatters are waited for where they are issued."""
+    return DeferredReduceScatters(units) if sharded and device.type == "cpu" and overlap else None

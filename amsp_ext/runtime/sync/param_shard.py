@@ -111,8 +111,8 @@ def fsdp_streams_wait_current(root: torch.nn.Module) -> None:
 
 
 class AMSPReduceScatter(_Comm, compat.FSDPReduceScatterBase):
-    """One unit's: ``unit`` names its sharded parameters, ``deferred`` (None: never) holds the
-    reduce-scatters left in flight on CPU (deferred_rs.py [Note: a reduce-scatter decoupled on
+    """One unit's: ``unit`` names its sharded parameters, ``deferred`` (None: never; so under
+    the overlap-off ablation) holds the reduce-scatters left in flight on CPU (deferred_rs.py [Note: a reduce-scatter decoupled on
     CPU])."""
 
     def __init__(self, comm: C.CollectiveContext, name: str, timeout: float, overlap: bool, *,
@@ -124,7 +124,7 @@ class AMSPReduceScatter(_Comm, compat.FSDPReduceScatterBase):
         if not async_op and self.deferred is not None and self.deferred.polled(group, op):
             pending = C.reduce_scatter_polled(self.comm, output_tensor, input_tensor, group,
                                               name=self.name, timeout=self.timeout)
-            if self.overlap and self.deferred.defer(output_tensor, [p for _, p in self.unit.params]):
+            if self.deferred.defer(output_tensor, [p for _, p in self.unit.params]):
                 self.deferred.add(pending)
                 return None
         else:
