@@ -77,6 +77,35 @@ def loss_of(kind, model, batch):
     return causal_lm_loss(model, batch)
 
 
+class Aborted(RuntimeError):
+    pass
+
+
+def aborted(model, kind, batch, backward, where):
+    """A micro-batch that raises part-way (as an OOM would), caught as a loop that skips the
+    batch does. ``where="backward"``: the first decoder layer's output gradient raises, after
+    the later layers' backward ran; ``"forward"``: the second layer's forward raises."""
+    layers = (model.llama if kind == "hand_head" else model).model.layers
+
+    def fail(*args):
+        raise Aborted("injected")
+
+    def arm(module, args, output):
+        if where == "forward":
+            fail()
+        out = output[0] if isinstance(output, tuple) else output
+        out.register_hook(fail)
+
+    handle = layers[0 if where == "backward" else 1].register_forward_hook(arm)
+    try:
+        backward(loss_of(kind, model, batch))
+        raise AssertionError("the injected failure did not raise")
+    except Aborted:
+        pass
+    finally:
+        handle.remove()
+
+
 def batch_of(step, m, rank, world, M):
     return micro_batch(step, m, rank, world_size=world, num_micro_batches=M, micro_batch_size=MBS,
                        seq_len=SEQ)
@@ -98,6 +127,12 @@ def run_case(case, model, opt, world, *, sharded):
         emas = [p.detach().clone() for p in params]
     for step in range(steps):
         total = torch.zeros(())
+        if case.get("abort") and step == 0:
+            b = batch_of(9, 0, rank, world, 1) if sharded else whole(9, 0, world, 1)
+            aborted(model, kind, b, opt.backward if sharded else torch.Tensor.backward,
+                    case.get("abort_in", "backward"))
+            if case["abort"] == "zero_grad":
+                opt.zero_grad()
         for m in range(M):
             b = batch_of(step, m, rank, world, M) if sharded else whole(step, m, world, M)
             last = m == M - 1
@@ -145,6 +180,13 @@ CASES = {
     "step_inside_no_sync": dict(model="plain", M=2, steps=1, opt=sgd, no_sync=True, last_in_no_sync=True),
     "clip_bf16": dict(model="plain", M=1, steps=1, opt=adamw, clip=0.5, config={"precision": "bf16"}),
     "fused_head": dict(model="fused_head", M=1, steps=3, opt=sgd),
+    # a backward that raised part-way, then zero_grad() (a loop skipping the batch) or not
+    "aborted_then_zero_grad": dict(model="plain", M=2, steps=2, opt=sgd, abort="zero_grad"),
+    "aborted_no_sync_then_zero_grad": dict(model="plain", M=2, steps=2, opt=sgd, abort="zero_grad",
+                                           no_sync=True),
+    "aborted_then_step": dict(model="plain", M=1, steps=1, opt=sgd, abort="step"),
+    "aborted_forward_then_zero_grad": dict(model="plain", M=2, steps=2, opt=sgd, abort="zero_grad",
+                                           abort_in="forward"),
     "fused_frozen_head_reference_pass": dict(model="fused_frozen_head", M=1, steps=3, opt=sgd,
                                              reference_pass=True),
 }

@@ -14,13 +14,18 @@ process on the whole batch (tests/own_loop_worker.py), 2 gloo ranks under ``ddp`
 - a loss that reads ``lm_head.weight`` inside the model's forward without calling ``lm_head``:
   by hand, and TRL's ``add_fused_lm_head``, also with a frozen head (LoRA) and a no-grad pass
   of the same model between the forward and its backward (DPO's reference pass)
-  (outside_reads.py [Note: parameters read outside their module's forward]).
+  (outside_reads.py [Note: parameters read outside their module's forward]);
+- a micro-batch whose backward (or forward) raises part-way, caught as a loop that skips the
+  batch: after ``zero_grad()`` training goes on as one process does, with or without
+  ``no_sync()``; a ``step()`` without it is refused in one line (grad_sync.py [Note: a backward
+  that raised part-way]).
 
 Tolerances (fp32): losses 1e-6 absolute (observed <= 5e-7); final parameters 1e-5 (SGD at lr 0.5
 for 2-3 steps grows the summation-order rounding to ~2e-6 on DDP's plan too); norms 1e-6
 relative. Each case failed before its fix: accumulation lost a micro-batch (loss +0.058),
 ``clip_grad_norm_`` returned 0.0, the EMA under ``os=2x1`` was 0.52 off, the fused head under
-``zero3`` trained 0.73 off.
+``zero3`` trained 0.73 off, after a caught backward failure ``zero3`` and ``mics:2`` trained
+0.42 off and ``ddp`` and ``os=2x1`` raised "received two gradients in one backward pass".
 """
 
 from __future__ import annotations
@@ -104,3 +109,16 @@ def test_a_step_after_a_backward_inside_no_sync_is_refused(results, plan):
 def test_grad_of_bf16_parameters_with_fp32_gradients_is_refused_in_one_line(results):
     err = results[("ddp", "clip_bf16")]["error"]
     assert "opt.clip_grad_norm_" in err and "float32 for bfloat16 parameters" in err, err
+
+
+@pytest.mark.parametrize("plan", TWO_RANKS + FOUR_RANKS)
+@pytest.mark.parametrize("case", ["aborted_then_zero_grad", "aborted_no_sync_then_zero_grad",
+                                  "aborted_forward_then_zero_grad"])
+def test_a_caught_failure_then_zero_grad_trains_as_one_process(results, plan, case):
+    _same_training(results[(plan, case)])
+
+
+@pytest.mark.parametrize("plan", TWO_RANKS + FOUR_RANKS)
+def test_a_step_after_a_backward_that_raised_is_refused(results, plan):
+    err = results[(plan, "aborted_then_step")].get("error", "")
+    assert "raised part-way" in err and "zero_grad()" in err and "\n" not in err, err

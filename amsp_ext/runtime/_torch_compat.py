@@ -94,6 +94,25 @@ def fsdp_lazy_init(root: nn.Module) -> None:
     root._get_fsdp_state()._lazy_init()  # type: ignore[operator]
 
 
+def fsdp_backward_unfinished(root: nn.Module) -> bool:
+    """Whether FSDP2 began a backward on ``root``'s modules whose final callback never ran
+    (the backward raised): its root pre-backward queued the callback, which clears the flag."""
+    return bool(root._get_fsdp_state()._state_ctx.post_backward_final_callback_queued)  # type: ignore[operator]
+
+
+def fsdp_drop_unsharded_grads(root: nn.Module) -> None:
+    """Drop the gradients FSDP2 holds on its unsharded parameters (and their accumulation in the
+    reduce dtype): a backward that raised before their unit's reduce-scatter left them there,
+    and ``reset_iter_state`` keeps them, so the next backward would add into them."""
+    for state in root._get_fsdp_state()._state_ctx.all_states:  # type: ignore[operator]
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
+
+
 def set_fsdp_unshard_async_op(module: nn.Module, async_op: bool) -> None:
     """``FSDPModule._set_unshard_async_op``: FSDP2 then asks the custom all-gather for
     ``async_op=async_op`` in its pre-forward/pre-backward unshards and prefetches, and waits
@@ -280,6 +299,12 @@ class RaisingTensor(torch.Tensor):
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once when the current backward pass ends (what FSDP2 and DDP use too)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside a backward pass (a hook, an activation-checkpoint
+    recompute), from autograd's current graph task (-1 outside every backward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 # -- profiler labels ---------------------------------------------------------------------------------

@@ -348,8 +348,7 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
                    timeout=config.timeout, overlap_allgather=config.overlap.allgather,
                    reduce_dtype=reduce_dtype_of(config), deferred=deferred)
         refresh_params(units, model)
-    rank = dist.get_rank()
-    dtype = compute_dtype(config)
+    rank, dtype = dist.get_rank(), compute_dtype(config)
     if initial is not None:
         materialize(model, device, dtype)
         refresh_params(units, model)
@@ -380,7 +379,8 @@ def build_parts(model: nn.Module, plan: Plan, world: World, config: ShardConfig,
         modules=[u.module for u in units], reduce_dtype=reduce_dtype_of(config),
         split_units=plan.sp == 1, close_bytes=config.grad_bucket_close_bytes, deferred=deferred,
         fold_verdict=guard.fold if not norm.reduce else None,
-        refuse=(list(model.parameters()), _forward_only_message(model, plan)) if forward_only else None)
+        refuse=(list(model.parameters()), _forward_only_message(model, plan)) if forward_only else None,
+        fsdp_root=model if plan.sp > 1 else None)
     fwd_prefetch = prefetch_targets(units)[0] if (plan.sp > 1 and config.overlap.allgather) else {}
     outer_gather = (OuterGather(model, units, tensors, plan=str(plan), forward_only=forward_only)
                     if plan.sp > 1 else None)

@@ -51,6 +51,24 @@ into the owned gradient a previous pass left (``zero_grad`` and ``step``'s consu
 at the price of one replica AllReduce per micro-batch. A ``step()`` whose last backward ran
 inside ``no_sync()`` would step gradients no rank reduced: it is refused in one line.
 
+[Note: a backward that raised part-way]
+A backward that raises (an out-of-memory, a hook's error) never runs the end-of-backward
+callbacks: ours (``_flush``) nor FSDP2's. Left as it was, the next backward would find this
+pass's half-filled buckets and FSDP2's half-finished state and train silently wrong (sp > 1:
+the next step's parameters 0.4 off in tests/test_own_loop.py's case). Invariant: outside a
+backward, ``mode`` is None and FSDP2 has no final callback queued (``fsdp_root``). So where
+either is not (the next forward's pre-hooks, ``step``'s ``collect``, ``zero_grad``), the pass
+was aborted: every collective it left in flight is waited for (each rank that raised at the
+same point issued the same ones; a rank that did not is named by the group's timeout), its
+buckets and queued reduce-scatters are dropped, and FSDP2's ``reset_iter_state`` resets its
+own; the gradients its unsharded parameters hold (a unit whose reduce-scatter never ran, e.g.
+the root's) are dropped too, which that reset leaves, or the next backward adds into them.
+The gradients accumulated for the step are then partial, as FSDP2's reset also declares them:
+``step()`` refuses in one line until ``zero_grad()``, so a loop that catches the error and
+skips the batch trains as one process does. The pre-hooks are prepended, so the reset runs
+before any FSDP2 pre-forward of the forward that finds it. Not detected: a second backward
+through a retained graph right after the failed one, with no forward between them.
+
 [Note: reduce dtype]
 Buckets are allocated in ``reduce_dtype`` (ShardConfig.reduce_dtype), so a compute-dtype
 gradient is upcast as it is copied into its slot, the AllReduce sums in that dtype, and what
@@ -142,7 +160,8 @@ class GradSync:
                  reduce_dtype: torch.dtype | None = None, split_units: bool = True,
                  close_bytes: int | None = None, deferred: DeferredReduceScatters | None = None,
                  fold_verdict: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 refuse: tuple[Sequence[torch.Tensor], str] | None = None) -> None:
+                 refuse: tuple[Sequence[torch.Tensor], str] | None = None,
+                 fsdp_root: nn.Module | None = None) -> None:
         """``exposure``: what ``.grad`` holds after a boundary backward (grad_exposure.py);
         ``modules``: the units' modules, whose forward pre-hooks take it off again. ``refuse``:
         a forward-only model's ``(parameters, message)``: a gradient reaching any of them
@@ -152,8 +171,12 @@ class GradSync:
         None: the default). ``deferred``: the reduce-scatters FSDP2's call left in flight, whose
         gradients the hooks hold until they are waited for (deferred_rs.py [Note: a
         reduce-scatter decoupled on CPU]); its ``poll_modules`` are where, inside a unit's
-        backward, the hooks look for the ones that have completed."""
+        backward, the hooks look for the ones that have completed. ``fsdp_root``: the module
+        FSDP2 shards as the root when sp > 1, whose state a backward that raised part-way
+        leaves unfinished too ([Note: a backward that raised part-way])."""
         self.tensors = list(tensors)
+        self.fsdp_root = fsdp_root
+        self.aborted = False  # a backward raised part-way since the last zero_grad
         self.exposure, self.modules = exposure, list(modules)
         self.refuse = refuse
         self.deferred = deferred
@@ -213,6 +236,8 @@ class GradSync:
 
     @torch.compiler.disable  # param_sync.py [Note: hooks under torch.compile]
     def _before_forward(self, module, args) -> None:
+        if self.mode is not None or self.fsdp_root is not None:
+            self.recover()
         if self.exposure.active:  # grad_exposure.py: before any backward can add into them
             self.exposure.adopt(self.owned)
             self.exposure.release()
@@ -233,8 +258,31 @@ class GradSync:
                 for held in self.deferred.ready():
                     self._take(held)
 
+    def recover(self) -> None:
+        """Clean up after a backward that raised part-way, if one did ([Note: a backward that
+        raised part-way]); nothing inside a backward, where ``mode`` is set by design."""
+        fsdp = self.fsdp_root is not None and compat.fsdp_backward_unfinished(self.fsdp_root)
+        if (self.mode is None and not fsdp) or compat.in_backward():
+            return
+        with compat.label("amsp::grad_sync::recover"):
+            C.issue_gathers(p for _, p in self.in_flight)  # [Note: two-level all-reduce]
+            for _, pending in self.in_flight:
+                C.wait(pending)
+            if self.deferred is not None:
+                self.deferred.wait_all()  # their held gradients are this pass's: dropped
+            self._reset_pass()
+            if fsdp:
+                self.fsdp_root.reset_iter_state()
+                compat.fsdp_drop_unsharded_grads(self.fsdp_root)
+        self.aborted = True
+
     def collect(self) -> dict[int, torch.Tensor]:
         """The owned gradients as the loop left them, for ``step`` and the clip."""
+        self.recover()
+        if self.aborted:
+            raise RuntimeError(
+                "amsp: step() after a backward that raised part-way: this step's gradients are "
+                "partial; call zero_grad() and run its micro-batches again")
         if self.pending_local:
             raise RuntimeError(
                 "amsp: step() after a backward inside no_sync(): its gradients were never "
@@ -476,6 +524,8 @@ class GradSync:
         """Drop owned and kept gradients; the parameters' ``.grad`` (only set in the local mode,
         between micro-batches) to None or, with ``set_to_none=False``, zeroed in place (an
         exposed ``.grad`` goes to None: the engine's gradient it showed is dropped)."""
+        self.recover()
+        self.aborted = False
         self.exposure.release()
         self.owned.clear()
         self.kept.clear()
