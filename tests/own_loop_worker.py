@@ -47,6 +47,24 @@ class HandHead(nn.Module):
         return h @ self.llama.lm_head.weight.t()
 
 
+class Branch(nn.Module):
+    """A parameter outside the layers that only some steps use (``use_branch``): a branch not
+    taken, an idle expert, a vision tower on a text-only batch."""
+
+    def __init__(self, llama):
+        super().__init__()
+        self.llama = llama
+        torch.manual_seed(1)
+        self.branch = nn.Linear(llama.config.hidden_size, llama.config.hidden_size, bias=False)
+        self.use_branch = True
+
+    def forward(self, input_ids):
+        h = self.llama.model(input_ids=input_ids).last_hidden_state
+        if self.use_branch:
+            h = h + self.branch(h)
+        return self.llama.lm_head(h)
+
+
 def fused(llama):
     from trl.trainer.utils import add_fused_lm_head
 
@@ -62,13 +80,14 @@ def frozen_head(llama):
 MODELS = {
     "plain": lambda: build_llama("tiny-llama", seed=0),
     "hand_head": lambda: HandHead(build_llama("tiny-llama", seed=0)),
+    "branch": lambda: Branch(build_llama("tiny-llama", seed=0)),
     "fused_head": lambda: fused(build_llama("tiny-llama", seed=0)),
     "fused_frozen_head": lambda: frozen_head(fused(build_llama("tiny-llama", seed=0))),
 }
 
 
 def loss_of(kind, model, batch):
-    if kind == "hand_head":
+    if kind in ("hand_head", "branch"):
         logits = model(batch[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
     if kind in ("fused_head", "fused_frozen_head"):
@@ -85,7 +104,7 @@ def aborted(model, kind, batch, backward, where):
     """A micro-batch that raises part-way (as an OOM would), caught as a loop that skips the
     batch does. ``where="backward"``: the first decoder layer's output gradient raises, after
     the later layers' backward ran; ``"forward"``: the second layer's forward raises."""
-    layers = (model.llama if kind == "hand_head" else model).model.layers
+    layers = (model.llama if kind in ("hand_head", "branch") else model).model.layers
 
     def fail(*args):
         raise Aborted("injected")
@@ -127,6 +146,8 @@ def run_case(case, model, opt, world, *, sharded):
         emas = [p.detach().clone() for p in params]
     for step in range(steps):
         total = torch.zeros(())
+        if kind == "branch":
+            model.use_branch = step in case["branch_steps"]
         if case.get("abort") and step == 0:
             b = batch_of(9, 0, rank, world, 1) if sharded else whole(9, 0, world, 1)
             aborted(model, kind, b, opt.backward if sharded else torch.Tensor.backward,
@@ -180,6 +201,8 @@ CASES = {
     "step_inside_no_sync": dict(model="plain", M=2, steps=1, opt=sgd, no_sync=True, last_in_no_sync=True),
     "clip_bf16": dict(model="plain", M=1, steps=1, opt=adamw, clip=0.5, config={"precision": "bf16"}),
     "fused_head": dict(model="fused_head", M=1, steps=3, opt=sgd),
+    # a parameter no backward reaches in some steps: one process skips it (no decay, no moments)
+    "unused_branch": dict(model="branch", M=2, steps=3, opt=adamw, branch_steps=(0,)),
     # a backward that raised part-way, then zero_grad() (a loop skipping the batch) or not
     "aborted_then_zero_grad": dict(model="plain", M=2, steps=2, opt=sgd, abort="zero_grad"),
     "aborted_no_sync_then_zero_grad": dict(model="plain", M=2, steps=2, opt=sgd, abort="zero_grad",

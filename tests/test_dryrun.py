@@ -79,10 +79,11 @@ def test_os_only_at_1024_ranks_bytes_by_hand():
     r = dry_run(DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8,
                            plan="p=1x1,g=1x1,os=8x1", seq_len=32, steps=1, ranks=(1023,)))
     got = bytes_per_kind(r["ranks"][0])
-    # gradients all-reduced in fp32 over the 128 replicas, then each of 8 owners broadcasts
-    # its bf16 parameters in the node: this rank takes part in all 8 broadcasts (2 Phi bytes)
-    assert got == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4 * PHI, "broadcast": 2 * PHI,
-                   "all_to_all": 0}
+    # gradients all-reduced in fp32 over the 128 replicas (and an fp32 flag per tensor: grad_sync.py
+    # [Note: a parameter no backward reached]), then each of 8 owners broadcasts its bf16
+    # parameters in the node: this rank takes part in all 8 broadcasts (2 Phi bytes)
+    assert got == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4 * (PHI + len(_SHAPES)),
+                   "broadcast": 2 * PHI, "all_to_all": 0}
     assert r["world"] == 1024 and r["ranks"][0]["rank"] == 1023
 
 
@@ -373,9 +374,12 @@ def test_two_level_all_reduce_at_1024_ranks_bytes_by_hand():
     for c in r["ranks"][0]["collectives"]:
         key = (c["group"], c["kind"], c["group_size"], c["cross_node"])
         got[key] = got.get(key, 0) + c["bytes"]
-    assert got == {("param_replica_local", "all_reduce", 8, False): 4 * PHI,
-                   ("param_replica_node", "all_reduce", 128, True): 4 * PHI // 8,
-                   ("param_replica_local", "all_gather", 8, False): 4 * PHI}
+    # the bucket carries an fp32 flag per tensor (grad_sync.py [Note: a parameter no backward
+    # reached]), padded to split over the node's 8 ranks
+    bucket = -(-(PHI + len(_SHAPES)) // 8) * 8
+    assert got == {("param_replica_local", "all_reduce", 8, False): 4 * bucket,
+                   ("param_replica_node", "all_reduce", 128, True): 4 * bucket // 8,
+                   ("param_replica_local", "all_gather", 8, False): 4 * bucket}
     # and no all-reduce of the clip norm's sum of squares: every rank holds every gradient
     # (optim/nonfinite.py [Note: one decision, on the norm all-reduce])
     # the planner charges the same three collectives over 2v + v/8 bytes

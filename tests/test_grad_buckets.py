@@ -99,7 +99,8 @@ def test_launching_a_bucket_waits_only_past_two_full_buckets_in_flight(monkeypat
     assert events == [("launch", 50), ("launch", 50), ("launch", 50),
                       ("wait", 50), ("launch", 100),
                       ("wait", 50), ("wait", 50), ("launch", 100),
-                      ("wait", 100), ("launch", 100)]
+                      ("wait", 100), ("launch", 100 + 6)]  # + a flag per tensor (grad_sync.py
+    # [Note: a parameter no backward reached]: the boundary's last bucket)
 
 
 def _replica_sync(owners, dp_size=2, predivide_dtype=None):
@@ -165,7 +166,29 @@ def test_a_bucket_owned_in_part_is_copied_out(monkeypatch):
     assert list(gs.owned) == [0]
     assert torch.equal(gs.owned[0], torch.tensor([4.0, 5.0, 6.0]))
     assert gs.owned[0].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
-    assert torch.equal(buf, torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 12.0]))  # left as reduced
+    # left as reduced; the last two elements are the tensors' flags (grad_sync.py [Note: a
+    # parameter no backward reached]), non-zero: both tensors got a gradient somewhere
+    assert torch.equal(buf, torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]))
+
+
+def test_a_tensor_no_rank_touched_is_dropped_from_the_owned_gradients(monkeypatch):
+    """grad_sync.py [Note: a parameter no backward reached]: the boundary's last bucket ends with
+    a flag per tensor, summed over the ranks. Tensor 0's sum is 0 (no rank's hook saw it): it is
+    not owned, so the optimizer skips it. A rank whose own hooks saw both never reads the flags."""
+    from amsp_ext.runtime.sync import grad_sync
+
+    monkeypatch.setattr(grad_sync.C, "wait", lambda pending: None)
+    gs, buf = _replica_sync(owners=[0, 0])
+    assert buf.numel() == 6 + 2
+    buf[6] = 0  # tensor 0's flag after the sum
+    gs.touched = {1}
+    gs._complete(0, None)
+    assert list(gs.owned) == [1]
+    gs, buf = _replica_sync(owners=[0, 0])
+    buf[6] = 0  # cannot happen when this rank saw it; shows the sums are not read
+    gs.touched = {0, 1}
+    gs._complete(0, None)
+    assert sorted(gs.owned) == [0, 1]
 
 
 @pytest.fixture(scope="module")

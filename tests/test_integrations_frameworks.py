@@ -153,6 +153,7 @@ def test_accelerate_explicit_route_and_every_way_to_save(launch_env, ddp, tmp_pa
                                                       "save_pretrained", "save_pretrained+state_dict")}
 
 
+@pytest.mark.slow  # the default tier: test_own_loop.py's EMA case under p=1x1,g=1x1,os=2x1
 def test_accelerate_ema_reads_current_weights_under_os_sharding(launch_env, ddp):
     """Optimizer states sharded, parameters whole (p=1x1,g=1x1,os=2x1): each rank steps half of
     the tensors and receives the rest by broadcast, so an EMA fed right after each step equals

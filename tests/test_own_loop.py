@@ -15,6 +15,8 @@ process on the whole batch (tests/own_loop_worker.py), 2 gloo ranks under ``ddp`
   by hand, and TRL's ``add_fused_lm_head``, also with a frozen head (LoRA) and a no-grad pass
   of the same model between the forward and its backward (DPO's reference pass)
   (outside_reads.py [Note: parameters read outside their module's forward]);
+- a parameter that only the first of three AdamW steps uses (grad_sync.py [Note: a parameter
+  no backward reached]): the later steps leave it as one process does;
 - a micro-batch whose backward (or forward) raises part-way, caught as a loop that skips the
   batch: after ``zero_grad()`` training goes on as one process does, with or without
   ``no_sync()``; a ``step()`` without it is refused in one line (grad_sync.py [Note: a backward
@@ -25,7 +27,8 @@ for 2-3 steps grows the summation-order rounding to ~2e-6 on DDP's plan too); no
 relative. Each case failed before its fix: accumulation lost a micro-batch (loss +0.058),
 ``clip_grad_norm_`` returned 0.0, the EMA under ``os=2x1`` was 0.52 off, the fused head under
 ``zero3`` trained 0.73 off, after a caught backward failure ``zero3`` and ``mics:2`` trained
-0.42 off and ``ddp`` and ``os=2x1`` raised "received two gradients in one backward pass".
+0.42 off and ``ddp`` and ``os=2x1`` raised "received two gradients in one backward pass", the
+unused branch was stepped with zero gradients (0.012 off on every plan).
 """
 
 from __future__ import annotations
@@ -122,3 +125,8 @@ def test_a_caught_failure_then_zero_grad_trains_as_one_process(results, plan, ca
 def test_a_step_after_a_backward_that_raised_is_refused(results, plan):
     err = results[(plan, "aborted_then_step")].get("error", "")
     assert "raised part-way" in err and "zero_grad()" in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("plan", TWO_RANKS + FOUR_RANKS)
+def test_a_parameter_no_backward_reached_is_not_stepped(results, plan):
+    _same_training(results[(plan, "unused_branch")])

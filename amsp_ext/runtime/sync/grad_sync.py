@@ -51,6 +51,22 @@ into the owned gradient a previous pass left (``zero_grad`` and ``step``'s consu
 at the price of one replica AllReduce per micro-batch. A ``step()`` whose last backward ran
 inside ``no_sync()`` would step gradients no rank reduced: it is refused in one line.
 
+[Note: a parameter no backward reached]
+One process steps only the parameters whose ``.grad`` is set: a parameter no micro-batch's
+backward reached since ``zero_grad`` (a branch not taken, an idle expert, a vision tower on a
+text-only batch) gets no weight decay and no moment update, under DDP and FSDP2 too. Its slot
+is zero-filled here, so stepping it would move it (AdamW's moments carry on): 0.012 off one
+process after 3 steps in tests/test_own_loop.py's case. So the boundary pass's last bucket
+carries one more element per local tensor: 1 where this rank's hooks saw its gradient since
+``zero_grad`` (``touched``), else 0; the replica all-reduce sums them with the gradients (no
+collective of its own), and a tensor whose sum is 0 is dropped from ``owned`` (the optimizer
+then skips it, ``.grad`` stays None). The last bucket launches only once every earlier one has,
+so when it does every hook of the pass has fired. A rank whose hooks saw every tensor needs no
+answer (the sum is at least its own 1) and reads nothing back; only a rank that missed some
+reads the sums, one device-to-host copy on an accelerator. The planner does not charge the
+flags' bytes (one element per tensor). With sp > 1 the ranks of a shard group must reach the
+same parameters in a backward, as FSDP2 requires without us.
+
 [Note: a backward that raised part-way]
 A backward that raises (an out-of-memory, a hook's error) never runs the end-of-backward
 callbacks: ours (``_flush``) nor FSDP2's. Left as it was, the next backward would find this
@@ -173,7 +189,23 @@ class GradSync:
         reduce-scatter decoupled on CPU]); its ``poll_modules`` are where, inside a unit's
         backward, the hooks look for the ones that have completed. ``fsdp_root``: the module
         FSDP2 shards as the root when sp > 1, whose state a backward that raised part-way
-        leaves unfinished too ([Note: a backward that raised part-way])."""
+        leaves unfinished too ([Note: a parameter no backward reached]
+One process steps only the parameters whose ``.grad`` is set: a parameter no micro-batch's
+backward reached since ``zero_grad`` (a branch not taken, an idle expert, a vision tower on a
+text-only batch) gets no weight decay and no moment update, under DDP and FSDP2 too. Its slot
+is zero-filled here, so stepping it would move it (AdamW's moments carry on): 0.012 off one
+process after 3 steps in tests/test_own_loop.py's case. So the boundary pass's last bucket
+carries one more element per local tensor: 1 where this rank's hooks saw its gradient since
+``zero_grad`` (``touched``), else 0; the replica all-reduce sums them with the gradients (no
+collective of its own), and a tensor whose sum is 0 is dropped from ``owned`` (the optimizer
+then skips it, ``.grad`` stays None). The last bucket launches only once every earlier one has,
+so when it does every hook of the pass has fired. A rank whose hooks saw every tensor needs no
+answer (the sum is at least its own 1) and reads nothing back; only a rank that missed some
+reads the sums, one device-to-host copy on an accelerator. The planner does not charge the
+flags' bytes (one element per tensor). With sp > 1 the ranks of a shard group must reach the
+same parameters in a backward, as FSDP2 requires without us.
+
+[Note: a backward that raised part-way])."""
         self.tensors = list(tensors)
         self.fsdp_root = fsdp_root
         self.aborted = False  # a backward raised part-way since the last zero_grad
@@ -215,6 +247,9 @@ class GradSync:
         # a backward inside no_sync() left gradients no rank reduced yet ([Note: accumulation
         # across boundary passes])
         self.pending_local = False
+        # tensor indices whose gradient hook fired since zero_grad ([Note: a parameter no
+        # backward reached])
+        self.touched: set[int] = set()
         self._reset_pass()
         self._handles = []
         self.peak_grad_bytes = 0
@@ -339,6 +374,7 @@ class GradSync:
         return grad
 
     def _on_grad(self, index: int) -> None:
+        self.touched.add(index)
         if self.mode is None:
             self._begin_pass()
         if self.deferred:  # in flight: deferred_rs.py [Note: a reduce-scatter decoupled on CPU]
@@ -410,7 +446,7 @@ class GradSync:
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self.buffers.get(b)
         if buf is None:
-            numel = self.buckets[b].numel
+            numel = self.buckets[b].numel + self._flags(b)
             levels = self._group().levels
             # a two-level all-reduce reduce-scatters the bucket over the node's ranks: pad it
             padded = numel if levels is None else -(-numel // levels[0].size) * levels[0].size
@@ -419,6 +455,11 @@ class GradSync:
                 buf[numel:].zero_()
             self.buffers[b] = buf
         return buf
+
+    def _flags(self, b: int) -> int:
+        """Elements after bucket ``b``'s slots that carry which tensors got a gradient: one per
+        local tensor in a boundary pass's last bucket ([Note: a parameter no backward reached])."""
+        return len(self.tensors) if self.mode == "replica" and b == len(self.buckets) - 1 else 0
 
     # -- collectives ---------------------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -431,6 +472,13 @@ class GradSync:
             if b == 0 and self.mode == "replica" and self.fold_verdict is not None:
                 first = self.buffers[b][:1]  # NaN if this rank's loss was bad; else unchanged
                 first.copy_(self.fold_verdict(first))
+            if self._flags(b):  # [Note: a parameter no backward reached]
+                flags = self.buffers[b][self.buckets[b].numel:][:len(self.tensors)]
+                if len(self.touched) == len(self.tensors):  # the usual case: no index to copy
+                    flags.fill_(1)
+                else:
+                    flags.zero_()
+                    flags[sorted(self.touched)] = 1
             pending = None
             if group.levels is not None:  # collectives.py [Note: two-level all-reduce]
                 local, node = group.levels
@@ -478,6 +526,10 @@ class GradSync:
                 elif t.keeper_rank == self.rank:
                     prev = self.kept.get(idx)
                     self.kept[idx] = view.clone() if prev is None else prev.add_(view)
+            if self._flags(b) and len(self.touched) < len(self.tensors):
+                flags = buf[self.buckets[b].numel:][:len(self.tensors)]
+                for idx in (flags == 0).nonzero().flatten().tolist():  # no rank's hooks saw it
+                    self.owned.pop(idx, None)
         # ``buf`` is dropped here: the non-owned gradients are released
 
     def _own(self, idx: int, grad: torch.Tensor) -> None:
@@ -529,6 +581,7 @@ class GradSync:
         self.exposure.release()
         self.owned.clear()
         self.kept.clear()
+        self.touched.clear()
         self.pending_local = False
         for t in self.tensors:
             if set_to_none or t.param.grad is None:
