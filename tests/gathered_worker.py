@@ -2,7 +2,9 @@
 the parameters of a routed ``deepspeed.initialize`` (ds_config ZeRO stage 3 + an ``amsp`` block),
 each case against a single-process model built from the same seed. Prints ``RESULT {json}``.
 
-Usage: python -m tests.fork_launch 2 torch,amsp,deepspeed tests.gathered_worker PLAN CASE[,CASE] [bf16]
+Usage: python -m tests.fork_launch 2 torch,amsp,deepspeed tests.gathered_worker PLAN[;PLAN]
+           CASE[,CASE][;CASE[,CASE]] [bf16]
+(one list of cases per plan; ``PLAN <plan>`` is printed before each plan's results)
   read      read inside the context equals the full weights; collectives per unit; nesting
   generate  model.generate inside one context over every parameter: no gather per token
   write     modifier_rank=0 writes reach every rank's shard and the fp32 masters; the next step
@@ -273,14 +275,18 @@ def main():
     import amsp_ext
 
     amsp_ext.patch_deepspeed()
-    plan, names = sys.argv[1], sys.argv[2].split(",")
+    plans, cases = sys.argv[1].split(";"), sys.argv[2].split(";")
     precision = sys.argv[3] if len(sys.argv) > 3 else "fp32"
     dist.init_process_group("gloo")
     t0 = time.perf_counter()
-    ref = build_llama("tiny-llama", seed=0)
-    engine, *_ = deepspeed.initialize(model=build_llama("tiny-llama", seed=0), config=config(plan, precision))
-    for name in names:
-        CASES[name](engine, ref, deepspeed.zero.GatheredParameters)
+    for plan, names in zip(plans, cases, strict=True):
+        if dist.get_rank() == 0:
+            print(f"PLAN {plan}", flush=True)
+        ref = build_llama("tiny-llama", seed=0)
+        engine, *_ = deepspeed.initialize(model=build_llama("tiny-llama", seed=0), config=config(plan, precision))
+        for name in names.split(","):
+            CASES[name](engine, ref, deepspeed.zero.GatheredParameters)
+        dist.barrier()
     if dist.get_rank() == 0:
         print(f"DONE {time.perf_counter() - t0:.1f}s", flush=True)
     dist.barrier()

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from amsp_ext.engine_config import EngineConfig
-from amsp_ext.tools.dryrun import DryRunSpec, dry_run
+from amsp_ext.tools.dryrun import DryRunSpec
 from amsp_ext.tools.dryrun_report import bytes_per_kind, tp_bytes_per_phase
 
 # the engine the hand counts below are worked out for (bf16 compute, fp32 reduction, one unit
@@ -31,14 +31,53 @@ def _padded(world: int, shapes=_SHAPES) -> int:
     return sum(-(-s[0] // world) * world * math.prod(s[1:]) for s in shapes)
 
 
+STEADY_PLANS = ("zero3", "mics:8", "p=1x1,g=1x1,os=8x1")
+
+
+def _single_specs() -> dict[str, DryRunSpec]:
+    """The dry runs the tests below count by hand."""
+    tiny, paper_1024 = dict(model="tiny-llama", seq_len=32), dict(num_nodes=128, gpus_per_node=8)
+    return {
+        "zero3_1024": DryRunSpec(engine=PAPER_ENGINE, **tiny, **paper_1024, plan="zero3", steps=1, ranks=(5,)),
+        "os_only_1024": DryRunSpec(engine=PAPER_ENGINE, **tiny, **paper_1024, plan="p=1x1,g=1x1,os=8x1",
+                                   steps=1, ranks=(1023,)),
+        "loss_peak": DryRunSpec(model="tiny-llama", num_nodes=1, gpus_per_node=4, plan="p=1x1,g=1x1,os=1x1",
+                                seq_len=512, ranks=(1,)),
+        "tp_1024": DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, tensor_parallel=2), **tiny, **paper_1024,
+                              plan="zero3", steps=1, ranks=(5,)),
+        "tp_recompute": DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, tensor_parallel=2, recompute=True),
+                                   **tiny, num_nodes=1, gpus_per_node=4, plan="ddp", steps=1, ranks=(1,)),
+        "recompute_peak": DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, recompute=True), model="tiny-llama",
+                                     num_nodes=1, gpus_per_node=8, plan="p=4x1,g=4x1,os=8x1", seq_len=64,
+                                     ranks=(0,)),
+        "two_level_1024": DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, all_reduce="two_level"), **tiny,
+                                     **paper_1024, plan="ddp", steps=1, ranks=(1023,)),
+        "adafactor_zero3_2x2": DryRunSpec(engine=EngineConfig(), **tiny, num_nodes=2, gpus_per_node=2,
+                                          plan="zero3", steps=1, ranks=(0, 1, 2, 3), optimizer="adafactor"),
+        **{f"steady {plan}": DryRunSpec(engine=PAPER_ENGINE, **tiny, **paper_1024, plan=plan,
+                                        num_micro_batches=2, steps=2, ranks=(0,)) for plan in STEADY_PLANS},
+        **{f"mics8 {t}": DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=2, gpus_per_node=8,
+                                    plan="mics:8", seq_len=64, ranks=(0,), tensors=t) for t in ("fake", "real")},
+    }
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The dry runs of the by-hand tests in one pool of two processes (each rank process is
+    mostly its interpreter's imports: one at a time, or a pool per test, left a core idle)."""
+    from amsp_ext.tools.dryrun import dry_run_many
+
+    specs = _single_specs()
+    return dict(zip(specs, dry_run_many(list(specs.values()))))
+
+
 def test_tiny_phi_by_hand():
     assert PHI == 125248
 
 
 @pytest.mark.distributed
-def test_zero3_at_1024_ranks_bytes_by_hand():
-    r = dry_run(DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8, plan="zero3",
-                           seq_len=32, steps=1, ranks=(5,)))
+def test_zero3_at_1024_ranks_bytes_by_hand(single):
+    r = single["zero3_1024"]
     rank = r["ranks"][0]
     got = bytes_per_kind(rank)
     n, root = _padded(1024), _padded(1024, _ROOT)
@@ -56,15 +95,14 @@ def test_zero3_at_1024_ranks_bytes_by_hand():
 
 
 @pytest.mark.distributed
-def test_whole_tensor_optimizer_under_zero3_bytes_by_hand():
+def test_whole_tensor_optimizer_under_zero3_bytes_by_hand(single):
     """Adafactor under zero3 on 2 x 2 ranks (fp32): each step adds two all-to-alls in the
     param_shard group (runtime/optim/whole_tensor.py). A rank sends every owned row shard's
     gradient, padded to its chunk, to its whole owner (4 bytes x padded Phi / 4), and each whole
     owner sends every rank its rows back (4 ranks x its tensors' padded chunks): summed over the
     four ranks 4 x padded Phi each way, 8 x padded Phi bytes; the planner's 2 x 4 Phi / sos per
     rank is that mean. Nothing else changes: no broadcast under zero3."""
-    r = dry_run(DryRunSpec(engine=EngineConfig(), model="tiny-llama", num_nodes=2, gpus_per_node=2, plan="zero3",
-                           seq_len=32, steps=1, ranks=(0, 1, 2, 3), optimizer="adafactor"))
+    r = single["adafactor_zero3_2x2"]
     got = [bytes_per_kind(rank) for rank in r["ranks"]]
     n, root = _padded(4), _padded(4, _ROOT)
     assert sum(g["all_to_all"] for g in got) == 8 * n
@@ -75,9 +113,8 @@ def test_whole_tensor_optimizer_under_zero3_bytes_by_hand():
 
 
 @pytest.mark.distributed
-def test_os_only_at_1024_ranks_bytes_by_hand():
-    r = dry_run(DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8,
-                           plan="p=1x1,g=1x1,os=8x1", seq_len=32, steps=1, ranks=(1023,)))
+def test_os_only_at_1024_ranks_bytes_by_hand(single):
+    r = single["os_only_1024"]
     got = bytes_per_kind(r["ranks"][0])
     # gradients all-reduced in fp32 over the 128 replicas (and an fp32 flag per tensor: grad_sync.py
     # [Note: a parameter no backward reached]), then each of 8 owners broadcasts its bf16
@@ -88,15 +125,11 @@ def test_os_only_at_1024_ranks_bytes_by_hand():
 
 
 @pytest.mark.distributed
-def test_steady_state_categories_at_1024_ranks_by_hand():
+def test_steady_state_categories_at_1024_ranks_by_hand(single):
     """--steps 2 measures the second step: the optimizer states made by the first step and the
     gradients kept across M = 2 micro-batches show at the peak, with hand-counted bytes."""
-    from amsp_ext.tools.dryrun import dry_run_many
-
-    plans = ("zero3", "mics:8", "p=1x1,g=1x1,os=8x1")
-    results = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=128, gpus_per_node=8,
-                                       plan=plan, seq_len=32, num_micro_batches=2, steps=2, ranks=(0,))
-                            for plan in plans])
+    plans = STEADY_PLANS
+    results = [single[f"steady {plan}"] for plan in plans]
     num_tensors = len(_SHAPES)  # AdamW keeps one fp32 "step" scalar per tensor
     # rank 0's shard: zero3 pads dim 0 to 1,024 (one row of every tensor, _padded); mics:8 splits
     # every tensor evenly in 8 (all dims 0 here are multiples of 8); os=8x1 keeps whole bf16 params
@@ -157,13 +190,12 @@ def test_a_frozen_reference_beside_the_policy_by_hand():
     assert zero3["planner"]["collectives"]["planner"] == kinds
 
 
-def test_peak_in_the_loss_backward_holds_the_losss_two_fp32_gradients():
+def test_peak_in_the_loss_backward_holds_the_losss_two_fp32_gradients(single):
     """tiny-llama (V = 256) at seq 512, fp32, DDP on 1 x 4, M = 1: the engine's peak is in the
     loss's backward, where the temporaries are the NLL's and the log-softmax backward's fp32
     T x V gradients, 8 * 512 * 256 bytes (planner/memory.py [Note: the loss's gradients]; the
     64 bytes over are scalars)."""
-    r = dry_run(DryRunSpec(model="tiny-llama", num_nodes=1, gpus_per_node=4, plan="p=1x1,g=1x1,os=1x1",
-                           seq_len=512, ranks=(1,)))
+    r = single["loss_peak"]
     rank = r["ranks"][0]
     assert rank["peak_moment"] == "loss backward"
     assert 8 * 512 * 256 <= rank["memory"]["temporary"] <= 8 * 512 * 256 + 256
@@ -177,13 +209,12 @@ _TP2_SHAPES = [(256, 64)] + _TP2_LAYER * 2 + [(64,), (256, 64)]
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_at_1024_ranks_tp_and_amsp_traffic_by_hand():
+def test_tensor_parallel_at_1024_ranks_tp_and_amsp_traffic_by_hand(single):
     """128 nodes x 8 as TP 2 x data-parallel 512, zero3: the TP log holds 2 all-reduces per layer
     in forward and 2 in backward, each of b x s x h bf16 bytes (Megatron's count, which the
     planner prices); AMSP's collectives run on the 512 data-parallel ranks of this rank's TP
     coordinate and move its TP shard: FSDP2 pads each shard's dim 0 to a multiple of 512."""
-    r = dry_run(DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, tensor_parallel=2), model="tiny-llama",
-                           num_nodes=128, gpus_per_node=8, plan="zero3", seq_len=32, steps=1, ranks=(5,)))
+    r = single["tp_1024"]
     rank, tp = r["ranks"][0], r["planner"]["tensor_parallel"]
     act = 1 * 32 * 64 * 2  # micro-batch 1 x seq 32 x hidden 64 x bf16
     assert [(c["phase"], c["bytes"]) for c in rank["tp_collectives"]] == [("forward", act)] * 4 + [("backward", act)] * 4
@@ -204,28 +235,25 @@ def test_tensor_parallel_at_1024_ranks_tp_and_amsp_traffic_by_hand():
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_with_recompute_reruns_one_all_reduce_per_layer():
+def test_tensor_parallel_with_recompute_reruns_one_all_reduce_per_layer(single):
     """With activation checkpointing the backward re-runs each layer's forward only until the
     tensors its backward needs are back (torch's early stop): the attention's all-reduce again,
     not the MLP's, so 3 per layer in backward, as the planner prices it (tensor_parallel.py)."""
-    r = dry_run(DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, tensor_parallel=2, recompute=True),
-                           model="tiny-llama", num_nodes=1, gpus_per_node=4, plan="ddp", seq_len=32, steps=1,
-                           ranks=(1,)))
+    r = single["tp_recompute"]
     act = 1 * 32 * 64 * 2
     assert tp_bytes_per_phase(r["ranks"][0]) == {"forward": 4 * act, "backward": 6 * act, "optimizer": 0}
     assert r["planner"]["tensor_parallel"]["step_bytes"] == {"forward": 4 * act, "backward": 6 * act}
 
 
 @pytest.mark.distributed
-def test_recompute_peak_files_the_gathered_layer_as_temporary():
+def test_recompute_peak_files_the_gathered_layer_as_temporary(single):
     """With recomputation and sp = 4 the peak is in a layer's backward, beside the layer FSDP2
     gathered for the recomputation. MemTracker would file those parameters as activations (a
     forward gathered them) or parameters; the dry run files them as temporaries, as the planner
     counts them (dryrun.py [Note: categories at the peak]). So the parameters at the peak are
     exactly the bf16 shard, and the activations are less than one gathered layer. Start-up
     holds one module's fp32 initialisation at a time (the planner's start-up, within 1 %)."""
-    r = dry_run(DryRunSpec(engine=dataclasses.replace(PAPER_ENGINE, recompute=True), model="tiny-llama",
-                           num_nodes=1, gpus_per_node=8, plan="p=4x1,g=4x1,os=8x1", seq_len=64, ranks=(0,)))
+    r = single["recompute_peak"]
     rank, layer = r["ranks"][0], sum(math.prod(s) for s in _LAYER)
     assert rank["peak_moment"] == r["planner"]["peak_moment"] == "layer backward"
     assert rank["memory"]["params"] == 2 * PHI // 4 == r["planner"]["memory"]["params"]
@@ -269,16 +297,12 @@ def test_device_cuda_without_a_gpu_is_one_line_naming_the_choices():
 
 
 @pytest.mark.distributed
-def test_real_tensors_count_what_the_fake_run_counts():
+def test_real_tensors_count_what_the_fake_run_counts(single):
     """[Note: real tensors on a GPU], on the CPU: rank 0 of 2 x 8 under MiCS-8 with allocated
     tensors (the model initialised, every op computed) records the same peak, categories,
     model-state bytes and collectives as the run on tensors without storage, and takes the
     ordinary path: the fake backend fills its outputs, so no step is skipped."""
-    from amsp_ext.tools.dryrun import dry_run_many
-
-    fake, real = dry_run_many([DryRunSpec(engine=PAPER_ENGINE, model="tiny-llama", num_nodes=2,
-                                          gpus_per_node=8, plan="mics:8", seq_len=64, ranks=(0,),
-                                          tensors=t) for t in ("fake", "real")])
+    fake, real = single["mics8 fake"], single["mics8 real"]
     f, r = fake["ranks"][0], real["ranks"][0]
     assert "real" not in f and real["tensors"] == "real"
     assert r["real"]["fake_fills_outputs"] is True and r["real"]["steps_skipped"] == 0
@@ -359,17 +383,14 @@ def test_plan_verify_drops_a_candidate_that_does_not_fit_by_the_engine(capsys):
 
 
 @pytest.mark.distributed
-def test_two_level_all_reduce_at_1024_ranks_bytes_by_hand():
+def test_two_level_all_reduce_at_1024_ranks_bytes_by_hand(single):
     """DDP's plan on 128 x 8 with all_reduce="two_level" (collectives.py [Note: two-level
     all-reduce]): tiny-llama's one fp32 bucket (PHI elements, a multiple of 8: no padding) is
     summed in the node (8 ranks), its eighth across the 128 nodes, and gathered back in the
     node; only the middle phase crosses nodes."""
     from amsp_ext.planner.profile import CommTimer, load_profile
 
-    engine = EngineConfig(precision="bf16", reduce_dtype="fp32", granularity="module",
-                          all_reduce="two_level")
-    r = dry_run(DryRunSpec(engine=engine, model="tiny-llama", num_nodes=128, gpus_per_node=8,
-                           plan="ddp", seq_len=32, steps=1, ranks=(1023,)))
+    r = single["two_level_1024"]
     got = {}
     for c in r["ranks"][0]["collectives"]:
         key = (c["group"], c["kind"], c["group_size"], c["cross_node"])

@@ -23,21 +23,33 @@ pytestmark = pytest.mark.distributed
 SHARDED, WHOLE = "p=2x1,g=2x1,os=2x1", "p=1x1,g=2x1,os=2x1"
 
 
-def launch(plan, cases, *extra):
-    proc = run_ranks(2, "tests.gathered_worker", plan, cases, *extra, timeout=400,
+def launch(plans, cases, *extra):
+    """``{plan: {case: result}}`` of one launch running each plan's cases in turn."""
+    proc = run_ranks(2, "tests.gathered_worker", ";".join(plans), ";".join(cases), *extra, timeout=400,
                      preload="torch,amsp,deepspeed")
-    return {r["case"]: r for r in (json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
-                                   if line.startswith("RESULT "))}
+    out: dict[str, dict] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PLAN "):
+            plan = out.setdefault(line[len("PLAN "):], {})
+        elif line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            plan[r["case"]] = r
+    return out
 
 
 @pytest.fixture(scope="module")
-def sharded():
-    return launch(SHARDED, "read,generate,handle,refuse,write")
+def both():
+    return launch([SHARDED, WHOLE], ["read,generate,handle,refuse,write", "read,generate,handle,write"])
 
 
 @pytest.fixture(scope="module")
-def whole():
-    return launch(WHOLE, "read,generate,handle,write")
+def sharded(both):
+    return both[SHARDED]
+
+
+@pytest.fixture(scope="module")
+def whole(both):
+    return both[WHOLE]
 
 
 def test_reads_are_the_full_weights_in_one_gather_per_unit(sharded):
@@ -105,7 +117,7 @@ def test_unsharded_plan_reads_and_writes(whole):
 
 @pytest.mark.slow  # its own launch, ~40 s on 2 shared cores; under fp32 the masters are the shards
 def test_bf16_writes_reach_the_fp32_masters():
-    w = launch(SHARDED, "write", "bf16")["write"]
+    w = launch([SHARDED], ["write"], "bf16")[SHARDED]["write"]
     assert w["shard_max_abs_diff"] == 0.0 and w["master_max_abs_diff"] == 0.0 and w["masters_checked"] == 6
     assert w["q_moved_by_step"] < 0.02, w  # from the written value; without the master: ~0.15
     assert w["step_loss_diff"] < 1e-3 and w["after_step_max_abs_diff"] < 0.05, w

@@ -189,23 +189,7 @@ class GradSync:
         reduce-scatter decoupled on CPU]); its ``poll_modules`` are where, inside a unit's
         backward, the hooks look for the ones that have completed. ``fsdp_root``: the module
         FSDP2 shards as the root when sp > 1, whose state a backward that raised part-way
-        leaves unfinished too ([Note: a parameter no backward reached]
-One process steps only the parameters whose ``.grad`` is set: a parameter no micro-batch's
-backward reached since ``zero_grad`` (a branch not taken, an idle expert, a vision tower on a
-text-only batch) gets no weight decay and no moment update, under DDP and FSDP2 too. Its slot
-is zero-filled here, so stepping it would move it (AdamW's moments carry on): 0.012 off one
-process after 3 steps in tests/test_own_loop.py's case. So the boundary pass's last bucket
-carries one more element per local tensor: 1 where this rank's hooks saw its gradient since
-``zero_grad`` (``touched``), else 0; the replica all-reduce sums them with the gradients (no
-collective of its own), and a tensor whose sum is 0 is dropped from ``owned`` (the optimizer
-then skips it, ``.grad`` stays None). The last bucket launches only once every earlier one has,
-so when it does every hook of the pass has fired. A rank whose hooks saw every tensor needs no
-answer (the sum is at least its own 1) and reads nothing back; only a rank that missed some
-reads the sums, one device-to-host copy on an accelerator. The planner does not charge the
-flags' bytes (one element per tensor). With sp > 1 the ranks of a shard group must reach the
-same parameters in a backward, as FSDP2 requires without us.
-
-[Note: a backward that raised part-way])."""
+        leaves unfinished too ([Note: a backward that raised part-way])."""
         self.tensors = list(tensors)
         self.fsdp_root = fsdp_root
         self.aborted = False  # a backward raised part-way since the last zero_grad
