@@ -230,6 +230,23 @@ def test_hf_trainer_amsp_equals_hf_trainer_ddp(launch_env, tmp_path, plan):
         assert a["learning_rate"] == b["learning_rate"]
 
 
+@pytest.mark.slow  # the default tier's test_hf_trainer_amsp_equals_hf_trainer_ddp runs the route
+def test_hf_trainer_short_last_accumulation_window_equals_ddp(launch_env, tmp_path):
+    """Epochs of 3 batches per rank with gradient_accumulation_steps=2: each epoch's second
+    step accumulates one micro-batch, not two (the Trainer forces the boundary at the epoch's
+    end). Losses and gradient norms of all 4 steps are the Trainer's DDP's."""
+    args = ("--save-steps", "0", "--samples", "6", "--epochs", "2")
+    amsp, _, _ = _trainer_logs(_trainer(launch_env, tmp_path / "amsp", *args, blocks=False))
+    env = {**launch_env, "ACCELERATE_USE_CPU": "true"}
+    ddp, _, _ = _trainer_logs(_run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                    "--nproc-per-node=2", "tests/scripts/hf_trainer_train.py", "--output-dir",
+                                    str(tmp_path / "ddp"), *args], env))
+    assert [l["step"] for l in amsp] == [l["step"] for l in ddp] == [1, 2, 3, 4]
+    for a, b in zip(amsp, ddp):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+
+
 @pytest.mark.slow
 def test_hf_trainer_adafactor_on_row_shards_equals_ddp(launch_env, tmp_path):
     """TrainingArguments(optim="adafactor") (transformers' Adafactor: factored second moments of

@@ -71,11 +71,15 @@ def main() -> None:
                     help="only: trainer.evaluate() and no training (the model is prepared for "
                          "inference alone); after: evaluate after train(); print EVAL {json}")
     ap.add_argument("--optim", default=None, help="TrainingArguments.optim (e.g. adafactor)")
+    ap.add_argument("--samples", type=int, default=64, help="training samples (the data set)")
+    ap.add_argument("--epochs", type=float, default=None,
+                    help="num_train_epochs instead of --steps (an epoch's last accumulation "
+                         "window is short when the batches per rank are not a multiple of 2)")
     args = ap.parse_args()
 
     targs = TrainingArguments(**({"optim": args.optim} if args.optim else {}),
         output_dir=args.output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=2,
-        max_steps=args.steps, learning_rate=1e-3, warmup_steps=1, weight_decay=0.1,
+        max_steps=-1 if args.epochs else args.steps, num_train_epochs=args.epochs or 3.0, learning_rate=1e-3, warmup_steps=1, weight_decay=0.1,
         logging_steps=1, save_steps=args.save_steps or None,
         save_strategy="steps" if args.save_steps else "no", report_to=[],
         deepspeed=args.deepspeed, seed=0, data_seed=0, dataloader_num_workers=0,
@@ -101,7 +105,7 @@ def main() -> None:
 
     zero3 = {"zero3_enabled": is_deepspeed_zero3_enabled(),
              "ds_partitioned": any(hasattr(p, "ds_id") for p in model.parameters())}
-    data = ByteText(64, 32)
+    data = ByteText(args.samples, 32)
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Print()],
                       eval_dataset=ByteText(72, 32) if args.eval else None)
     emit("SETUP " + json.dumps({"rank": targs.process_index, "world_size": targs.world_size, **zero3,
