@@ -161,11 +161,22 @@ def _num_params(model_name: str) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()), layer
 
 
-def _expected_grad_bytes(system: str, plan: str | None, *, P: int, M: int, elem: int, shard: int) -> int:
+def _num_tensors(model_name: str) -> int:
+    from amsp_ext.common.models import build_llama
+
+    return len(list(build_llama(model_name, seed=0).parameters()))
+
+
+def _expected_grad_bytes(system: str, plan: str | None, *, P: int, M: int, elem: int, shard: int,
+                         T: int = 0) -> int:
     """Hand-computed gradient bytes per step (compare/wire.py [Note: bytes on the wire]): each
-    reduction's input, element size x the parameters it reduces."""
-    if system in ("ddp", "ddp-bf16") or (system == "amsp-plan" and plan == "ddp"):
+    reduction's input, element size x the parameters it reduces. AMSP's replica all-reduce
+    also carries one flag per tensor, ``T`` (grad_sync.py [Note: a parameter no backward
+    reached])."""
+    if system in ("ddp", "ddp-bf16"):
         return elem * P  # one bucketed all-reduce of every gradient (no_sync on 0..M-2)
+    if system == "amsp-plan" and plan == "ddp":
+        return elem * (P + T)
     if system == "hsdp":
         # reduce-scatter of every unit's gradient in the node on every micro-batch, then the
         # shard's all-reduce across nodes on the last
@@ -193,7 +204,7 @@ def _check_bytes(spec, by, systems, elem):
         assert row["status"] == "ok", (key, row.get("reason"))
         w = row["wire"]
         want = _expected_grad_bytes(key, spec.amsp_plan, P=P, M=spec.num_micro_batches, elem=elem,
-                                    shard=spec.gpus_per_node)
+                                    shard=spec.gpus_per_node, T=_num_tensors(spec.model))
         assert w["grad_bytes_per_step"] == want, (key, w)
         assert set(w["grad_bytes_per_step_ranks"]) == {want}, (key, w)
         assert w["grad_dtype"] == dtype and w["reduce_dtype_asked"] == spec.reduce_dtype, (key, w)
@@ -249,6 +260,8 @@ def test_every_row_sends_the_asked_gradient_bytes_fp32_and_zero1(tmp_path):
         for key in ("zero1", "amsp-plan"):
             row = by[key]
             assert row["status"] == "ok", (key, row.get("reason"))
-            # ZeRO-1: every gradient reduced once a step (to its owner or all-reduced)
-            assert row["wire"]["grad_bytes_per_step"] == elem * P, (key, reduce_dtype, row["wire"])
+            # ZeRO-1: every gradient reduced once a step (to its owner or all-reduced); AMSP's
+            # all-reduce with a flag per tensor (grad_sync.py [Note: a parameter no backward reached])
+            flags = _num_tensors("tiny-llama") if key == "amsp-plan" else 0
+            assert row["wire"]["grad_bytes_per_step"] == elem * (P + flags), (key, reduce_dtype, row["wire"])
             assert row["wire"]["grad_dtype"] == reduce_dtype, (key, row["wire"])
