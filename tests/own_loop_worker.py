@@ -150,8 +150,10 @@ def run_case(case, model, opt, world, *, sharded):
             model.use_branch = step in case["branch_steps"]
         if case.get("abort") and step == 0:
             b = batch_of(9, 0, rank, world, 1) if sharded else whole(9, 0, world, 1)
-            aborted(model, kind, b, opt.backward if sharded else torch.Tensor.backward,
-                    case.get("abort_in", "backward"))
+            # a no_sync loop's failure is in a micro-batch inside no_sync()
+            with model.no_sync() if (sharded and no_sync) else contextlib.nullcontext():
+                aborted(model, kind, b, opt.backward if sharded else torch.Tensor.backward,
+                        case.get("abort_in", "backward"))
             if case["abort"] == "zero_grad":
                 opt.zero_grad()
         for m in range(M):
