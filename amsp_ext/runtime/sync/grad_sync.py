@@ -445,6 +445,11 @@ class GradSync:
         local tensor in a boundary pass's last bucket ([Note: a parameter no backward reached])."""
         return len(self.tensors) if self.mode == "replica" and b == len(self.buckets) - 1 else 0
 
+    def _flag_view(self, b: int, buf: torch.Tensor) -> torch.Tensor:
+        """Those elements of bucket ``b``'s buffer ``buf`` (before a two-level padding)."""
+        n = self.buckets[b].numel
+        return buf[n : n + self._flags(b)]
+
     # -- collectives ---------------------------------------------------------------------------
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.buckets) and self.ready[self.next_launch]:
@@ -457,7 +462,7 @@ class GradSync:
                 first = self.buffers[b][:1]  # NaN if this rank's loss was bad; else unchanged
                 first.copy_(self.fold_verdict(first))
             if self._flags(b):  # [Note: a parameter no backward reached]
-                flags = self.buffers[b][self.buckets[b].numel:][:len(self.tensors)]
+                flags = self._flag_view(b, self.buffers[b])
                 if len(self.touched) == len(self.tensors):  # the usual case: no index to copy
                     flags.fill_(1)
                 else:
@@ -511,7 +516,7 @@ class GradSync:
                     prev = self.kept.get(idx)
                     self.kept[idx] = view.clone() if prev is None else prev.add_(view)
             if self._flags(b) and len(self.touched) < len(self.tensors):
-                flags = buf[self.buckets[b].numel:][:len(self.tensors)]
+                flags = self._flag_view(b, buf)
                 for idx in (flags == 0).nonzero().flatten().tolist():  # no rank's hooks saw it
                     self.owned.pop(idx, None)
         # ``buf`` is dropped here: the non-owned gradients are released

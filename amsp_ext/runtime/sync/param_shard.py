@@ -112,8 +112,8 @@ def fsdp_streams_wait_current(root: torch.nn.Module) -> None:
 
 class AMSPReduceScatter(_Comm, compat.FSDPReduceScatterBase):
     """One unit's: ``unit`` names its sharded parameters, ``deferred`` (None: never; so under
-    the overlap-off ablation) holds the reduce-scatters left in flight on CPU (deferred_rs.py [Note: a reduce-scatter decoupled on
-    CPU])."""
+    the overlap-off ablation) holds the reduce-scatters left in flight on CPU (deferred_rs.py
+    [Note: a reduce-scatter decoupled on CPU])."""
 
     def __init__(self, comm: C.CollectiveContext, name: str, timeout: float, overlap: bool, *,
                  unit: Unit, deferred: DeferredReduceScatters | None) -> None:
